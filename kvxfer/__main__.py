@@ -1,0 +1,5 @@
+"""``python -m kvxfer`` runs the command line."""
+
+from kvxfer.cli import main_entry
+
+main_entry()

@@ -1,0 +1,110 @@
+"""Shared checkers: an independent brute-force granularity scan over physical offsets."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvxfer.layout import Layout, dtype_of
+
+
+def byte_owners(shape, dtype, layout, block_dim):
+    """For every physical byte, the min and max padded block index that touches it.
+
+    Enumerates every index of the padded logical box, maps it through the
+    geometry's offsets, and checks the map is a bijection onto the tiled shape.
+    """
+    layout = layout if isinstance(layout, Layout) else Layout.parse(layout)
+    # A tile with more dims than the shape acts on leading size-1 dims: make them
+    # explicit so that their padding is enumerated (and owned) like any other.
+    extra = max([len(t) for t in layout.tiles] + [len(shape)]) - len(shape)
+    if extra:
+        shape = (1,) * extra + tuple(shape)
+        layout = Layout(tuple(d + extra for d in layout.minor_to_major) +
+                        tuple(range(extra - 1, -1, -1)), layout.tiles,
+                        layout.element_size_bits, layout.memory_space)
+        block_dim += extra
+    geo = layout.geometry(shape, dtype_of(dtype))
+    padded = geo.padded_shape
+    idx = np.indices(padded, dtype=np.int64).reshape(len(padded), -1).T
+    elem = geo.element_index(idx)
+    assert np.array_equal(np.sort(elem), np.arange(geo.num_elements)), "offsets not a bijection"
+    bits = geo.element_bits
+    first = elem * bits // 8
+    last = (elem * bits + bits - 1) // 8
+    owner = idx[:, block_dim]
+    nbytes = geo.physical_bytes
+    lo = np.full(nbytes, np.iinfo(np.int64).max)
+    hi = np.full(nbytes, -1)
+    span = (last - first).max() + 1
+    for j in range(span):
+        b = np.minimum(first + j, last)
+        np.minimum.at(lo, b, owner)
+        np.maximum.at(hi, b, owner)
+    assert (hi >= 0).all(), "a byte belongs to no element"
+    return lo, hi, padded[block_dim], nbytes
+
+
+def brute_force_granularity(shape, dtype, layout, block_dim=0):
+    """(granularity, group_bytes) by definition: scan g = 1, 2, ... over byte owners."""
+    lo, hi, vpad, nbytes = byte_owners(shape, dtype, layout, block_dim)
+    n = shape[block_dim]
+    pos = np.arange(nbytes)
+    for g in range(1, n):
+        glo, ghi = lo // g, hi // g
+        if (glo != ghi).any():
+            continue
+        ngroups = -(-vpad // g)
+        first = np.full(ngroups, nbytes)
+        last = np.full(ngroups, -1)
+        np.minimum.at(first, glo, pos)
+        np.maximum.at(last, glo, pos)
+        count = np.bincount(glo, minlength=ngroups)
+        size = last - first + 1
+        if (count == size).all() and (size == size[0]).all():
+            return g, int(size[0])
+    return n, None
+
+
+# TPU tiling conventions by element width (XLA text after the colon).
+TPU_TILINGS = {
+    "float32": ["", "T(8,128)", "T(8,128)", "T(2,128)"],
+    "bfloat16": ["", "T(8,128)(2,1)", "T(16,128)(2,1)"],
+    "float16": ["", "T(8,128)(2,1)", "T(16,128)(2,1)"],
+    "int8": ["", "T(32,128)(4,1)", "T(8,128)(4,1)"],
+    "float8_e4m3fn": ["", "T(32,128)(4,1)", "T(8,128)(4,1)"],
+    "int4": ["E(4)", "T(8,128)(8,1)E(4)", "T(64,128)(8,1)E(4)", ""],
+}
+RANK1_TILINGS = {"float32": ["T(1024)", "T(256)"], "bfloat16": ["T(512)"],
+                 "float16": ["T(512)"], "int8": ["T(1024)"], "float8_e4m3fn": ["T(1024)"],
+                 "int4": ["T(1024)E(4)"]}
+SIZES = [1, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64, 130, 256]
+
+
+def random_case(rng: np.random.Generator, max_elems: int = 1 << 16):
+    """A random (shape, dtype, layout text, block_dim) under TPU tiling conventions."""
+    while True:
+        rank = int(rng.integers(1, 6))
+        shape = tuple(int(rng.choice(SIZES)) for _ in range(rank))
+        dtype = str(rng.choice(list(TPU_TILINGS)))
+        tilings = TPU_TILINGS[dtype] + (RANK1_TILINGS[dtype] if rank == 1 else [])
+        tiling = str(rng.choice(tilings))
+        m2m = [int(d) for d in rng.permutation(rank)]
+        if rng.random() < 0.4:  # keep the common row-major case well represented
+            m2m = list(range(rank - 1, -1, -1))
+        layout = "{" + ",".join(map(str, m2m)) + (":" + tiling if tiling else "") + "}"
+        geo = Layout.parse(layout).geometry(shape, dtype_of(dtype))
+        if geo.num_elements <= max_elems:
+            return shape, dtype, layout, int(rng.integers(0, rank))
+
+
+def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    """Random bits in every element (NaN patterns included): compare as raw bits."""
+    dt = dtype_of(dtype)
+    raw = rng.integers(0, 256, size=tuple(shape) + (dt.itemsize,), dtype=np.uint8)
+    if dt.name in ("int4", "uint4"):
+        raw &= 0x0F
+    return raw.view(dt).reshape(shape)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.tobytes() == b.tobytes()

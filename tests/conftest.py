@@ -1,0 +1,19 @@
+"""Test setup: several CPU devices, so sharded caches can be tested on one machine."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 4)
+
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def repo_root() -> pathlib.Path:
+    return pathlib.Path(__file__).resolve().parent.parent

@@ -1,0 +1,218 @@
+"""Layout parsing, geometry, and the addressability proof against a brute-force scan."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.layout import Format
+
+import kvxfer
+from kvxfer import catalog
+from kvxfer.layout import Layout, LayoutError
+from checkers import brute_force_granularity, random_case
+
+SEEDS = [
+    # shape, dtype, layout, addressable, bytes_per_block, granularity, physical_bytes
+    ((512, 3, 2048), "bfloat16", "{2,0,1:T(8,128)(2,1)}", False, None, 512, 6 << 20),
+    ((512, 6144), "bfloat16", "{1,0:T(8,128)(2,1)}", False, None, 8, 6 << 20),
+    ((512, 12288), "int8", "{1,0:T(32,128)(4,1)}", False, None, 32, 6 << 20),
+    ((512, 4, 2048), "bfloat16", "{2,1,0:T(8,128)(2,1)}", True, 32768, 1, 16 << 20),
+    ((512, 8, 2048), "bfloat16", "{2,1,0:T(8,128)(2,1)}", True, 32768, 1, 16 << 20),
+    ((512, 16, 2048), "bfloat16", "{2,1,0:T(8,128)(2,1)}", True, 65536, 1, 32 << 20),
+]
+
+
+@pytest.mark.parametrize("text", [
+    "{2,0,1:T(8,128)(2,1)}", "{1,0:T(8,128)(4,1)S(5)}", "{0:T(1024)}",
+    "{1,0:T(8,128)(8,1)E(4)}", "{}", "{1,0}", "{3,2,1,0:T(8,128)(2,1)E(16)S(5)}",
+])
+def test_parse_round_trips(text):
+    layout = Layout.parse(text)
+    assert str(layout) == text
+    assert Layout.parse(str(layout)) == layout
+
+
+def test_parse_fields_and_whitespace():
+    layout = Layout.parse(" { 1, 0 : T(8,128) (4,1) S(5) } ")
+    assert layout.minor_to_major == (1, 0)
+    assert layout.tiles == ((8, 128), (4, 1))
+    assert layout.memory_space == 5 and layout.element_size_bits == 0
+    assert Layout.parse("{1,0:T(8,128)(8,1)E(4)}").element_size_bits == 4
+
+
+@pytest.mark.parametrize("text, match", [
+    ("1,0", "braces"),
+    ("{1,0", "braces"),
+    ("{1,1}", "not a permutation"),
+    ("{0,2}", "not a permutation"),
+    ("{1,a}", "'a' is not a non-negative integer"),
+    ("{1,0:T(8,128}", r"T must be followed by"),
+    ("{1,0:T(8,128)Q}", "cannot parse"),
+    ("{1,0:X(3)}", "cannot parse"),
+    ("{1,0:T}", r"T must be followed by \(\.\.\.\)"),
+    ("{1,0:T(0,128)}", "positive sizes"),
+    ("{1,0:E(4,4)}", "takes one integer"),
+    ("{1,0:S(5)T(8,128)}", "tiles must be written once"),
+    ("{1,0:T(2,*)}", "combined tile dims"),
+])
+def test_parse_errors_name_text_and_problem(text, match):
+    with pytest.raises(LayoutError, match=match) as e:
+        Layout.parse(text)
+    if text.startswith("{"):
+        assert text in str(e.value)
+
+
+def test_rank_mismatch_names_shape():
+    with pytest.raises(LayoutError, match=r"bf16\[512,3\]\{2,0,1\}: layout has rank 3"):
+        kvxfer.inspect((512, 3), "bfloat16", "{2,0,1}")
+
+
+def test_subtile_must_divide_tile():
+    with pytest.raises(LayoutError, match="does not divide"):
+        kvxfer.inspect((64, 128), "bfloat16", "{1,0:T(8,128)(3,1)}")
+
+
+@pytest.mark.parametrize("shape, dtype, text, addressable, bpb, gran, physical", SEEDS)
+def test_seed_verdicts(shape, dtype, text, addressable, bpb, gran, physical):
+    g = kvxfer.inspect(shape, dtype, text)
+    assert (g.addressable, g.bytes_per_block, g.granularity, g.physical_bytes) == (
+        addressable, bpb, gran, physical)
+    if addressable:
+        assert kvxfer.require_addressable(shape, dtype, text).bytes_per_block == bpb
+    else:
+        with pytest.raises(LayoutError, match="rule '") as e:
+            kvxfer.require_addressable(shape, dtype, text)
+        assert text in str(e.value) and str(shape[0]) in str(e.value)
+
+
+def test_seed_padding_factor():
+    assert kvxfer.inspect((512, 4, 2048), "bf16", "{2,1,0:T(8,128)(2,1)}").padding_factor == 2.0
+
+
+def test_issue_example_subtile_granularity():
+    assert kvxfer.inspect((64, 3), "int8", "{1,0:T(32,128)(4,1)}").granularity == 4
+
+
+def test_tiled_offsets_match_tiled_layout_formula():
+    # bf16 T(8,128)(2,1): rows 2k and 2k+1 share a 32-bit word.
+    geo = Layout.parse("{1,0:T(8,128)(2,1)}").geometry((16, 256), jnp.bfloat16)
+    assert geo.final_shape == (2, 2, 4, 128, 2, 1)
+    idx = np.array([[0, 0], [1, 0], [0, 1], [2, 0], [8, 0], [0, 128]])
+    assert geo.byte_offset(idx).tolist() == [0, 2, 4, 512, 4096, 2048]
+
+
+def test_size_one_major_dims_do_not_break_addressability():
+    g = kvxfer.inspect((1, 1, 64, 8, 128), "bf16", "{4,3,2,1,0:T(8,128)(2,1)}", block_dim=2)
+    assert g.addressable and g.bytes_per_block == 8 * 128 * 2
+
+
+@pytest.mark.parametrize("block_dim, match", [(3, "out of range"), (-4, "out of range")])
+def test_bad_block_dim(block_dim, match):
+    with pytest.raises(LayoutError, match=match):
+        kvxfer.inspect((4, 4, 4), "f32", None, block_dim=block_dim)
+
+
+def test_shape_requires_dtype():
+    with pytest.raises(LayoutError, match="dtype is required"):
+        kvxfer.inspect((4, 4))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sweep_agrees_with_brute_force(seed):
+    """Seeded sweep: rank 1-5, sizes with 1 and non-multiples, TPU tilings, permutations."""
+    rng = np.random.default_rng(seed)
+    seen = {"addressable": 0, "rejected": 0}
+    for _ in range(150):
+        shape, dtype, text, block_dim = random_case(rng)
+        g = kvxfer.inspect(shape, dtype, text, block_dim=block_dim)
+        gran, group_bytes = brute_force_granularity(shape, dtype, text, block_dim)
+        assert g.granularity == gran, (shape, dtype, text, block_dim)
+        if group_bytes is not None:
+            assert g.group_bytes == group_bytes, (shape, dtype, text, block_dim)
+        if g.addressable and shape[block_dim] > 1:
+            assert g.bytes_per_block == group_bytes
+        seen["addressable" if g.addressable else "rejected"] += 1
+    assert min(seen.values()) > 20, seen  # the sweep exercises both verdicts
+
+
+# -- JAX arrays ---------------------------------------------------------------
+
+
+def _put(x, text):
+    layout = Layout.parse(text)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.device_put(x, Format(layout.to_jax(), sharding))
+
+
+def test_layout_of_jax_array_reverses_major_to_minor():
+    x = _put(np.zeros((2, 3, 4), np.float32), "{0,2,1}")
+    assert x.format.layout.major_to_minor == (1, 2, 0)
+    assert str(Layout.of(x)) == "{0,2,1}"
+    assert str(Layout.of(x.format)) == "{0,2,1}"
+
+
+def test_layout_of_reports_tiles_given_to_cpu():
+    x = _put(np.zeros((16, 256), jnp.bfloat16), "{1,0:T(8,128)(2,1)}")
+    assert str(Layout.of(x)) == "{1,0:T(8,128)(2,1)}"
+
+
+def test_layout_of_compiled_formats():
+    compiled = jax.jit(lambda a: a * 2).lower(jnp.zeros((8, 4), jnp.float32)).compile()
+    (arg_formats, _) = compiled.input_formats
+    assert str(Layout.of(arg_formats[0])) == "{1,0}"
+    assert str(Layout.of(compiled.output_formats)) == "{1,0}"
+
+
+def test_inspect_reads_array_layout():
+    x = _put(np.zeros((8, 4, 128), np.float32), "{2,0,1}")
+    g = kvxfer.inspect(x)
+    assert not g.addressable and g.granularity == 8
+    g2 = kvxfer.inspect(x, layout="{2,1,0}")  # an emulated layout overrides
+    assert g2.addressable and g2.bytes_per_block == 4 * 128 * 4
+
+
+def test_layout_of_rejects_other_objects():
+    with pytest.raises(LayoutError, match="Expected a jax.Array, Format or Layout"):
+        Layout.of(42)
+
+
+# -- catalogues -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["layouts/seeds.json", "layouts/tpu_kv_derived.json"])
+def test_catalogues_agree(path, repo_root):
+    cat = catalog.load(repo_root / path)
+    results = cat.check()
+    assert results and all(r.agrees for r in results), [r.disagreement for r in results]
+    for e in cat.entries:
+        assert e.source == "derived" or e.source.startswith("observed on"), e.source
+
+
+def test_seed_catalogue_marks_observed(repo_root):
+    cat = catalog.load(repo_root / "layouts/seeds.json")
+    assert len(cat.entries) == 6
+    assert {e.source for e in cat.entries} == {"observed on tpu7x (upstream report)"}
+
+
+def test_small_catalogue_entries_agree_with_brute_force(repo_root):
+    cat = catalog.load(repo_root / "layouts/tpu_kv_derived.json")
+    checked = 0
+    for e in cat.entries:
+        g = e.inspect()
+        if g.physical_bytes > (1 << 21):
+            continue
+        gran, _ = brute_force_granularity(e.shape, e.dtype, e.layout, e.block_dim)
+        assert g.granularity == gran, e.name
+        checked += 1
+    assert checked >= 8
+
+
+def test_catalogue_disagreement_is_reported(tmp_path):
+    bad = {"arrays": [{"shape": [512, 6144], "dtype": "bf16", "layout": "{1,0:T(8,128)(2,1)}",
+                       "source": "derived", "expected": {"addressable": True}}]}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    (result,) = catalog.load(path).check()
+    assert not result.agrees and "addressable is False, expected True" in result.disagreement
