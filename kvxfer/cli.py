@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvxfer import catalog as _catalog
+from kvxfer._text import format_bytes, table
 from kvxfer.layout import LayoutError, SliceGeometry, inspect
 
 __all__ = ["main", "format_bytes"]
@@ -20,25 +21,6 @@ __all__ = ["main", "format_bytes"]
 
 class UsageError(Exception):
     """Bad input on the command line: reported on one line, exit status 2."""
-
-
-def format_bytes(n: int | None) -> str:
-    """``32768`` → ``'32.0 KiB'``; None → ``'-'``."""
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}" if n % size else f"{n // size} {unit}"
-    return f"{n} B"
-
-
-def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    """A plain aligned text table."""
-    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:

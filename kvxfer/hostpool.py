@@ -1,0 +1,268 @@
+"""Host pools: one page-first buffer per slice class, and one slot table for all.
+
+A *page* is one block index across every layer. Slot ``s`` of every class pool
+holds the same page, so a page is addressed by one ``(slot, generation)`` pair;
+each class stores its part of the page as one contiguous byte range:
+``[layer 0 shard 0 | layer 0 shard 1 | ... | layer L-1 shard S-1]``.
+
+Every slot carries a generation that changes on each reuse, and each page records
+its key, generation and, per layer and shard, its digest.
+
+Example:
+    >>> from kvxfer.plan import LayerSpec, make_plan
+    >>> plan = make_plan([LayerSpec("L0", (8, 16, 4), "float32")], num_host_blocks=4)
+    >>> pool = HostPool(plan)
+    >>> (s0, g0), = pool.allocate(1)
+    >>> pool.release(s0, g0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvxfer.plan import Plan, SliceClass
+
+__all__ = ["HostPool", "PageRef", "PoolError", "PoolExhaustedError", "ClassPool",
+           "DIGEST_SLOTS"]
+
+# uint32 words reserved per (layer, shard) digest; integrity uses up to this many.
+DIGEST_SLOTS = 4
+
+
+class PoolError(ValueError):
+    """A slot that is unknown, already free, or of another generation."""
+
+
+class PoolExhaustedError(MemoryError):
+    """Not enough free host slots for a request; nothing was allocated."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PageRef:
+    """A page on the host: its key, slot and the slot's generation when written.
+
+    Attributes:
+      key: the caller's identity for the page (a 64-bit int, e.g. a chained token hash).
+      slot: host slot index (the same in every class pool).
+      generation: the slot's generation; a stale ref has an older one.
+    """
+
+    key: int
+    slot: int
+    generation: int
+
+    def __str__(self) -> str:
+        return f"page(key={self.key:#x}, slot={self.slot}, gen={self.generation})"
+
+
+def _allocate_bytes(nbytes: int, pinned: bool, device: Any) -> tuple[np.ndarray, Any]:
+    """Zeroed host bytes; pinned through JAX's ``pinned_host`` memory when asked."""
+    if pinned and nbytes:
+        import ctypes
+
+        import jax
+        import jax.numpy as jnp
+
+        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        owner = jax.jit(lambda: jnp.zeros((nbytes,), jnp.uint8), out_shardings=sharding)()
+        owner.block_until_ready()
+        view = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * nbytes).from_address(owner.unsafe_buffer_pointer()))
+        return view, owner
+    return np.zeros(nbytes, dtype=np.uint8), None
+
+
+class ClassPool:
+    """The host buffer of one slice class: ``data[slot]`` is one page's bytes.
+
+    Attributes:
+      cls: the slice class.
+      data: ``uint8[num_slots, page_bytes]``.
+      digests: ``uint32[num_slots, layers, shards, DIGEST_SLOTS]``.
+    """
+
+    def __init__(self, cls: SliceClass, num_slots: int, *, pinned: bool = False,
+                 device: Any = None):
+        self.cls = cls
+        flat, self._owner = _allocate_bytes(num_slots * cls.page_bytes, pinned, device)
+        self.pinned = self._owner is not None
+        self.data = flat.reshape(num_slots, cls.page_bytes)
+        self.digests = np.zeros((num_slots, len(cls.layers), cls.num_shards, DIGEST_SLOTS),
+                                dtype=np.uint32)
+
+    def layer_range(self, pos: int) -> tuple[int, int]:
+        """Byte range of layer ``pos`` (all shards) inside a page."""
+        size = self.cls.bytes_per_block
+        return pos * size, (pos + 1) * size
+
+    def shard_range(self, pos: int, shard: int) -> tuple[int, int]:
+        """Byte range of one shard of layer ``pos`` inside a page."""
+        size = self.cls.shard_block_bytes
+        start = pos * self.cls.bytes_per_block + shard * size
+        return start, start + size
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+@dataclasses.dataclass
+class _Slot:
+    generation: int = 0
+    state: str = "free"  # free | writing | valid | released (free once readers finish)
+    key: int = 0
+    readers: int = 0
+
+
+class HostPool:
+    """All class pools of a plan plus the slot table they share.
+
+    Thread-safe: allocation, release and reader accounting take one lock.
+
+    Args:
+      plan: the plan (already checked against the budget).
+      pinned: allocate through JAX ``pinned_host`` memory (default: when the
+        backend is not CPU, where host memory is already what the device uses).
+      device: the device whose ``pinned_host`` memory to use.
+    """
+
+    def __init__(self, plan: Plan, *, pinned: bool | None = None, device: Any = None):
+        if pinned is None or device is None:
+            import jax
+
+            device = device or jax.devices()[0]
+            if pinned is None:
+                pinned = device.platform != "cpu" and any(
+                    m.kind == "pinned_host" for m in device.addressable_memories())
+        self.plan = plan
+        self.num_slots = plan.num_host_blocks
+        self.pools = tuple(ClassPool(c, self.num_slots, pinned=pinned, device=device)
+                           for c in plan.classes)
+        self._slots = [_Slot() for _ in range(self.num_slots)]
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self._invalidated: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+
+    # -- accounting ---------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def _check(self, slot: int, generation: int) -> _Slot:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
+            raise PoolError(f"unknown host slot {slot!r}; slots are 0..{self.num_slots - 1}")
+        return self._slots[slot]
+
+    # -- slots --------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[tuple[int, int]]:
+        """Takes ``n`` free slots (all or none) and bumps their generations.
+
+        Raises:
+          PoolExhaustedError: fewer than ``n`` slots are free.
+        """
+        with self._lock:
+            if n > len(self._free):
+                raise PoolExhaustedError(
+                    f"host pool exhausted: {n} pages requested, {len(self._free)} of "
+                    f"{self.num_slots} slots free; free pages or raise num_host_blocks")
+            out = []
+            for _ in range(n):
+                slot = self._free.pop()
+                s = self._slots[slot]
+                s.generation += 1
+                s.state = "writing"
+                s.key = 0
+                out.append((slot, s.generation))
+            return out
+
+    def commit(self, slot: int, generation: int, key: int) -> None:
+        """Marks a written slot valid under ``key``."""
+        with self._lock:
+            s = self._check(slot, generation)
+            if s.generation == generation and s.state == "writing":
+                s.state, s.key = "valid", key
+
+    def release(self, slot: int, generation: int) -> None:
+        """Frees a slot; if a transfer is reading it, the slot returns once it ends.
+
+        Raises:
+          PoolError: unknown slot, a stale generation, or a slot already free.
+        """
+        with self._lock:
+            s = self._check(slot, generation)
+            if (slot, generation) in self._invalidated:
+                self._invalidated.discard((slot, generation))
+                return
+            if s.generation != generation:
+                raise PoolError(f"host slot {slot} generation {generation} is stale (now "
+                                f"{s.generation}): the page was freed and the slot reused")
+            if s.state in ("free", "released"):
+                raise PoolError(f"double free of host slot {slot} generation {generation}")
+            self._release_locked(slot, s)
+
+    def invalidate(self, slot: int, generation: int) -> bool:
+        """Frees a page found bad; a later ``release`` of the same ref is a no-op."""
+        with self._lock:
+            s = self._check(slot, generation)
+            if s.generation != generation or s.state in ("free", "released"):
+                return False
+            self._invalidated.add((slot, generation))
+            self._release_locked(slot, s)
+            return True
+
+    def _release_locked(self, slot: int, s: _Slot) -> None:
+        if s.readers:
+            s.state = "released"
+        else:
+            s.state = "free"
+            self._free.append(slot)
+
+    def state(self, slot: int) -> tuple[int, str, int]:
+        """(generation, state, key) of a slot."""
+        with self._lock:
+            s = self._check(slot, 0)
+            return s.generation, s.state, s.key
+
+    def acquire_readers(self, refs: Sequence[tuple[int, int]]) -> list[str | None]:
+        """Pins slots for a transfer that reads them; returns a problem per ref or None.
+
+        A problem is ``"stale generation"`` or ``"freed"``; such refs are not pinned.
+        """
+        out: list[str | None] = []
+        with self._lock:
+            for slot, generation in refs:
+                s = self._check(slot, generation)
+                if s.generation != generation:
+                    out.append("stale generation")
+                elif s.state != "valid":
+                    out.append("freed" if s.state in ("free", "released") else
+                               "still being written")
+                else:
+                    s.readers += 1
+                    out.append(None)
+        return out
+
+    def release_readers(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            for slot in slots:
+                s = self._slots[slot]
+                s.readers -= 1
+                if s.readers == 0 and s.state == "released":
+                    s.state = "free"
+                    self._free.append(slot)
+
+    def key_of(self, slot: int) -> int:
+        with self._lock:
+            return self._slots[slot].key

@@ -1,0 +1,604 @@
+"""``KVCacheManager``: the one object a serving engine holds to move KV pages.
+
+Example:
+    >>> import jax.numpy as jnp, kvxfer
+    >>> caches = [jnp.zeros((64, 16, 2, 4, 32), jnp.bfloat16) for _ in range(4)]
+    >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=32)
+    >>> pages = mgr.offload(caches, [3, 9], keys=[11, 12]).wait()
+    >>> caches, load = mgr.load(caches, pages, [20, 21])
+    >>> load.result().verified_prefix
+    2
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from kvxfer import integrity as _integrity
+from kvxfer.engine import (
+    EmulatedMover,
+    Mover,
+    RawMover,
+    ShardedLayer,
+    StagedMover,
+    TransferError,
+    page_identities,
+    raw_capable,
+)
+from kvxfer.hostpool import HostPool, PageRef, PoolError
+from kvxfer.layout import Layout, LayoutError, shape_text
+from kvxfer.plan import LayerSpec, Plan, make_plan
+
+__all__ = ["KVCacheManager", "OffloadHandle", "LoadHandle", "LoadResult", "PageRef",
+           "IntegrityError"]
+
+Gate = Literal["all", "layer"]
+IntegrityMode = Literal["page", "off"]
+PathMode = Literal["auto", "staged", "direct"]
+
+
+class IntegrityError(RuntimeError):
+    """A page was consumed before it was found bad (see ``LoadResult``)."""
+
+
+def _key(value: Any, where: str) -> int:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _integrity.key_from_bytes(bytes(value))
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and \
+            0 <= int(value) < 1 << 64:
+        return int(value)
+    raise ValueError(f"{where}: key {value!r} of type {type(value).__name__} must be an int "
+                     "in [0, 2**64) or bytes")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What a load delivered.
+
+    Attributes:
+      verified_prefix: pages ``[0, verified_prefix)`` are loaded and verified in every
+        layer and shard; the caller recomputes the rest.
+      invalid_pages: request indices invalidated (the first bad page and all after).
+      reasons: request index → why that page is bad (only pages found bad themselves).
+      consumed_before_failure: a layer was released with a longer prefix than the
+        final one; the caller must restart from ``verified_prefix``.
+      released_prefixes: the prefix each layer was released with.
+    """
+
+    verified_prefix: int
+    invalid_pages: tuple[int, ...]
+    reasons: dict[int, str]
+    consumed_before_failure: bool
+    released_prefixes: tuple[int, ...]
+
+
+class OffloadHandle:
+    """An offload in flight; ``wait()`` gives the page refs once the bytes are on host."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> list[PageRef]:
+        """Blocks until the pages are on the host.
+
+        Raises:
+          TransferError: the transfer failed (its slots were freed).
+          TimeoutError: not done within ``timeout`` seconds.
+        """
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"offload not done after {timeout} s") from None
+
+
+class LoadHandle:
+    """A load in flight, with per-layer readiness gated on verification."""
+
+    def __init__(self, num_layers: int, num_pages: int, gate: Gate):
+        self.gate = gate
+        self.num_pages = num_pages
+        self._events = [threading.Event() for _ in range(num_layers)]
+        self._released = [0] * num_layers
+        self._done = threading.Event()
+        self._result: LoadResult | None = None
+        self._error: BaseException | None = None
+        self._consumed = [False] * num_layers
+
+    # -- worker side ----------------------------------------------------------
+
+    def _release(self, layer: int, prefix: int) -> None:
+        self._released[layer] = prefix
+        self._events[layer].set()
+
+    def _finish(self, result: LoadResult | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        for e in self._events:
+            e.set()
+        self._done.set()
+
+    # -- caller side ----------------------------------------------------------
+
+    def layer_ready(self, layer: int, timeout: float | None = None) -> int:
+        """Blocks until layer ``layer`` is verified and released.
+
+        Returns:
+          The verified prefix at release: pages ``[0, prefix)`` of this layer may
+          be consumed.
+
+        Raises:
+          TransferError: the transfer failed.
+          TimeoutError: not released within ``timeout`` seconds.
+        """
+        if not 0 <= layer < len(self._events):
+            raise IndexError(f"layer {layer} out of range [0, {len(self._events)})")
+        if not self._events[layer].wait(timeout):
+            raise TimeoutError(f"layer {layer} not ready after {timeout} s")
+        if self._error is not None:
+            raise TransferError(f"load failed before layer {layer} was ready: "
+                                f"{self._error}") from self._error
+        self._consumed[layer] = True
+        return self._released[layer]
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> LoadResult:
+        """Blocks until every layer is verified; the verified prefix and what failed.
+
+        Raises:
+          TransferError: a device or transfer failure (never reported as a miss).
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"load not done after {timeout} s")
+        if self._error is not None:
+            raise TransferError(f"load failed: {self._error}") from self._error
+        assert self._result is not None
+        return self._result
+
+
+def _wait_ready(array: jax.Array, timeout: float, name: str) -> None:
+    """Waits for a cache's value with a timeout (awaiting never hangs forever)."""
+    if array.is_deleted():
+        raise ValueError(f"{name} is a deleted array (donated or freed); pass the arrays "
+                         "returned by the step that consumed it")
+    deadline = time.monotonic() + timeout
+    delay = 1e-4
+    while not array.is_ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} is still being computed after {timeout} s; wait "
+                               "for the step that produces it, or raise ready_timeout")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+class KVCacheManager:
+    """Moves KV blocks between device caches and per-slice-class host pools.
+
+    Args:
+      kv_caches: one ``jax.Array`` per layer, block dim first. Layers may differ.
+      num_host_blocks: host pages to provision.
+      layouts: per-layer device layouts to assume (emulated TPU layouts on CPU);
+        default: each array's own layout.
+      integrity: ``"page"`` digests every page on the device before it leaves and
+        verifies it after it returns; ``"off"`` skips digests.
+      host_memory_budget: bytes; default ``kvxfer.plan.default_host_memory_budget()``.
+      path: ``"auto"`` (raw copies where XLA:CPU buffers allow, else staged),
+        ``"staged"`` (compiled gather/scatter, any backend and layout), or
+        ``"direct"`` (raw copies only; refuses layouts not proven addressable).
+      ready_timeout: seconds to wait for caches still being computed.
+      pinned: host pools in ``pinned_host`` memory (default: off on CPU).
+
+    Raises:
+      BudgetError: the plan exceeds the budget (before any allocation).
+      LayoutError: ``path="direct"`` over a layout that is not addressable.
+      ValueError, TypeError: bad caches (deleted, block dim sharded, ...), naming
+        the layer.
+      TimeoutError: a cache is still being computed after ``ready_timeout``.
+    """
+
+    def __init__(self, kv_caches: Sequence[jax.Array], *, num_host_blocks: int,
+                 layouts: Sequence[Any] | None = None, integrity: IntegrityMode = "page",
+                 host_memory_budget: int | None = None, path: PathMode = "auto",
+                 ready_timeout: float = 30.0, pinned: bool | None = None):
+        if integrity not in ("page", "off"):
+            raise ValueError(f"integrity={integrity!r}; expected 'page' or 'off'")
+        if path not in ("auto", "staged", "direct"):
+            raise ValueError(f"path={path!r}; expected 'auto', 'staged' or 'direct'")
+        caches = list(kv_caches)
+        if not caches:
+            raise ValueError("kv_caches is empty; expected one jax.Array per layer")
+        if layouts is not None and len(layouts) != len(caches):
+            raise ValueError(f"layouts has {len(layouts)} entries for {len(caches)} layers")
+        specs = []
+        for i, a in enumerate(caches):
+            name = f"layer {i}"
+            if not isinstance(a, jax.Array):
+                raise TypeError(f"{name}: expected a jax.Array. Got {a!r} of type {type(a)}")
+            if a.ndim < 2:
+                raise ValueError(f"{name}: shape {list(a.shape)} needs a block dim and a block")
+            _wait_ready(a, ready_timeout, name)
+            for s in a.addressable_shards:
+                if s.data.shape[0] != a.shape[0]:
+                    raise ValueError(f"{name}: the block dim (dim 0) is sharded "
+                                     f"({s.data.shape[0]} of {a.shape[0]} blocks on "
+                                     f"{s.device}); shard another dim, e.g. KV heads")
+            layer = ShardedLayer.of(a)
+            layout = layouts[i] if layouts is not None else None
+            if layout is None:
+                layout = Layout.of(a)
+            elif not isinstance(layout, Layout):
+                layout = Layout.of(layout)
+            specs.append(LayerSpec(name, a.shape, a.dtype, layout,
+                                   num_shards=len(layer.shards),
+                                   replicas=len(layer.shards[0])))
+        self.integrity = integrity
+        self.ready_timeout = ready_timeout
+        emulated = path == "direct" and layouts is not None
+        self._plan = make_plan(specs, num_host_blocks, path="direct" if emulated else "staged",
+                               host_memory_budget=host_memory_budget)
+        self._movers: list[Mover] = []
+        raw_ok = [raw_capable(a) for a in caches]
+        for cls in self._plan.classes:
+            if path == "direct":
+                if emulated:
+                    if not cls.addressable:
+                        raise LayoutError(f"Direct path refused for {cls.name} (layers "
+                                          f"{list(cls.layers)}): {specs[cls.layers[0]].geometry.reason}")
+                    mover_type: type[Mover] = EmulatedMover
+                elif all(raw_ok[i] for i in cls.layers):
+                    mover_type = RawMover
+                else:
+                    bad = next(i for i in cls.layers if not raw_ok[i])
+                    raise LayoutError(
+                        f"Direct path refused for layer {bad}: "
+                        f"{shape_text(caches[bad].shape, caches[bad].dtype, specs[bad].layout)}"
+                        " has no raw byte-addressable blocks on this backend (raw copies "
+                        "need XLA:CPU row-major buffers of whole-byte elements; pass "
+                        "layouts= to use emulated TPU memory)")
+            elif path == "auto" and all(raw_ok[i] for i in cls.layers):
+                mover_type = RawMover
+            else:
+                mover_type = StagedMover
+            self._movers.append(mover_type)  # type: ignore[arg-type]
+        self._specs = specs
+        self._pool = HostPool(self._plan, pinned=pinned)
+        self._movers = [m(cls, pool) for m, cls, pool in
+                        zip(self._movers, self._plan.classes, self._pool.pools)]  # type: ignore
+        self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer")
+        self._closed = False
+
+    # -- introspection ----------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """The host-memory plan (``str(mgr.plan)`` is a readable table)."""
+        return self._plan
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._specs)
+
+    @property
+    def paths(self) -> list[str]:
+        """The mover used for each layer: ``raw``, ``staged`` or ``emulated``."""
+        return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
+
+    @property
+    def host_pool(self) -> HostPool:
+        return self._pool
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._pool.num_free
+
+    def close(self) -> None:
+        """Waits for transfers in flight and stops the transfer thread."""
+        if not self._closed:
+            self._closed = True
+            self._worker.shutdown(wait=True)
+
+    def __enter__(self) -> KVCacheManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- argument checks --------------------------------------------------------
+
+    def _check_caches(self, kv_caches: Sequence[jax.Array]) -> list[jax.Array]:
+        caches = list(kv_caches)
+        if len(caches) != self.num_layers:
+            raise ValueError(f"kv_caches has {len(caches)} layers; the manager has "
+                             f"{self.num_layers}")
+        for i, (a, spec) in enumerate(zip(caches, self._specs)):
+            if not isinstance(a, jax.Array):
+                raise TypeError(f"layer {i}: expected a jax.Array. Got {type(a)}")
+            if a.is_deleted():
+                raise ValueError(f"layer {i} is a deleted array (donated or freed); pass the "
+                                 "arrays returned by the step that consumed it")
+            if tuple(a.shape) != spec.shape or a.dtype.name != spec.dtype:
+                raise ValueError(f"layer {i}: got {shape_text(a.shape, a.dtype)}, the manager "
+                                 f"was built for {shape_text(spec.shape, spec.dtype)}")
+        return caches
+
+    def _check_ids(self, device_blocks: Sequence[int], n: int, what: str) -> np.ndarray:
+        ids = np.asarray(device_blocks)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"device_blocks must be a 1-D sequence of ints. Got {device_blocks!r}")
+        if len(ids) != n:
+            raise ValueError(f"{len(ids)} device_blocks for {n} {what}")
+        num_blocks = self._specs[0].num_blocks
+        for j, b in enumerate(ids):
+            for i, spec in enumerate(self._specs):
+                if not 0 <= b < spec.num_blocks:
+                    raise ValueError(f"device_blocks[{j}] = {int(b)} is out of range for layer "
+                                     f"{i} ({spec.num_blocks} blocks)")
+        if len(np.unique(ids)) != len(ids):
+            seen: dict[int, int] = {}
+            for j, b in enumerate(ids.tolist()):
+                if b in seen:
+                    raise ValueError(f"device_blocks[{j}] = {b} duplicates device_blocks"
+                                     f"[{seen[b]}]")
+                seen[b] = j
+        del num_blocks
+        return ids.astype(np.int32)
+
+    def _layers(self, caches: list[jax.Array]) -> list[ShardedLayer]:
+        return [ShardedLayer.of(a) for a in caches]
+
+    # -- offload ----------------------------------------------------------------
+
+    def offload(self, kv_caches: Sequence[jax.Array], device_blocks: Sequence[int],
+                keys: Sequence[Any]) -> OffloadHandle:
+        """Copies blocks to new host pages, asynchronously.
+
+        The device blocks must not be overwritten until ``wait()`` returns.
+
+        Args:
+          kv_caches: the current caches (one per layer).
+          device_blocks: block ids to copy, any order, no duplicates.
+          keys: one key per block (int in [0, 2**64) or bytes).
+
+        Returns:
+          An ``OffloadHandle``; ``wait()`` gives one ``PageRef`` per block.
+
+        Raises:
+          ValueError: bad caches, ids or keys (nothing allocated).
+          PoolExhaustedError: not enough free host slots (nothing allocated).
+        """
+        caches = self._check_caches(kv_caches)
+        keys = list(keys)
+        ids = self._check_ids(device_blocks, len(keys), "keys")
+        keys = [_key(k, f"keys[{j}]") for j, k in enumerate(keys)]
+        refs = self._pool.allocate(len(ids))
+        slots = np.array([s for s, _ in refs], dtype=np.int64)
+        gens = [g for _, g in refs]
+        try:
+            layers = self._layers(caches)
+            states = []
+            for cls, mover in zip(self._plan.classes, self._movers):
+                idents = None
+                if self.integrity == "page":
+                    idents = [page_identities(keys, gens, cls.layers, s)
+                              for s in range(cls.num_shards)]
+                states.append(mover.gather([layers[i] for i in cls.layers], ids, idents))
+        except Exception as e:
+            for s, g in refs:
+                self._pool.release(s, g)
+            raise TransferError(f"offload of {len(ids)} blocks failed: {e}") from e
+
+        def finish() -> list[PageRef]:
+            try:
+                for mover, state in zip(self._movers, states):
+                    mover.finish_offload(state, slots)
+            except Exception as e:
+                for s, g in refs:
+                    self._pool.release(s, g)
+                raise TransferError(f"offload of {len(ids)} blocks failed: {e}") from e
+            for (s, g), k in zip(refs, keys):
+                self._pool.commit(s, g, k)
+            return [PageRef(k, s, g) for (s, g), k in zip(refs, keys)]
+
+        return OffloadHandle(self._worker.submit(finish))
+
+    # -- load -------------------------------------------------------------------
+
+    def load(self, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef],
+             device_blocks: Sequence[int], keys: Sequence[Any] | None = None,
+             gate: Gate = "all") -> tuple[list[jax.Array], LoadHandle]:
+        """Copies host pages into device blocks; layers are released once verified.
+
+        The input caches are consumed (as with donation): use the returned ones,
+        and consume layer ``i`` only after ``handle.layer_ready(i)``.
+
+        Args:
+          kv_caches: the current caches.
+          pages: page refs from ``offload``, in request order (a prefix chain).
+          device_blocks: destination block ids, one per page, no duplicates.
+          keys: the keys the caller expects (a page under another key is bad).
+          gate: ``"layer"`` releases each layer once its pages are verified;
+            ``"all"`` releases nothing until every layer is verified.
+
+        Returns:
+          ``(new_caches, LoadHandle)``.
+
+        Raises:
+          ValueError, TypeError: bad caches, pages, ids, keys or gate (nothing moved).
+        """
+        if gate not in ("all", "layer"):
+            raise ValueError(f"gate={gate!r}; expected 'all' or 'layer'")
+        caches = self._check_caches(kv_caches)
+        pages = list(pages)
+        for j, p in enumerate(pages):
+            if not isinstance(p, PageRef):
+                raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
+            if not 0 <= p.slot < self._pool.num_slots:
+                raise PoolError(f"pages[{j}] ({p}): unknown host slot")
+        ids = self._check_ids(device_blocks, len(pages), "pages")
+        want = None
+        if keys is not None:
+            keys = list(keys)
+            if len(keys) != len(pages):
+                raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+            want = [_key(k, f"keys[{j}]") for j, k in enumerate(keys)]
+
+        handle = LoadHandle(self.num_layers, len(pages), gate)
+        problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+        reasons: dict[int, str] = {}
+        for j, (p, problem) in enumerate(zip(pages, problems)):
+            if problem is not None:
+                reasons[j] = f"{problem} ({p})"
+            elif want is not None and want[j] != p.key:
+                reasons[j] = f"wrong key: expected {want[j]:#x}, page holds {p.key:#x}"
+            elif self._pool.key_of(p.slot) != p.key:
+                reasons[j] = (f"wrong key: slot {p.slot} holds key "
+                              f"{self._pool.key_of(p.slot):#x}, ref says {p.key:#x}")
+        n = min(reasons) if reasons else len(pages)
+        pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
+        slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
+        ids_n = ids[:n]
+        try:
+            layers = self._layers(caches)
+            new = list(caches)
+            states = []
+            for cls, mover in zip(self._plan.classes, self._movers):
+                if n:
+                    out, state = mover.load([caches[i] for i in cls.layers],
+                                            [layers[i] for i in cls.layers], ids_n, slots)
+                    for i, a in zip(cls.layers, out):
+                        new[i] = a
+                else:
+                    state = None
+                states.append(state)
+        except Exception as e:
+            self._pool.release_readers(pinned_slots)
+            raise TransferError(f"load of {n} pages failed: {e}") from e
+
+        def finish() -> None:
+            try:
+                result = self._finish_load(handle, new, pages, ids, n, states, reasons)
+            except Exception as e:  # a transfer or device failure is an error, not a miss
+                handle._finish(None, e)
+            else:
+                handle._finish(result, None)
+            finally:
+                self._pool.release_readers(pinned_slots)
+
+        self._worker.submit(finish)
+        return new, handle
+
+    def _finish_load(self, handle: LoadHandle, new: list[jax.Array], pages: list[PageRef],
+                     ids: np.ndarray, n: int, states: list[Any],
+                     reasons: dict[int, str]) -> LoadResult:
+        prefix = n
+        new_layers = self._layers(new) if (n and self.integrity == "page") else None
+        keys = [p.key for p in pages[:n]]
+        gens = [p.generation for p in pages[:n]]
+        slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
+        for i in range(self.num_layers):
+            cls, pos = self._layer_class[i]
+            mover = self._movers[cls.index]
+            if n:
+                mover.finish_load_layer(states[cls.index], pos)
+                if self.integrity == "page":
+                    idents = [page_identities(keys, gens, [i], s) for s in range(cls.num_shards)]
+                    layer_views = [new_layers[j] for j in cls.layers]
+                    got = mover.digests(layer_views, ids[:n], idents, [pos])[0]  # [S,k,D]
+                    expected = self._pool.pools[cls.index].digests[slots, pos, :,
+                                                                   :_integrity.DIGEST_WORDS]
+                    bad = (got != np.swapaxes(expected, 0, 1)).any(axis=-1)  # [S, k]
+                    for j in np.flatnonzero(bad.any(axis=0)):
+                        if j not in reasons:
+                            shards = np.flatnonzero(bad[:, j]).tolist()
+                            what = f"digest mismatch in layer {i}"
+                            if cls.num_shards > 1 and len(shards) < cls.num_shards:
+                                what = (f"shard disagreement: digest mismatch in layer {i} on "
+                                        f"shard(s) {shards} of {cls.num_shards}")
+                            reasons[int(j)] = what
+                        prefix = min(prefix, int(j))
+            if handle.gate == "layer":
+                handle._release(i, prefix)
+        first_bad = min([prefix] + list(reasons))
+        if handle.gate == "all":
+            for i in range(self.num_layers):
+                handle._release(i, first_bad)
+        invalid = tuple(range(first_bad, len(pages)))
+        for j in invalid:
+            p = pages[j]
+            self._pool.invalidate(p.slot, p.generation)
+        released = tuple(handle._released)
+        return LoadResult(first_bad, invalid, dict(sorted(reasons.items())),
+                          any(r > first_bad for r in released), released)
+
+    # -- host pages ---------------------------------------------------------------
+
+    def free(self, pages: Sequence[PageRef]) -> None:
+        """Returns pages to the pool (deferred while a transfer reads them).
+
+        Raises:
+          PoolError: an unknown slot, a stale ref, or a double free (nothing freed).
+        """
+        pages = list(pages)
+        for j, p in enumerate(pages):
+            if not isinstance(p, PageRef):
+                raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
+        for p in pages:
+            self._pool.release(p.slot, p.generation)
+
+    def _page_range(self, page: PageRef, layer: int) -> tuple[np.ndarray, int, int]:
+        if not isinstance(page, PageRef):
+            raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        gen, state, key = self._pool.state(page.slot)
+        if gen != page.generation or state != "valid":
+            raise PoolError(f"{page} is not a valid page (slot generation {gen}, {state})")
+        cls, pos = self._layer_class[layer]
+        lo, hi = self._pool.pools[cls.index].layer_range(pos)
+        return self._pool.pools[cls.index].data[page.slot], lo, hi
+
+    def read_block_bytes(self, page: PageRef, layer: int) -> bytes:
+        """The host bytes of one layer of a page (all shards, shard-major)."""
+        row, lo, hi = self._page_range(page, layer)
+        return row[lo:hi].tobytes()
+
+    def write_block_bytes(self, page: PageRef, layer: int,
+                          data: bytes | bytearray | memoryview) -> None:
+        """Replaces the host bytes of one layer of a page and re-digests them.
+
+        Args:
+          page: a valid page.
+          layer: the layer.
+          data: exactly ``plan.class_of_layer(layer)[0].bytes_per_block`` bytes.
+
+        Raises:
+          TypeError: ``data`` is not bytes-like. ValueError: wrong length.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, bytearray or memoryview. Got {type(data)}")
+        buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        row, lo, hi = self._page_range(page, layer)
+        if buf.size != hi - lo:
+            raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {hi - lo}")
+        row[lo:hi] = buf
+        if self.integrity == "page":
+            cls, pos = self._layer_class[layer]
+            pool = self._pool.pools[cls.index]
+            for s in range(cls.num_shards):
+                a, b = pool.shard_range(pos, s)
+                words = _integrity.as_words_np(row[a:b][None], batch_dims=1)
+                ident = page_identities([page.key], [page.generation], [layer], s)[0]
+                pool.digests[page.slot, pos, s, :_integrity.DIGEST_WORDS] = \
+                    _integrity.digest_np(words, ident)[0]
