@@ -108,14 +108,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per array")
     p.set_defaults(func=_cmd_inspect)
 
-    for register in _EXTRA_COMMANDS:
+    for register in _extra_commands():
         register(sub)
     return parser
 
 
-# Later commands register themselves here (plan, probe, bench, demo), each a
-# function taking the subparsers object.
-_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvxfer import config as _config
+    from kvxfer.plan import BudgetError, make_plan
+
+    spec = _config.load_builtin(args.config)
+    layers = spec.layer_specs(args.num_blocks, num_devices=args.devices,
+                              emulate_tpu=not args.no_tpu_layouts)
+    hosts = args.num_host_blocks or spec.num_host_blocks
+    try:
+        plan = make_plan(layers, hosts, path=args.path, host_memory_budget=args.budget)
+    except BudgetError as e:
+        if args.json:
+            print(json.dumps({"config": spec.name, "refused": True, "error": str(e)}))
+        print(f"kvxfer plan: refused: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"config": spec.name, "refused": False, **plan.as_dict()}))
+    else:
+        print(f"{spec.name}: {spec.description}")
+        print(plan)
+    return 0
+
+
+def _register_plan(sub: Any) -> None:
+    p = sub.add_parser("plan", help="host-memory plan of a model's KV caches, per slice class",
+                       description="Groups a model's layers into slice classes, sizes each "
+                       "class's host pool on its own and checks the total against the "
+                       "host-memory budget, before anything is allocated.")
+    p.add_argument("--config", required=True, help="a configs/ name or TOML path")
+    p.add_argument("--num-host-blocks", type=int, help="host pages (default: the config's)")
+    p.add_argument("--num-blocks", type=int, help="device blocks per layer (default: config)")
+    p.add_argument("--path", choices=["staged", "direct"], default="staged",
+                   help="staged stores dense blocks; direct stores the device bytes a raw "
+                   "copy moves (whole granularity groups when not addressable)")
+    p.add_argument("--budget", type=int, help="host-memory budget in bytes (default: half "
+                   "of the available host memory)")
+    p.add_argument("--devices", type=int, default=1, help="shard KV heads over N devices")
+    p.add_argument("--no-tpu-layouts", action="store_true",
+                   help="plan with row-major layouts instead of the emulated TPU ones")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _extra_commands() -> list[Callable[[Any], None]]:
+    from kvxfer import probe
+
+    return [_register_plan, probe.register_cli]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UsageError, LayoutError, ValueError, OSError, KeyError) as e:
+    except (UsageError, LayoutError, ValueError, OSError, KeyError, TimeoutError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kvxfer {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -1,0 +1,276 @@
+"""KVCacheManager: round trips over every config, mixed slice classes, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import kvxfer
+from kvxfer import config
+from kvxfer.probe import run_probe
+
+CONFIGS = ["tiny", "llama3-8b", "gemma-mixed", "deepseek-mla", "llama3-8b-fp8", "int8-kv",
+           "seed-good", "seed-interleaved"]
+
+
+def bits(a) -> np.ndarray:
+    x = np.asarray(a)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def check_loaded(caches, before, src, dst):
+    """Blocks ``dst`` hold the bits that blocks ``src`` held before; nothing else moved."""
+    for i, (a, b) in enumerate(zip(caches, before)):
+        got = bits(a)
+        assert np.array_equal(got[dst], b[src]), f"layer {i}: moved blocks differ"
+        rest = np.setdiff1d(np.arange(b.shape[0]), dst)
+        assert np.array_equal(got[rest], b[rest]), f"layer {i}: other blocks changed"
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_probe_round_trip_every_config(name, devices):
+    report = run_probe(name, num_pages=8, num_blocks=16, devices=devices, integrity="off",
+                       seed=devices)
+    assert report["ok"], report["layers"]
+    assert report["summary"]["verified_prefix"] == 8
+    assert len(report["layers"]) == config.load_builtin(name).num_layers
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_probe_paths(path):
+    report = run_probe("tiny", num_pages=8, num_blocks=16, path=path, integrity="off")
+    assert report["ok"]
+    assert set(r["path"] for r in report["layers"]) == {"staged" if path == "staged" else
+                                                        "emulated"}
+
+
+def test_direct_path_refuses_seed_layout_and_staged_still_round_trips():
+    report = run_probe("seed-interleaved", num_pages=4, num_blocks=16, path="direct")
+    assert report["ok"]
+    assert "rule 'block dim outermost' failed" in report["direct_refused"]
+    assert "{2,0,1:T(8,128)(2,1)}" in report["direct_refused"]
+
+
+@pytest.fixture
+def tiny_caches():
+    spec = config.load_builtin("tiny")
+    return spec, spec.build_caches(16, seed=3)
+
+
+def test_sharded_layers_move_per_shard(tiny_caches):
+    spec, _ = tiny_caches
+    caches = spec.build_caches(16, devices=jax.devices()[:4], seed=5)
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, integrity="off")
+    before = [bits(c) for c in caches]
+    pages = mgr.offload(caches, [9, 2, 5], keys=[1, 2, 3]).wait()
+    assert [c.num_shards for c in mgr.plan.classes] == [1, 4]  # replicated, sharded
+    assert [c.replicas for c in mgr.plan.classes] == [4, 1]
+    caches, handle = mgr.load(caches, pages, [0, 15, 7])
+    assert handle.result().verified_prefix == 3
+    check_loaded(caches, before, [9, 2, 5], [0, 15, 7])
+    for i, c in enumerate(caches):  # every shard and replica holds its part of block 0
+        for s in c.addressable_shards:
+            part = before[i][9][s.index[1:]]
+            assert np.array_equal(bits(s.data)[0], part), (i, s.device)
+    assert caches[2].sharding.spec == P(None, None, None, "kv")
+
+
+def test_replicas_all_receive_the_page():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("kv",))
+    x = jax.device_put(np.arange(8 * 16, dtype=np.float32).reshape(8, 16),
+                       NamedSharding(mesh, P()))
+    mgr = kvxfer.KVCacheManager([x], num_host_blocks=2, integrity="page")
+    pages = mgr.offload([x], [3], keys=[7]).wait()
+    (y,), handle = mgr.load([x], pages, [6])
+    assert handle.result().verified_prefix == 1
+    for s in y.addressable_shards:
+        assert np.array_equal(np.asarray(s.data)[6], np.arange(48, 64, dtype=np.float32))
+
+
+def test_mixed_classes_address_each_layer_with_its_own_slice(tiny_caches):
+    spec, caches = tiny_caches
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
+    sizes = [mgr.plan.class_of_layer(i)[0].bytes_per_block for i in range(4)]
+    assert sizes[0] != sizes[2]  # two slice classes of different sizes
+    before = [bits(c) for c in caches]
+    src, dst = [4, 11, 6], [13, 1, 8]
+    pages = mgr.offload(caches, src, keys=[b"p0", b"p1", b"p2"]).wait()
+    for layer, kind in [(1, bytes), (2, bytearray), (3, memoryview)]:
+        pattern = (np.arange(sizes[layer]) * (layer + 3) % 251).astype(np.uint8)
+        mgr.write_block_bytes(pages[1], layer, kind(pattern.tobytes()))
+        assert mgr.read_block_bytes(pages[1], layer) == pattern.tobytes()
+    caches, handle = mgr.load(caches, pages, dst)
+    assert handle.result().verified_prefix == 3
+    for i, (a, b) in enumerate(zip(caches, before)):
+        got = bits(a)
+        expected = b.copy()
+        expected[dst] = b[src]
+        if i in (1, 2, 3):
+            pattern = (np.arange(sizes[i]) * (i + 3) % 251).astype(np.uint8)
+            expected[dst[1]] = pattern.view(expected.dtype).reshape(expected.shape[1:])
+        assert np.array_equal(got, expected), f"layer {i}"
+
+
+def test_write_block_bytes_rejects_bad_data(tiny_caches):
+    _, caches = tiny_caches
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    (page,) = mgr.offload(caches, [0], keys=[1]).wait()
+    with pytest.raises(ValueError, match="layer 0: 3 bytes given, a block is 8192"):
+        mgr.write_block_bytes(page, 0, b"abc")
+    with pytest.raises(TypeError, match="bytes, bytearray or memoryview"):
+        mgr.write_block_bytes(page, 0, "text")
+
+
+# -- bad input: each error names what is wrong and leaves earlier pages loadable ----
+
+
+@pytest.fixture
+def mgr_with_pages(tiny_caches):
+    _, caches = tiny_caches
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=6)
+    before = [bits(c) for c in caches]
+    pages = mgr.offload(caches, [3, 7], keys=[10, 11]).wait()
+    return mgr, caches, before, pages
+
+
+def assert_pages_intact(mgr, caches, before, pages):
+    caches, handle = mgr.load(caches, pages, [14, 12])
+    assert handle.result().verified_prefix == 2
+    check_loaded(caches, before, [3, 7], [14, 12])
+
+
+def test_duplicate_ids(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    with pytest.raises(ValueError, match=r"device_blocks\[2\] = 5 duplicates device_blocks\[0\]"):
+        mgr.offload(caches, [5, 6, 5], keys=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"device_blocks\[1\] = 4 duplicates"):
+        mgr.load(caches, pages, [4, 4])
+    assert mgr.num_free_pages == 4  # nothing allocated by the refused offload
+    assert_pages_intact(mgr, caches, before, pages)
+
+
+def test_out_of_range_ids(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    with pytest.raises(ValueError, match=r"device_blocks\[1\] = 16 is out of range for layer 0"):
+        mgr.offload(caches, [0, 16], keys=[1, 2])
+    with pytest.raises(ValueError, match=r"device_blocks\[0\] = -1 is out of range"):
+        mgr.load(caches, pages, [-1, 2])
+    assert_pages_intact(mgr, caches, before, pages)
+
+
+def test_wrong_dtype_or_shape_on_load(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    bad = list(caches)
+    bad[2] = caches[2].astype(jnp.float32)
+    with pytest.raises(ValueError, match=r"layer 2: got f32\[16,16,2,4,64\], the manager was "
+                                         r"built for bf16\[16,16,2,4,64\]"):
+        mgr.load(bad, pages, [0, 1])
+    bad[2] = caches[2][:8]
+    with pytest.raises(ValueError, match=r"layer 2: got bf16\[8,16,2,4,64\]"):
+        mgr.load(bad, pages, [0, 1])
+    with pytest.raises(ValueError, match="kv_caches has 3 layers; the manager has 4"):
+        mgr.load(caches[:3], pages, [0, 1])
+    assert_pages_intact(mgr, caches, before, pages)
+
+
+def test_deleted_array(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    donated = list(caches)
+    donated[1] = jnp.array(caches[1])
+    jax.jit(lambda x: x + 0, donate_argnums=0)(donated[1])
+    with pytest.raises(ValueError, match="layer 1 is a deleted array"):
+        mgr.offload(donated, [0], keys=[1])
+    with pytest.raises(ValueError, match="layer 1 is a deleted array"):
+        kvxfer.KVCacheManager(donated, num_host_blocks=2)
+    assert_pages_intact(mgr, caches, before, pages)
+
+
+def test_unmaterialized_cache_times_out_naming_the_layer(tiny_caches):
+    _, caches = tiny_caches
+
+    @jax.jit
+    def slow(x):
+        m = jnp.ones((384, 384), jnp.float32)
+        m = jax.lax.fori_loop(0, 400, lambda i, m: jnp.tanh(m @ m), m)
+        return x + m[0, 0] * 0
+
+    pending = list(caches)
+    pending[3] = slow(caches[3])
+    if pending[3].is_ready():
+        pytest.skip("the computation finished before it could be observed")
+    with pytest.raises(TimeoutError, match="layer 3 is still being computed after 0.01 s"):
+        kvxfer.KVCacheManager(pending, num_host_blocks=2, ready_timeout=0.01)
+    mgr = kvxfer.KVCacheManager(pending, num_host_blocks=2)  # waits, then works
+    assert mgr.plan.num_layers == 4
+
+
+def test_budget_refused_before_allocation_and_staged_accepted():
+    spec = config.load_builtin("seed-interleaved")
+    layers = spec.layer_specs()
+    with pytest.raises(kvxfer.BudgetError, match=r"host plan needs 221.02 GiB .* direct path"):
+        kvxfer.make_plan(layers, 1886, path="direct", host_memory_budget=16 << 30)
+    plan = kvxfer.make_plan(layers, 1886, path="staged", host_memory_budget=16 << 30)
+    assert plan.classes[0].bytes_per_block == 3 * 2048 * 2
+    assert plan.total_host_bytes == 1886 * 20 * 3 * 2048 * 2
+
+
+def test_manager_budget_error_leaves_pages_of_other_managers(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    with pytest.raises(kvxfer.BudgetError, match="over the budget of 1 MiB"):
+        kvxfer.KVCacheManager(caches, num_host_blocks=1000, host_memory_budget=1 << 20)
+    assert_pages_intact(mgr, caches, before, pages)
+
+
+def test_pool_exhaustion_and_frees(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    with pytest.raises(kvxfer.PoolExhaustedError, match="5 pages requested, 4 of 6 slots free"):
+        mgr.offload(caches, [0, 1, 2, 4, 5], keys=[1, 2, 3, 4, 5])
+    extra = mgr.offload(caches, [0], keys=[9]).wait()
+    mgr.free(extra)
+    with pytest.raises(kvxfer.PoolError, match="double free of host slot"):
+        mgr.free(extra)
+    with pytest.raises(kvxfer.PoolError, match="unknown host slot 99"):
+        mgr.free([kvxfer.PageRef(1, 99, 1)])
+    assert_pages_intact(mgr, caches, before, pages)
+
+
+def test_stale_page_ref_is_a_miss_not_a_load(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    mgr.free(pages[1:])
+    reused = mgr.offload(caches, [0, 1, 2, 4], keys=[20, 21, 22, 23]).wait()
+    assert pages[1].slot in [p.slot for p in reused]
+    caches, handle = mgr.load(caches, pages, [14, 12])
+    result = handle.result()
+    assert result.verified_prefix == 1 and result.invalid_pages == (1,)
+    assert result.reasons[1].startswith("stale generation")
+    check_loaded(caches, before, [3], [14])
+
+
+def test_wrong_key_is_a_miss(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    caches, handle = mgr.load(caches, pages, [14, 12], keys=[10, 99])
+    result = handle.result()
+    assert result.verified_prefix == 1 and "wrong key" in result.reasons[1]
+
+
+def test_bad_arguments_name_the_value(tiny_caches):
+    _, caches = tiny_caches
+    with pytest.raises(ValueError, match="integrity='fast'"):
+        kvxfer.KVCacheManager(caches, num_host_blocks=2, integrity="fast")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    with pytest.raises(ValueError, match=r"keys\[0\]: key -1 of type int"):
+        mgr.offload(caches, [0], keys=[-1])
+    with pytest.raises(ValueError, match="gate='some'"):
+        mgr.load(caches, [], [], gate="some")
+    with pytest.raises(TypeError, match=r"pages\[0\]: expected a PageRef"):
+        mgr.load(caches, [(0, 1)], [0])
+
+
+def test_plan_prints_a_table(tiny_caches):
+    _, caches = tiny_caches
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
+    text = str(mgr.plan)
+    assert "bytes/block" in text and "host bytes" in text and "total:" in text
+    assert mgr.host_pool.nbytes == mgr.plan.total_host_bytes
