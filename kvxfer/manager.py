@@ -79,6 +79,21 @@ class LoadResult:
     consumed_before_failure: bool
     released_prefixes: tuple[int, ...]
 
+    def raise_if_consumed(self) -> None:
+        """Raises ``IntegrityError`` when a layer was released with a longer prefix.
+
+        Raises:
+          IntegrityError: naming the layers and the prefixes they were released with.
+        """
+        if self.consumed_before_failure:
+            layers = [i for i, p in enumerate(self.released_prefixes)
+                      if p > self.verified_prefix]
+            raise IntegrityError(
+                f"layers {layers} were released with prefixes "
+                f"{[self.released_prefixes[i] for i in layers]} before page "
+                f"{self.verified_prefix} was found bad ({self.reasons}); restart the "
+                f"request from page {self.verified_prefix}")
+
 
 class OffloadHandle:
     """An offload in flight; ``wait()`` gives the page refs once the bytes are on host."""
@@ -113,12 +128,13 @@ class LoadHandle:
         self._done = threading.Event()
         self._result: LoadResult | None = None
         self._error: BaseException | None = None
-        self._consumed = [False] * num_layers
+        self._verified = [False] * num_layers
 
     # -- worker side ----------------------------------------------------------
 
     def _release(self, layer: int, prefix: int) -> None:
         self._released[layer] = prefix
+        self._verified[layer] = True
         self._events[layer].set()
 
     def _finish(self, result: LoadResult | None, error: BaseException | None) -> None:
@@ -137,17 +153,17 @@ class LoadHandle:
           be consumed.
 
         Raises:
-          TransferError: the transfer failed.
+          TransferError: the transfer failed before this layer was released (a
+            layer released earlier keeps its prefix; ``result()`` raises).
           TimeoutError: not released within ``timeout`` seconds.
         """
         if not 0 <= layer < len(self._events):
             raise IndexError(f"layer {layer} out of range [0, {len(self._events)})")
         if not self._events[layer].wait(timeout):
             raise TimeoutError(f"layer {layer} not ready after {timeout} s")
-        if self._error is not None:
+        if not self._verified[layer]:
             raise TransferError(f"load failed before layer {layer} was ready: "
                                 f"{self._error}") from self._error
-        self._consumed[layer] = True
         return self._released[layer]
 
     def done(self) -> bool:
@@ -165,6 +181,18 @@ class LoadHandle:
             raise TransferError(f"load failed: {self._error}") from self._error
         assert self._result is not None
         return self._result
+
+
+def _agree_min(value: int) -> int:
+    """The minimum of ``value`` over every process, through a JAX collective.
+
+    Every process runs its loads in the same order on its transfer thread, so the
+    collectives line up; all ranks then keep and recompute the same pages.
+    """
+    from jax.experimental import multihost_utils
+
+    values = multihost_utils.process_allgather(np.array([value], dtype=np.int32))
+    return int(np.min(values))
 
 
 def _wait_ready(array: jax.Array, timeout: float, name: str) -> None:
@@ -488,8 +516,21 @@ class KVCacheManager:
 
         def finish() -> None:
             try:
-                result = self._finish_load(handle, new, pages, ids, n, states, reasons)
+                prefix, error = self._verify_load(handle, new, pages, ids, n, states,
+                                                  reasons), None
             except Exception as e:  # a transfer or device failure is an error, not a miss
+                prefix, error = -1, e
+            try:
+                if jax.process_count() > 1:
+                    # Every rank takes part even after a local failure, so none hangs.
+                    agreed = _agree_min(prefix)
+                    if agreed < 0 and error is None:
+                        error = TransferError("a transfer failed on another process")
+                    prefix = agreed
+                if error is not None:
+                    raise error
+                result = self._settle_load(handle, pages, prefix, reasons)
+            except Exception as e:
                 handle._finish(None, e)
             else:
                 handle._finish(result, None)
@@ -499,9 +540,14 @@ class KVCacheManager:
         self._worker.submit(finish)
         return new, handle
 
-    def _finish_load(self, handle: LoadHandle, new: list[jax.Array], pages: list[PageRef],
+    def _verify_load(self, handle: LoadHandle, new: list[jax.Array], pages: list[PageRef],
                      ids: np.ndarray, n: int, states: list[Any],
-                     reasons: dict[int, str]) -> LoadResult:
+                     reasons: dict[int, str]) -> int:
+        """Completes the copies layer by layer, verifying and releasing (gate="layer").
+
+        Returns:
+          The local verified prefix (over every layer and shard of this process).
+        """
         prefix = n
         new_layers = self._layers(new) if (n and self.integrity == "page") else None
         keys = [p.key for p in pages[:n]]
@@ -530,7 +576,11 @@ class KVCacheManager:
                         prefix = min(prefix, int(j))
             if handle.gate == "layer":
                 handle._release(i, prefix)
-        first_bad = min([prefix] + list(reasons))
+        return min([prefix] + list(reasons))
+
+    def _settle_load(self, handle: LoadHandle, pages: list[PageRef], first_bad: int,
+                     reasons: dict[int, str]) -> LoadResult:
+        """Releases (gate="all"), invalidates the bad page and all after it, reports."""
         if handle.gate == "all":
             for i in range(self.num_layers):
                 handle._release(i, first_bad)
@@ -538,6 +588,8 @@ class KVCacheManager:
         for j in invalid:
             p = pages[j]
             self._pool.invalidate(p.slot, p.generation)
+            if j == first_bad and j not in reasons:
+                reasons[j] = "invalid on another process"
         released = tuple(handle._released)
         return LoadResult(first_bad, invalid, dict(sorted(reasons.items())),
                           any(r > first_bad for r in released), released)

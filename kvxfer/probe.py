@@ -32,7 +32,7 @@ __all__ = ["run_probe", "register_cli", "round_trip"]
 
 
 def _host_bits(a: jax.Array) -> np.ndarray:
-    x = np.asarray(a)
+    x = np.array(a)  # a copy: on CPU np.asarray views the live device buffer
     return x.view(np.dtype(f"u{x.dtype.itemsize}"))
 
 

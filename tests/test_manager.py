@@ -15,7 +15,8 @@ CONFIGS = ["tiny", "llama3-8b", "gemma-mixed", "deepseek-mla", "llama3-8b-fp8", 
 
 
 def bits(a) -> np.ndarray:
-    x = np.asarray(a)
+    """A copy of the array's bits (a CPU array's np.asarray is a view of its buffer)."""
+    x = np.array(a)
     return x.view(np.dtype(f"u{x.dtype.itemsize}"))
 
 

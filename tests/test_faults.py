@@ -1,0 +1,128 @@
+"""The fault matrix: every fault x dtype x page size x gate is detected and recovered."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import kvxfer
+from kvxfer import faults
+
+DTYPES = ["bfloat16", "float8_e4m3fn", "float32"]
+PAGE_SIZES = [16 << 10, 64 << 10, 1 << 20]
+SRC, DST = [5, 1, 6, 2], [0, 7, 3, 4]
+BAD, BAD_LAYER, LAYERS = 2, 1, 3
+REASONS = {"bitflip": "digest mismatch in layer 1", "wrong-key": "wrong key",
+           "misfile": "digest mismatch in layer 0", "stale-slot": "stale generation",
+           "one-shard": "shard disagreement", "torn": "digest mismatch in layer 1"}
+
+
+def bits(a) -> np.ndarray:
+    """A copy of the array's bits (a CPU array's np.asarray is a view of its buffer)."""
+    x = np.array(a)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def make_caches(dtype, page_bytes, sharded, seed=0):
+    itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
+    shape = (8, page_bytes // itemsize // 256, 2, 128)
+    rng = np.random.default_rng(seed)
+    if sharded:
+        mesh = Mesh(np.array(jax.devices()[:2]), ("kv",))
+        sharding = NamedSharding(mesh, P(None, None, "kv"))
+    else:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    out = []
+    for _ in range(LAYERS):
+        raw = rng.integers(0, 256, size=shape[:-1] + (128 * itemsize,), dtype=np.uint8)
+        out.append(jax.device_put(raw.view(jax.numpy.dtype(dtype)).reshape(shape), sharding))
+    return out
+
+
+@pytest.mark.parametrize("gate", ["layer", "all"])
+@pytest.mark.parametrize("page_bytes", PAGE_SIZES, ids=["16KiB", "64KiB", "1MiB"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fault", list(REASONS) + ["transfer"])
+def test_fault_matrix(fault, dtype, page_bytes, gate):
+    caches = make_caches(dtype, page_bytes, sharded=fault == "one-shard")
+    before = [bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
+    assert mgr.plan.classes[0].bytes_per_block == page_bytes
+    pages = mgr.offload(caches, SRC, keys=[101, 102, 103, 104]).wait()
+    keys = None
+    if fault != "transfer":
+        pages, keys = faults.inject(fault, mgr, caches, pages, BAD, BAD_LAYER)
+
+    def released_blocks_are_good(new, layer, prefix):
+        got = bits(new[layer])
+        for j in range(prefix):
+            assert np.array_equal(got[DST[j]], before[layer][SRC[j]]), (layer, j)
+
+    if fault == "transfer":
+        with faults.failing_transfer(mgr, after_layers=BAD_LAYER):
+            new, handle = mgr.load(caches, pages, DST, gate=gate)
+            with pytest.raises(kvxfer.TransferError, match="injected device transfer failure"):
+                handle.result()
+        if gate == "layer":  # what was released before the failure is correct
+            released_blocks_are_good(new, 0, handle.layer_ready(0))
+        with pytest.raises(kvxfer.TransferError):
+            handle.layer_ready(LAYERS - 1)
+        return
+
+    new, handle = mgr.load(caches, pages, DST, keys=keys, gate=gate)
+    for layer in range(LAYERS):  # consume each layer as soon as it is released
+        released_blocks_are_good(new, layer, handle.layer_ready(layer))
+    result = handle.result()
+    assert result.verified_prefix == BAD
+    assert result.invalid_pages == (2, 3)
+    assert REASONS[fault] in result.reasons[BAD]
+    for layer in range(LAYERS):
+        released_blocks_are_good(new, layer, BAD)
+    consumed = gate == "layer" and fault in ("bitflip", "torn", "one-shard")
+    assert result.consumed_before_failure == consumed
+    if consumed:
+        with pytest.raises(kvxfer.IntegrityError, match="restart the request from page 2"):
+            result.raise_if_consumed()
+    # The bad page and those after it were freed; the verified ones are still ours.
+    mgr.free(pages[:BAD])
+    if fault == "stale-slot":  # the slot belongs to the page that reused it
+        gen, state, key = mgr.host_pool.state(pages[BAD].slot)
+        assert state == "valid" and gen > pages[BAD].generation
+        with pytest.raises(kvxfer.PoolError, match="is stale"):
+            mgr.free([pages[BAD]])
+        pages[BAD] = kvxfer.PageRef(key, pages[BAD].slot, gen)
+    mgr.free(pages[BAD:])  # freeing invalidated refs is a no-op
+    assert mgr.num_free_pages == 8
+
+
+def test_gate_all_releases_nothing_before_verification():
+    caches = make_caches("bfloat16", 16 << 10, sharded=False)
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
+    pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+    faults.flip_bit(mgr, pages[1], layer=2)
+    with faults.failing_transfer(mgr, after_layers=LAYERS):  # slow nothing, count layers
+        new, handle = mgr.load(caches, pages, DST, gate="all")
+        assert handle.layer_ready(0) == 1  # layer 0 was fine, but released with the final prefix
+    assert handle.result().released_prefixes == (1, 1, 1)
+
+
+def test_clean_run_has_no_false_positives():
+    """At least 1 GiB of pages through offload and load, integrity on, zero mismatches."""
+    caches = make_caches("bfloat16", 256 << 10, sharded=False, seed=9)
+    caches = [jax.numpy.concatenate([c] * 8) for c in caches]  # 64 blocks x 3 layers
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=64)
+    rng = np.random.default_rng(1)
+    moved = 0
+    while moved < (1 << 30):
+        src = rng.permutation(64)[:48]
+        dst = rng.permutation(64)[:48]
+        before = [bits(c) for c in caches]
+        pages = mgr.offload(caches, src, keys=[int(k) for k in rng.integers(0, 2**62, 48)]).wait()
+        caches, handle = mgr.load(caches, pages, dst, gate="layer")
+        result = handle.result()
+        assert result.verified_prefix == 48 and not result.reasons
+        for c, b in zip(caches, before):
+            assert np.array_equal(bits(c)[dst], b[src])
+        mgr.free(pages)
+        moved += 48 * 3 * (256 << 10)
+    assert mgr.num_free_pages == 64
