@@ -166,6 +166,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    devices = getattr(args, "devices", None)
+    if isinstance(devices, int) and devices > 1:
+        # On the CPU backend, several devices exist only if asked for before start-up.
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", devices)
     try:
         return int(args.func(args) or 0)
     except (UsageError, LayoutError, ValueError, OSError, KeyError, TimeoutError) as e:

@@ -36,6 +36,8 @@ __all__ = ["FAULTS", "flip_bit", "wrong_keys", "misfile", "reuse_slot", "corrupt
            "tear", "failing_transfer", "inject"]
 
 FAULTS = ("bitflip", "wrong-key", "misfile", "stale-slot", "one-shard", "torn", "transfer")
+"""The faults ``inject`` and ``kvxfer probe --inject`` know (``one-process`` is a
+``bitflip`` on one rank of a multi-process job)."""
 
 
 def _layer_bytes(mgr: KVCacheManager, page: PageRef, layer: int,

@@ -25,6 +25,8 @@ import numpy as np
 
 from kvxfer import config as _config
 from kvxfer._text import format_bytes, table
+from kvxfer.engine import TransferError
+from kvxfer.faults import FAULTS
 from kvxfer.layout import LayoutError
 from kvxfer.manager import KVCacheManager
 
@@ -46,9 +48,13 @@ def _clobber(a: jax.Array, blocks: np.ndarray) -> jax.Array:
 
 
 def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
-               seed: int = 0, gate: str = "all") -> tuple[list[jax.Array], list[dict[str, Any]],
-                                                          dict[str, Any]]:
+               seed: int = 0, gate: str = "all", inject: str | None = None
+               ) -> tuple[list[jax.Array], list[dict[str, Any]], dict[str, Any]]:
     """Offload ``num_pages`` permuted blocks, clobber, load elsewhere, compare.
+
+    With ``inject`` (a ``kvxfer.faults`` name), the middle page is damaged on the
+    host before the load; the pages before it must still load byte-exact, and the
+    summary says whether the fault was detected at that page.
 
     Returns:
       ``(new_caches, per-layer rows, summary)``; each row has ``byte_exact``.
@@ -68,15 +74,48 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
         e = np.array(b)
         e[dst] = b[src]
         expected.append(e)
+    keys, bad, injected = None, None, {}
+    if inject is not None:
+        from kvxfer import faults
+
+        bad, layer = k // 2, len(caches) // 2
+        if inject == "one-shard":
+            layer = next((i for i in range(len(caches))
+                          if mgr.plan.class_of_layer(i)[0].num_shards > 1), None)
+            if layer is None:
+                raise ValueError("--inject one-shard needs a sharded layer (use --devices 2+)")
+        injected = {"fault": inject, "page": bad, "layer": layer}
+        if inject != "transfer":
+            pages, keys = faults.inject(inject, mgr, clobbered, pages, bad, layer, seed=seed)
     t0 = time.perf_counter()
-    new, handle = mgr.load(clobbered, pages, dst, gate=gate)
+    if inject == "transfer":
+        from kvxfer import faults
+
+        with faults.failing_transfer(mgr, after_layers=injected["layer"]):
+            new, handle = mgr.load(clobbered, pages, dst, keys=keys, gate=gate)
+            try:
+                handle.result()
+                injected["detected"] = False
+            except TransferError as e:
+                injected.update(detected=True, error=str(e))
+        t_load = time.perf_counter() - t0
+        return new, [], {"pages": k, "verified_prefix": 0, "reasons": {}, "offload_s": t_off,
+                         "load_s": t_load, "bytes_moved": 0, "injected": injected}
+    new, handle = mgr.load(clobbered, pages, dst, keys=keys, gate=gate)
     result = handle.result()
     t_load = time.perf_counter() - t0
     mgr.free(pages[:result.verified_prefix])
+    if inject is not None:
+        mgr.free([p for p in pages[result.verified_prefix:] if inject != "stale-slot"
+                  or p is not pages[bad]])
+        injected.update(detected=result.verified_prefix == bad and bad in result.reasons,
+                        reason=result.reasons.get(bad, ""),
+                        consumed_before_failure=result.consumed_before_failure)
     rows = []
     for i, (a, e) in enumerate(zip(new, expected)):
         got = _host_bits(a)
-        moved = bool(np.array_equal(got[dst], e[dst]))
+        good = dst[:result.verified_prefix]
+        moved = bool(np.array_equal(got[good], e[good]))
         rest = np.ones(n, bool)
         rest[dst] = False
         untouched = bool(np.array_equal(got[rest], e[rest]))
@@ -86,12 +125,15 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
     summary = {"pages": k, "verified_prefix": result.verified_prefix,
                "reasons": {str(j): r for j, r in result.reasons.items()},
                "offload_s": t_off, "load_s": t_load, "bytes_moved": moved_bytes}
+    if inject is not None:
+        summary["injected"] = injected
     return new, rows, summary
 
 
 def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None,
               devices: int = 1, path: str = "auto", integrity: str = "off",
-              emulate_tpu: bool = True, gate: str = "all", seed: int = 0) -> dict[str, Any]:
+              emulate_tpu: bool = True, gate: str = "all", seed: int = 0,
+              inject: str | None = None) -> dict[str, Any]:
     """Runs the round trip over one config; see the module docstring.
 
     With ``path="direct"`` and emulated TPU layouts, classes the inspector rejects
@@ -117,7 +159,10 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
         mgr = KVCacheManager(caches, num_host_blocks=num_pages, layouts=layouts,
                              integrity=integrity, path="staged", host_memory_budget=1 << 40)
     with mgr:
-        _, rows, summary = round_trip(mgr, caches, num_pages, seed=seed, gate=gate)
+        if inject is not None and integrity != "page":
+            raise ValueError(f"--inject {inject} needs --integrity page")
+        _, rows, summary = round_trip(mgr, caches, num_pages, seed=seed, gate=gate,
+                                      inject=inject)
         paths = mgr.paths
         plan = mgr.plan
     disagreements = []
@@ -131,6 +176,8 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
     if refusal is not None and all(g.addressable for g in geos):
         disagreements.append("the direct path refused layouts the inspector accepts")
     ok = all(r["byte_exact"] for r in rows) and not disagreements
+    if inject is not None:
+        ok = ok and summary["injected"].get("detected", False)
     return {"config": spec.name, "backend": jax.devices()[0].platform,
             "devices": devices, "path_requested": path, "integrity": integrity,
             "direct_refused": refusal, "layers": rows, "summary": summary,
@@ -149,6 +196,11 @@ def _print_human(report: dict[str, Any]) -> None:
     s = report["summary"]
     if report["direct_refused"]:
         print(f"direct path refused (expected for rejected layouts): {report['direct_refused']}")
+    if "injected" in s:
+        inj = s["injected"]
+        print(f"injected {inj['fault']} into page {inj['page']} layer {inj['layer']}: "
+              + ("detected" if inj.get("detected") else "NOT DETECTED")
+              + (f" ({inj.get('reason') or inj.get('error')})"))
     print(f"{report['config']} on {report['backend']} x{report['devices']}: {s['pages']} pages, "
           f"{format_bytes(s['bytes_moved'])} each way, offload {s['offload_s'] * 1e3:.1f} ms, "
           f"load {s['load_s'] * 1e3:.1f} ms, verified prefix {s['verified_prefix']}: "
@@ -161,9 +213,11 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         configs = ["seed-good", "seed-interleaved"]
     reports = []
     for name in configs:
+        integrity = args.integrity or ("page" if args.inject else "off")
         report = run_probe(name, num_pages=args.pages, num_blocks=args.num_blocks,
-                           devices=args.devices, path=args.path, integrity=args.integrity,
-                           emulate_tpu=not args.no_tpu_layouts, gate=args.gate, seed=args.seed)
+                           devices=args.devices, path=args.path, integrity=integrity,
+                           emulate_tpu=not args.no_tpu_layouts, gate=args.gate, seed=args.seed,
+                           inject=args.inject)
         reports.append(report)
         if args.json:
             print(json.dumps(report))
@@ -188,7 +242,11 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--num-blocks", type=int, help="device blocks per layer (default: config)")
     p.add_argument("--devices", type=int, default=1, help="shard over N devices")
     p.add_argument("--path", choices=["auto", "staged", "direct"], default="auto")
-    p.add_argument("--integrity", choices=["off", "page"], default="off")
+    p.add_argument("--integrity", choices=["off", "page"],
+                   help="default: off, or page with --inject")
+    p.add_argument("--inject", choices=list(FAULTS),
+                   help="damage the middle page on the host before loading; exit 0 only "
+                   "if it is detected at that page and the pages before it load exact")
     p.add_argument("--gate", choices=["all", "layer"], default="all")
     p.add_argument("--no-tpu-layouts", action="store_true",
                    help="ignore the configs' emulated TPU layouts")

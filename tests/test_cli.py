@@ -65,3 +65,22 @@ def test_inspect_catalog_disagreement_exits_nonzero(tmp_path):
     r = kvxfer("inspect", "--catalog", str(path))
     assert r.returncode == 1
     assert "wrong: granularity is 8, expected 16" in r.stderr
+
+
+def test_probe_cli_inject_json(repo_root):
+    r = kvxfer("probe", "--config", "tiny", "--num-blocks", "16", "--pages", "4", "--inject",
+               "bitflip", "--json", cwd=repo_root)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["summary"]["injected"]["detected"] and report["integrity"] == "page"
+
+
+def test_plan_cli_refuses_seed_direct_path_and_accepts_staged(repo_root):
+    r = kvxfer("plan", "--config", "seed-interleaved", "--path", "direct", "--json",
+               "--budget", str(16 << 30), cwd=repo_root)
+    assert r.returncode == 1 and "221.02 GiB" in r.stderr
+    assert json.loads(r.stdout)["refused"] is True
+    r = kvxfer("plan", "--config", "seed-interleaved", "--json", "--budget", str(16 << 30),
+               cwd=repo_root)
+    plan = json.loads(r.stdout)
+    assert r.returncode == 0 and plan["classes"][0]["bytes_per_block"] == 12288

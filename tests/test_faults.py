@@ -194,3 +194,19 @@ def test_slots_read_by_a_load_in_flight_are_not_reused():
     for c, b in zip(new, before):
         assert np.array_equal(bits(c)[DST], b[SRC])
     assert mgr.num_free_pages == 4
+
+
+@pytest.mark.parametrize("fault", faults.FAULTS)
+def test_probe_inject_detects_each_fault(fault):
+    from kvxfer.probe import run_probe
+
+    if fault == "one-shard":
+        report = run_probe("tiny", num_pages=6, num_blocks=16, devices=2, integrity="page",
+                           inject=fault, gate="layer")
+    else:
+        report = run_probe("tiny", num_pages=6, num_blocks=16, integrity="page",
+                           inject=fault, gate="layer")
+    injected = report["summary"]["injected"]
+    assert report["ok"] and injected["detected"], injected
+    if fault != "transfer":
+        assert report["summary"]["verified_prefix"] == 3
