@@ -39,7 +39,7 @@ from kvxfer.layout import Layout, LayoutError, inspect
 from kvxfer.plan import SliceClass
 
 __all__ = ["TransferError", "ShardedLayer", "StagedMover", "RawMover", "EmulatedMover",
-           "bucket", "page_identities"]
+           "bucket", "PageBatch"]
 
 assert integrity.DIGEST_WORDS <= DIGEST_SLOTS
 
@@ -95,17 +95,42 @@ def assemble(template: jax.Array, shard_arrays: Sequence[Sequence[jax.Array]]) -
     return jax.make_array_from_single_device_arrays(template.shape, template.sharding, flat)
 
 
-def page_identities(keys: Sequence[int], generations: Sequence[int], layers: Sequence[int],
-                    shard: int) -> np.ndarray:
-    """``uint32[len(layers), len(keys), 5]`` identities for the digests of one shard."""
-    keys = np.asarray(keys, dtype=np.uint64)
-    out = np.empty((len(layers), len(keys), integrity.IDENTITY_WORDS), dtype=np.uint32)
-    out[:, :, 0] = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)[None, :]
-    out[:, :, 1] = (keys >> np.uint64(32)).astype(np.uint32)[None, :]
-    out[:, :, 2] = np.asarray(layers, dtype=np.uint32)[:, None]
-    out[:, :, 3] = np.asarray(generations, dtype=np.uint32)[None, :]
-    out[:, :, 4] = shard
-    return out
+class PageBatch:
+    """The pages of one transfer: device block ids and page identities.
+
+    Digests are bound to (key, layer, generation, shard). The batch holds the
+    per-page words once; programs insert the layer, and device copies of the ids
+    and identities are made once per device, not once per layer.
+    """
+
+    def __init__(self, ids: np.ndarray, keys: Sequence[int], generations: Sequence[int]):
+        self.ids = np.asarray(ids, dtype=np.int32)
+        self.k = len(self.ids)
+        self.padded = _pad_ids(self.ids)
+        base = np.zeros((len(self.padded), integrity.IDENTITY_WORDS), dtype=np.uint32)
+        keys64 = np.asarray(list(keys), dtype=np.uint64)
+        base[:self.k, 0] = (keys64 & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        base[:self.k, 1] = (keys64 >> np.uint64(32)).astype(np.uint32)
+        base[:self.k, 3] = np.asarray(list(generations), dtype=np.uint32)
+        self._base = base
+        self._device: dict[tuple[Any, int], tuple[jax.Array, jax.Array]] = {}
+
+    def identity(self, layer: int, shard: int) -> np.ndarray:
+        """``uint32[k, 5]`` identities of one layer and shard (host side)."""
+        out = self._base[:self.k].copy()
+        out[:, 2] = layer
+        out[:, 4] = shard
+        return out
+
+    def on(self, device: Any, shard: int) -> tuple[jax.Array, jax.Array]:
+        """(padded ids, identities without the layer) on ``device``."""
+        key = (device, shard)
+        if key not in self._device:
+            base = self._base.copy()
+            base[:, 4] = shard
+            self._device[key] = (jax.device_put(self.padded, device),
+                                 jax.device_put(base, device))
+        return self._device[key]
 
 
 def _pad_ids(ids: np.ndarray) -> np.ndarray:
@@ -134,22 +159,29 @@ def _bits(a: jax.Array) -> jax.Array:
     return a
 
 
+def _with_layer(base: jax.Array, layer: jax.Array) -> jax.Array:
+    return base.at[:, 2].set(layer)
+
+
 @functools.partial(jax.jit, static_argnames=("with_digest",))
-def _gather(arrays: tuple[jax.Array, ...], ids: jax.Array, identity: jax.Array,
-            with_digest: bool):
+def _gather(arrays: tuple[jax.Array, ...], ids: jax.Array, base: jax.Array,
+            layer_nums: jax.Array, with_digest: bool):
     """Blocks ``ids`` of every layer stacked ``[L, k, ...]``, and their digests."""
     pages = jnp.stack([_bits(a)[ids] for a in arrays])
     if not with_digest:
         return pages, None
     words = integrity.as_words(pages, batch_dims=2)
+    identity = jax.vmap(_with_layer, in_axes=(None, 0))(base, layer_nums)
     return pages, integrity.digest(words, identity)
 
 
 @jax.jit
-def _digest_blocks(arrays: tuple[jax.Array, ...], ids: jax.Array, identity: jax.Array):
+def _digest_blocks(arrays: tuple[jax.Array, ...], ids: jax.Array, base: jax.Array,
+                   layer_nums: jax.Array):
     """Digests ``uint32[L, k, D]`` of blocks ``ids`` of every layer (no copy out)."""
     return jnp.stack([integrity.digest(integrity.as_words(_bits(a)[ids], batch_dims=1),
-                                       identity[i]) for i, a in enumerate(arrays)])
+                                       _with_layer(base, layer_nums[i]))
+                      for i, a in enumerate(arrays)])
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -170,20 +202,31 @@ def _scatter(arrays: tuple[jax.Array, ...], ids: jax.Array, pages: jax.Array):
 # ---------------------------------------------------------------------------
 
 
-def _device_digests(cls: SliceClass, layers: Sequence[ShardedLayer], ids: np.ndarray,
-                    identities: list[np.ndarray], positions: Sequence[int]) -> np.ndarray:
-    """Digests ``uint32[len(positions), shards, k, D]`` computed on each shard's device."""
-    padded_ids = _pad_ids(ids)
-    k, out = len(ids), []
-    for s in range(cls.num_shards):
-        arrays = tuple(layers[p].primary[s] for p in positions)
-        device = next(iter(arrays[0].devices()))
-        ident = np.zeros((len(positions), len(padded_ids), integrity.IDENTITY_WORDS), np.uint32)
-        ident[:, :k] = identities[s]
-        d = _digest_blocks(arrays, jax.device_put(padded_ids, device),
-                           jax.device_put(ident, device))
-        out.append(np.asarray(d)[:, :k])
-    return np.stack(out, axis=1)
+class Pending:
+    """Digests being computed on the devices; ``get()`` waits and gathers them."""
+
+    def __init__(self, parts: list[Any], k: int):
+        self._parts = parts
+        self._k = k
+
+    def get(self) -> np.ndarray:
+        """``uint32[positions, shards, k, D]``."""
+        return np.stack([np.asarray(p)[:, :self._k] for p in self._parts], axis=1)
+
+
+_LAYER_NUMS: dict[tuple[Any, tuple[int, ...]], jax.Array] = {}
+
+
+def _layer_nums(device: Any, layers: tuple[int, ...]) -> jax.Array:
+    """Device copies of layer-number vectors, made once (there are few distinct ones)."""
+    key = (device, layers)
+    if key not in _LAYER_NUMS:
+        _LAYER_NUMS[key] = jax.device_put(np.asarray(layers, dtype=np.uint32), device)
+    return _LAYER_NUMS[key]
+
+
+def _device_of(a: jax.Array) -> Any:
+    return next(iter(a.devices()))
 
 
 class Mover(abc.ABC):
@@ -202,9 +245,9 @@ class Mover(abc.ABC):
         self.pool = pool
 
     @abc.abstractmethod
-    def gather(self, layers: Sequence[ShardedLayer], ids: np.ndarray,
-               identities: list[np.ndarray] | None) -> Any:
-        """Starts reading blocks ``ids`` (and their digests when identities are given)."""
+    def gather(self, layers: Sequence[ShardedLayer], batch: PageBatch, with_digest: bool
+               ) -> Any:
+        """Starts reading the batch's blocks (and their digests)."""
 
     @abc.abstractmethod
     def finish_offload(self, state: Any, slots: np.ndarray) -> None:
@@ -212,16 +255,23 @@ class Mover(abc.ABC):
 
     @abc.abstractmethod
     def load(self, arrays: Sequence[jax.Array], layers: Sequence[ShardedLayer],
-             ids: np.ndarray, slots: np.ndarray) -> tuple[list[jax.Array], Any]:
+             batch: PageBatch, slots: np.ndarray) -> tuple[list[jax.Array], Any]:
         """Starts writing host ``slots`` into blocks ``ids``; returns the new arrays."""
 
     def finish_load_layer(self, state: Any, pos: int) -> None:
         """Completes the copy of layer ``pos`` of the class (transfer thread)."""
 
-    def digests(self, layers: Sequence[ShardedLayer], ids: np.ndarray,
-                identities: list[np.ndarray], positions: Sequence[int]) -> np.ndarray:
-        """Device digests ``uint32[len(positions), shards, k, D]`` of blocks ``ids``."""
-        return _device_digests(self.cls, layers, ids, identities, positions)
+    def digests(self, layers: Sequence[ShardedLayer], batch: PageBatch,
+                positions: Sequence[int]) -> Pending:
+        """Starts the device digests ``[len(positions), shards, k, D]`` of the blocks."""
+        parts = []
+        nums = tuple(self.cls.layers[p] for p in positions)
+        for s in range(self.cls.num_shards):
+            arrays = tuple(layers[p].primary[s] for p in positions)
+            device = _device_of(arrays[0])
+            ids_d, base_d = batch.on(device, s)
+            parts.append(_digest_blocks(arrays, ids_d, base_d, _layer_nums(device, nums)))
+        return Pending(parts, batch.k)
 
     def _store_digests(self, slots: np.ndarray, shard: int, d: np.ndarray) -> None:
         # d: [L, k, D] -> pool.digests[slot, L, shard, D]
@@ -234,21 +284,15 @@ class StagedMover(Mover):
 
     name = "staged"
 
-    def gather(self, layers, ids, identities):
-        padded = jnp.asarray(_pad_ids(ids))
-        k, out = len(ids), []
+    def gather(self, layers, batch, with_digest):
+        out = []
         for s in range(self.cls.num_shards):
             arrays = tuple(layer.primary[s] for layer in layers)
-            device = next(iter(arrays[0].devices()))
-            ident = None
-            if identities is not None:
-                ident = np.zeros((len(layers), len(padded), integrity.IDENTITY_WORDS),
-                                 np.uint32)
-                ident[:, :k] = identities[s]
-            ids_d = jax.device_put(padded, device)
-            ident_d = jax.device_put(ident, device) if ident is not None else None
-            out.append(_gather(arrays, ids_d, ident_d, with_digest=ident is not None))
-        return k, out
+            device = _device_of(arrays[0])
+            ids_d, base_d = batch.on(device, s)
+            out.append(_gather(arrays, ids_d, base_d, _layer_nums(device, self.cls.layers),
+                               with_digest=with_digest))
+        return batch.k, out
 
     def finish_offload(self, state, slots):
         k, outs = state
@@ -262,11 +306,13 @@ class StagedMover(Mover):
             if digests is not None:
                 self._store_digests(slots, s, np.asarray(digests))
 
-    def load(self, arrays, layers, ids, slots):
-        k = len(ids)
-        b = bucket(k)
+    def load(self, arrays, layers, batch, slots):
+        k, b = batch.k, len(batch.padded)
         new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
                                                     for _ in layers]
+        # Padding entries point past the end and are dropped by the scatter.
+        ids_pad = np.full(b, np.iinfo(np.int32).max, dtype=np.int32)
+        ids_pad[:k] = batch.ids
         for s in range(self.cls.num_shards):
             block = layers[0].primary[s].shape[1:]
             dtype = layers[0].primary[s].dtype
@@ -277,11 +323,9 @@ class StagedMover(Mover):
             for pos in range(len(layers)):
                 lo, hi = self.pool.shard_range(pos, s)
                 flat[pos, :k] = self.pool.data[slots, lo:hi]
-            ids_pad = np.full(b, np.iinfo(np.int32).max, dtype=np.int32)
-            ids_pad[:k] = ids
             for r in range(len(layers[0].shards[s])):
                 local = tuple(layer.shards[s][r] for layer in layers)
-                device = next(iter(local[0].devices()))
+                device = _device_of(local[0])
                 out = _scatter(local, jax.device_put(ids_pad, device),
                                jax.device_put(staging, device))
                 for pos, a in enumerate(out):
@@ -330,14 +374,13 @@ class RawMover(Mover):
         sb = self.cls.shard_block_bytes
         return [_buffer_view(layer.shards[s][replica], sb) for layer in layers]
 
-    def gather(self, layers, ids, identities):
+    def gather(self, layers, batch, with_digest):
         for layer in layers:
             for reps in layer.shards:
                 reps[0].block_until_ready()
-        digests = None
-        if identities is not None:
-            digests = self.digests(layers, ids, identities, range(len(layers)))
-        return layers, ids, digests
+        # The digests run on XLA's threads while the transfer thread copies.
+        digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
+        return layers, batch.ids, digests
 
     def finish_offload(self, state, slots):
         layers, ids, digests = state
@@ -345,14 +388,16 @@ class RawMover(Mover):
             for pos, view in enumerate(self._views(layers, s)):
                 lo, hi = self.pool.shard_range(pos, s)
                 self.pool.data[slots, lo:hi] = view[ids]
-            if digests is not None:
-                self._store_digests(slots, s, digests[:, s])
+        if digests is not None:
+            d = digests.get()
+            for s in range(self.cls.num_shards):
+                self._store_digests(slots, s, d[:, s])
 
-    def load(self, arrays, layers, ids, slots):
+    def load(self, arrays, layers, batch, slots):
         # New Array objects over the same buffers: the old objects may hold a
         # cached host copy (``np.asarray`` of a sharded array) that goes stale.
         new = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
-        return new, (layers, ids, slots)
+        return new, (layers, batch.ids, slots)
 
     def finish_load_layer(self, state, pos):
         layers, ids, slots = state
@@ -387,17 +432,27 @@ class EmulatedMover(Mover):
     def _image(self, local: jax.Array) -> np.ndarray:
         return emulate.to_image(np.asarray(local), self._layout)
 
-    def gather(self, layers, ids, identities):
+    def _read(self, layers, ids, positions) -> list[np.ndarray]:
+        """Per shard, ``uint8[len(positions), k, bytes]`` read from the device images."""
         out = []
         for s in range(self.cls.num_shards):
-            rows = []
-            for layer in layers:
-                local = layer.primary[s]
-                rows.append(emulate.read_blocks(self._image(local), self._geometry(local), ids))
-            out.append(np.stack(rows))  # [L, k, bytes]
-        digests = None
-        if identities is not None:
-            digests = [self._digest_np(o, identities[s]) for s, o in enumerate(out)]
+            out.append(np.stack([
+                emulate.read_blocks(self._image(layers[p].primary[s]),
+                                    self._geometry(layers[p].primary[s]), ids)
+                for p in positions]))
+        return out
+
+    def _digest_raw(self, raw: list[np.ndarray], batch, positions) -> np.ndarray:
+        out = []
+        for s, r in enumerate(raw):
+            ident = np.stack([batch.identity(self.cls.layers[p], s) for p in positions])
+            out.append(self._digest_np(r, ident))
+        return np.stack(out, axis=1)
+
+    def gather(self, layers, batch, with_digest):
+        positions = range(len(layers))
+        out = self._read(layers, batch.ids, positions)
+        digests = self._digest_raw(out, batch, positions) if with_digest else None
         return out, digests
 
     @staticmethod
@@ -411,10 +466,10 @@ class EmulatedMover(Mover):
                 lo, hi = self.pool.shard_range(pos, s)
                 self.pool.data[slots, lo:hi] = raw[pos]
             if digests is not None:
-                self._store_digests(slots, s, digests[s])
+                self._store_digests(slots, s, digests[:, s])
 
-    def load(self, arrays, layers, ids, slots):
-        new = []
+    def load(self, arrays, layers, batch, slots):
+        ids, new = batch.ids, []
         for pos, (arr, layer) in enumerate(zip(arrays, layers)):
             shards = []
             for s, reps in enumerate(layer.shards):
@@ -430,12 +485,17 @@ class EmulatedMover(Mover):
             new.append(assemble(arr, shards))
         return new, None
 
-    def digests(self, layers, ids, identities, positions):
-        out = []
-        for s in range(self.cls.num_shards):
-            rows = []
-            for p in positions:
-                local = layers[p].primary[s]
-                rows.append(emulate.read_blocks(self._image(local), self._geometry(local), ids))
-            out.append(self._digest_np(np.stack(rows), identities[s]))
-        return np.stack(out, axis=1)
+    def digests(self, layers, batch, positions):
+        done = self._digest_raw(self._read(layers, batch.ids, positions), batch, positions)
+        return _Done(done)
+
+
+class _Done(Pending):
+    """Digests already computed (numpy, on the host image)."""
+
+    def __init__(self, value: np.ndarray):
+        super().__init__([], 0)
+        self._value = value
+
+    def get(self) -> np.ndarray:
+        return self._value

@@ -30,7 +30,7 @@ from kvxfer.engine import (
     ShardedLayer,
     StagedMover,
     TransferError,
-    page_identities,
+    PageBatch,
     raw_capable,
 )
 from kvxfer.hostpool import HostPool, PageRef, PoolError
@@ -412,16 +412,12 @@ class KVCacheManager:
         keys = [_key(k, f"keys[{j}]") for j, k in enumerate(keys)]
         refs = self._pool.allocate(len(ids))
         slots = np.array([s for s, _ in refs], dtype=np.int64)
-        gens = [g for _, g in refs]
+        batch = PageBatch(ids, keys, [g for _, g in refs])
         try:
             layers = self._layers(caches)
-            states = []
-            for cls, mover in zip(self._plan.classes, self._movers):
-                idents = None
-                if self.integrity == "page":
-                    idents = [page_identities(keys, gens, cls.layers, s)
-                              for s in range(cls.num_shards)]
-                states.append(mover.gather([layers[i] for i in cls.layers], ids, idents))
+            states = [mover.gather([layers[i] for i in cls.layers], batch,
+                                   self.integrity == "page")
+                      for cls, mover in zip(self._plan.classes, self._movers)]
         except Exception as e:
             for s, g in refs:
                 self._pool.release(s, g)
@@ -496,7 +492,7 @@ class KVCacheManager:
         n = min(reasons) if reasons else len(pages)
         pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
-        ids_n = ids[:n]
+        batch = PageBatch(ids[:n], [p.key for p in pages[:n]], [p.generation for p in pages[:n]])
         try:
             layers = self._layers(caches)
             new = list(caches)
@@ -504,7 +500,7 @@ class KVCacheManager:
             for cls, mover in zip(self._plan.classes, self._movers):
                 if n:
                     out, state = mover.load([caches[i] for i in cls.layers],
-                                            [layers[i] for i in cls.layers], ids_n, slots)
+                                            [layers[i] for i in cls.layers], batch, slots)
                     for i, a in zip(cls.layers, out):
                         new[i] = a
                 else:
@@ -516,7 +512,7 @@ class KVCacheManager:
 
         def finish() -> None:
             try:
-                prefix, error = self._verify_load(handle, new, pages, ids, n, states,
+                prefix, error = self._verify_load(handle, new, slots, batch, states,
                                                   reasons), None
             except Exception as e:  # a transfer or device failure is an error, not a miss
                 prefix, error = -1, e
@@ -540,42 +536,61 @@ class KVCacheManager:
         self._worker.submit(finish)
         return new, handle
 
-    def _verify_load(self, handle: LoadHandle, new: list[jax.Array], pages: list[PageRef],
-                     ids: np.ndarray, n: int, states: list[Any],
-                     reasons: dict[int, str]) -> int:
+    def _verify_load(self, handle: LoadHandle, new: list[jax.Array], slots: np.ndarray,
+                     batch: PageBatch, states: list[Any], reasons: dict[int, str]) -> int:
         """Completes the copies layer by layer, verifying and releasing (gate="layer").
+
+        The digest of layer i runs on the device while layer i+1 is copied.
 
         Returns:
           The local verified prefix (over every layer and shard of this process).
         """
+        n = batch.k
         prefix = n
-        new_layers = self._layers(new) if (n and self.integrity == "page") else None
-        keys = [p.key for p in pages[:n]]
-        gens = [p.generation for p in pages[:n]]
-        slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
+        verify = bool(n) and self.integrity == "page"
+        by_class = []
+        if verify:
+            new_layers = self._layers(new)
+            by_class = [[new_layers[j] for j in cls.layers] for cls in self._plan.classes]
+
+        def check(i: int, cls: Any, pos: int, job: Any) -> None:
+            nonlocal prefix
+            got = job.get()[0]  # [S, k, D]
+            expected = self._pool.pools[cls.index].digests[slots, pos, :,
+                                                           :_integrity.DIGEST_WORDS]
+            bad = (got != np.swapaxes(expected, 0, 1)).any(axis=-1)  # [S, k]
+            for j in np.flatnonzero(bad.any(axis=0)):
+                if int(j) not in reasons:
+                    shards = np.flatnonzero(bad[:, j]).tolist()
+                    what = f"digest mismatch in layer {i}"
+                    if cls.num_shards > 1 and len(shards) < cls.num_shards:
+                        what = (f"shard disagreement: digest mismatch in layer {i} on "
+                                f"shard(s) {shards} of {cls.num_shards}")
+                    reasons[int(j)] = what
+                prefix = min(prefix, int(j))
+            if handle.gate == "layer":
+                handle._release(i, prefix)
+
+        pending = None
         for i in range(self.num_layers):
             cls, pos = self._layer_class[i]
             mover = self._movers[cls.index]
             if n:
-                mover.finish_load_layer(states[cls.index], pos)
-                if self.integrity == "page":
-                    idents = [page_identities(keys, gens, [i], s) for s in range(cls.num_shards)]
-                    layer_views = [new_layers[j] for j in cls.layers]
-                    got = mover.digests(layer_views, ids[:n], idents, [pos])[0]  # [S,k,D]
-                    expected = self._pool.pools[cls.index].digests[slots, pos, :,
-                                                                   :_integrity.DIGEST_WORDS]
-                    bad = (got != np.swapaxes(expected, 0, 1)).any(axis=-1)  # [S, k]
-                    for j in np.flatnonzero(bad.any(axis=0)):
-                        if j not in reasons:
-                            shards = np.flatnonzero(bad[:, j]).tolist()
-                            what = f"digest mismatch in layer {i}"
-                            if cls.num_shards > 1 and len(shards) < cls.num_shards:
-                                what = (f"shard disagreement: digest mismatch in layer {i} on "
-                                        f"shard(s) {shards} of {cls.num_shards}")
-                            reasons[int(j)] = what
-                        prefix = min(prefix, int(j))
-            if handle.gate == "layer":
+                try:
+                    mover.finish_load_layer(states[cls.index], pos)
+                except Exception:
+                    if pending is not None:  # release what was verified before the failure
+                        check(*pending)
+                    raise
+            if verify:
+                job = mover.digests(by_class[cls.index], batch, [pos])
+                if pending is not None:
+                    check(*pending)
+                pending = (i, cls, pos, job)
+            elif handle.gate == "layer":
                 handle._release(i, prefix)
+        if pending is not None:
+            check(*pending)
         return min([prefix] + list(reasons))
 
     def _settle_load(self, handle: LoadHandle, pages: list[PageRef], first_bad: int,
@@ -651,6 +666,6 @@ class KVCacheManager:
             for s in range(cls.num_shards):
                 a, b = pool.shard_range(pos, s)
                 words = _integrity.as_words_np(row[a:b][None], batch_dims=1)
-                ident = page_identities([page.key], [page.generation], [layer], s)[0]
+                ident = _integrity.identity_words(page.key, layer, page.generation, s)
                 pool.digests[page.slot, pos, s, :_integrity.DIGEST_WORDS] = \
                     _integrity.digest_np(words, ident)[0]
