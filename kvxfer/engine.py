@@ -35,7 +35,7 @@ import numpy as np
 from kvxfer import emulate
 from kvxfer import integrity
 from kvxfer.hostpool import DIGEST_SLOTS, ClassPool
-from kvxfer.layout import Layout, LayoutError, inspect
+from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 from kvxfer.plan import SliceClass
 
 __all__ = ["TransferError", "ShardedLayer", "StagedMover", "RawMover", "EmulatedMover",
@@ -350,19 +350,13 @@ def raw_capable(array: jax.Array) -> bool:
     """
     if any(d.platform != "cpu" for d in array.devices()):
         return False
-    if array.dtype.itemsize * 8 != _value_bits(array.dtype):
+    if array.dtype.itemsize * 8 != natural_bits(array.dtype):
         return False
     try:
         layout = Layout.of(array)
     except LayoutError:
         return False
     return layout.minor_to_major == tuple(range(array.ndim - 1, -1, -1))
-
-
-def _value_bits(dtype) -> int:
-    from kvxfer.layout import natural_bits
-
-    return natural_bits(dtype)
 
 
 class RawMover(Mover):
@@ -480,7 +474,7 @@ class EmulatedMover(Mover):
                     image = self._image(a)
                     emulate.write_blocks(image, self._geometry(a), ids, src)
                     host = emulate.from_image(image, a.shape, a.dtype, self._layout)
-                    out.append(jax.device_put(host, next(iter(a.devices()))))
+                    out.append(jax.device_put(host, _device_of(a)))
                 shards.append(out)
             new.append(assemble(arr, shards))
         return new, None

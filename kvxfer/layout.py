@@ -195,10 +195,7 @@ class Layout:
             raise LayoutError(f"Layout {text!r} must be enclosed in braces, e.g. '{{1,0}}'")
         body = s[1:-1]
         dims_text, _, attrs = body.partition(":")
-        try:
-            m2m = _int_list(dims_text, "minor_to_major", text)
-        except LayoutError:
-            raise
+        m2m = _int_list(dims_text, "minor_to_major", text)
         tiles: list[tuple[int, ...]] = []
         element_bits = 0
         memory_space = 0

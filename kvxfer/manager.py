@@ -367,12 +367,14 @@ class KVCacheManager:
             raise ValueError(f"device_blocks must be a 1-D sequence of ints. Got {device_blocks!r}")
         if len(ids) != n:
             raise ValueError(f"{len(ids)} device_blocks for {n} {what}")
-        num_blocks = self._specs[0].num_blocks
-        for j, b in enumerate(ids):
-            for i, spec in enumerate(self._specs):
-                if not 0 <= b < spec.num_blocks:
-                    raise ValueError(f"device_blocks[{j}] = {int(b)} is out of range for layer "
-                                     f"{i} ({spec.num_blocks} blocks)")
+        limit = min(spec.num_blocks for spec in self._specs)
+        out = (ids < 0) | (ids >= limit)
+        if out.any():
+            j = int(np.flatnonzero(out)[0])
+            i = next(i for i, spec in enumerate(self._specs)
+                     if not 0 <= ids[j] < spec.num_blocks)
+            raise ValueError(f"device_blocks[{j}] = {int(ids[j])} is out of range for layer "
+                             f"{i} ({self._specs[i].num_blocks} blocks)")
         if len(np.unique(ids)) != len(ids):
             seen: dict[int, int] = {}
             for j, b in enumerate(ids.tolist()):
@@ -380,7 +382,6 @@ class KVCacheManager:
                     raise ValueError(f"device_blocks[{j}] = {b} duplicates device_blocks"
                                      f"[{seen[b]}]")
                 seen[b] = j
-        del num_blocks
         return ids.astype(np.int32)
 
     def _layers(self, caches: list[jax.Array]) -> list[ShardedLayer]:
