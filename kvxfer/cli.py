@@ -158,8 +158,9 @@ def _register_plan(sub: Any) -> None:
 
 def _extra_commands() -> list[Callable[[Any], None]]:
     from kvxfer import probe
+    from kvxfer.demo import serving
 
-    return [_register_plan, probe.register_cli]
+    return [_register_plan, probe.register_cli, serving.register_cli]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -168,10 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     devices = getattr(args, "devices", None)
     if isinstance(devices, int) and devices > 1:
-        # On the CPU backend, several devices exist only if asked for before start-up.
+        # On the CPU backend, several devices exist only if asked for before start-up;
+        # once JAX has started (an in-process caller), the devices it has are what count.
         import jax
 
-        jax.config.update("jax_num_cpu_devices", devices)
+        try:
+            jax.config.update("jax_num_cpu_devices", devices)
+        except RuntimeError:
+            pass
     try:
         return int(args.func(args) or 0)
     except (UsageError, LayoutError, ValueError, OSError, KeyError, TimeoutError) as e:

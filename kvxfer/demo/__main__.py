@@ -1,0 +1,7 @@
+"""``python -m kvxfer.demo``: the ``kvxfer demo`` command on its own."""
+
+import sys
+
+from kvxfer.demo.serving import main
+
+sys.exit(main())
