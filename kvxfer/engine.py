@@ -211,8 +211,13 @@ class Pending:
 
     def get(self) -> np.ndarray:
         """``uint32[positions, shards, k, D]``."""
-        return np.stack([np.asarray(p)[:, :self._k] for p in self._parts], axis=1)
+        return np.stack([np.concatenate([np.asarray(c)[:, :self._k] for c in chunks])
+                         for chunks in self._parts], axis=1)
 
+
+# Layers per digest program: compile time grows with the layers in a program, so a
+# class of 61 layers compiles two programs of 8 (and one of 5), not one of 61.
+DIGEST_CHUNK = 8
 
 _LAYER_NUMS: dict[tuple[Any, tuple[int, ...]], jax.Array] = {}
 
@@ -264,13 +269,16 @@ class Mover(abc.ABC):
     def digests(self, layers: Sequence[ShardedLayer], batch: PageBatch,
                 positions: Sequence[int]) -> Pending:
         """Starts the device digests ``[len(positions), shards, k, D]`` of the blocks."""
+        positions = list(positions)
+        chunks = [positions[i:i + DIGEST_CHUNK] for i in range(0, len(positions), DIGEST_CHUNK)]
         parts = []
-        nums = tuple(self.cls.layers[p] for p in positions)
         for s in range(self.cls.num_shards):
-            arrays = tuple(layers[p].primary[s] for p in positions)
-            device = _device_of(arrays[0])
+            device = _device_of(layers[positions[0]].primary[s])
             ids_d, base_d = batch.on(device, s)
-            parts.append(_digest_blocks(arrays, ids_d, base_d, _layer_nums(device, nums)))
+            parts.append([_digest_blocks(tuple(layers[p].primary[s] for p in chunk), ids_d,
+                                         base_d, _layer_nums(device, tuple(
+                                             self.cls.layers[p] for p in chunk)))
+                          for chunk in chunks])
         return Pending(parts, batch.k)
 
     def _store_digests(self, slots: np.ndarray, shard: int, d: np.ndarray) -> None:
