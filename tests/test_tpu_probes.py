@@ -1,0 +1,252 @@
+"""The TPU VM probes (``tpu_probes/``), run as a user would, on the CPU backend.
+
+Each script runs as a subprocess (``python tpu_probes/<script>.py ... --json``) from
+the repository root with ``JAX_PLATFORMS=cpu``, at small sizes; the tests check
+its JSON output, never timings.
+"""
+
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import kvxfer
+from kvxfer import catalog, config
+
+ROOT = Path(__file__).resolve().parent.parent
+CATALOGS = ("layouts/seeds.json", "layouts/tpu_kv_derived.json")
+
+
+def run_probe(script, *args, timeout=240):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, f"tpu_probes/{script}", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def json_out(r):
+    assert r.stdout.strip(), f"no output; stderr:\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout)
+
+
+# ---------------------------------------------------------------------------
+# capture_layouts.py
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("capture") / "captured.json"
+    r = run_probe("capture_layouts.py", "--num_blocks", "16", "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, json_out(r)
+
+
+def test_capture_writes_the_catalogue_it_prints(captured):
+    out, printed = captured
+    assert json.loads(out.read_text()) == printed
+    assert set(printed) == {"description", "provenance", "arrays"}
+
+
+def test_capture_provenance(captured):
+    _, cat = captured
+    p = cat["provenance"]
+    assert p["backend"] == "cpu" and p["device_kind"] == jax.devices()[0].device_kind
+    assert p["jax"] == jax.__version__ and p["jaxlib"]
+    date = datetime.datetime.fromisoformat(p["date"])
+    assert date.utcoffset() == datetime.timedelta(0)
+    assert "capture_layouts.py" in p["command"] and "--num_blocks 16" in p["command"]
+
+
+def test_capture_covers_every_config_and_seed_shape(captured):
+    _, cat = captured
+    shapes = {(tuple(a["shape"]), a["dtype"]) for a in cat["arrays"]}
+    for name in sorted(p.stem for p in (ROOT / "configs").glob("*.toml")):
+        spec = config.load(ROOT / "configs" / f"{name}.toml")
+        for g in spec.groups:
+            assert ((16, *g.block_shape), g.dtype) in shapes, (name, g.name)
+    for e in catalog.load(ROOT / "layouts/seeds.json").entries:
+        assert (tuple(e.shape), e.dtype) in shapes, e.name
+    # identical (shape, dtype, layout) captures of one config are merged into one entry
+    keys = [(a["name"].split("/")[0], tuple(a["shape"]), a["dtype"], a["layout"])
+            for a in cat["arrays"]]
+    assert len(keys) == len(set(keys))
+    assert any(a["name"] == "llama3-8b/attn.0/device_put+jit_auto+jit_auto_input"
+               for a in cat["arrays"])
+
+
+def test_captured_verdicts_equal_the_inspector(captured):
+    out, _ = captured
+    cat = catalog.load(out)
+    assert cat.entries
+    for r in cat.check():
+        assert r.agrees, (r.entry.name, r.disagreement)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for e in cat.entries:
+        assert e.block_dim == 0 and e.source == "captured on cpu (cpu)"
+        assert set(e.expected) == {"addressable", "granularity", "bytes_per_block"}
+        if "device_put" in e.name:  # the same array, placed here, inspects the same
+            a = jax.device_put(np.zeros(e.shape, kvxfer.layout.dtype_of(e.dtype)), sharding)
+            assert str(kvxfer.Layout.of(a)) == e.layout
+            g = kvxfer.inspect(a)
+            assert (g.addressable, g.granularity, g.bytes_per_block) == (
+                e.expected["addressable"], e.expected["granularity"],
+                e.expected["bytes_per_block"])
+
+
+def test_captured_catalogue_passes_kvxfer_inspect(captured):
+    out, cat = captured
+    r = subprocess.run([sys.executable, "-m", "kvxfer", "inspect", "--catalog", str(out),
+                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    objs = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+    assert len(objs) == len(cat["arrays"])
+    for obj, entry in zip(objs, cat["arrays"]):
+        assert obj["layout"] == entry["layout"]
+        for k in ("addressable", "granularity", "bytes_per_block"):
+            assert obj[k] == entry["expected"][k], (entry["name"], k)
+
+
+def test_backend_tag_and_default_name():
+    sys.path.insert(0, str(ROOT / "tpu_probes"))
+    try:
+        import _common as common
+    finally:
+        sys.path.remove(str(ROOT / "tpu_probes"))
+
+    class Dev:
+        def __init__(self, platform, kind):
+            self.platform, self.device_kind = platform, kind
+
+    assert common.backend_tag(Dev("cpu", "cpu")) == "cpu"
+    assert common.backend_tag(Dev("tpu", "TPU v5 lite")) == "tpu_v5_lite"
+    assert common.backend_tag(Dev("tpu", "TPU7x")) == "tpu7x"
+    assert common.backend_tag(Dev("tpu", "v6e")) == "tpu_v6e"
+    assert common.backend_tag(Dev("gpu", "NVIDIA H200")) == "gpu_nvidia_h200"
+    assert common.sanitize("  a/b  c ") == "a_b_c"
+
+
+# ---------------------------------------------------------------------------
+# roundtrip_probe.py
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def roundtrip():
+    args = [a for c in CATALOGS for a in ("--catalog", c)]
+    r = run_probe("roundtrip_probe.py", *args, "--config", "tiny", "--max_blocks", "64",
+                  "--pages", "8", "--json")
+    return r, json_out(r)
+
+
+def test_roundtrip_agrees_everywhere(roundtrip):
+    r, report = roundtrip
+    assert r.returncode == 0, (report["disagreements"], r.stderr[-2000:])
+    assert report["ok"] and report["disagreements"] == []
+    assert report["backend"] == "cpu"
+    names = [a["name"] for a in report["arrays"]]
+    expected = [e.name for c in CATALOGS for e in catalog.load(ROOT / c).entries]
+    assert names == expected + ["tiny/kv32.0", "tiny/kv16.0"]
+
+
+def test_roundtrip_staged_is_byte_exact_for_every_array(roundtrip):
+    _, report = roundtrip
+    probed = [a for a in report["arrays"] if "skipped" not in a]
+    assert len(probed) >= 28
+    for a in probed:
+        assert a["staged"]["status"] == "byte-exact", a["name"]
+        assert a["staged"]["verified_prefix"] == a["staged"]["pages"] > 0
+        assert a["stored"] == "as reported", a["name"]  # buffer bytes checked on CPU
+    skipped = {a["name"] for a in report["arrays"] if "skipped" in a}
+    assert skipped == {"layer-major-block-dim-1", "size1-major-block-dim-1",
+                       "rank1-f32-T1024"}
+
+
+def test_roundtrip_emulated_refusals_are_exactly_the_rejected_layouts(roundtrip):
+    _, report = roundtrip
+    expected = {e.name: e.expected.get("addressable") for c in CATALOGS
+                for e in catalog.load(ROOT / c).entries}
+    expected.update({"tiny/kv32.0": True, "tiny/kv16.0": True})
+    for a in report["arrays"]:
+        if "skipped" in a:
+            continue
+        emu = a["emulated"]
+        assert emu["addressable"] == expected[a["name"]], a["name"]
+        if expected[a["name"]]:
+            assert emu["status"] == "byte-exact", a["name"]
+        else:
+            assert emu["status"] == "refused: not addressable", a["name"]
+            assert emu["layout"] in emu["error"]  # the refusal names the layout
+        if a["catalogue"] != "-":
+            assert a["catalogue"] == "agrees", a["name"]
+    assert report["summary"]["emulated_refused"] == sum(
+        not v for k, v in expected.items()
+        if k not in {"layer-major-block-dim-1", "rank1-f32-T1024"})
+
+
+def test_roundtrip_direct_follows_the_real_verdict(roundtrip):
+    _, report = roundtrip
+    for a in report["arrays"]:
+        if "skipped" in a:
+            continue
+        direct = a["direct"]["status"]
+        if not a["verdict"]["addressable"]:
+            assert direct == "refused: not addressable", a["name"]
+            assert a["placed_layout"] in a["direct"]["error"]
+        elif a["dtype"] == "int4":  # CPU raw copies need whole-byte elements
+            assert direct.startswith("no direct path for this array"), a["name"]
+        else:
+            assert direct == "byte-exact", a["name"]
+    by_name = {a["name"]: a for a in report["arrays"]}
+    # XLA:CPU keeps the dim order of the seed layout but not its tiles
+    seed = by_name["seed-block-dim-inside-tile"]
+    assert seed["placed_layout"] == "{2,0,1}" and not seed["verdict"]["addressable"]
+    assert any("stores the array densely" in n for n in seed["notes"])
+
+
+def test_roundtrip_exits_nonzero_on_a_wrong_catalogue_verdict(tmp_path):
+    bad = {"description": "a deliberately wrong verdict", "arrays": [
+        {"name": "wrong", "shape": [16, 8, 128], "dtype": "bfloat16",
+         "layout": "{2,1,0:T(8,128)(2,1)}", "source": "test",
+         "expected": {"addressable": False}}]}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    r = run_probe("roundtrip_probe.py", "--catalog", str(path), "--json")
+    report = json_out(r)
+    assert r.returncode == 1 and not report["ok"]
+    assert any("catalogue verdict" in d and "addressable" in d
+               for d in report["disagreements"])
+    r = run_probe("roundtrip_probe.py", "--catalog", str(tmp_path / "missing.json"))
+    assert r.returncode == 2 and "missing.json" in r.stderr
+
+
+# ---------------------------------------------------------------------------
+# bandwidth_probe.py
+# ---------------------------------------------------------------------------
+
+
+def test_bandwidth_probe_reports_positive_finite_numbers():
+    r = run_probe("bandwidth_probe.py", "--block_sizes", "16,64", "--batch_sizes", "1,4",
+                  "--num_layers", "2", "--iters", "2", "--limit_mib", "8", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json_out(r)
+    assert report["backend"] == "cpu" and report["unavailable"] == {}
+    cells = {(x["path"], x["block_kib"], x["batch"]) for x in report["results"]}
+    assert cells == {(p, k, b) for p in ("staged", "direct") for k in (16, 64) for b in (1, 4)}
+    for x in report["results"]:
+        assert x["bytes"] == x["batch"] * 2 * x["block_kib"] * 1024
+        for key in ("d2h_gbps", "h2d_gbps", "limit_d2h_gbps", "limit_h2d_gbps",
+                    "d2h_fraction", "h2d_fraction"):
+            assert math.isfinite(x[key]) and x[key] > 0, (key, x)
+    assert {x["path"]: x["movers"] for x in report["results"]} == {
+        "staged": ["staged"], "direct": ["raw"]}
+    lim = report["limits"]
+    assert lim["d2h_how"] == "numpy memcpy"
+    assert all(math.isfinite(m[k]) and m[k] > 0 for m in lim["measurements"]
+               for k in ("d2h_gbps", "h2d_gbps"))

@@ -1,0 +1,295 @@
+"""Helpers shared by the probes in ``tpu_probes/`` (not part of the kvxfer package).
+
+The probes run as scripts (``python tpu_probes/<script>.py``), so this module is
+imported as a sibling. It finds the repository (for ``configs/`` and ``layouts/``),
+makes ``kvxfer`` importable from a plain checkout, and holds what more than one
+probe needs: backend provenance, random array contents, placing an array with a
+requested layout, reading raw XLA:CPU buffer bytes, tables and JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging as _py_logging
+import math
+import os
+import platform
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: The repository root (the folder holding ``tpu_probes/``, ``configs/``, ``layouts/``).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS_DIR = REPO_ROOT / "layouts"
+CONFIGS_DIR = REPO_ROOT / "configs"
+
+try:  # an installed kvxfer (pip install . / a wheel) comes first
+    import kvxfer  # noqa: F401
+except ImportError:  # a plain checkout: use the package next to this folder
+    sys.path.insert(0, str(REPO_ROOT))
+    import kvxfer  # noqa: F401
+
+import jax  # noqa: E402
+
+from kvxfer import Layout  # noqa: E402
+from kvxfer.layout import dtype_of  # noqa: E402
+
+SUB_BYTE_DTYPES = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
+
+
+# ---------------------------------------------------------------------------
+# Running a probe
+# ---------------------------------------------------------------------------
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing for ``app.run(main, flags_parser=parse_flags)``.
+
+    A bad flag or a stray argument exits 2 (a probe's 1 means a failed check).
+    """
+    from absl import flags
+
+    try:
+        rest = flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f"{Path(argv[0]).name}: {e}\nPass --help for usage.", file=sys.stderr)
+        sys.exit(2)
+    if len(rest) > 1:
+        print(f"{Path(argv[0]).name}: unexpected arguments: {' '.join(rest[1:])}\n"
+              "Pass --help for usage.", file=sys.stderr)
+        sys.exit(2)
+    return rest
+
+
+# "Unable to initialize backend 'tpu'" and the like are not the probes' news.
+_py_logging.getLogger("jax._src.xla_bridge").setLevel(_py_logging.WARNING)
+
+
+# ---------------------------------------------------------------------------
+# Backend and provenance
+# ---------------------------------------------------------------------------
+
+
+def device() -> Any:
+    """The device the probes use: the first device of the default backend."""
+    return jax.devices()[0]
+
+
+def sanitize(text: str) -> str:
+    """``"TPU v5 lite"`` -> ``"tpu_v5_lite"`` (lower case, [a-z0-9_] only)."""
+    return re.sub(r"_+", "_", re.sub(r"[^a-z0-9]+", "_", text.lower())).strip("_") or "unknown"
+
+
+def backend_tag(dev: Any | None = None) -> str:
+    """``cpu``, ``tpu_v5_lite``, ``gpu_nvidia_h200``: backend plus device kind, once.
+
+    The device kind is dropped when it only repeats the backend (``cpu``), and it
+    stands alone when it already starts with the backend's name (``TPU v5 lite`` ->
+    ``tpu_v5_lite``, ``TPU7x`` -> ``tpu7x``).
+    """
+    dev = dev or device()
+    backend = sanitize(dev.platform)
+    kind = sanitize(getattr(dev, "device_kind", "") or "")
+    if kind in ("", "unknown", backend):
+        return backend
+    if kind.startswith(backend):
+        return kind
+    return f"{backend}_{kind}"
+
+
+def provenance(argv: list[str] | None = None) -> dict[str, Any]:
+    """Where and how a result was produced."""
+    import jaxlib
+
+    dev = device()
+    try:
+        import importlib.metadata as md
+
+        jaxlib_version = md.version("jaxlib")
+    except Exception:  # noqa: BLE001 - an unusual install: fall back to the module
+        jaxlib_version = getattr(jaxlib, "__version__", "unknown")
+    argv = list(sys.argv if argv is None else argv)
+    return {
+        "backend": dev.platform,
+        "device_kind": getattr(dev, "device_kind", ""),
+        "num_devices": jax.device_count(),
+        "platform_version": str(getattr(dev.client, "platform_version", "")).strip(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib_version,
+        "kvxfer": getattr(kvxfer, "__version__", "unknown"),
+        "python": platform.python_version(),
+        "host": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([Path(sys.executable).name, *argv]),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Configs and catalogues
+# ---------------------------------------------------------------------------
+
+
+def load_config(name: str):
+    """A model config by built-in name (``configs/<name>.toml`` here) or TOML path."""
+    from kvxfer import config as _config
+
+    path = CONFIGS_DIR / f"{name}.toml"
+    if os.sep not in name and "/" not in name and path.is_file():
+        return _config.load(path)
+    return _config.load_builtin(name)
+
+
+def config_names() -> list[str]:
+    """Every config in ``configs/``."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
+
+
+def split_names(values: list[str] | None) -> list[str]:
+    """Flag values that may repeat and may hold comma lists: ``["a,b", "c"]``."""
+    out: list[str] = []
+    for v in values or []:
+        out.extend(s.strip() for s in v.split(",") if s.strip())
+    return out
+
+
+def resolve_path(text: str) -> Path:
+    """A path as given, else relative to the repository (``layouts/seeds.json``)."""
+    p = Path(text)
+    if p.exists() or p.is_absolute():
+        return p
+    alt = REPO_ROOT / p
+    return alt if alt.exists() else p
+
+
+# ---------------------------------------------------------------------------
+# Arrays
+# ---------------------------------------------------------------------------
+
+
+def is_sub_byte(dtype: Any) -> bool:
+    return dtype_of(dtype).name in SUB_BYTE_DTYPES
+
+
+def random_array(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
+    """Random raw bits (floats include NaN payloads); sub-byte ints hold valid values."""
+    dt = dtype_of(dtype)
+    rng = np.random.default_rng(seed)
+    if dt.name in SUB_BYTE_DTYPES:
+        import jax.numpy as jnp
+
+        if dt.name.startswith("float"):  # any 4-bit pattern is a value
+            return rng.integers(0, 16, size=shape, dtype=np.uint8).view(dt)
+        info = jnp.iinfo(dt)
+        return rng.integers(int(info.min), int(info.max), size=shape, dtype=np.int8,
+                            endpoint=True).astype(dt)
+    n = math.prod(shape) * dt.itemsize
+    return rng.integers(0, 256, size=n, dtype=np.uint8).view(dt).reshape(shape)
+
+
+def bits(x: Any) -> np.ndarray:
+    """A host copy of an array's bits as unsigned ints of the element's width.
+
+    numpy holds one sub-byte element per byte, so int4 compares as its byte.
+    """
+    a = np.array(x)  # a copy: on CPU np.asarray may view the live device buffer
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def to_jax_layout(layout: Layout):
+    """A kvxfer ``Layout`` as JAX's ``jax.experimental.layout.Layout``."""
+    from jax.experimental.layout import Layout as JaxLayout
+
+    kwargs: dict[str, Any] = {"major_to_minor": tuple(reversed(layout.minor_to_major))}
+    if layout.tiles:
+        kwargs["tiling"] = tuple(tuple(t) for t in layout.tiles)
+    if layout.element_size_bits:
+        kwargs["sub_byte_element_size_in_bits"] = layout.element_size_bits
+    return JaxLayout(**kwargs)
+
+
+def put_with_layout(x: np.ndarray, layout: Layout | None, sharding: Any
+                    ) -> tuple[jax.Array, str]:
+    """``x`` on the device with ``layout`` where the backend accepts it.
+
+    Returns:
+      ``(array, note)``; the note is empty when the layout was accepted, else it
+      says what the backend refused (the array then has the default layout).
+    """
+    from jax.experimental.layout import Format
+
+    if layout is None:
+        return jax.device_put(x, sharding).block_until_ready(), ""
+    try:
+        a = jax.device_put(x, Format(to_jax_layout(layout), sharding))
+        a.block_until_ready()
+        return a, ""
+    except Exception as e:  # noqa: BLE001 - any refusal means: use the default
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        a = jax.device_put(x, sharding).block_until_ready()
+        return a, (f"the backend refused {layout} ({type(e).__name__}: {first[:200]}); "
+                   f"placed with its default layout {Layout.of(a)}")
+
+
+def untiled(layout: Layout) -> Layout:
+    """The same dim order and element size, without tiles or memory space."""
+    return Layout(layout.minor_to_major, (), layout.element_size_bits)
+
+
+def cpu_buffer_bytes(a: jax.Array, nbytes: int) -> np.ndarray:
+    """A copy of the first ``nbytes`` of an XLA:CPU array's buffer (one device)."""
+    import ctypes
+
+    a.block_until_ready()
+    raw = (ctypes.c_uint8 * nbytes).from_address(a.unsafe_buffer_pointer())
+    return np.ctypeslib.as_array(raw).copy()
+
+
+# ---------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if n % size else f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    """A plain aligned text table."""
+    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _default(o: Any) -> Any:
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.bool_):
+        return bool(o)
+    if isinstance(o, (Path, Layout)):
+        return str(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def dumps(obj: Any, indent: int | None = 1) -> str:
+    return json.dumps(obj, indent=indent, default=_default)
+
+
+def verdict_text(g: Any) -> str:
+    """``addressable (32 KiB/block)`` or ``NOT addressable (g=8)``."""
+    if g.addressable:
+        return f"addressable ({format_bytes(g.bytes_per_block)}/block)"
+    return f"NOT addressable (g={g.granularity})"
