@@ -148,13 +148,19 @@ def _pad_ids(ids: np.ndarray) -> np.ndarray:
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def _bits(a: jax.Array) -> jax.Array:
-    """The array's bits as unsigned ints (inside a program: a free bitcast).
+def needs_raw_bits(a: jax.Array) -> bool:
+    """Whether moving ``a`` in a program must go through its raw bits.
 
-    XLA:CPU moves bf16 and fp8 through f32, which rewrites NaN payloads; moving
-    raw bits keeps every byte exact.
+    XLA:CPU gathers and scatters bf16 and fp8 through f32, which rewrites NaN
+    payloads; other backends and dtypes move bits as they are. A bitcast breaks
+    buffer aliasing, so it is used only where it is needed for exactness.
     """
-    if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize in _UINT:
+    return (any(d.platform == "cpu" for d in a.devices())
+            and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4)
+
+
+def _bits(a: jax.Array, raw: bool) -> jax.Array:
+    if raw:
         return jax.lax.bitcast_convert_type(a, _UINT[a.dtype.itemsize])
     return a
 
@@ -163,11 +169,8 @@ def _with_layer(base: jax.Array, layer: jax.Array) -> jax.Array:
     return base.at[:, 2].set(layer)
 
 
-@functools.partial(jax.jit, static_argnames=("with_digest",))
-def _gather(arrays: tuple[jax.Array, ...], ids: jax.Array, base: jax.Array,
-            layer_nums: jax.Array, with_digest: bool):
-    """Blocks ``ids`` of every layer stacked ``[L, k, ...]``, and their digests."""
-    pages = jnp.stack([_bits(a)[ids] for a in arrays])
+def _gather_impl(arrays, ids, base, layer_nums, *, raw: bool, with_digest: bool):
+    pages = jnp.stack([_bits(a, raw)[ids] for a in arrays])
     if not with_digest:
         return pages, None
     words = integrity.as_words(pages, batch_dims=2)
@@ -175,26 +178,57 @@ def _gather(arrays: tuple[jax.Array, ...], ids: jax.Array, base: jax.Array,
     return pages, integrity.digest(words, identity)
 
 
-@jax.jit
-def _digest_blocks(arrays: tuple[jax.Array, ...], ids: jax.Array, base: jax.Array,
-                   layer_nums: jax.Array):
-    """Digests ``uint32[L, k, D]`` of blocks ``ids`` of every layer (no copy out)."""
-    return jnp.stack([integrity.digest(integrity.as_words(_bits(a)[ids], batch_dims=1),
+def _digest_impl(arrays, ids, base, layer_nums, *, raw: bool):
+    return jnp.stack([integrity.digest(integrity.as_words(_bits(a, raw)[ids], batch_dims=1),
                                        _with_layer(base, layer_nums[i]))
                       for i, a in enumerate(arrays)])
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(arrays: tuple[jax.Array, ...], ids: jax.Array, pages: jax.Array):
-    """Writes ``pages[l, j]`` into block ``ids[j]`` of layer ``l``, in place.
+def _scatter_impl(arrays, ids, pages, *, raw: bool):
+    out = []
+    for i, a in enumerate(arrays):
+        b = _bits(a, raw).at[ids].set(pages[i], mode="drop", unique_indices=True)
+        out.append(jax.lax.bitcast_convert_type(b, a.dtype) if raw else b)
+    return tuple(out)
+
+
+# One compiled program per (kind, input formats, options); jax.jit then caches per
+# shapes. The caches' formats are pinned so that a cache in a non-default layout (a
+# compiler-chosen TPU layout, say) is neither converted on the way in nor comes back
+# in the default layout.
+@functools.lru_cache(maxsize=None)
+def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False):
+    if kind == "gather":
+        fn = functools.partial(_gather_impl, raw=raw, with_digest=with_digest)
+        return jax.jit(fn, in_shardings=(formats, None, None, None))
+    if kind == "digest":
+        return jax.jit(functools.partial(_digest_impl, raw=raw),
+                       in_shardings=(formats, None, None, None))
+    return jax.jit(functools.partial(_scatter_impl, raw=raw), donate_argnums=(0,),
+                   in_shardings=(formats, None, None), out_shardings=formats)
+
+
+def _run(kind: str, arrays: tuple[jax.Array, ...], *args, with_digest: bool = False):
+    formats = tuple(a.format for a in arrays)
+    return _program(kind, formats, needs_raw_bits(arrays[0]), with_digest)(arrays, *args)
+
+
+def _gather(arrays, ids, base, layer_nums, with_digest: bool):
+    """Blocks ``ids`` of every layer stacked ``[L, k, ...]``, and their digests."""
+    return _run("gather", arrays, ids, base, layer_nums, with_digest=with_digest)
+
+
+def _digest_blocks(arrays, ids, base, layer_nums):
+    """Digests ``uint32[L, k, D]`` of blocks ``ids`` of every layer (no copy out)."""
+    return _run("digest", arrays, ids, base, layer_nums)
+
+
+def _scatter(arrays, ids, pages):
+    """Writes ``pages[l, j]`` into block ``ids[j]`` of layer ``l``, in place (donated).
 
     Padding entries of ``ids`` are out of range and dropped.
     """
-    out = []
-    for i, a in enumerate(arrays):
-        b = _bits(a).at[ids].set(pages[i], mode="drop", unique_indices=True)
-        out.append(b if b.dtype == a.dtype else jax.lax.bitcast_convert_type(b, a.dtype))
-    return tuple(out)
+    return _run("scatter", arrays, ids, pages)
 
 
 # ---------------------------------------------------------------------------
@@ -322,11 +356,11 @@ class StagedMover(Mover):
         ids_pad = np.full(b, np.iinfo(np.int32).max, dtype=np.int32)
         ids_pad[:k] = batch.ids
         for s in range(self.cls.num_shards):
-            block = layers[0].primary[s].shape[1:]
-            dtype = layers[0].primary[s].dtype
-            if np.issubdtype(dtype, np.floating) or dtype.name.startswith(("bfloat", "float")):
+            first = layers[0].primary[s]
+            dtype = np.dtype(first.dtype)
+            if needs_raw_bits(first):
                 dtype = np.dtype(f"u{dtype.itemsize}")
-            staging = np.zeros((len(layers), b) + block, dtype=dtype)
+            staging = np.zeros((len(layers), b) + first.shape[1:], dtype=dtype)
             flat = staging.reshape(len(layers), b, -1).view(np.uint8)
             for pos in range(len(layers)):
                 lo, hi = self.pool.shard_range(pos, s)
@@ -353,8 +387,9 @@ def raw_capable(array: jax.Array) -> bool:
     """Whether ``RawMover`` may copy this array's blocks as raw bytes.
 
     XLA:CPU buffers are host memory; a block is then its logical bytes exactly when
-    the stored layout is row-major (XLA:CPU ignores tiles) and elements are whole
-    bytes as numpy stores them.
+    the stored layout is row-major and elements are whole bytes as numpy stores
+    them. XLA:CPU stores no tiles, but a layout that *reports* tiles the inspector
+    rejects is refused all the same: the direct path copies only what is proven.
     """
     if any(d.platform != "cpu" for d in array.devices()):
         return False
@@ -364,7 +399,9 @@ def raw_capable(array: jax.Array) -> bool:
         layout = Layout.of(array)
     except LayoutError:
         return False
-    return layout.minor_to_major == tuple(range(array.ndim - 1, -1, -1))
+    if layout.minor_to_major != tuple(range(array.ndim - 1, -1, -1)):
+        return False
+    return inspect(array.shape, array.dtype, layout).addressable
 
 
 class RawMover(Mover):

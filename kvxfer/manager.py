@@ -288,12 +288,16 @@ class KVCacheManager:
                     mover_type = RawMover
                 else:
                     bad = next(i for i in cls.layers if not raw_ok[i])
+                    g = specs[bad].geometry
+                    if not g.addressable:
+                        raise LayoutError(f"Direct path refused for layer {bad}: {g.reason}")
                     raise LayoutError(
                         f"Direct path refused for layer {bad}: "
                         f"{shape_text(caches[bad].shape, caches[bad].dtype, specs[bad].layout)}"
-                        " has no raw byte-addressable blocks on this backend (raw copies "
-                        "need XLA:CPU row-major buffers of whole-byte elements; pass "
-                        "layouts= to use emulated TPU memory)")
+                        " is addressable, but this backend has no direct path for it (raw "
+                        "copies need XLA:CPU row-major buffers of whole-byte elements; on "
+                        "TPU the Pallas DMA path is not built yet; pass layouts= to use "
+                        "emulated TPU memory)")
             elif path == "auto" and all(raw_ok[i] for i in cls.layers):
                 mover_type = RawMover
             else:
