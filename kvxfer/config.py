@@ -47,12 +47,16 @@ import math
 import numbers
 import os
 import re
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (TPU VM images): the same parser, as a package
+    import tomli as tomllib
 
 from kvxfer.layout import (Layout, LayoutError, SliceGeometry, dtype_name, dtype_of,
                            inspect)
