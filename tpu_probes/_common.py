@@ -37,6 +37,7 @@ except ImportError:  # a plain checkout: use the package next to this folder
 import jax  # noqa: E402
 
 from kvxfer import Layout  # noqa: E402
+from kvxfer import _text  # noqa: E402
 from kvxfer.layout import dtype_of  # noqa: E402
 
 SUB_BYTE_DTYPES = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
@@ -254,22 +255,9 @@ def cpu_buffer_bytes(a: jax.Array, nbytes: int) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}" if n % size else f"{n // size} {unit}"
-    return f"{n} B"
-
-
-def table(rows: list[list[Any]], header: list[str]) -> str:
-    """A plain aligned text table."""
-    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+# The same helpers the kvxfer command line prints with.
+format_bytes = _text.format_bytes
+table = _text.table
 
 
 def _default(o: Any) -> Any:
