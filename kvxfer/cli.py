@@ -157,10 +157,10 @@ def _register_plan(sub: Any) -> None:
 
 
 def _extra_commands() -> list[Callable[[Any], None]]:
-    from kvxfer import probe
+    from kvxfer import bench, probe
     from kvxfer.demo import serving
 
-    return [_register_plan, probe.register_cli, serving.register_cli]
+    return [_register_plan, probe.register_cli, bench.register_cli, serving.register_cli]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
