@@ -404,29 +404,60 @@ def raw_capable(array: jax.Array) -> bool:
     return inspect(array.shape, array.dtype, layout).addressable
 
 
+# Rows at least this large are copied one by one (each a memcpy); smaller scattered
+# rows go through one fancy-indexed copy, whose temporary costs less than the calls.
+_ROW_COPY_BYTES = 32 << 10
+
+
+class RowCopy:
+    """Copies rows ``src[src_rows[i]] -> dst[dst_rows[i]]`` between 2-D byte arrays.
+
+    Runs of consecutive rows on both sides become single slice copies (memcpy, no
+    temporary); the plan is made once per transfer and reused for every layer.
+    """
+
+    def __init__(self, dst_rows: np.ndarray, src_rows: np.ndarray, row_bytes: int):
+        dst_rows = np.asarray(dst_rows, dtype=np.int64)
+        src_rows = np.asarray(src_rows, dtype=np.int64)
+        self.dst_rows, self.src_rows = dst_rows, src_rows
+        breaks = np.flatnonzero((np.diff(dst_rows) != 1) | (np.diff(src_rows) != 1)) + 1
+        starts = np.concatenate([[0], breaks]).astype(np.int64)
+        ends = np.concatenate([breaks, [len(dst_rows)]]).astype(np.int64)
+        self.runs = [(int(dst_rows[a]), int(src_rows[a]), int(b - a))
+                     for a, b in zip(starts, ends)] if len(dst_rows) else []
+        self.sliced = row_bytes >= _ROW_COPY_BYTES or len(self.runs) * 4 <= len(dst_rows)
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray) -> None:
+        if not self.sliced:
+            dst[self.dst_rows] = src[self.src_rows]
+            return
+        for d, s, n in self.runs:
+            dst[d:d + n] = src[s:s + n]
+
+
 class RawMover(Mover):
     """Raw byte-range copies between XLA:CPU buffers and the host pool."""
 
     name = "raw"
 
-    def _views(self, layers, s, replica=0):
-        sb = self.cls.shard_block_bytes
-        return [_buffer_view(layer.shards[s][replica], sb) for layer in layers]
-
     def gather(self, layers, batch, with_digest):
+        # Nothing to start here: the transfer thread reads the buffers (after waiting
+        # for them), so the caller's thread pays no copy or dispatch.
+        return layers, batch, with_digest
+
+    def finish_offload(self, state, slots):
+        layers, batch, with_digest = state
         for layer in layers:
             for reps in layer.shards:
                 reps[0].block_until_ready()
-        # The digests run on XLA's threads while the transfer thread copies.
+        # The digests run on XLA's threads while this thread copies.
         digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
-        return layers, batch.ids, digests
-
-    def finish_offload(self, state, slots):
-        layers, ids, digests = state
+        copy = RowCopy(slots, batch.ids, self.cls.shard_block_bytes)
         for s in range(self.cls.num_shards):
-            for pos, view in enumerate(self._views(layers, s)):
+            for pos, layer in enumerate(layers):
                 lo, hi = self.pool.shard_range(pos, s)
-                self.pool.data[slots, lo:hi] = view[ids]
+                copy(self.pool.data[:, lo:hi],
+                     _buffer_view(layer.shards[s][0], self.cls.shard_block_bytes))
         if digests is not None:
             d = digests.get()
             for s in range(self.cls.num_shards):
@@ -436,17 +467,16 @@ class RawMover(Mover):
         # New Array objects over the same buffers: the old objects may hold a
         # cached host copy (``np.asarray`` of a sharded array) that goes stale.
         new = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
-        return new, (layers, batch.ids, slots)
+        return new, (layers, RowCopy(batch.ids, slots, self.cls.shard_block_bytes))
 
     def finish_load_layer(self, state, pos):
-        layers, ids, slots = state
-        layer = layers[pos]
-        for s, reps in enumerate(layer.shards):
+        layers, copy = state
+        for s, reps in enumerate(layers[pos].shards):
             lo, hi = self.pool.shard_range(pos, s)
-            src = self.pool.data[slots, lo:hi]
-            for r, a in enumerate(reps):
+            src = self.pool.data[:, lo:hi]
+            for a in reps:
                 a.block_until_ready()
-                _buffer_view(a, self.cls.shard_block_bytes)[ids] = src
+                copy(_buffer_view(a, self.cls.shard_block_bytes), src)
 
 
 class EmulatedMover(Mover):

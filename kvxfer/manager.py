@@ -24,6 +24,7 @@ import numpy as np
 
 from kvxfer import integrity as _integrity
 from kvxfer.engine import (
+    DIGEST_CHUNK,
     EmulatedMover,
     Mover,
     RawMover,
@@ -558,12 +559,11 @@ class KVCacheManager:
             new_layers = self._layers(new)
             by_class = [[new_layers[j] for j in cls.layers] for cls in self._plan.classes]
 
-        def check(i: int, cls: Any, pos: int, job: Any) -> None:
+        def check(i: int, cls: Any, pos: int, got: np.ndarray) -> None:
             nonlocal prefix
-            got = job.get()[0]  # [S, k, D]
             expected = self._pool.pools[cls.index].digests[slots, pos, :,
                                                            :_integrity.DIGEST_WORDS]
-            bad = (got != np.swapaxes(expected, 0, 1)).any(axis=-1)  # [S, k]
+            bad = (got != np.swapaxes(expected, 0, 1)).any(axis=-1)  # got: [S, k, D]
             for j in np.flatnonzero(bad.any(axis=0)):
                 if int(j) not in reasons:
                     shards = np.flatnonzero(bad[:, j]).tolist()
@@ -576,6 +576,26 @@ class KVCacheManager:
             if handle.gate == "layer":
                 handle._release(i, prefix)
 
+        if handle.gate == "all" and verify:
+            # Nothing is released before the end, so layers are checked in groups: a
+            # group's digest program runs on the device while the next group copies.
+            jobs, waiting = [], {c.index: [] for c in self._plan.classes}
+            for i in range(self.num_layers):
+                cls, pos = self._layer_class[i]
+                mover = self._movers[cls.index]
+                mover.finish_load_layer(states[cls.index], pos)
+                group = waiting[cls.index]
+                group.append(pos)
+                if len(group) == DIGEST_CHUNK or pos == len(cls.layers) - 1:
+                    jobs.append((cls, list(group), mover.digests(by_class[cls.index], batch,
+                                                                 group)))
+                    group.clear()
+            for cls, group, job in jobs:
+                got = job.get()
+                for j, pos in enumerate(group):
+                    check(cls.layers[pos], cls, pos, got[j])
+            return min([prefix] + list(reasons))
+
         pending = None
         for i in range(self.num_layers):
             cls, pos = self._layer_class[i]
@@ -585,17 +605,17 @@ class KVCacheManager:
                     mover.finish_load_layer(states[cls.index], pos)
                 except Exception:
                     if pending is not None:  # release what was verified before the failure
-                        check(*pending)
+                        check(*pending[:3], pending[3].get()[0])
                     raise
             if verify:
                 job = mover.digests(by_class[cls.index], batch, [pos])
                 if pending is not None:
-                    check(*pending)
+                    check(*pending[:3], pending[3].get()[0])
                 pending = (i, cls, pos, job)
             elif handle.gate == "layer":
                 handle._release(i, prefix)
         if pending is not None:
-            check(*pending)
+            check(*pending[:3], pending[3].get()[0])
         return min([prefix] + list(reasons))
 
     def _settle_load(self, handle: LoadHandle, pages: list[PageRef], first_bad: int,
