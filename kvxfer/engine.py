@@ -426,13 +426,25 @@ class RowCopy:
         self.runs = [(int(dst_rows[a]), int(src_rows[a]), int(b - a))
                      for a, b in zip(starts, ends)] if len(dst_rows) else []
         self.sliced = row_bytes >= _ROW_COPY_BYTES or len(self.runs) * 4 <= len(dst_rows)
+        k = len(dst_rows)
+        # One side consecutive: a single gather or scatter pass, still no temporary.
+        self.src_run = k > 0 and bool((np.diff(src_rows) == 1).all())
+        self.dst_run = k > 0 and bool((np.diff(dst_rows) == 1).all())
 
     def __call__(self, dst: np.ndarray, src: np.ndarray) -> None:
-        if not self.sliced:
+        if self.sliced:
+            for d, s, n in self.runs:
+                dst[d:d + n] = src[s:s + n]
+        elif self.src_run:
+            s = int(self.src_rows[0])
+            dst[self.dst_rows] = src[s:s + len(self.src_rows)]
+        elif self.dst_run:
+            d = int(self.dst_rows[0])
+            # mode="clip" (ids were checked) lets numpy write into ``out`` unbuffered.
+            np.take(src, self.src_rows, axis=0, out=dst[d:d + len(self.dst_rows)],
+                    mode="clip")
+        else:
             dst[self.dst_rows] = src[self.src_rows]
-            return
-        for d, s, n in self.runs:
-            dst[d:d + n] = src[s:s + n]
 
 
 class RawMover(Mover):

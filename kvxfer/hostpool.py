@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -144,7 +145,9 @@ class HostPool:
         self.pools = tuple(ClassPool(c, self.num_slots, pinned=pinned, device=device)
                            for c in plan.classes)
         self._slots = [_Slot() for _ in range(self.num_slots)]
-        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        # A min-heap: requests get the lowest free slots, so a request's slots tend to
+        # be consecutive and its copies run as single slices.
+        self._free = list(range(self.num_slots))
         self._invalidated: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
 
@@ -179,7 +182,7 @@ class HostPool:
                     f"{self.num_slots} slots free; free pages or raise num_host_blocks")
             out = []
             for _ in range(n):
-                slot = self._free.pop()
+                slot = heapq.heappop(self._free)
                 s = self._slots[slot]
                 s.generation += 1
                 s.state = "writing"
@@ -227,7 +230,7 @@ class HostPool:
             s.state = "released"
         else:
             s.state = "free"
-            self._free.append(slot)
+            heapq.heappush(self._free, slot)
 
     def state(self, slot: int) -> tuple[int, str, int]:
         """(generation, state, key) of a slot."""
@@ -261,7 +264,7 @@ class HostPool:
                 s.readers -= 1
                 if s.readers == 0 and s.state == "released":
                     s.state = "free"
-                    self._free.append(slot)
+                    heapq.heappush(self._free, slot)
 
     def key_of(self, slot: int) -> int:
         with self._lock:
