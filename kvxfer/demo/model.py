@@ -200,14 +200,7 @@ def mixed_layers() -> ModelConfig:
     size (8 KiB vs 16 KiB per block in float32). The often-quoted pair
     (2, 32) / (1, 64) would give equal bytes per block, so dim 128 is used.
     """
-    return ModelConfig(
-        vocab_size=512,
-        d_model=128,
-        num_layers=4,
-        num_q_heads=4,
-        ffn_dim=256,
-        layers=(LayerKV(2, 32), LayerKV(1, 128)) * 2,
-    )
+    return dataclasses.replace(tiny_llama(), layers=(LayerKV(2, 32), LayerKV(1, 128)) * 2)
 
 
 def scaled(
