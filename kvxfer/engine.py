@@ -301,15 +301,18 @@ class Mover(abc.ABC):
         """Completes the copy of layer ``pos`` of the class (transfer thread)."""
 
     def digests(self, layers: Sequence[ShardedLayer], batch: PageBatch,
-                positions: Sequence[int]) -> Pending:
-        """Starts the device digests ``[len(positions), shards, k, D]`` of the blocks."""
+                positions: Sequence[int], replica: int = 0) -> Pending:
+        """Starts the device digests ``[len(positions), shards, k, D]`` of the blocks.
+
+        ``replica`` picks which copy of a replicated layer is read.
+        """
         positions = list(positions)
         chunks = [positions[i:i + DIGEST_CHUNK] for i in range(0, len(positions), DIGEST_CHUNK)]
         parts = []
         for s in range(self.cls.num_shards):
-            device = _device_of(layers[positions[0]].primary[s])
+            device = _device_of(layers[positions[0]].shards[s][replica])
             ids_d, base_d = batch.on(device, s)
-            parts.append([_digest_blocks(tuple(layers[p].primary[s] for p in chunk), ids_d,
+            parts.append([_digest_blocks(tuple(layers[p].shards[s][replica] for p in chunk), ids_d,
                                          base_d, _layer_nums(device, tuple(
                                              self.cls.layers[p] for p in chunk)))
                           for chunk in chunks])
@@ -513,13 +516,13 @@ class EmulatedMover(Mover):
     def _image(self, local: jax.Array) -> np.ndarray:
         return emulate.to_image(np.asarray(local), self._layout)
 
-    def _read(self, layers, ids, positions) -> list[np.ndarray]:
+    def _read(self, layers, ids, positions, replica: int = 0) -> list[np.ndarray]:
         """Per shard, ``uint8[len(positions), k, bytes]`` read from the device images."""
         out = []
         for s in range(self.cls.num_shards):
             out.append(np.stack([
-                emulate.read_blocks(self._image(layers[p].primary[s]),
-                                    self._geometry(layers[p].primary[s]), ids)
+                emulate.read_blocks(self._image(layers[p].shards[s][replica]),
+                                    self._geometry(layers[p].shards[s][replica]), ids)
                 for p in positions]))
         return out
 
@@ -566,8 +569,9 @@ class EmulatedMover(Mover):
             new.append(assemble(arr, shards))
         return new, None
 
-    def digests(self, layers, batch, positions):
-        done = self._digest_raw(self._read(layers, batch.ids, positions), batch, positions)
+    def digests(self, layers, batch, positions, replica=0):
+        done = self._digest_raw(self._read(layers, batch.ids, positions, replica), batch,
+                                positions)
         return _Done(done)
 
 

@@ -559,11 +559,18 @@ class KVCacheManager:
             new_layers = self._layers(new)
             by_class = [[new_layers[j] for j in cls.layers] for cls in self._plan.classes]
 
-        def check(i: int, cls: Any, pos: int, got: np.ndarray) -> None:
+        def start(cls: Any, positions: list[int]) -> list[Any]:
+            # Every replica of a replicated layer received the pages: check each copy.
+            mover = self._movers[cls.index]
+            return [mover.digests(by_class[cls.index], batch, positions, replica=r)
+                    for r in range(cls.replicas)]
+
+        def check(i: int, cls: Any, pos: int, gots: list[np.ndarray]) -> None:
             nonlocal prefix
-            expected = self._pool.pools[cls.index].digests[slots, pos, :,
-                                                           :_integrity.DIGEST_WORDS]
-            bad = (got != np.swapaxes(expected, 0, 1)).any(axis=-1)  # got: [S, k, D]
+            expected = np.swapaxes(self._pool.pools[cls.index].digests[
+                slots, pos, :, :_integrity.DIGEST_WORDS], 0, 1)  # [S, k, D]
+            per_replica = [(got != expected).any(axis=-1) for got in gots]  # [S, k] each
+            bad = np.logical_or.reduce(per_replica)
             for j in np.flatnonzero(bad.any(axis=0)):
                 if int(j) not in reasons:
                     shards = np.flatnonzero(bad[:, j]).tolist()
@@ -571,6 +578,9 @@ class KVCacheManager:
                     if cls.num_shards > 1 and len(shards) < cls.num_shards:
                         what = (f"shard disagreement: digest mismatch in layer {i} on "
                                 f"shard(s) {shards} of {cls.num_shards}")
+                    replicas = [r for r, b in enumerate(per_replica) if b[:, j].any()]
+                    if cls.replicas > 1 and len(replicas) < cls.replicas:
+                        what += f" (replica(s) {replicas} of {cls.replicas})"
                     reasons[int(j)] = what
                 prefix = min(prefix, int(j))
             if handle.gate == "layer":
@@ -587,14 +597,17 @@ class KVCacheManager:
                 group = waiting[cls.index]
                 group.append(pos)
                 if len(group) == DIGEST_CHUNK or pos == len(cls.layers) - 1:
-                    jobs.append((cls, list(group), mover.digests(by_class[cls.index], batch,
-                                                                 group)))
+                    jobs.append((cls, list(group), start(cls, list(group))))
                     group.clear()
-            for cls, group, job in jobs:
-                got = job.get()
+            for cls, group, parts in jobs:
+                gots = [part.get() for part in parts]
                 for j, pos in enumerate(group):
-                    check(cls.layers[pos], cls, pos, got[j])
+                    check(cls.layers[pos], cls, pos, [got[j] for got in gots])
             return min([prefix] + list(reasons))
+
+        def settle(job: tuple) -> None:
+            i, cls, pos, parts = job
+            check(i, cls, pos, [part.get()[0] for part in parts])
 
         pending = None
         for i in range(self.num_layers):
@@ -605,17 +618,17 @@ class KVCacheManager:
                     mover.finish_load_layer(states[cls.index], pos)
                 except Exception:
                     if pending is not None:  # release what was verified before the failure
-                        check(*pending[:3], pending[3].get()[0])
+                        settle(pending)
                     raise
             if verify:
-                job = mover.digests(by_class[cls.index], batch, [pos])
+                job = (i, cls, pos, start(cls, [pos]))
                 if pending is not None:
-                    check(*pending[:3], pending[3].get()[0])
-                pending = (i, cls, pos, job)
+                    settle(pending)
+                pending = job
             elif handle.gate == "layer":
                 handle._release(i, prefix)
         if pending is not None:
-            check(*pending[:3], pending[3].get()[0])
+            settle(pending)
         return min([prefix] + list(reasons))
 
     def _settle_load(self, handle: LoadHandle, pages: list[PageRef], first_bad: int,

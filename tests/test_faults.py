@@ -210,3 +210,31 @@ def test_probe_inject_detects_each_fault(fault):
     assert report["ok"] and injected["detected"], injected
     if fault != "transfer":
         assert report["summary"]["verified_prefix"] == 3
+
+
+@pytest.mark.parametrize("gate", ["layer", "all"])
+def test_every_replica_is_verified(gate):
+    """A replicated layer is loaded into every replica, and each copy is checked."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("kv",))
+    x = jax.device_put(np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024),
+                       NamedSharding(mesh, P()))
+    mgr = kvxfer.KVCacheManager([x], num_host_blocks=4)
+    assert mgr.plan.classes[0].replicas == 2
+    pages = mgr.offload([x], [1, 2, 3], keys=[1, 2, 3]).wait()
+    mover = mgr._movers[0]
+    original = mover.finish_load_layer
+
+    def corrupt_second_replica(state, pos):
+        original(state, pos)
+        layers, _ = state
+        replica = layers[pos].shards[0][1]
+        view = np.ctypeslib.as_array(
+            (__import__("ctypes").c_uint8 * replica.nbytes).from_address(
+                replica.unsafe_buffer_pointer()))
+        view[DST[1] * 4096 + 5] ^= 1  # one bit of page 1 in the second replica only
+
+    mover.finish_load_layer = corrupt_second_replica
+    (y,), handle = mgr.load([x], pages, DST[:3], gate=gate)
+    result = handle.result()
+    assert result.verified_prefix == 1
+    assert "replica(s) [1] of 2" in result.reasons[1]
