@@ -317,10 +317,14 @@ class ModelSpec:
         specs = []
         for name, g in self._layers():
             shards = g.num_shards(num_devices)
+            shape = (n, *g.block_shape)
+            shard_shape = list(shape)
+            if shards > 1:
+                shard_shape[g.shard_dim] //= shards
             specs.append(LayerSpec(
-                name, (n, *g.block_shape), g.dtype,
-                g.layout if emulate_tpu else None,
-                num_shards=shards, replicas=num_devices if shards == 1 else 1))
+                name, shape, g.dtype, g.layout if emulate_tpu else None,
+                num_shards=shards, replicas=num_devices if shards == 1 else 1,
+                shard_shape=tuple(shard_shape)))
         return specs
 
     def inspect_layers(self, num_blocks: int | None = None
@@ -416,7 +420,10 @@ class ModelSpec:
                                   f"{g.dtype} needs jax_enable_x64 to build a cache")
             for _ in range(g.count):
                 host = _random_array((n, *g.block_shape), dt, seed, index)
-                caches.append(jax.device_put(host, shardings[index]))
+                # XLA:CPU may alias an aligned numpy array (one buffer under every
+                # replica): copy, so each cache owns its device buffers.
+                cache = jax.device_put(host, shardings[index])
+                caches.append(jax.device_put(cache, shardings[index], may_alias=False))
                 index += 1
         return caches
 

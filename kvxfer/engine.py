@@ -156,7 +156,8 @@ def needs_raw_bits(a: jax.Array) -> bool:
     buffer aliasing, so it is used only where it is needed for exactness.
     """
     return (any(d.platform == "cpu" for d in a.devices())
-            and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4)
+            and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4
+            and natural_bits(a.dtype) == 8 * a.dtype.itemsize)  # not fp4: no NaNs
 
 
 def _bits(a: jax.Array, raw: bool) -> jax.Array:
@@ -358,6 +359,9 @@ class StagedMover(Mover):
         # Padding entries point past the end and are dropped by the scatter.
         ids_pad = np.full(b, np.iinfo(np.int32).max, dtype=np.int32)
         ids_pad[:k] = batch.ids
+        # Every transfer to the devices is made before the first donating scatter, so a
+        # failure there leaves the caller's caches intact.
+        work = []
         for s in range(self.cls.num_shards):
             first = layers[0].primary[s]
             dtype = np.dtype(first.dtype)
@@ -371,10 +375,11 @@ class StagedMover(Mover):
             for r in range(len(layers[0].shards[s])):
                 local = tuple(layer.shards[s][r] for layer in layers)
                 device = _device_of(local[0])
-                out = _scatter(local, jax.device_put(ids_pad, device),
-                               jax.device_put(staging, device))
-                for pos, a in enumerate(out):
-                    new_shards[pos][s].append(a)
+                work.append((s, local, jax.device_put(ids_pad, device),
+                             jax.device_put(staging, device)))
+        for s, local, ids_d, pages_d in work:
+            for pos, a in enumerate(_scatter(local, ids_d, pages_d)):
+                new_shards[pos][s].append(a)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
         return new, None
 
@@ -382,6 +387,9 @@ class StagedMover(Mover):
 def _buffer_view(a: jax.Array, block_bytes: int) -> np.ndarray:
     """A writable ``uint8[num_blocks, block_bytes]`` view of a CPU array's buffer."""
     nbytes = a.shape[0] * block_bytes
+    if a.nbytes != nbytes:  # never read or write past the buffer
+        raise TransferError(f"buffer of {a.nbytes} bytes does not hold {a.shape[0]} blocks of "
+                            f"{block_bytes} bytes")
     raw = (ctypes.c_uint8 * nbytes).from_address(a.unsafe_buffer_pointer())
     return np.ctypeslib.as_array(raw).reshape(a.shape[0], block_bytes)
 
@@ -450,37 +458,59 @@ class RowCopy:
             dst[self.dst_rows] = src[self.src_rows]
 
 
+def shared_buffers(arrays: Sequence[jax.Array]) -> frozenset:
+    """Buffer addresses that back more than one device array among ``arrays``."""
+    counts: dict[int, int] = {}
+    for a in arrays:
+        if raw_capable(a):
+            for s in a.addressable_shards:
+                p = s.data.unsafe_buffer_pointer()
+                counts[p] = counts.get(p, 0) + 1
+    return frozenset(p for p, c in counts.items() if c > 1)
+
+
 class RawMover(Mover):
     """Raw byte-range copies between XLA:CPU buffers and the host pool."""
 
     name = "raw"
 
     def gather(self, layers, batch, with_digest):
-        # Nothing to start here: the transfer thread reads the buffers (after waiting
-        # for them), so the caller's thread pays no copy or dispatch.
-        return layers, batch, with_digest
+        # The caller's thread only waits for the buffers to be computed and takes
+        # views of them; the transfer thread copies (and starts the digests).
+        views = [[_buffer_view(layer.shards[s][0].block_until_ready(),
+                               self.cls.shard_block_bytes) for layer in layers]
+                 for s in range(self.cls.num_shards)]
+        return layers, views, batch, with_digest
 
     def finish_offload(self, state, slots):
-        layers, batch, with_digest = state
-        for layer in layers:
-            for reps in layer.shards:
-                reps[0].block_until_ready()
+        layers, views, batch, with_digest = state
         # The digests run on XLA's threads while this thread copies.
         digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
         copy = RowCopy(slots, batch.ids, self.cls.shard_block_bytes)
         for s in range(self.cls.num_shards):
-            for pos, layer in enumerate(layers):
+            for pos, view in enumerate(views[s]):
                 lo, hi = self.pool.shard_range(pos, s)
-                copy(self.pool.data[:, lo:hi],
-                     _buffer_view(layer.shards[s][0], self.cls.shard_block_bytes))
+                copy(self.pool.data[:, lo:hi], view)
+        if any(layer.shards[s][0].is_deleted() for layer in layers
+               for s in range(self.cls.num_shards)):
+            raise TransferError("a cache was donated or deleted while its blocks were being "
+                                "offloaded; wait() before donating the caches")
         if digests is not None:
             d = digests.get()
             for s in range(self.cls.num_shards):
                 self._store_digests(slots, s, d[:, s])
 
-    def load(self, arrays, layers, batch, slots):
-        # New Array objects over the same buffers: the old objects may hold a
-        # cached host copy (``np.asarray`` of a sharded array) that goes stale.
+    def load(self, arrays, layers, batch, slots, shared: frozenset = frozenset()):
+        # Raw writes need buffers no one else reads: XLA:CPU places one buffer under
+        # every replica of a replicated device_put (and may alias a 64-byte-aligned
+        # numpy array), so any buffer seen twice gets a private copy first (once; the
+        # returned arrays keep the copies).
+        layers = [ShardedLayer(tuple(
+            tuple(jax.device_put(a, _device_of(a), may_alias=False)
+                  if a.unsafe_buffer_pointer() in shared else a for a in reps)
+            for reps in layer.shards)) for layer in layers]
+        # New Array objects over the buffers: the old objects may hold a cached host
+        # copy (``np.asarray`` of a sharded array) that would go stale.
         new = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
         return new, (layers, RowCopy(batch.ids, slots, self.cls.shard_block_bytes))
 

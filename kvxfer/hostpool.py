@@ -148,7 +148,7 @@ class HostPool:
         # A min-heap: requests get the lowest free slots, so a request's slots tend to
         # be consecutive and its copies run as single slices.
         self._free = list(range(self.num_slots))
-        self._invalidated: set[tuple[int, int]] = set()
+        self._invalidated: dict[int, int] = {}  # slot -> generation found bad
         self._lock = threading.Lock()
 
     # -- accounting ---------------------------------------------------------
@@ -183,6 +183,7 @@ class HostPool:
             out = []
             for _ in range(n):
                 slot = heapq.heappop(self._free)
+                self._invalidated.pop(slot, None)  # an older ref to it is now just stale
                 s = self._slots[slot]
                 s.generation += 1
                 s.state = "writing"
@@ -203,17 +204,36 @@ class HostPool:
         Raises:
           PoolError: unknown slot, a stale generation, or a slot already free.
         """
+        self.release_many([(slot, generation)])
+
+    def release_many(self, refs: Sequence[tuple[int, int]]) -> None:
+        """Frees several slots, all or none.
+
+        Raises:
+          PoolError: naming the first bad ref (unknown, stale, already free, or
+            listed twice); nothing is freed then.
+        """
         with self._lock:
-            s = self._check(slot, generation)
-            if (slot, generation) in self._invalidated:
-                self._invalidated.discard((slot, generation))
-                return
-            if s.generation != generation:
-                raise PoolError(f"host slot {slot} generation {generation} is stale (now "
-                                f"{s.generation}): the page was freed and the slot reused")
-            if s.state in ("free", "released"):
-                raise PoolError(f"double free of host slot {slot} generation {generation}")
-            self._release_locked(slot, s)
+            seen: set[int] = set()
+            todo = []
+            for slot, generation in refs:
+                s = self._check(slot, generation)
+                if self._invalidated.get(slot) == generation:
+                    todo.append((slot, None))  # found bad and freed already: a no-op
+                    continue
+                if s.generation != generation:
+                    raise PoolError(f"host slot {slot} generation {generation} is stale (now "
+                                    f"{s.generation}): the page was freed and the slot reused")
+                if s.state in ("free", "released") or slot in seen:
+                    raise PoolError(f"double free of host slot {slot} generation "
+                                    f"{generation}")
+                seen.add(slot)
+                todo.append((slot, s))
+            for slot, s in todo:
+                if s is None:
+                    self._invalidated.pop(slot, None)
+                else:
+                    self._release_locked(slot, s)
 
     def invalidate(self, slot: int, generation: int) -> bool:
         """Frees a page found bad; a later ``release`` of the same ref is a no-op."""
@@ -221,7 +241,7 @@ class HostPool:
             s = self._check(slot, generation)
             if s.generation != generation or s.state in ("free", "released"):
                 return False
-            self._invalidated.add((slot, generation))
+            self._invalidated[slot] = generation
             self._release_locked(slot, s)
             return True
 

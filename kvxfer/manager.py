@@ -33,6 +33,7 @@ from kvxfer.engine import (
     TransferError,
     PageBatch,
     raw_capable,
+    shared_buffers,
 )
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, LayoutError, shape_text
@@ -188,7 +189,10 @@ def _agree_min(value: int) -> int:
     """The minimum of ``value`` over every process, through a JAX collective.
 
     Every process runs its loads in the same order on its transfer thread, so the
-    collectives line up; all ranks then keep and recompute the same pages.
+    collectives line up; all ranks then keep and recompute the same pages. The
+    collective runs on the transfer thread: a job must not run other multi-process
+    programs that could interleave with it differently on different ranks while a
+    load is being verified (wait for ``result()`` first).
     """
     from jax.experimental import multihost_utils
 
@@ -268,9 +272,13 @@ class KVCacheManager:
                 layout = Layout.of(a)
             elif not isinstance(layout, Layout):
                 layout = Layout.of(layout)
+            placement = tuple(tuple(d.id for r in reps for d in r.devices())
+                              for reps in layer.shards)
             specs.append(LayerSpec(name, a.shape, a.dtype, layout,
                                    num_shards=len(layer.shards),
-                                   replicas=len(layer.shards[0])))
+                                   replicas=len(layer.shards[0]),
+                                   shard_shape=layer.shards[0][0].shape,
+                                   placement=placement))
         self.integrity = integrity
         self.ready_timeout = ready_timeout
         emulated = path == "direct" and layouts is not None
@@ -305,6 +313,8 @@ class KVCacheManager:
                 mover_type = StagedMover
             self._movers.append(mover_type)  # type: ignore[arg-type]
         self._specs = specs
+        # What each layer's movers were chosen for: later caches must match it.
+        self._formats = [(a.sharding, Layout.of(a)) for a in caches]
         self._pool = HostPool(self._plan, pinned=pinned)
         self._movers = [m(cls, pool) for m, cls, pool in
                         zip(self._movers, self._plan.classes, self._pool.pools)]  # type: ignore
@@ -350,6 +360,10 @@ class KVCacheManager:
 
     # -- argument checks --------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the KVCacheManager is closed; create a new one")
+
     def _check_caches(self, kv_caches: Sequence[jax.Array]) -> list[jax.Array]:
         caches = list(kv_caches)
         if len(caches) != self.num_layers:
@@ -364,6 +378,13 @@ class KVCacheManager:
             if tuple(a.shape) != spec.shape or a.dtype.name != spec.dtype:
                 raise ValueError(f"layer {i}: got {shape_text(a.shape, a.dtype)}, the manager "
                                  f"was built for {shape_text(spec.shape, spec.dtype)}")
+            sharding, layout = self._formats[i]
+            if not a.sharding.is_equivalent_to(sharding, a.ndim):
+                raise ValueError(f"layer {i}: sharding {a.sharding} differs from the one the "
+                                 f"manager was built for ({sharding})")
+            if Layout.of(a) != layout:
+                raise ValueError(f"layer {i}: layout {Layout.of(a)} differs from the one the "
+                                 f"manager was built for ({layout})")
         return caches
 
     def _check_ids(self, device_blocks: Sequence[int], n: int, what: str) -> np.ndarray:
@@ -398,7 +419,9 @@ class KVCacheManager:
                 keys: Sequence[Any]) -> OffloadHandle:
         """Copies blocks to new host pages, asynchronously.
 
-        The device blocks must not be overwritten until ``wait()`` returns.
+        The device blocks must not be overwritten, and the caches not donated,
+        until ``wait()`` returns (as with any DMA); a raw copy that finds its source
+        donated mid-way fails with ``TransferError`` rather than keep a torn page.
 
         Args:
           kv_caches: the current caches (one per layer).
@@ -412,6 +435,7 @@ class KVCacheManager:
           ValueError: bad caches, ids or keys (nothing allocated).
           PoolExhaustedError: not enough free host slots (nothing allocated).
         """
+        self._check_open()
         caches = self._check_caches(kv_caches)
         keys = list(keys)
         ids = self._check_ids(device_blocks, len(keys), "keys")
@@ -469,6 +493,7 @@ class KVCacheManager:
         """
         if gate not in ("all", "layer"):
             raise ValueError(f"gate={gate!r}; expected 'all' or 'layer'")
+        self._check_open()
         caches = self._check_caches(kv_caches)
         pages = list(pages)
         for j, p in enumerate(pages):
@@ -503,10 +528,14 @@ class KVCacheManager:
             layers = self._layers(caches)
             new = list(caches)
             states = []
+            shared = shared_buffers(caches) if n and any(
+                isinstance(m, RawMover) for m in self._movers) else frozenset()
             for cls, mover in zip(self._plan.classes, self._movers):
                 if n:
+                    extra = {"shared": shared} if isinstance(mover, RawMover) else {}
                     out, state = mover.load([caches[i] for i in cls.layers],
-                                            [layers[i] for i in cls.layers], batch, slots)
+                                            [layers[i] for i in cls.layers], batch, slots,
+                                            **extra)
                     for i, a in zip(cls.layers, out):
                         new[i] = a
                 else:
@@ -659,8 +688,7 @@ class KVCacheManager:
         for j, p in enumerate(pages):
             if not isinstance(p, PageRef):
                 raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
-        for p in pages:
-            self._pool.release(p.slot, p.generation)
+        self._pool.release_many([(p.slot, p.generation) for p in pages])
 
     def _page_range(self, page: PageRef, layer: int) -> tuple[np.ndarray, int, int]:
         if not isinstance(page, PageRef):

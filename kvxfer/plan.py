@@ -68,6 +68,11 @@ class LayerSpec:
       num_shards: distinct shards the array is split into (1 when unsharded or
         replicated); each shard holds ``1/num_shards`` of every block.
       replicas: devices holding each shard (2+ when replicated under tensor parallelism).
+      shard_shape: the shape of one shard (default: the whole shape when unsharded).
+        On TPU each shard is laid out, tiled and padded on its own, so device
+        geometry is computed per shard.
+      placement: where the shards live (e.g. device ids per shard); layers placed
+        differently never share a slice class, because a class moves together.
     """
 
     name: str
@@ -77,6 +82,8 @@ class LayerSpec:
     block_dim: int = 0
     num_shards: int = 1
     replicas: int = 1
+    shard_shape: tuple[int, ...] | None = None
+    placement: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -93,6 +100,16 @@ class LayerSpec:
         if self.num_shards < 1 or self.replicas < 1:
             raise ValueError(f"layer {self.name}: num_shards={self.num_shards} and "
                              f"replicas={self.replicas} must be >= 1")
+        if self.shard_shape is None:
+            if self.num_shards > 1:
+                raise ValueError(f"layer {self.name}: num_shards={self.num_shards} needs "
+                                 "shard_shape (the shape of one shard)")
+            object.__setattr__(self, "shard_shape", self.shape)
+        shard_shape = tuple(int(d) for d in self.shard_shape)
+        object.__setattr__(self, "shard_shape", shard_shape)
+        if len(shard_shape) != len(self.shape) or shard_shape[0] != self.shape[0]:
+            raise ValueError(f"layer {self.name}: shard_shape {list(shard_shape)} must keep "
+                             f"every block of shape {list(self.shape)} (dim 0 unsharded)")
 
     @property
     def num_blocks(self) -> int:
@@ -104,7 +121,13 @@ class LayerSpec:
 
     @property
     def geometry(self) -> SliceGeometry:
+        """The verdict for the whole array."""
         return inspect(self.shape, self.dtype, self.layout, block_dim=0)
+
+    @property
+    def shard_geometry(self) -> SliceGeometry:
+        """The verdict for one shard, as each device lays it out."""
+        return inspect(self.shard_shape, self.dtype, self.layout, block_dim=0)
 
     @property
     def logical_block_bytes(self) -> int:
@@ -115,15 +138,21 @@ class LayerSpec:
         """Host bytes one block of this layer takes on ``path`` (all shards)."""
         if path == "staged":
             return self.logical_block_bytes
-        g = self.geometry
-        # A direct copy moves whole granularity groups: to keep one block on the host
-        # it must keep the group that holds it.
+        # A direct copy moves each shard's device bytes, and whole granularity groups
+        # of them: to keep one block on the host it must keep the group that holds it.
+        return self.device_block_bytes * self.num_shards
+
+    @property
+    def device_block_bytes(self) -> int:
+        """Device bytes one block of one shard takes (its group when not addressable)."""
+        g = self.shard_geometry
         return g.bytes_per_block if g.addressable else g.group_bytes
 
     def class_key(self) -> tuple:
-        g = self.geometry
-        return (self.dtype, self.block_shape, str(self.layout), self.num_shards,
-                self.replicas, g.addressable, g.bytes_per_block, g.group_bytes)
+        g = self.shard_geometry
+        return (self.dtype, self.block_shape, self.shard_shape, str(self.layout),
+                self.num_shards, self.replicas, self.placement, g.addressable,
+                g.bytes_per_block, g.group_bytes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,9 +165,9 @@ class SliceClass:
       layer_names: their names.
       dtype, block_shape, layout, num_shards, replicas: shared by every member.
       bytes_per_block: host bytes of one block of one layer (all shards).
-      device_bytes_per_block: device bytes of one block under the layout (padding
-        included), or the group bytes when the layout is not addressable.
-      addressable: whether blocks are contiguous on the device.
+      device_bytes_per_block: device bytes of one block of one shard under the layout
+        (padding included), or the group bytes when the layout is not addressable.
+      addressable: whether blocks are contiguous on the device (per shard).
       granularity: the layout's granularity.
       padding_factor: device physical / logical bytes.
       page_bytes: bytes of one host slot (every layer of the class).
@@ -277,7 +306,7 @@ def make_plan(layers: Sequence[LayerSpec], num_host_blocks: int, *, path: Path =
     classes = []
     for index, members in enumerate(groups.values()):
         spec = layers[members[0]]
-        g = spec.geometry
+        g = spec.shard_geometry
         bpb = spec.host_block_bytes(path)
         page = bpb * len(members)
         classes.append(SliceClass(
@@ -285,7 +314,7 @@ def make_plan(layers: Sequence[LayerSpec], num_host_blocks: int, *, path: Path =
             layer_names=tuple(layers[m].name for m in members), dtype=spec.dtype,
             block_shape=spec.block_shape, layout=spec.layout, num_shards=spec.num_shards,
             replicas=spec.replicas, bytes_per_block=bpb,
-            device_bytes_per_block=g.bytes_per_block if g.addressable else g.group_bytes,
+            device_bytes_per_block=spec.device_block_bytes,
             addressable=g.addressable, granularity=g.granularity,
             padding_factor=g.padding_factor, page_bytes=page,
             host_bytes=page * num_host_blocks))

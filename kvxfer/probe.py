@@ -39,12 +39,12 @@ def _host_bits(a: jax.Array) -> np.ndarray:
 
 
 def _clobber(a: jax.Array, blocks: np.ndarray) -> jax.Array:
-    """A copy of ``a`` whose ``blocks`` hold inverted bits (same sharding)."""
+    """A copy of ``a`` whose ``blocks`` hold inverted bits (same layout and sharding)."""
     x = np.array(_host_bits(a))
     x[blocks] = ~x[blocks]
     if a.dtype.name in ("int4", "uint4"):
         x &= 0x0F
-    return jax.device_put(x.view(a.dtype), a.sharding)
+    return jax.device_put(x.view(a.dtype), a.format)  # same layout and sharding
 
 
 def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,

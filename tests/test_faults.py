@@ -238,3 +238,24 @@ def test_every_replica_is_verified(gate):
     result = handle.result()
     assert result.verified_prefix == 1
     assert "replica(s) [1] of 2" in result.reasons[1]
+
+
+def test_shared_buffers_are_unshared_before_raw_writes():
+    """Arrays sharing a buffer (here one cache passed as two layers, as XLA:CPU's replicas
+    of a replicated device_put can) get private copies before a raw load writes."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("kv",))
+    x = jax.device_put(np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024),
+                       NamedSharding(mesh, P()))
+    x = jax.device_put(x, x.sharding, may_alias=False)
+    before = np.array(x)
+    twin = [x, x]
+    mgr = kvxfer.KVCacheManager(twin, num_host_blocks=2)
+    assert mgr.paths == ["raw", "raw"]
+    pages = mgr.offload(twin, [2], keys=[6]).wait()
+    new, handle = mgr.load(twin, pages, [5])
+    assert handle.result().verified_prefix == 1
+    ptrs = {s.data.unsafe_buffer_pointer() for a in new for s in a.addressable_shards}
+    assert len(ptrs) == 4  # every layer and replica now has its own buffer
+    assert np.array_equal(np.array(x), before)  # the shared original is untouched
+    for a in new:
+        assert np.array_equal(np.array(a)[5], before[2])

@@ -275,3 +275,69 @@ def test_plan_prints_a_table(tiny_caches):
     text = str(mgr.plan)
     assert "bytes/block" in text and "host bytes" in text and "total:" in text
     assert mgr.host_pool.nbytes == mgr.plan.total_host_bytes
+
+
+def test_caches_must_keep_the_layout_and_sharding_they_were_registered_with(tiny_caches):
+    from jax.experimental.layout import Format
+
+    _, caches = tiny_caches
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    pages = mgr.offload(caches, [1], keys=[1]).wait()
+    moved = list(caches)
+    moved[1] = jax.device_put(caches[1], jax.devices()[1])
+    with pytest.raises(ValueError, match="layer 1: sharding .* differs"):
+        mgr.load(moved, pages, [2])
+    relaid = list(caches)
+    layout = kvxfer.Layout((0, 4, 3, 2, 1))  # block dim most minor
+    relaid[0] = jax.device_put(caches[0], Format(layout.to_jax(), caches[0].sharding))
+    with pytest.raises(ValueError, match=r"layer 0: layout \{0,4,3,2,1\} differs"):
+        mgr.load(relaid, pages, [2])
+
+
+def test_closed_manager_refuses_work_without_leaking(tiny_caches):
+    _, caches = tiny_caches
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    pages = mgr.offload(caches, [1], keys=[1]).wait()
+    mgr.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.offload(caches, [2], keys=[2])
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.load(caches, pages, [3])
+    assert mgr.num_free_pages == 3
+    assert not any(c.is_deleted() for c in caches)
+
+
+def test_free_is_all_or_nothing(tiny_caches):
+    _, caches = tiny_caches
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    pages = mgr.offload(caches, [1, 2, 3], keys=[1, 2, 3]).wait()
+    mgr.free(pages[2:])
+    with pytest.raises(kvxfer.PoolError, match="double free of host slot"):
+        mgr.free(pages)
+    assert mgr.num_free_pages == 2  # pages 0 and 1 were not freed by the failed call
+    mgr.free(pages[:2])
+    assert mgr.num_free_pages == 4
+
+
+def test_layers_placed_on_different_devices_get_separate_classes():
+    a = jax.device_put(np.zeros((8, 16), np.float32), jax.devices()[0])
+    b = jax.device_put(np.zeros((8, 16), np.float32), jax.devices()[1])
+    mgr = kvxfer.KVCacheManager([a, b], num_host_blocks=2, path="staged")
+    assert len(mgr.plan.classes) == 2
+    pages = mgr.offload([a, b], [3], keys=[1]).wait()
+    _, handle = mgr.load([a, b], pages, [4])
+    assert handle.result().verified_prefix == 1
+
+
+def test_emulated_direct_path_sizes_sharded_layers_per_shard():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("kv",))
+    x = jax.device_put(np.zeros((16, 8, 256), jnp.bfloat16),
+                       NamedSharding(mesh, P(None, "kv")))
+    mgr = kvxfer.KVCacheManager([x], num_host_blocks=2, path="direct",
+                                layouts=["{2,1,0:T(8,128)(2,1)}"])
+    cls = mgr.plan.classes[0]
+    # Each shard's 2 heads pad to 8 rows: 8 x 256 x 2 bytes per shard-block.
+    assert cls.device_bytes_per_block == 4096 and cls.bytes_per_block == 4 * 4096
+    pages = mgr.offload([x], [1, 2], keys=[1, 2]).wait()
+    _, handle = mgr.load([x], pages, [5, 6])
+    assert handle.result().verified_prefix == 2
