@@ -313,8 +313,12 @@ class KVCacheManager:
                 mover_type = StagedMover
             self._movers.append(mover_type)  # type: ignore[arg-type]
         self._specs = specs
-        # What each layer's movers were chosen for: later caches must match it.
+        # What each layer's movers were chosen for: later caches must match it. The
+        # arrays last checked (or returned by a load) skip the check, and those whose
+        # buffers are known to be their own skip the sharing scan of raw loads.
         self._formats = [(a.sharding, Layout.of(a)) for a in caches]
+        self._validated: list[jax.Array | None] = [None] * len(caches)
+        self._private: list[jax.Array | None] = [None] * len(caches)
         self._pool = HostPool(self._plan, pinned=pinned)
         self._movers = [m(cls, pool) for m, cls, pool in
                         zip(self._movers, self._plan.classes, self._pool.pools)]  # type: ignore
@@ -375,6 +379,8 @@ class KVCacheManager:
             if a.is_deleted():
                 raise ValueError(f"layer {i} is a deleted array (donated or freed); pass the "
                                  "arrays returned by the step that consumed it")
+            if a is self._validated[i]:
+                continue  # checked (or returned by a load) before: skip the costly part
             if tuple(a.shape) != spec.shape or a.dtype.name != spec.dtype:
                 raise ValueError(f"layer {i}: got {shape_text(a.shape, a.dtype)}, the manager "
                                  f"was built for {shape_text(spec.shape, spec.dtype)}")
@@ -385,6 +391,7 @@ class KVCacheManager:
             if Layout.of(a) != layout:
                 raise ValueError(f"layer {i}: layout {Layout.of(a)} differs from the one the "
                                  f"manager was built for ({layout})")
+            self._validated[i] = a
         return caches
 
     def _check_ids(self, device_blocks: Sequence[int], n: int, what: str) -> np.ndarray:
@@ -528,8 +535,10 @@ class KVCacheManager:
             layers = self._layers(caches)
             new = list(caches)
             states = []
-            shared = shared_buffers(caches) if n and any(
-                isinstance(m, RawMover) for m in self._movers) else frozenset()
+            shared = frozenset()
+            if n and any(isinstance(m, RawMover) for m in self._movers) and not all(
+                    a is p for a, p in zip(caches, self._private)):
+                shared = shared_buffers(caches)
             for cls, mover in zip(self._plan.classes, self._movers):
                 if n:
                     extra = {"shared": shared} if isinstance(mover, RawMover) else {}
@@ -544,6 +553,11 @@ class KVCacheManager:
         except Exception as e:
             self._pool.release_readers(pinned_slots)
             raise TransferError(f"load of {n} pages failed: {e}") from e
+
+        # The arrays handed back have the registered formats, and after a raw load
+        # their buffers are their own (shared ones were copied).
+        self._validated = list(new)
+        self._private = list(new)
 
         def finish() -> None:
             try:
