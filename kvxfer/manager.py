@@ -16,7 +16,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -45,6 +45,10 @@ __all__ = ["KVCacheManager", "OffloadHandle", "LoadHandle", "LoadResult", "PageR
 Gate = Literal["all", "layer"]
 IntegrityMode = Literal["page", "off"]
 PathMode = Literal["auto", "staged", "direct"]
+
+
+TransferHook = Callable[[str, int, jax.Array], None]
+"""``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``."""
 
 
 class IntegrityError(RuntimeError):
@@ -325,6 +329,7 @@ class KVCacheManager:
         self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer")
         self._closed = False
+        self._hook: TransferHook | None = None
 
     # -- introspection ----------------------------------------------------------
 
@@ -341,6 +346,20 @@ class KVCacheManager:
     def paths(self) -> list[str]:
         """The mover used for each layer: ``raw``, ``staged`` or ``emulated``."""
         return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
+
+    def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:
+        """Installs a hook the transfer thread calls around each layer of a load.
+
+        For fault injection (``kvxfer.testing``): ``hook("load_layer", layer, array)``
+        runs before layer ``layer``'s copy completes (raising there is a device
+        failure) and ``hook("loaded_layer", layer, array)`` right after it, with the
+        array the load returns for that layer. ``None`` removes the hook.
+
+        Returns:
+          The hook installed before.
+        """
+        previous, self._hook = self._hook, hook
+        return previous
 
     @property
     def host_pool(self) -> HostPool:
@@ -635,8 +654,7 @@ class KVCacheManager:
             jobs, waiting = [], {c.index: [] for c in self._plan.classes}
             for i in range(self.num_layers):
                 cls, pos = self._layer_class[i]
-                mover = self._movers[cls.index]
-                mover.finish_load_layer(states[cls.index], pos)
+                self._finish_layer(states, new, i)
                 group = waiting[cls.index]
                 group.append(pos)
                 if len(group) == DIGEST_CHUNK or pos == len(cls.layers) - 1:
@@ -655,10 +673,9 @@ class KVCacheManager:
         pending = None
         for i in range(self.num_layers):
             cls, pos = self._layer_class[i]
-            mover = self._movers[cls.index]
             if n:
                 try:
-                    mover.finish_load_layer(states[cls.index], pos)
+                    self._finish_layer(states, new, i)
                 except Exception:
                     if pending is not None:  # release what was verified before the failure
                         settle(pending)
@@ -673,6 +690,15 @@ class KVCacheManager:
         if pending is not None:
             settle(pending)
         return min([prefix] + list(reasons))
+
+    def _finish_layer(self, states: list[Any], new: list[jax.Array], layer: int) -> None:
+        cls, pos = self._layer_class[layer]
+        hook = self._hook
+        if hook is not None:
+            hook("load_layer", layer, new[layer])
+        self._movers[cls.index].finish_load_layer(states[cls.index], pos)
+        if hook is not None:
+            hook("loaded_layer", layer, new[layer])
 
     def _settle_load(self, handle: LoadHandle, pages: list[PageRef], first_bad: int,
                      reasons: dict[int, str]) -> LoadResult:

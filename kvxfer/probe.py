@@ -26,7 +26,8 @@ import numpy as np
 from kvxfer import config as _config
 from kvxfer._text import format_bytes, table
 from kvxfer.engine import TransferError
-from kvxfer.faults import FAULTS
+from kvxfer import testing
+from kvxfer.testing import FAULTS
 from kvxfer.layout import LayoutError
 from kvxfer.manager import KVCacheManager
 
@@ -76,8 +77,6 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
         expected.append(e)
     keys, bad, injected = None, None, {}
     if inject is not None:
-        from kvxfer import faults
-
         bad, layer = k // 2, len(caches) // 2
         if inject == "one-shard":
             layer = next((i for i in range(len(caches))
@@ -85,19 +84,15 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
             if layer is None:
                 raise ValueError("--inject one-shard needs a sharded layer (use --devices 2+)")
         injected = {"fault": inject, "page": bad, "layer": layer}
-        if inject != "transfer":
-            pages, keys = faults.inject(inject, mgr, clobbered, pages, bad, layer, seed=seed)
+        pages, keys = testing.inject(inject, mgr, clobbered, pages, bad, layer, seed=seed)
     t0 = time.perf_counter()
     if inject == "transfer":
-        from kvxfer import faults
-
-        with faults.failing_transfer(mgr, after_layers=injected["layer"]):
-            new, handle = mgr.load(clobbered, pages, dst, keys=keys, gate=gate)
-            try:
-                handle.result()
-                injected["detected"] = False
-            except TransferError as e:
-                injected.update(detected=True, error=str(e))
+        new, handle = mgr.load(clobbered, pages, dst, keys=keys, gate=gate)
+        try:
+            handle.result()
+            injected["detected"] = False
+        except TransferError as e:
+            injected.update(detected=True, error=str(e))
         t_load = time.perf_counter() - t0
         return new, [], {"pages": k, "verified_prefix": 0, "reasons": {}, "offload_s": t_off,
                          "load_s": t_load, "bytes_moved": 0, "injected": injected}

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kvxfer
-from kvxfer import faults
+from kvxfer import testing as faults
 
 DTYPES = ["bfloat16", "float8_e4m3fn", "float32"]
 PAGE_SIZES = [16 << 10, 64 << 10, 1 << 20]
@@ -180,9 +180,7 @@ def test_slots_read_by_a_load_in_flight_are_not_reused():
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
     pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
     gate = threading.Event()
-    mover = mgr._movers[0]
-    original = mover.finish_load_layer
-    mover.finish_load_layer = lambda state, pos: (gate.wait(30), original(state, pos))
+    mgr.set_transfer_hook(lambda event, layer, array: gate.wait(30))
     new, handle = mgr.load(caches, pages, DST)
     mgr.free(pages)  # the load still reads these slots
     assert mgr.num_free_pages == 0
@@ -190,7 +188,7 @@ def test_slots_read_by_a_load_in_flight_are_not_reused():
         mgr.offload(caches, [0], keys=[9])
     gate.set()
     assert handle.result().verified_prefix == 4
-    mover.finish_load_layer = original
+    mgr.set_transfer_hook(None)
     for c, b in zip(new, before):
         assert np.array_equal(bits(c)[DST], b[SRC])
     assert mgr.num_free_pages == 4
@@ -221,19 +219,17 @@ def test_every_replica_is_verified(gate):
     mgr = kvxfer.KVCacheManager([x], num_host_blocks=4)
     assert mgr.plan.classes[0].replicas == 2
     pages = mgr.offload([x], [1, 2, 3], keys=[1, 2, 3]).wait()
-    mover = mgr._movers[0]
-    original = mover.finish_load_layer
 
-    def corrupt_second_replica(state, pos):
-        original(state, pos)
-        layers, _ = state
-        replica = layers[pos].shards[0][1]
+    def corrupt_second_replica(event, layer, array):
+        if event != "loaded_layer":
+            return
+        replica = array.addressable_shards[1].data
         view = np.ctypeslib.as_array(
             (__import__("ctypes").c_uint8 * replica.nbytes).from_address(
                 replica.unsafe_buffer_pointer()))
         view[DST[1] * 4096 + 5] ^= 1  # one bit of page 1 in the second replica only
 
-    mover.finish_load_layer = corrupt_second_replica
+    mgr.set_transfer_hook(corrupt_second_replica)
     (y,), handle = mgr.load([x], pages, DST[:3], gate=gate)
     result = handle.result()
     assert result.verified_prefix == 1

@@ -20,7 +20,7 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
 import numpy as np  # noqa: E402
 
 import kvxfer  # noqa: E402
-from kvxfer import faults  # noqa: E402
+from kvxfer import testing as faults  # noqa: E402
 
 rng = np.random.default_rng(rank)
 device = jax.local_devices()[0]

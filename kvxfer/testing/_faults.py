@@ -1,43 +1,59 @@
-"""Fault injection for the host tier, for tests and ``kvxfer probe --inject``.
+"""Fault injection for the host tier: damage pages the way the field does.
 
-Each fault damages host pages the way the field does (SEEDS.md §1), *after* the
-page's digest was made, so that only verification can catch it:
+Each fault damages host pages *after* their digests were made, so that only
+verification can catch it:
 
-* ``bitflip``: one host bit flips.
-* ``wrong-key``: a page is presented under another key (``wrong_keys``), or its
-  slot holds another page's bytes and digests (``misfile``).
-* ``stale-slot``: a page is freed and its slot reused while a ref is still held.
+* ``bitflip``: one host bit of one layer of a page flips (``flip_bit``).
+* ``wrong-key``: the caller asks for key K and is handed a page stored under
+  another key (``wrong_keys``); no byte is touched, the key check catches it.
+* ``misfile``: a slot holds another page's bytes and digests while its metadata
+  says it holds this page (``misfile``); the digests, bound to the other page's
+  identity, catch it.
+* ``stale-slot``: a page is freed and its slot reused while a ref is still held
+  (``reuse_slot``).
 * ``one-shard``: one shard's bytes of a sharded layer are corrupted.
-* ``one-process``: corruption on one process of a multi-process job only
-  (``bitflip`` applied where ``jax.process_index()`` matches).
-* ``torn``: half of a page's bytes are another page's (a torn write).
-* ``transfer``: the transfer itself fails (a device error, never a miss).
+* ``torn``: half of a page's layer bytes are another page's (a torn write).
+* ``transfer``: the transfer itself fails after some layers moved: a device
+  error, reported as ``TransferError``, never as a miss (``failing_transfer``).
+
+``one-process`` corruption in a multi-process job is ``bitflip`` applied on one
+rank only.
 
 Example:
-    >>> from kvxfer import faults                       # doctest: +SKIP
-    >>> faults.flip_bit(mgr, pages[2], layer=1)         # doctest: +SKIP
-    >>> caches, h = mgr.load(caches, pages, dst)        # doctest: +SKIP
-    >>> h.result().verified_prefix                      # doctest: +SKIP
-    2
+    >>> import jax.numpy as jnp, kvxfer
+    >>> from kvxfer import testing
+    >>> caches = testing.random_caches(2, 8, (4, 128), "float32")
+    >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    >>> pages = mgr.offload(caches, [0, 1, 2], keys=[1, 2, 3]).wait()
+    >>> _ = testing.flip_bit(mgr, pages[1], layer=1)
+    >>> caches, load = mgr.load(caches, pages, [5, 6, 7])
+    >>> load.result().verified_prefix
+    1
+    >>> mgr.close()
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from kvxfer.hostpool import PageRef
-from kvxfer.manager import KVCacheManager
+from kvxfer.manager import KVCacheManager, TransferHook
 
-__all__ = ["FAULTS", "flip_bit", "wrong_keys", "misfile", "reuse_slot", "corrupt_shard",
-           "tear", "failing_transfer", "inject"]
+__all__ = ["FAULTS", "Fault", "flip_bit", "wrong_keys", "misfile", "reuse_slot",
+           "corrupt_shard", "tear", "failing_transfer", "inject", "InjectedTransferError"]
 
-FAULTS = ("bitflip", "wrong-key", "misfile", "stale-slot", "one-shard", "torn", "transfer")
-"""The faults ``inject`` and ``kvxfer probe --inject`` know (``one-process`` is a
-``bitflip`` on one rank of a multi-process job)."""
+Fault = Literal["bitflip", "wrong-key", "misfile", "stale-slot", "one-shard", "torn",
+                "transfer"]
+FAULTS: tuple[str, ...] = get_args(Fault)
+"""The faults ``inject`` and ``kvxfer probe --inject`` know."""
+
+
+class InjectedTransferError(OSError):
+    """The device error ``failing_transfer`` raises inside a load."""
 
 
 def _layer_bytes(mgr: KVCacheManager, page: PageRef, layer: int,
@@ -102,7 +118,15 @@ def reuse_slot(mgr: KVCacheManager, caches: Sequence[Any], page: PageRef,
 
 def corrupt_shard(mgr: KVCacheManager, page: PageRef, layer: int, shard: int,
                   seed: int = 0) -> int:
-    """Flips one bit in one shard's bytes only."""
+    """Flips one bit in one shard's bytes only.
+
+    Raises:
+      ValueError: ``shard`` is not a shard of that layer.
+    """
+    cls, _ = mgr.plan.class_of_layer(layer)
+    if not 0 <= shard < cls.num_shards:
+        raise ValueError(f"{shard=} is not a shard of layer {layer} ({cls.num_shards} "
+                         "shard(s))")
     return flip_bit(mgr, page, layer, shard=shard, seed=seed)
 
 
@@ -113,36 +137,58 @@ def tear(mgr: KVCacheManager, page: PageRef, other: PageRef, layer: int) -> None
     view[half:] = _layer_bytes(mgr, other, layer)[half:]
 
 
+def _failing_hook(after_layers: int, once: bool, mgr: KVCacheManager,
+                  previous: TransferHook | None) -> TransferHook:
+    moved = {"layers": 0}
+
+    def hook(event: str, layer: int, array: Any) -> None:
+        if previous is not None:
+            previous(event, layer, array)
+        if event != "load_layer":
+            return
+        if moved["layers"] >= after_layers:
+            if once:
+                mgr.set_transfer_hook(previous)
+            raise InjectedTransferError("injected device transfer failure")
+        moved["layers"] += 1
+
+    return hook
+
+
 @contextlib.contextmanager
 def failing_transfer(mgr: KVCacheManager, after_layers: int = 0) -> Iterator[None]:
-    """Makes loads fail (a device error) after ``after_layers`` layers have moved."""
-    originals = [m.finish_load_layer for m in mgr._movers]
-    count = {"n": 0}
+    """Makes loads fail (a device error) once ``after_layers`` layers have moved.
 
-    def wrap(fn):
-        def failing(state, pos):
-            if count["n"] >= after_layers:
-                raise OSError("injected device transfer failure")
-            count["n"] += 1
-            return fn(state, pos)
-        return failing
-
-    for m, fn in zip(mgr._movers, originals):
-        m.finish_load_layer = wrap(fn)
+    The count runs over every load inside the ``with`` block, so a large
+    ``after_layers`` lets loads through while counting layers.
+    """
+    previous = mgr.set_transfer_hook(None)
+    mgr.set_transfer_hook(_failing_hook(after_layers, False, mgr, previous))
     try:
         yield
     finally:
-        for m, fn in zip(mgr._movers, originals):
-            m.finish_load_layer = fn
+        mgr.set_transfer_hook(previous)
 
 
 def inject(kind: str, mgr: KVCacheManager, caches: Sequence[Any], pages: list[PageRef],
            index: int, layer: int, *, seed: int = 0) -> tuple[list[PageRef], list[int] | None]:
     """Applies one named fault to ``pages[index]``.
 
+    Args:
+      kind: one of ``FAULTS``.
+      mgr: the manager holding the pages.
+      caches: the current caches (``stale-slot`` offloads into the freed slot).
+      pages: the refs the load will be given.
+      index: the page to damage.
+      layer: the layer to damage (``transfer``: the layer at which the next load
+        fails, after ``layer`` layers moved).
+      seed: picks the bit for ``bitflip`` and ``one-shard``.
+
     Returns:
       ``(pages, keys)`` to pass to ``load`` (keys None unless the fault needs them).
-      ``transfer`` is not applied here: wrap the load in ``failing_transfer``.
+
+    Raises:
+      ValueError: an unknown fault, or ``one-shard`` on a layer with one shard.
     """
     pages = list(pages)
     if kind == "bitflip":
@@ -162,6 +208,9 @@ def inject(kind: str, mgr: KVCacheManager, caches: Sequence[Any], pages: list[Pa
         corrupt_shard(mgr, pages[index], layer, shard=cls.num_shards - 1, seed=seed)
     elif kind == "torn":
         tear(mgr, pages[index], pages[(index + 1) % len(pages)], layer)
+    elif kind == "transfer":
+        # The next load on this manager fails once ``layer`` layers have moved.
+        mgr.set_transfer_hook(_failing_hook(layer, True, mgr, mgr.set_transfer_hook(None)))
     else:
         raise ValueError(f"unknown fault {kind!r}; expected one of {FAULTS}")
     return pages, None
