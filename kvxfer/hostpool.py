@@ -57,6 +57,17 @@ class PageRef:
     slot: int
     generation: int
 
+    def __post_init__(self):
+        for name, value, limit in (("key", self.key, 1 << 64), ("slot", self.slot, None),
+                                   ("generation", self.generation, None)):
+            bound = "in [0, 2**64)" if limit else ">= 0"
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"PageRef.{name} must be an int {bound}. Got {value!r} of "
+                                f"type {type(value).__name__}")
+            if value < 0 or (limit is not None and value >= limit):
+                raise ValueError(f"PageRef.{name} must be {bound}. Got {value!r}")
+            object.__setattr__(self, name, int(value))
+
     def __str__(self) -> str:
         return f"page(key={self.key:#x}, slot={self.slot}, gen={self.generation})"
 
@@ -162,8 +173,10 @@ class HostPool:
         with self._lock:
             return len(self._free)
 
-    def _check(self, slot: int, generation: int) -> _Slot:
-        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
+    def _slot(self, slot: int) -> _Slot:
+        """The slot's record; generations are compared by each caller."""
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or \
+                not 0 <= slot < self.num_slots:
             raise PoolError(f"unknown host slot {slot!r}; slots are 0..{self.num_slots - 1}")
         return self._slots[slot]
 
@@ -194,7 +207,7 @@ class HostPool:
     def commit(self, slot: int, generation: int, key: int) -> None:
         """Marks a written slot valid under ``key``."""
         with self._lock:
-            s = self._check(slot, generation)
+            s = self._slot(slot)
             if s.generation == generation and s.state == "writing":
                 s.state, s.key = "valid", key
 
@@ -217,7 +230,7 @@ class HostPool:
             seen: set[int] = set()
             todo = []
             for slot, generation in refs:
-                s = self._check(slot, generation)
+                s = self._slot(slot)
                 if self._invalidated.get(slot) == generation:
                     todo.append((slot, None))  # found bad and freed already: a no-op
                     continue
@@ -238,7 +251,7 @@ class HostPool:
     def invalidate(self, slot: int, generation: int) -> bool:
         """Frees a page found bad; a later ``release`` of the same ref is a no-op."""
         with self._lock:
-            s = self._check(slot, generation)
+            s = self._slot(slot)
             if s.generation != generation or s.state in ("free", "released"):
                 return False
             self._invalidated[slot] = generation
@@ -255,7 +268,7 @@ class HostPool:
     def state(self, slot: int) -> tuple[int, str, int]:
         """(generation, state, key) of a slot."""
         with self._lock:
-            s = self._check(slot, 0)
+            s = self._slot(slot)
             return s.generation, s.state, s.key
 
     def acquire_readers(self, refs: Sequence[tuple[int, int]]) -> list[str | None]:
@@ -265,8 +278,8 @@ class HostPool:
         """
         out: list[str | None] = []
         with self._lock:
-            for slot, generation in refs:
-                s = self._check(slot, generation)
+            records = [self._slot(slot) for slot, _ in refs]  # all checked before any pin
+            for s, (slot, generation) in zip(records, refs):
                 if s.generation != generation:
                     out.append("stale generation")
                 elif s.state != "valid":

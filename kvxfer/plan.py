@@ -20,15 +20,16 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+from kvxfer._check import check_int
 from kvxfer._text import format_bytes, table
 from kvxfer.layout import Layout, SliceGeometry, dtype_name, dtype_of, inspect, shape_text
 
 __all__ = ["BudgetError", "LayerSpec", "SliceClass", "Plan", "make_plan",
            "default_host_memory_budget", "DEFAULT_BUDGET_FRACTION", "Path"]
 
-Path = Literal["staged", "direct"]
+Path = Literal["staged", "direct", "auto"]
 
 # The default budget leaves room for the serving engine's own host memory.
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -136,7 +137,7 @@ class LayerSpec:
 
     def host_block_bytes(self, path: Path) -> int:
         """Host bytes one block of this layer takes on ``path`` (all shards)."""
-        if path == "staged":
+        if path == "staged" or (path == "auto" and not self.shard_geometry.addressable):
             return self.logical_block_bytes
         # A direct copy moves each shard's device bytes, and whole granularity groups
         # of them: to keep one block on the host it must keep the group that holds it.
@@ -278,7 +279,9 @@ def make_plan(layers: Sequence[LayerSpec], num_host_blocks: int, *, path: Path =
       layers: one spec per layer, in the manager's order.
       num_host_blocks: host slots (pages) to provision.
       path: ``"staged"`` stores dense logical blocks; ``"direct"`` stores the device
-        bytes a raw copy moves (whole granularity groups when not addressable).
+        bytes a raw copy moves (whole granularity groups when not addressable);
+        ``"auto"`` stores device bytes for addressable layers and dense blocks for the
+        rest.
       host_memory_budget: bytes; default ``default_host_memory_budget()``.
 
     Returns:
@@ -292,14 +295,13 @@ def make_plan(layers: Sequence[LayerSpec], num_host_blocks: int, *, path: Path =
       >>> make_plan([LayerSpec("L0", (64, 16, 8, 128), "bf16")], 8).total_host_bytes
       262144
     """
-    if path not in ("staged", "direct"):
-        raise ValueError(f"path={path!r}; expected 'staged' or 'direct'")
-    if not isinstance(num_host_blocks, int) or num_host_blocks < 1:
-        raise ValueError(f"num_host_blocks={num_host_blocks!r} must be a positive int")
+    if path not in get_args(Path):
+        raise ValueError(f"path={path!r}; expected one of {get_args(Path)}")
+    num_host_blocks = check_int(num_host_blocks, "num_host_blocks", minimum=1)
     if not layers:
         raise ValueError("a plan needs at least one layer")
     budget = default_host_memory_budget() if host_memory_budget is None else \
-        int(host_memory_budget)
+        check_int(host_memory_budget, "host_memory_budget", minimum=0)
     groups: dict[tuple, list[int]] = {}
     for i, spec in enumerate(layers):
         groups.setdefault(spec.class_key(), []).append(i)

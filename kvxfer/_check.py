@@ -1,0 +1,53 @@
+"""Argument checks shared by the public entry points: each names the bad value."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["check_int", "check_timeout"]
+
+
+def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
+    """``value`` as an int, if it is one (numpy ints too; not bool, not 1.5).
+
+    Integral floats (``2.0``, ``1e9``) are accepted as the int they equal.
+
+    Raises:
+      TypeError: not an integer, naming ``name``, the value and its type.
+      ValueError: below ``minimum``.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be an int, not a bool")
+    if isinstance(value, (int, np.integer)):
+        out = int(value)
+    elif isinstance(value, (float, np.floating)) and math.isfinite(value) and \
+            float(value).is_integer():
+        out = int(value)
+    else:
+        raise TypeError(f"{name}={value!r} must be an int. Got {value!r} of type "
+                        f"{type(value).__name__}")
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{name}={out} must be >= {minimum}")
+    return out
+
+
+def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
+    """``timeout`` if it is None or a finite number of seconds >= 0.
+
+    Raises:
+      ValueError: NaN, infinite or negative, naming ``name``.
+      TypeError: not a number.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, (bool, np.bool_)) or \
+            not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}={timeout!r} must be None or a number of seconds. Got "
+                        f"{type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(f"{name}={timeout!r} must be None or a finite number of seconds "
+                         ">= 0")
+    return float(timeout)

@@ -1,0 +1,35 @@
+"""The block transfer engine: batched device↔host page copies, per slice class.
+
+Movers, chosen per slice class (one module each), all behind one ``Mover`` interface:
+
+* ``StagedMover`` (every backend, every layout): compiled gather / donated scatter
+  programs with the page digests in the same program; the portable fallback.
+* ``RawMover`` (XLA:CPU, row-major whole-byte layouts): raw byte-range copies between
+  the device buffers and the host pool.
+* ``EmulatedMover`` (emulated TPU memory): raw byte-range copies over emulated device
+  images, for layouts the inspector has proven addressable.
+
+Movers work shard by shard on the devices that own the shards; replicas of a
+replicated layer are stored once and loaded into every replica.
+"""
+
+from kvxfer.engine._batch import PageBatch as PageBatch
+from kvxfer.engine._batch import ShardedLayer as ShardedLayer
+from kvxfer.engine._batch import assemble as assemble
+from kvxfer.engine._batch import bucket as bucket
+from kvxfer.engine._emulated import EmulatedMover as EmulatedMover
+from kvxfer.engine._mover import LoadRequest as LoadRequest
+from kvxfer.engine._mover import Mover as Mover
+from kvxfer.engine._mover import Pending as Pending
+from kvxfer.engine._mover import TransferError as TransferError
+from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
+from kvxfer.engine._programs import needs_raw_bits as needs_raw_bits
+from kvxfer.engine._raw import RawMover as RawMover
+from kvxfer.engine._raw import RowCopy as RowCopy
+from kvxfer.engine._raw import raw_capable as raw_capable
+from kvxfer.engine._raw import shared_buffers as shared_buffers
+from kvxfer.engine._staged import StagedMover as StagedMover
+
+__all__ = ["PageBatch", "ShardedLayer", "assemble", "bucket", "Mover", "LoadRequest",
+           "Pending", "TransferError", "DIGEST_CHUNK", "needs_raw_bits", "StagedMover",
+           "RawMover", "EmulatedMover", "RowCopy", "raw_capable", "shared_buffers"]

@@ -1,0 +1,183 @@
+"""The raw mover: byte-range copies between XLA:CPU buffers and the host pool.
+
+XLA:CPU buffers are host memory, so a block whose layout is row-major is one byte
+range of its buffer (``unsafe_buffer_pointer``), copied as a DMA engine would.
+XLA:CPU upcasts bf16 and fp8 scatters to f32 over the whole buffer, so moving raw
+bits in place is what makes a CPU load cost what it moves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from kvxfer.engine._batch import PageBatch, ShardedLayer, assemble, device_of
+from kvxfer.engine._mover import LoadRequest, Mover, TransferError
+from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
+
+__all__ = ["RawMover", "RowCopy", "raw_capable", "shared_buffers"]
+
+
+class RawOffload(NamedTuple):
+    """Views of every shard's buffer, taken in the caller's thread."""
+
+    layers: Sequence[ShardedLayer]
+    views: list[list[np.ndarray]]
+    batch: PageBatch
+    with_digest: bool
+
+
+class RawLoad(NamedTuple):
+    """The arrays being written (private buffers) and the row plan of the copy."""
+
+    layers: list[ShardedLayer]
+    copy: RowCopy
+
+
+def _buffer_view(a: jax.Array, block_bytes: int) -> np.ndarray:
+    """A writable ``uint8[num_blocks, block_bytes]`` view of a CPU array's buffer."""
+    nbytes = a.shape[0] * block_bytes
+    if a.nbytes != nbytes:  # never read or write past the buffer
+        raise TransferError(f"buffer of {a.nbytes} bytes does not hold {a.shape[0]} blocks of "
+                            f"{block_bytes} bytes")
+    raw = (ctypes.c_uint8 * nbytes).from_address(a.unsafe_buffer_pointer())
+    return np.ctypeslib.as_array(raw).reshape(a.shape[0], block_bytes)
+
+
+def raw_capable(array: jax.Array) -> bool:
+    """Whether ``RawMover`` may copy this array's blocks as raw bytes.
+
+    XLA:CPU buffers are host memory; a block is then its logical bytes exactly when
+    the stored layout is row-major and elements are whole bytes as numpy stores
+    them. XLA:CPU stores no tiles, but a layout that *reports* tiles the inspector
+    rejects is refused all the same: the direct path copies only what is proven.
+    """
+    if any(d.platform != "cpu" for d in array.devices()):
+        return False
+    if array.dtype.itemsize * 8 != natural_bits(array.dtype):
+        return False
+    try:
+        layout = Layout.of(array)
+    except LayoutError:
+        return False
+    if layout.minor_to_major != tuple(range(array.ndim - 1, -1, -1)):
+        return False
+    return inspect(array.shape, array.dtype, layout).addressable
+
+
+# Rows at least this large are copied one by one (each a memcpy); smaller scattered
+# rows go through one fancy-indexed copy, whose temporary costs less than the calls.
+_ROW_COPY_BYTES = 32 << 10
+
+
+class RowCopy:
+    """Copies rows ``src[src_rows[i]] -> dst[dst_rows[i]]`` between 2-D byte arrays.
+
+    Runs of consecutive rows on both sides become single slice copies (memcpy, no
+    temporary); the plan is made once per transfer and reused for every layer.
+    """
+
+    def __init__(self, dst_rows: np.ndarray, src_rows: np.ndarray, row_bytes: int):
+        dst_rows = np.asarray(dst_rows, dtype=np.int64)
+        src_rows = np.asarray(src_rows, dtype=np.int64)
+        self.dst_rows, self.src_rows = dst_rows, src_rows
+        breaks = np.flatnonzero((np.diff(dst_rows) != 1) | (np.diff(src_rows) != 1)) + 1
+        starts = np.concatenate([[0], breaks]).astype(np.int64)
+        ends = np.concatenate([breaks, [len(dst_rows)]]).astype(np.int64)
+        self.runs = [(int(dst_rows[a]), int(src_rows[a]), int(b - a))
+                     for a, b in zip(starts, ends)] if len(dst_rows) else []
+        self.sliced = row_bytes >= _ROW_COPY_BYTES or len(self.runs) * 4 <= len(dst_rows)
+        k = len(dst_rows)
+        # One side consecutive: a single gather or scatter pass, still no temporary.
+        self.src_run = k > 0 and bool((np.diff(src_rows) == 1).all())
+        self.dst_run = k > 0 and bool((np.diff(dst_rows) == 1).all())
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray) -> None:
+        if self.sliced:
+            for d, s, n in self.runs:
+                dst[d:d + n] = src[s:s + n]
+        elif self.src_run:
+            s = int(self.src_rows[0])
+            dst[self.dst_rows] = src[s:s + len(self.src_rows)]
+        elif self.dst_run:
+            d = int(self.dst_rows[0])
+            # mode="clip" (ids were checked) lets numpy write into ``out`` unbuffered.
+            np.take(src, self.src_rows, axis=0, out=dst[d:d + len(self.dst_rows)],
+                    mode="clip")
+        else:
+            dst[self.dst_rows] = src[self.src_rows]
+
+
+def shared_buffers(arrays: Sequence[jax.Array]) -> frozenset:
+    """Buffer addresses that back more than one device array among ``arrays``."""
+    counts: dict[int, int] = {}
+    for a in arrays:
+        if raw_capable(a):
+            for s in a.addressable_shards:
+                p = s.data.unsafe_buffer_pointer()
+                counts[p] = counts.get(p, 0) + 1
+    return frozenset(p for p, c in counts.items() if c > 1)
+
+
+class RawMover(Mover):
+    """Raw byte-range copies between XLA:CPU buffers and the host pool."""
+
+    name = "raw"
+    writes_buffers = True
+
+    def gather(self, layers, batch, with_digest):
+        # The caller's thread only waits for the buffers to be computed and takes
+        # views of them; the transfer thread copies (and starts the digests).
+        views = [[_buffer_view(layer.shards[s][0].block_until_ready(),
+                               self.cls.shard_block_bytes) for layer in layers]
+                 for s in range(self.cls.num_shards)]
+        return RawOffload(layers, views, batch, with_digest)
+
+    def finish_offload(self, state: RawOffload, slots):
+        layers, views, batch, with_digest = state
+        # The digests run on XLA's threads while this thread copies.
+        digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
+        copy = RowCopy(slots, batch.ids, self.cls.shard_block_bytes)
+        for s in range(self.cls.num_shards):
+            for pos, view in enumerate(views[s]):
+                lo, hi = self.pool.shard_range(pos, s)
+                copy(self.pool.data[:, lo:hi], view)
+        if any(layer.shards[s][0].is_deleted() for layer in layers
+               for s in range(self.cls.num_shards)):
+            raise TransferError("a cache was donated or deleted while its blocks were being "
+                                "offloaded; wait() before donating the caches")
+        if digests is not None:
+            d = digests.get()
+            for s in range(self.cls.num_shards):
+                self._store_digests(slots, s, d[:, s])
+
+    def load(self, arrays, layers, request: LoadRequest):
+        shared = request.shared
+        # Raw writes need buffers no one else reads: XLA:CPU places one buffer under
+        # every replica of a replicated device_put (and may alias a 64-byte-aligned
+        # numpy array), so any buffer seen twice gets a private copy first (once; the
+        # returned arrays keep the copies).
+        layers = [ShardedLayer(tuple(
+            tuple(jax.device_put(a, device_of(a), may_alias=False)
+                  if a.unsafe_buffer_pointer() in shared else a for a in reps)
+            for reps in layer.shards)) for layer in layers]
+        # New Array objects over the buffers: the old objects may hold a cached host
+        # copy (``np.asarray`` of a sharded array) that would go stale.
+        new = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
+        return new, RawLoad(layers, RowCopy(request.batch.ids, request.slots,
+                                            self.cls.shard_block_bytes))
+
+    def finish_load_layer(self, state: RawLoad, pos):
+        layers, copy = state
+        for s, reps in enumerate(layers[pos].shards):
+            lo, hi = self.pool.shard_range(pos, s)
+            src = self.pool.data[:, lo:hi]
+            for a in reps:
+                a.block_until_ready()
+                copy(_buffer_view(a, self.cls.shard_block_bytes), src)
+
+

@@ -1,0 +1,90 @@
+"""The staged mover: compiled gather / donated scatter through host numpy buffers.
+
+One compiled program per (class, bucket of block counts) gathers the requested blocks
+of every layer of the class on each shard's device, with the page digests computed in
+the same program; the reverse program scatters host pages into the caches in place
+(argument donation). XLA indexes logically, so it is correct for any layout and
+backend: the portable fallback.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from kvxfer.engine._batch import assemble, device_of, layer_nums
+from kvxfer.engine._mover import LoadRequest, Mover
+from kvxfer.engine._programs import gather, needs_raw_bits, scatter
+
+__all__ = ["StagedMover"]
+
+
+class StagedOffload(NamedTuple):
+    """Per shard, the gathered pages ``[L, bucket, ...]`` and their digests (or None)."""
+
+    k: int
+    outs: list[tuple[jax.Array, jax.Array | None]]
+
+
+class StagedMover(Mover):
+    """Compiled gather / donated scatter programs; correct for every layout."""
+
+    name = "staged"
+
+    def gather(self, layers, batch, with_digest):
+        out = []
+        for s in range(self.cls.num_shards):
+            arrays = tuple(layer.primary[s] for layer in layers)
+            device = device_of(arrays[0])
+            ids_d, base_d = batch.on(device, s)
+            out.append(gather(arrays, ids_d, base_d, layer_nums(device, self.cls.layers),
+                              with_digest=with_digest))
+        return StagedOffload(batch.k, out)
+
+    def finish_offload(self, state: StagedOffload, slots):
+        k, outs = state
+        shard_bytes = self.cls.shard_block_bytes
+        for s, (pages, digests) in enumerate(outs):
+            host = np.asarray(pages)  # [L, bucket, ...]; a device_get where not CPU
+            raw = host.reshape(host.shape[0], host.shape[1], -1).view(np.uint8)[:, :k]
+            for pos in range(raw.shape[0]):
+                lo, hi = self.pool.shard_range(pos, s)
+                self.pool.data[slots, lo:hi] = raw[pos].reshape(k, shard_bytes)
+            if digests is not None:
+                self._store_digests(slots, s, np.asarray(digests))
+
+    def load(self, arrays, layers, request: LoadRequest):
+        batch, slots = request.batch, request.slots
+        k, b = batch.k, len(batch.padded)
+        new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
+                                                    for _ in layers]
+        # Padding entries point past the end and are dropped by the scatter.
+        ids_pad = np.full(b, np.iinfo(np.int32).max, dtype=np.int32)
+        ids_pad[:k] = batch.ids
+        # Every transfer to the devices is made before the first donating scatter, so a
+        # failure there leaves the caller's caches intact.
+        work = []
+        for s in range(self.cls.num_shards):
+            first = layers[0].primary[s]
+            dtype = np.dtype(first.dtype)
+            if needs_raw_bits(first):
+                dtype = np.dtype(f"u{dtype.itemsize}")
+            staging = np.zeros((len(layers), b) + first.shape[1:], dtype=dtype)
+            flat = staging.reshape(len(layers), b, -1).view(np.uint8)
+            for pos in range(len(layers)):
+                lo, hi = self.pool.shard_range(pos, s)
+                flat[pos, :k] = self.pool.data[slots, lo:hi]
+            for r in range(len(layers[0].shards[s])):
+                local = tuple(layer.shards[s][r] for layer in layers)
+                device = device_of(local[0])
+                work.append((s, local, jax.device_put(ids_pad, device),
+                             jax.device_put(staging, device)))
+        for s, local, ids_d, pages_d in work:
+            for pos, a in enumerate(scatter(local, ids_d, pages_d)):
+                new_shards[pos][s].append(a)
+        new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
+        return new, None
+
+

@@ -1,0 +1,506 @@
+"""``KVCacheManager``: the one object a serving engine holds to move KV pages.
+
+Example:
+    >>> import jax.numpy as jnp, kvxfer
+    >>> caches = [jnp.zeros((64, 16, 2, 4, 32), jnp.bfloat16) for _ in range(4)]
+    >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=32)
+    >>> pages = mgr.offload(caches, [3, 9], keys=[11, 12]).wait()
+    >>> caches, load = mgr.load(caches, pages, [20, 21])
+    >>> load.result().verified_prefix
+    2
+    >>> mgr.close()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvxfer import integrity as _integrity
+from kvxfer._check import check_int, check_timeout
+from kvxfer.engine import LoadRequest, Mover, PageBatch, ShardedLayer, TransferError, \
+    shared_buffers
+from kvxfer.hostpool import HostPool, PageRef, PoolError
+from kvxfer.layout import Layout, shape_text
+from kvxfer.manager._handles import Gate, LoadHandle, OffloadHandle
+from kvxfer.manager._select import PATHS, PathMode, plan_path, select_movers
+from kvxfer.manager._verify import LoadVerifier, TransferHook, agree_min
+from kvxfer.plan import LayerSpec, Plan, make_plan
+
+__all__ = ["KVCacheManager", "IntegrityMode"]
+
+IntegrityMode = Literal["page", "off"]
+"""``"page"`` digests every page on the device; ``"off"`` skips digests."""
+
+
+def _key(value: Any, where: str) -> int:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _integrity.key_from_bytes(bytes(value))
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and \
+            0 <= int(value) < 1 << 64:
+        return int(value)
+    raise ValueError(f"{where}: key {value!r} of type {type(value).__name__} must be an int "
+                     "in [0, 2**64) or bytes")
+
+
+def _wait_ready(array: jax.Array, timeout: float | None, name: str) -> None:
+    """Waits for a cache's value with a timeout (None: as long as it takes)."""
+    if array.is_deleted():
+        raise ValueError(f"{name} is a deleted array (donated or freed); pass the arrays "
+                         "returned by the step that consumed it")
+    if timeout is None:
+        array.block_until_ready()
+        return
+    deadline = time.monotonic() + timeout
+    delay = 1e-4
+    while not array.is_ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} is still being computed after {timeout} s; wait "
+                               "for the step that produces it, or raise ready_timeout")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+def _layer_spec(i: int, a: Any, layout: Any, ready_timeout: float | None) -> LayerSpec:
+    """The spec of layer ``i``'s cache, checking what kvxfer can move."""
+    name = f"layer {i}"
+    if not isinstance(a, jax.Array):
+        raise TypeError(f"{name}: expected a jax.Array. Got {a!r} of type {type(a)}")
+    if a.ndim < 2:
+        raise ValueError(f"{name}: shape {list(a.shape)} needs a block dim and a block")
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        raise TypeError(f"{name}: dtype {a.dtype} is not supported; KV caches hold real "
+                        "numbers (float, int or bool types)")
+    _wait_ready(a, ready_timeout, name)
+    for s in a.addressable_shards:
+        if s.data.shape[0] != a.shape[0]:
+            raise ValueError(f"{name}: the block dim (dim 0) is sharded ({s.data.shape[0]} "
+                             f"of {a.shape[0]} blocks on {s.device}); shard another dim, "
+                             "e.g. KV heads")
+    layer = ShardedLayer.of(a)
+    if layout is None:
+        layout = Layout.of(a)
+    elif not isinstance(layout, Layout):
+        layout = Layout.of(layout)
+    placement = tuple(tuple(d.id for r in reps for d in r.devices()) for reps in layer.shards)
+    return LayerSpec(name, a.shape, a.dtype, layout, num_shards=len(layer.shards),
+                     replicas=len(layer.shards[0]), shard_shape=layer.shards[0][0].shape,
+                     placement=placement)
+
+
+def _is(ref: weakref.ref | None, a: Any) -> bool:
+    return ref is not None and ref() is a
+
+
+class KVCacheManager:
+    """Moves KV blocks between device caches and per-slice-class host pools.
+
+    Args:
+      kv_caches: one ``jax.Array`` per layer, block dim first. Layers may differ.
+      num_host_blocks: host pages to provision.
+      layouts: per-layer device layouts to assume (emulated TPU layouts on CPU);
+        default: each array's own layout.
+      integrity: ``"page"`` digests every page on the device before it leaves and
+        verifies it after it returns; ``"off"`` skips digests.
+      host_memory_budget: bytes; default ``kvxfer.plan.default_host_memory_budget()``.
+      path: ``"auto"`` (raw copies where XLA:CPU buffers allow, else staged),
+        ``"staged"`` (compiled gather/scatter, any backend and layout), or
+        ``"direct"`` (raw copies only; refuses layouts not proven addressable).
+      ready_timeout: seconds to wait for caches still being computed.
+      pinned: host pools in ``pinned_host`` memory (default: off on CPU).
+
+    Raises:
+      BudgetError: the plan exceeds the budget (before any allocation).
+      LayoutError: ``path="direct"`` over a layout that is not addressable.
+      ValueError, TypeError: bad caches (deleted, block dim sharded, ...), naming
+        the layer.
+      TimeoutError: a cache is still being computed after ``ready_timeout``.
+    """
+
+    def __init__(self, kv_caches: Sequence[jax.Array], *, num_host_blocks: int,
+                 layouts: Sequence[Any] | None = None, integrity: IntegrityMode = "page",
+                 host_memory_budget: int | None = None, path: PathMode = "auto",
+                 ready_timeout: float = 30.0, pinned: bool | None = None):
+        if integrity not in ("page", "off"):
+            raise ValueError(f"integrity={integrity!r}; expected 'page' or 'off'")
+        if path not in PATHS:
+            raise ValueError(f"path={path!r}; expected one of {PATHS}")
+        if isinstance(kv_caches, jax.Array):
+            raise TypeError(f"kv_caches must be a sequence of jax.Array, one per layer. Got "
+                            f"one jax.Array of shape {list(kv_caches.shape)}; pass "
+                            "[cache] for a single layer")
+        num_host_blocks = check_int(num_host_blocks, "num_host_blocks", minimum=1)
+        ready_timeout = check_timeout(ready_timeout, "ready_timeout")
+        caches = list(kv_caches)
+        if not caches:
+            raise ValueError("kv_caches is empty; expected one jax.Array per layer")
+        if layouts is not None and len(layouts) != len(caches):
+            raise ValueError(f"layouts has {len(layouts)} entries for {len(caches)} layers")
+        specs = [_layer_spec(i, a, None if layouts is None else layouts[i], ready_timeout)
+                 for i, a in enumerate(caches)]
+        self.integrity = integrity
+        self.ready_timeout = ready_timeout
+        emulated = layouts is not None
+        self._plan = make_plan(specs, num_host_blocks, path=plan_path(path, emulated),
+                               host_memory_budget=host_memory_budget)
+        mover_types = select_movers(self._plan, specs, caches, path, emulated)
+        self._specs = specs
+        # What each layer's movers were chosen for: later caches must match it. The
+        # arrays last checked (or returned by a load) skip the check, and those whose
+        # buffers are known to be their own skip the sharing scan of raw loads. Held
+        # weakly: a manager must not keep a caller's old caches alive.
+        self._formats = [(a.sharding, Layout.of(a)) for a in caches]
+        self._validated: list[weakref.ref | None] = [None] * len(caches)
+        self._private: list[weakref.ref | None] = [None] * len(caches)
+        self._pool = HostPool(self._plan, pinned=pinned)
+        self._movers: list[Mover] = [m(cls, pool) for m, cls, pool in
+                                     zip(mover_types, self._plan.classes, self._pool.pools)]
+        self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]
+        self._verifier = LoadVerifier(self._plan, self._movers, self._pool,
+                                      integrity == "page")
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer")
+        self._closed = False
+
+    # -- introspection ----------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """The host-memory plan (``str(mgr.plan)`` is a readable table)."""
+        return self._plan
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._specs)
+
+    @property
+    def paths(self) -> list[str]:
+        """The mover used for each layer: ``raw``, ``staged`` or ``emulated``."""
+        return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
+
+    def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:
+        """Installs a hook the transfer thread calls around each layer of a load.
+
+        For fault injection (``kvxfer.testing``): ``hook("load_layer", layer, array)``
+        runs before layer ``layer``'s copy completes (raising there is a device
+        failure) and ``hook("loaded_layer", layer, array)`` right after it, with the
+        array the load returns for that layer. ``None`` removes the hook.
+
+        Returns:
+          The hook installed before.
+        """
+        previous, self._verifier.hook = self._verifier.hook, hook
+        return previous
+
+    @property
+    def host_pool(self) -> HostPool:
+        return self._pool
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._pool.num_free
+
+    def close(self) -> None:
+        """Waits for transfers in flight and stops the transfer thread."""
+        if not self._closed:
+            self._closed = True
+            self._worker.shutdown(wait=True)
+
+    def __enter__(self) -> KVCacheManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- argument checks --------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the KVCacheManager is closed; create a new one")
+
+    def _check_caches(self, kv_caches: Sequence[jax.Array]) -> list[jax.Array]:
+        caches = list(kv_caches)
+        if len(caches) != self.num_layers:
+            raise ValueError(f"kv_caches has {len(caches)} layers; the manager has "
+                             f"{self.num_layers}")
+        for i, (a, spec) in enumerate(zip(caches, self._specs)):
+            if not isinstance(a, jax.Array):
+                raise TypeError(f"layer {i}: expected a jax.Array. Got {type(a)}")
+            if a.is_deleted():
+                raise ValueError(f"layer {i} is a deleted array (donated or freed); pass the "
+                                 "arrays returned by the step that consumed it")
+            if _is(self._validated[i], a):
+                continue  # checked (or returned by a load) before: skip the costly part
+            if tuple(a.shape) != spec.shape or a.dtype.name != spec.dtype:
+                raise ValueError(f"layer {i}: got {shape_text(a.shape, a.dtype)}, the manager "
+                                 f"was built for {shape_text(spec.shape, spec.dtype)}")
+            sharding, layout = self._formats[i]
+            if not a.sharding.is_equivalent_to(sharding, a.ndim):
+                raise ValueError(f"layer {i}: sharding {a.sharding} differs from the one the "
+                                 f"manager was built for ({sharding})")
+            if Layout.of(a) != layout:
+                raise ValueError(f"layer {i}: layout {Layout.of(a)} differs from the one the "
+                                 f"manager was built for ({layout})")
+            self._validated[i] = weakref.ref(a)
+        return caches
+
+    def _check_ids(self, device_blocks: Sequence[int], n: int, what: str) -> np.ndarray:
+        ids = np.asarray(device_blocks)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"device_blocks must be a 1-D sequence of ints. Got {device_blocks!r}")
+        if len(ids) != n:
+            raise ValueError(f"{len(ids)} device_blocks for {n} {what}")
+        limit = min(spec.num_blocks for spec in self._specs)
+        out = (ids < 0) | (ids >= limit)
+        if out.any():
+            j = int(np.flatnonzero(out)[0])
+            i = next(i for i, spec in enumerate(self._specs)
+                     if not 0 <= ids[j] < spec.num_blocks)
+            raise ValueError(f"device_blocks[{j}] = {int(ids[j])} is out of range for layer "
+                             f"{i} ({self._specs[i].num_blocks} blocks)")
+        if len(np.unique(ids)) != len(ids):
+            seen: dict[int, int] = {}
+            for j, b in enumerate(ids.tolist()):
+                if b in seen:
+                    raise ValueError(f"device_blocks[{j}] = {b} duplicates device_blocks"
+                                     f"[{seen[b]}]")
+                seen[b] = j
+        return ids.astype(np.int32)
+
+    def _layers(self, caches: list[jax.Array]) -> list[ShardedLayer]:
+        return [ShardedLayer.of(a) for a in caches]
+
+    # -- offload ----------------------------------------------------------------
+
+    def offload(self, kv_caches: Sequence[jax.Array], device_blocks: Sequence[int],
+                keys: Sequence[Any]) -> OffloadHandle:
+        """Copies blocks to new host pages, asynchronously.
+
+        The device blocks must not be overwritten, and the caches not donated,
+        until ``wait()`` returns (as with any DMA); a raw copy that finds its source
+        donated mid-way fails with ``TransferError`` rather than keep a torn page.
+
+        Args:
+          kv_caches: the current caches (one per layer).
+          device_blocks: block ids to copy, any order, no duplicates.
+          keys: one key per block (int in [0, 2**64) or bytes).
+
+        Returns:
+          An ``OffloadHandle``; ``wait()`` gives one ``PageRef`` per block.
+
+        Raises:
+          ValueError: bad caches, ids or keys (nothing allocated).
+          PoolExhaustedError: not enough free host slots (nothing allocated).
+        """
+        self._check_open()
+        caches = self._check_caches(kv_caches)
+        keys = list(keys)
+        ids = self._check_ids(device_blocks, len(keys), "keys")
+        keys = [_key(k, f"keys[{j}]") for j, k in enumerate(keys)]
+        refs = self._pool.allocate(len(ids))
+        slots = np.array([s for s, _ in refs], dtype=np.int64)
+        batch = PageBatch(ids, keys, [g for _, g in refs])
+        try:
+            layers = self._layers(caches)
+            states = [mover.gather([layers[i] for i in cls.layers], batch,
+                                   self.integrity == "page")
+                      for cls, mover in zip(self._plan.classes, self._movers)]
+        except Exception as e:
+            for s, g in refs:
+                self._pool.release(s, g)
+            raise TransferError(f"offload of {len(ids)} blocks failed: {e}") from e
+
+        return OffloadHandle(self._worker.submit(self._finish_offload, states, slots, refs,
+                                                 keys))
+
+    def _finish_offload(self, states: list[Any], slots: np.ndarray,
+                        refs: list[tuple[int, int]], keys: list[int]) -> list[PageRef]:
+        """The transfer thread's half of an offload: host bytes in, pages committed."""
+        try:
+            for mover, state in zip(self._movers, states):
+                mover.finish_offload(state, slots)
+        except Exception as e:
+            for s, g in refs:
+                self._pool.release(s, g)
+            raise TransferError(f"offload of {len(refs)} blocks failed: {e}") from e
+        for (s, g), k in zip(refs, keys):
+            self._pool.commit(s, g, k)
+        return [PageRef(k, s, g) for (s, g), k in zip(refs, keys)]
+
+    # -- load -------------------------------------------------------------------
+
+    def load(self, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef],
+             device_blocks: Sequence[int], keys: Sequence[Any] | None = None,
+             gate: Gate = "all") -> tuple[list[jax.Array], LoadHandle]:
+        """Copies host pages into device blocks; layers are released once verified.
+
+        The input caches are consumed (as with donation): use the returned ones,
+        and consume layer ``i`` only after ``handle.layer_ready(i)``.
+
+        Args:
+          kv_caches: the current caches.
+          pages: page refs from ``offload``, in request order (a prefix chain).
+          device_blocks: destination block ids, one per page, no duplicates.
+          keys: the keys the caller expects (a page under another key is bad).
+          gate: ``"layer"`` releases each layer once its pages are verified;
+            ``"all"`` releases nothing until every layer is verified.
+
+        Returns:
+          ``(new_caches, LoadHandle)``.
+
+        Raises:
+          ValueError, TypeError: bad caches, pages, ids, keys or gate (nothing moved).
+        """
+        if gate not in ("all", "layer"):
+            raise ValueError(f"gate={gate!r}; expected 'all' or 'layer'")
+        self._check_open()
+        caches = self._check_caches(kv_caches)
+        pages = list(pages)
+        for j, p in enumerate(pages):
+            if not isinstance(p, PageRef):
+                raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
+            if not 0 <= p.slot < self._pool.num_slots:
+                raise PoolError(f"pages[{j}] ({p}): unknown host slot")
+        ids = self._check_ids(device_blocks, len(pages), "pages")
+        want = None
+        if keys is not None:
+            keys = list(keys)
+            if len(keys) != len(pages):
+                raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+            want = [_key(k, f"keys[{j}]") for j, k in enumerate(keys)]
+
+        handle = LoadHandle(self.num_layers, len(pages), gate)
+        problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+        reasons: dict[int, str] = {}
+        for j, (p, problem) in enumerate(zip(pages, problems)):
+            if problem is not None:
+                reasons[j] = f"{problem} ({p})"
+            elif want is not None and want[j] != p.key:
+                reasons[j] = f"wrong key: expected {want[j]:#x}, page holds {p.key:#x}"
+            elif self._pool.key_of(p.slot) != p.key:
+                reasons[j] = (f"wrong key: slot {p.slot} holds key "
+                              f"{self._pool.key_of(p.slot):#x}, ref says {p.key:#x}")
+        n = min(reasons) if reasons else len(pages)
+        pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
+        slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
+        batch = PageBatch(ids[:n], [p.key for p in pages[:n]], [p.generation for p in pages[:n]])
+        try:
+            layers = self._layers(caches)
+            new = list(caches)
+            states: list[Any] = []
+            shared: frozenset[int] = frozenset()
+            if n and any(m.writes_buffers for m in self._movers) and not all(
+                    _is(p, a) for a, p in zip(caches, self._private)):
+                shared = shared_buffers(caches)
+            request = LoadRequest(batch, slots, shared)
+            for cls, mover in zip(self._plan.classes, self._movers):
+                state = None
+                if n:
+                    out, state = mover.load([caches[i] for i in cls.layers],
+                                            [layers[i] for i in cls.layers], request)
+                    for i, a in zip(cls.layers, out):
+                        new[i] = a
+                states.append(state)
+        except Exception as e:
+            self._pool.release_readers(pinned_slots)
+            raise TransferError(f"load of {n} pages failed: {e}") from e
+
+        # The arrays handed back have the registered formats, and after a raw load
+        # their buffers are their own (shared ones were copied).
+        self._validated = [weakref.ref(a) for a in new]
+        self._private = [weakref.ref(a) for a in new]
+        self._worker.submit(self._finish_load, handle, new, pages, slots, batch, states,
+                            reasons, pinned_slots)
+        return new, handle
+
+    def _finish_load(self, handle: LoadHandle, new: list[jax.Array], pages: list[PageRef],
+                     slots: np.ndarray, batch: PageBatch, states: list[Any],
+                     reasons: dict[int, str], pinned_slots: list[int]) -> None:
+        """The transfer thread's half of a load: copy, verify, agree, settle."""
+        try:
+            prefix = self._verifier.verify(handle, new, slots, batch, states, reasons)
+            error: BaseException | None = None
+        except Exception as e:  # a transfer or device failure is an error, not a miss
+            prefix, error = -1, e
+        try:
+            if jax.process_count() > 1:
+                # Every rank takes part even after a local failure, so none hangs.
+                agreed = agree_min(prefix)
+                if agreed < 0 and error is None:
+                    error = TransferError("a transfer failed on another process")
+                prefix = agreed
+            if error is not None:
+                raise error
+            result = self._verifier.settle(handle, pages, prefix, reasons)
+        except Exception as e:
+            handle.finish(None, e)
+        else:
+            handle.finish(result, None)
+        finally:
+            self._pool.release_readers(pinned_slots)
+
+    # -- host pages ---------------------------------------------------------------
+
+    def free(self, pages: Sequence[PageRef]) -> None:
+        """Returns pages to the pool (deferred while a transfer reads them).
+
+        Raises:
+          PoolError: an unknown slot, a stale ref, or a double free (nothing freed).
+        """
+        pages = list(pages)
+        for j, p in enumerate(pages):
+            if not isinstance(p, PageRef):
+                raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
+        self._pool.release_many([(p.slot, p.generation) for p in pages])
+
+    def _page_range(self, page: PageRef, layer: int) -> tuple[np.ndarray, int, int]:
+        if not isinstance(page, PageRef):
+            raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        gen, state, key = self._pool.state(page.slot)
+        if gen != page.generation or state != "valid":
+            raise PoolError(f"{page} is not a valid page (slot generation {gen}, {state})")
+        cls, pos = self._layer_class[layer]
+        lo, hi = self._pool.pools[cls.index].layer_range(pos)
+        return self._pool.pools[cls.index].data[page.slot], lo, hi
+
+    def read_block_bytes(self, page: PageRef, layer: int) -> bytes:
+        """The host bytes of one layer of a page (all shards, shard-major)."""
+        row, lo, hi = self._page_range(page, layer)
+        return row[lo:hi].tobytes()
+
+    def write_block_bytes(self, page: PageRef, layer: int,
+                          data: bytes | bytearray | memoryview) -> None:
+        """Replaces the host bytes of one layer of a page and re-digests them.
+
+        Args:
+          page: a valid page.
+          layer: the layer.
+          data: exactly ``plan.class_of_layer(layer)[0].bytes_per_block`` bytes.
+
+        Raises:
+          TypeError: ``data`` is not bytes-like. ValueError: wrong length.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, bytearray or memoryview. Got {type(data)}")
+        buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        row, lo, hi = self._page_range(page, layer)
+        if buf.size != hi - lo:
+            raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {hi - lo}")
+        row[lo:hi] = buf
+        if self.integrity == "page":
+            cls, pos = self._layer_class[layer]
+            pool = self._pool.pools[cls.index]
+            for s in range(cls.num_shards):
+                a, b = pool.shard_range(pos, s)
+                words = _integrity.as_words_np(row[a:b][None], batch_dims=1)
+                ident = _integrity.identity_words(page.key, layer, page.generation, s)
+                pool.digests[page.slot, pos, s, :_integrity.DIGEST_WORDS] = \
+                    _integrity.digest_np(words, ident)[0]
