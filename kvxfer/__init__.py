@@ -19,4 +19,4 @@ from kvxfer.plan import LayerSpec as LayerSpec
 from kvxfer.plan import Plan as Plan
 from kvxfer.plan import make_plan as make_plan
 
-__version__ = "0.1.0"
+from kvxfer._version import __version__ as __version__

@@ -8,19 +8,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kvxfer import catalog as _catalog
 from kvxfer._text import format_bytes, table
+from kvxfer._version import __version__
 from kvxfer.layout import LayoutError, SliceGeometry, inspect
 
-__all__ = ["main", "format_bytes"]
+__all__ = ["main", "main_entry", "build_parser", "positive_int", "UsageError"]
 
 
 class UsageError(Exception):
     """Bad input on the command line: reported on one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (``--pages 0`` is an error, not a default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -49,7 +69,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     sources = [args.catalog is not None, args.shape is not None, args.config is not None]
     if sum(sources) != 1:
         raise UsageError("give exactly one of --shape (with --dtype and --layout), "
-                         "--catalog FILE or --config FILE")
+                         "--catalog NAME|FILE or --config NAME|FILE")
     if args.shape is not None:
         if args.dtype is None:
             raise UsageError("--dtype is required with --shape")
@@ -62,21 +82,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(g.reason)
         return 0
     if args.config is not None:
-        from kvxfer import config as _config
-
-        spec = _config.load(args.config)
-        geos = [g for _, g in spec.inspect_layers()]
-        if args.json:
-            for g in geos:
-                print(json.dumps(g.as_dict()))
-        else:
-            print(table([_geometry_row(g) for g in geos], _GEOMETRY_HEADER))
-        return 0
+        return _inspect_config(args)
     cat = _catalog.load(args.catalog)
     results = cat.check()
     if args.json:
         for r in results:
-            print(json.dumps(r.geometry.as_dict()))
+            print(json.dumps({"name": r.entry.name, **r.geometry.as_dict(),
+                              "source": r.entry.source, "expected": dict(r.entry.expected),
+                              "matches": r.agrees, "disagreement": r.disagreement or None}))
     else:
         rows = [[r.entry.name] + _geometry_row(r.geometry) +
                 [r.entry.source, "ok" if r.agrees else "DISAGREES: " + r.disagreement]
@@ -88,11 +101,48 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _inspect_config(args: argparse.Namespace) -> int:
+    """Every layer of a model config; identical layers share one row (a slice class)."""
+    from kvxfer import config as _config
+
+    spec = _config.load(args.config)
+    classes: dict[tuple, list[int]] = {}
+    layers = spec.inspect_layers()
+    for i, (_, g) in enumerate(layers):
+        classes.setdefault((g.text, g.block_dim), []).append(i)
+    class_of = {i: c for c, members in enumerate(classes.values()) for i in members}
+    if args.json:
+        for i, (name, g) in enumerate(layers):
+            print(json.dumps({"layer": i, "name": name, "slice_class": class_of[i],
+                              **g.as_dict()}))
+        return 0
+    rows = []
+    for c, members in enumerate(classes.values()):
+        g = layers[members[0]][1]
+        rows.append([f"class {c}", _layer_list(members)] + _geometry_row(g))
+    print(f"{spec.name}: {spec.num_layers} layers in {len(classes)} slice class"
+          f"{'es' if len(classes) != 1 else ''}")
+    print(table(rows, ["slice class", "layers"] + _GEOMETRY_HEADER))
+    return 0
+
+
+def _layer_list(members: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2,5'``."""
+    out, start = [], members[0]
+    for a, b in zip(members, members[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The ``kvxfer`` argument parser, every command registered."""
+    parser = _Parser(
         prog="kvxfer",
         description="Verified KV-cache transfers between accelerator and host memory.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("inspect", help="prove whether KV blocks are contiguous byte ranges",
                        description="Reads an XLA layout and reports, per array, whether "
@@ -103,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", help="XLA layout text, e.g. '{2,0,1:T(8,128)(2,1)}' "
                    "(default row-major)")
     p.add_argument("--block-dim", type=int, default=0, help="the block dim (default 0)")
-    p.add_argument("--catalog", help="a layouts/ catalogue: check every entry's verdict")
-    p.add_argument("--config", help="a configs/ model spec: inspect every layer's cache")
+    p.add_argument("--catalog", help="a built-in catalogue name (seeds, tpu_kv_derived, ...) "
+                   "or a JSON file: check every entry's verdict")
+    p.add_argument("--config", help="a built-in config name (llama3-8b, ...) or a TOML file: "
+                   "inspect every layer's cache, one row per slice class")
     p.add_argument("--json", action="store_true", help="one JSON object per array")
     p.set_defaults(func=_cmd_inspect)
 
@@ -117,10 +169,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from kvxfer import config as _config
     from kvxfer.plan import BudgetError, make_plan
 
-    spec = _config.load_builtin(args.config)
+    spec = _config.load(args.config)
     layers = spec.layer_specs(args.num_blocks, num_devices=args.devices,
                               emulate_tpu=not args.no_tpu_layouts)
-    hosts = args.num_host_blocks or spec.num_host_blocks
+    hosts = spec.num_host_blocks if args.num_host_blocks is None else args.num_host_blocks
     try:
         plan = make_plan(layers, hosts, path=args.path, host_memory_budget=args.budget)
     except BudgetError as e:
@@ -141,15 +193,18 @@ def _register_plan(sub: Any) -> None:
                        description="Groups a model's layers into slice classes, sizes each "
                        "class's host pool on its own and checks the total against the "
                        "host-memory budget, before anything is allocated.")
-    p.add_argument("--config", required=True, help="a configs/ name or TOML path")
-    p.add_argument("--num-host-blocks", type=int, help="host pages (default: the config's)")
-    p.add_argument("--num-blocks", type=int, help="device blocks per layer (default: config)")
+    p.add_argument("--config", required=True, help="a built-in config name or a TOML file")
+    p.add_argument("--num-host-blocks", type=positive_int,
+                   help="host pages (default: the config's)")
+    p.add_argument("--num-blocks", type=positive_int,
+                   help="device blocks per layer (default: config)")
     p.add_argument("--path", choices=["staged", "direct"], default="staged",
                    help="staged stores dense blocks; direct stores the device bytes a raw "
                    "copy moves (whole granularity groups when not addressable)")
     p.add_argument("--budget", type=int, help="host-memory budget in bytes (default: half "
                    "of the available host memory)")
-    p.add_argument("--devices", type=int, default=1, help="shard KV heads over N devices")
+    p.add_argument("--devices", type=positive_int, default=1,
+                   help="shard KV heads over N devices")
     p.add_argument("--no-tpu-layouts", action="store_true",
                    help="plan with row-major layouts instead of the emulated TPU ones")
     p.add_argument("--json", action="store_true", help="one JSON object")
@@ -164,9 +219,19 @@ def _extra_commands() -> list[Callable[[Any], None]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Runs the command line; returns the exit status.
+
+    Bad input (a usage error, a bad value, an unreadable or unknown file) is one line
+    on stderr and status 2; anything else is a bug and raises.
+    """
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        command = next((a for a in (argv if argv is not None else sys.argv[1:])
+                        if not a.startswith("-")), None)
+        print(f"kvxfer{' ' + command if command else ''}: error: {e}", file=sys.stderr)
+        return 2
     devices = getattr(args, "devices", None)
     if isinstance(devices, int) and devices > 1:
         # On the CPU backend, several devices exist only if asked for before start-up;
@@ -178,8 +243,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError:
             pass
     try:
-        return int(args.func(args) or 0)
-    except (UsageError, LayoutError, ValueError, OSError, KeyError, TimeoutError) as e:
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly; further output goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (UsageError, LayoutError, ValueError, OSError, TimeoutError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kvxfer {args.command}: error: {message}", file=sys.stderr)
         return 2

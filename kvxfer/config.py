@@ -58,23 +58,19 @@ try:
 except ModuleNotFoundError:  # Python 3.10 (TPU VM images): the same parser, as a package
     import tomli as tomllib
 
+from kvxfer import _resources
 from kvxfer.layout import (Layout, LayoutError, SliceGeometry, dtype_name, dtype_of,
                            inspect)
 from kvxfer.plan import LayerSpec
 
 __all__ = ["ConfigError", "LayerGroup", "ModelSpec", "load", "load_builtin",
-           "builtin_names", "CONFIG_DIR"]
-
-#: Where the built-in configs live: ``configs/`` at the repository root.
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+           "builtin_names", "MAX_LAYERS"]
 
 
-def _config_dir() -> Path:
-    """``CONFIG_DIR``, or ``./configs`` when kvxfer runs from an installed copy."""
-    if CONFIG_DIR.is_dir():
-        return CONFIG_DIR
-    here = Path.cwd() / "configs"
-    return here if here.is_dir() else CONFIG_DIR
+# What a real model can need: layers per model, and block ids and host pages that
+# fit the int32 ids the engine uses. Larger values are refused before anything grows.
+MAX_LAYERS = 4096
+_MAX_COUNT = 2**31 - 1
 
 _TOP_KEYS = ("name", "description", "num_device_blocks", "num_host_blocks", "block_size",
              "layers")
@@ -94,11 +90,14 @@ def _prefixed(prefix: str) -> _Err:
     return lambda key, msg: ConfigError(f"{prefix}: {key}: {msg}")
 
 
-def _check_int(value: Any, key: str, err: _Err, minimum: int = 1) -> int:
+def _check_int(value: Any, key: str, err: _Err, minimum: int = 1,
+               maximum: int = _MAX_COUNT) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise err(key, f"expected an integer, got {value!r}")
     if value < minimum:
         raise err(key, f"{value} must be >= {minimum}")
+    if value > maximum:
+        raise err(key, f"{value} is more than any real model needs (at most {maximum})")
     return int(value)
 
 
@@ -129,7 +128,7 @@ def _validate_group(name: Any, count: Any, block_shape: Any, dtype: Any, tpu_lay
                     shard_dim: Any, err: _Err) -> dict[str, Any]:
     """Checks one group's values; returns them normalized (LayerGroup's fields)."""
     name = _check_name(name, "name", err)
-    count = _check_int(count, "count", err)
+    count = _check_int(count, "count", err, maximum=MAX_LAYERS)
     if isinstance(block_shape, (str, bytes)) or not isinstance(block_shape, Sequence):
         raise err("block_shape", f"expected a list of dims, got {block_shape!r}")
     if not block_shape:
@@ -141,8 +140,8 @@ def _validate_group(name: Any, count: Any, block_shape: Any, dtype: Any, tpu_lay
         dt = dtype_of(dtype)
     except (LayoutError, TypeError, ValueError):
         raise err("dtype", f"unknown dtype {dtype!r}") from None
-    if dt.kind not in "biufcV" or dt.itemsize == 0:
-        raise err("dtype", f"unknown dtype {dtype!r}: {dt.name} is not a numeric type")
+    if dt.kind not in "biufV" or dt.itemsize == 0:
+        raise err("dtype", f"unknown dtype {dtype!r}: {dt.name} is not a real numeric type")
     dtype = dtype_name(dt)
     layout_text = None
     if tpu_layout is not None:
@@ -502,40 +501,45 @@ def _parse(data: Mapping[str, Any], display: str, source: str) -> ModelSpec:
                             f"layers[{seen[values['name']]}]")
         seen[values["name"]] = i
         groups.append(LayerGroup(**values))
+        total = sum(g.count for g in groups)
+        if total > MAX_LAYERS:
+            raise group_err("count", f"brings the model to {total} layers, more than any "
+                            f"real model has (at most {MAX_LAYERS})")
     return ModelSpec(name=name, description=description,
                      num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
                      block_size=block_size, groups=tuple(groups), source=source)
 
 
 def builtin_names() -> list[str]:
-    """Names of the built-in configs (``configs/<name>.toml``), sorted."""
-    return sorted(p.stem for p in _config_dir().glob("*.toml"))
+    """Names of the built-in configs, sorted.
+
+    Example:
+        >>> "tiny" in builtin_names()
+        True
+    """
+    return _resources.builtin_names("configs")
 
 
 def load(path: str | os.PathLike[str]) -> ModelSpec:
-    """Loads a model config from a TOML file.
+    """Loads a model config: a built-in name (``"llama3-8b"``) or a TOML file.
 
-    A bare name with no such file (``"llama3-8b"``) falls back to the built-in
-    config of that name.
+    Built-in names are found from any directory (the configs ship in the wheel).
 
     Args:
-      path: the file.
+      path: a built-in name or a file.
 
     Returns:
       The validated spec; ``source`` is the file's absolute path.
 
     Raises:
-      ConfigError: unreadable file, invalid TOML, or a bad key or value (the message
-        names the file and the key).
+      ConfigError: no such file or built-in name (listing the built-in ones),
+        invalid TOML, or a bad key or value (the message names the file and key).
     """
     display = os.fspath(path)
-    p = Path(display)
-    if not p.is_file():
-        bare = os.sep not in display and "/" not in display and p.suffix == ""
-        if bare and display in builtin_names():
-            return load(_config_dir() / f"{display}.toml")
-        hint = (f" (built-in configs: {', '.join(builtin_names())})" if bare else "")
-        raise ConfigError(f"{display}: No such file{hint}")
+    try:
+        p = _resources.find("configs", display)
+    except _resources.UnknownNameError as e:
+        raise ConfigError(str(e)) from None
     try:
         with open(p, "rb") as f:
             data = tomllib.load(f)
@@ -546,16 +550,5 @@ def load(path: str | os.PathLike[str]) -> ModelSpec:
     return _parse(data, display, str(p.resolve()))
 
 
-def load_builtin(name: str | os.PathLike[str]) -> ModelSpec:
-    """Loads ``configs/<name>.toml`` from the repository (or ``name`` as a path).
-
-    Raises:
-      ConfigError: no built-in config of that name and no such file.
-    """
-    text = os.fspath(name)
-    if text in builtin_names():
-        return load(_config_dir() / f"{text}.toml")
-    if Path(text).is_file():
-        return load(text)
-    raise ConfigError(f"{text}: no built-in config of that name (built-in configs: "
-                      f"{', '.join(builtin_names()) or 'none'}) and no such file")
+load_builtin = load
+"""The same as ``load`` (a built-in name or a path)."""

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from kvxfer import config as _config
+from kvxfer._check import check_int
 from kvxfer._text import format_bytes, table
 from kvxfer.engine import TransferError
 from kvxfer import testing
@@ -136,6 +137,8 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
     records the refusal and checks the same caches round-trip on the staged path.
     """
     spec = _config.load_builtin(config)
+    devices = check_int(devices, "devices", minimum=1)
+    num_pages = check_int(num_pages, "num_pages", minimum=1)
     devs = jax.devices()[:devices] if devices > 1 else None
     if devices > len(jax.devices()):
         raise ValueError(f"--devices {devices}: only {len(jax.devices())} devices present")
@@ -226,16 +229,19 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def register_cli(sub: Any) -> None:
+    """Adds ``kvxfer probe`` to the command line's subparsers."""
+    from kvxfer.cli import positive_int
+
     p = sub.add_parser("probe", help="registration + permuted per-block round trip",
                        description="Offloads a random permutation of blocks, clobbers the "
                        "device blocks, loads the pages elsewhere and checks every byte.")
     p.add_argument("--config", action="append",
-                   help=f"a configs/ name or TOML path (repeatable); built in: "
+                   help=f"a built-in config name or a TOML file (repeatable); built in: "
                    f"{', '.join(_config.builtin_names())}")
     p.add_argument("--seeds", action="store_true", help="the upstream report's seed shapes")
-    p.add_argument("--pages", type=int, default=16, help="pages to move (default 16)")
-    p.add_argument("--num-blocks", type=int, help="device blocks per layer (default: config)")
-    p.add_argument("--devices", type=int, default=1, help="shard over N devices")
+    p.add_argument("--pages", type=positive_int, default=16, help="pages to move (default 16)")
+    p.add_argument("--num-blocks", type=positive_int, help="device blocks per layer (default: config)")
+    p.add_argument("--devices", type=positive_int, default=1, help="shard over N devices")
     p.add_argument("--path", choices=["auto", "staged", "direct"], default="auto")
     p.add_argument("--integrity", choices=["off", "page"],
                    help="default: off, or page with --inject")

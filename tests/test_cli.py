@@ -41,7 +41,9 @@ def test_inspect_human_table_uses_binary_units():
     (["--shape", "512,3", "--dtype", "bfloat17"], "Unknown dtype 'bfloat17'"),
     (["--shape", "512,3", "--dtype", "bf16", "--layout", "{1,0:T(8,128"], "braces"),
     (["--shape", "512,3"], "--dtype is required"),
-    (["--catalog", "no/such/file.json"], "No such file"),
+    (["--catalog", "no/such/file.json"], "no such file and no built-in catalogue"),
+    (["--config", "no-such-model"], "no such file and no built-in config"),
+    (["--shape", "512,3", "--dtype", "bf16", "--block-dim", "x"], "invalid int value"),
 ])
 def test_inspect_bad_input_exits_2_with_one_line(args, match):
     r = kvxfer("inspect", *args)
@@ -49,11 +51,101 @@ def test_inspect_bad_input_exits_2_with_one_line(args, match):
     assert len(r.stderr.strip().splitlines()) == 1 and match in r.stderr
 
 
-def test_inspect_catalog_json_one_object_per_array(repo_root):
-    r = kvxfer("inspect", "--catalog", "layouts/seeds.json", "--json", cwd=repo_root)
+def test_inspect_catalog_json_one_object_per_array(tmp_path):
+    r = kvxfer("inspect", "--catalog", "seeds", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     objs = [json.loads(line) for line in r.stdout.splitlines()]
-    assert len(objs) == 6 and all(set(o) == INSPECT_KEYS for o in objs)
+    assert len(objs) == 6
+    for o in objs:
+        assert set(o) == INSPECT_KEYS | {"name", "source", "expected", "matches",
+                                         "disagreement"}
+        assert o["matches"] is True and o["disagreement"] is None
+    assert objs[0]["name"] == "seed-block-dim-inside-tile"
+
+
+def test_inspect_catalog_json_says_which_entry_disagrees(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"arrays": [
+        {"name": "right", "shape": [512, 6144], "dtype": "bf16",
+         "layout": "{1,0:T(8,128)(2,1)}", "source": "derived",
+         "expected": {"granularity": 8}},
+        {"name": "wrong", "shape": [512, 6144], "dtype": "bf16",
+         "layout": "{1,0:T(8,128)(2,1)}", "source": "derived",
+         "expected": {"granularity": 16}}]}))
+    r = kvxfer("inspect", "--catalog", str(path), "--json")
+    assert r.returncode == 1
+    objs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(o["name"], o["matches"]) for o in objs] == [("right", True), ("wrong", False)]
+    assert objs[1]["disagreement"] == "granularity is 8, expected 16"
+
+
+def test_inspect_config_groups_identical_layers_by_slice_class(tmp_path):
+    r = kvxfer("inspect", "--config", "gemma-mixed", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "26 layers in 2 slice classes" in r.stdout
+    rows = [line for line in r.stdout.splitlines() if line.startswith("class ")]
+    assert len(rows) == 2 and " 0-19 " in rows[0] and " 20-25 " in rows[1]
+    r = kvxfer("inspect", "--config", "gemma-mixed", "--json", cwd=tmp_path)
+    objs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [o["layer"] for o in objs] == list(range(26))
+    assert {o["slice_class"] for o in objs[:20]} == {0} and objs[20]["slice_class"] == 1
+    assert objs[25]["name"] == "global.5"
+
+
+def test_built_in_names_work_from_any_directory(tmp_path):
+    for args in (["plan", "--config", "llama3-8b"], ["inspect", "--config", "gemma-mixed"],
+                 ["inspect", "--catalog", "seeds"],
+                 ["inspect", "--catalog", "layouts/seeds.json"]):
+        r = kvxfer(*args, cwd=tmp_path)
+        assert r.returncode == 0, (args, r.stderr)
+
+
+def test_unknown_names_get_one_message_listing_the_built_ins(tmp_path):
+    for command in (["plan"], ["probe"], ["inspect"]):
+        r = kvxfer(*command, "--config", "llama9", cwd=tmp_path)
+        assert r.returncode == 2
+        assert r.stderr.count("\n") == 1, r.stderr
+        assert "llama9: no such file and no built-in config of that name (built-in " \
+               "configs: deepseek-mla, gemma-mixed," in r.stderr
+
+
+def test_version():
+    r = kvxfer("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"kvxfer {__import__('kvxfer').__version__}"
+
+
+@pytest.mark.parametrize("args, match", [
+    (["plan", "--config", "tiny", "--num-host-blocks", "0"], "--num-host-blocks: 0 must be >= 1"),
+    (["probe", "--devices", "0"], "--devices: 0 must be >= 1"),
+    (["probe", "--pages", "-3"], "--pages: -3 must be >= 1"),
+    (["nosuch"], "invalid choice: 'nosuch'"),
+    ([], "the following arguments are required: command"),
+    (["plan"], "the following arguments are required: --config"),
+])
+def test_argument_errors_are_one_line(args, match):
+    r = kvxfer(*args)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and match in r.stderr, r.stderr
+    assert r.stderr.startswith("kvxfer")
+
+
+def test_a_closed_pipe_ends_quietly():
+    p = subprocess.Popen([sys.executable, "-m", "kvxfer", "inspect", "--catalog",
+                          "tpu_kv_derived"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before the first line is written
+    assert p.wait(timeout=300) == 0
+    assert p.stderr.read() == b""
+
+
+def test_a_bug_is_not_reported_as_bad_input(monkeypatch):
+    from kvxfer import cli
+
+    def broken(args):
+        return {}["missing"]
+
+    monkeypatch.setattr(cli, "_cmd_inspect", broken)
+    with pytest.raises(KeyError):
+        cli.main(["inspect", "--shape", "4,4", "--dtype", "f32"])
 
 
 def test_inspect_catalog_disagreement_exits_nonzero(tmp_path):
@@ -67,20 +159,20 @@ def test_inspect_catalog_disagreement_exits_nonzero(tmp_path):
     assert "wrong: granularity is 8, expected 16" in r.stderr
 
 
-def test_probe_cli_inject_json(repo_root):
+def test_probe_cli_inject_json(tmp_path):
     r = kvxfer("probe", "--config", "tiny", "--num-blocks", "16", "--pages", "4", "--inject",
-               "bitflip", "--json", cwd=repo_root)
+               "bitflip", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["summary"]["injected"]["detected"] and report["integrity"] == "page"
 
 
-def test_plan_cli_refuses_seed_direct_path_and_accepts_staged(repo_root):
+def test_plan_cli_refuses_seed_direct_path_and_accepts_staged(tmp_path):
     r = kvxfer("plan", "--config", "seed-interleaved", "--path", "direct", "--json",
-               "--budget", str(16 << 30), cwd=repo_root)
+               "--budget", str(16 << 30), cwd=tmp_path)
     assert r.returncode == 1 and "221.02 GiB" in r.stderr
     assert json.loads(r.stdout)["refused"] is True
     r = kvxfer("plan", "--config", "seed-interleaved", "--json", "--budget", str(16 << 30),
-               cwd=repo_root)
+               cwd=tmp_path)
     plan = json.loads(r.stdout)
     assert r.returncode == 0 and plan["classes"][0]["bytes_per_block"] == 12288

@@ -52,8 +52,10 @@ def tiny() -> ModelSpec:
     return config.load_builtin("tiny")
 
 
-def test_builtin_names_match_the_files(repo_root):
-    files = sorted(p.stem for p in (repo_root / "configs").glob("*.toml"))
+def test_builtin_names_match_the_shipped_files():
+    from kvxfer import _resources
+
+    files = sorted(p.stem for p in _resources.data_dir("configs").glob("*.toml"))
     assert config.builtin_names() == files == BUILTINS
 
 
@@ -221,11 +223,47 @@ def test_int4_and_bool_caches_hold_valid_values(tmp_path):
     assert set(np.unique(np.asarray(m).view(np.uint8))) <= {0, 1}
 
 
-def test_load_accepts_builtin_names_and_paths(repo_root):
+def test_load_accepts_builtin_names_and_paths(tmp_path, monkeypatch):
+    from kvxfer import _resources
+
+    monkeypatch.chdir(tmp_path)  # names are found from any directory
     by_name = config.load("tiny")
-    by_path = config.load(repo_root / "configs" / "tiny.toml")
-    assert by_name == by_path == config.load_builtin(str(repo_root / "configs/tiny.toml"))
+    copy = tmp_path / "mine.toml"
+    copy.write_bytes((_resources.data_dir("configs") / "tiny.toml").read_bytes())
+    by_path = config.load(copy)
+    assert by_name.groups == by_path.groups == config.load_builtin(str(copy)).groups
     assert by_name.block_size == 16 and by_name.num_host_blocks == 16
+    assert by_path.name == "tiny"  # the file's own name key, not its stem
+
+
+def test_unknown_config_names_list_the_built_ins():
+    with pytest.raises(ConfigError, match="llama9: no such file and no built-in config of "
+                       "that name \\(built-in configs: deepseek-mla, gemma-mixed"):
+        config.load("llama9")
+
+
+def test_configs_that_cannot_be_real_are_refused_fast(tmp_path):
+    path = tmp_path / "huge.toml"
+    path.write_text('num_device_blocks = 16\nnum_host_blocks = 4\n[[layers]]\n'
+                    'name = "a"\ncount = 1000000000\nblock_shape = [16, 128]\n'
+                    'dtype = "bf16"\n')
+    with pytest.raises(ConfigError, match="count: 1000000000 is more than any real model"):
+        config.load(path)
+    path.write_text('num_device_blocks = 16\nnum_host_blocks = 4\n' + "".join(
+        f'[[layers]]\nname = "g{i}"\ncount = 4000\nblock_shape = [16, 128]\n'
+        'dtype = "bf16"\n' for i in range(2)))
+    with pytest.raises(ConfigError, match="layers\\[1\\].count: brings the model to 8000 "
+                       "layers"):
+        config.load(path)
+
+
+def test_complex_dtypes_are_refused(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('num_device_blocks = 16\nnum_host_blocks = 4\n[[layers]]\n'
+                    'name = "a"\ncount = 1\nblock_shape = [16, 128]\n'
+                    'dtype = "complex64"\n')
+    with pytest.raises(ConfigError, match="not a real numeric type"):
+        config.load(path)
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -308,7 +346,7 @@ def test_no_layers_invalid_toml_and_missing_file(tmp_path):
                                      "layers = 3\n"))
     with pytest.raises(ConfigError, match=r"x\.toml: invalid TOML"):
         config.load(_write(tmp_path, "name = \n"))
-    with pytest.raises(ConfigError, match=r"nope\.toml: No such file"):
+    with pytest.raises(ConfigError, match=r"nope\.toml: no such file"):
         config.load(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="no built-in config.*tiny"):
         config.load_builtin("no-such-model")

@@ -255,3 +255,23 @@ def test_shared_buffers_are_unshared_before_raw_writes():
     assert np.array_equal(np.array(x), before)  # the shared original is untouched
     for a in new:
         assert np.array_equal(np.array(a)[5], before[2])
+
+
+def test_inject_knows_every_fault_it_lists_and_transfer_fails_one_load():
+    caches = make_caches("float32", 16 << 10, sharded=False)
+    before = [bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
+    pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+    pages, keys = faults.inject("transfer", mgr, caches, pages, BAD, BAD_LAYER)
+    assert keys is None
+    caches, handle = mgr.load(caches, pages, DST, gate="layer")
+    with pytest.raises(kvxfer.TransferError, match="injected device transfer failure"):
+        handle.result()
+    assert handle.layer_ready(0) == len(SRC)  # layer 0 moved before the failure
+    caches, handle = mgr.load(caches, pages, DST)  # the fault was one load only
+    assert handle.result().verified_prefix == len(SRC)
+    for c, b in zip(caches, before):
+        assert np.array_equal(bits(c)[DST], b[SRC])
+    with pytest.raises(ValueError, match=r"unknown fault 'flood'; expected one of \("
+                       r"'bitflip', .*'transfer'\)"):
+        faults.inject("flood", mgr, caches, pages, BAD, BAD_LAYER)

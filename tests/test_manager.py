@@ -1,5 +1,7 @@
 """KVCacheManager: round trips over every config, mixed slice classes, bad input."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -341,3 +343,121 @@ def test_emulated_direct_path_sizes_sharded_layers_per_shard():
     pages = mgr.offload([x], [1, 2], keys=[1, 2]).wait()
     _, handle = mgr.load([x], pages, [5, 6])
     assert handle.result().verified_prefix == 2
+
+
+# -- arguments that must be refused up front, naming the value ------------------------
+
+
+def test_a_bare_array_is_not_taken_as_one_layer_per_block():
+    x = jnp.zeros((8, 4, 128), jnp.float32)
+    with pytest.raises(TypeError, match=r"sequence of jax.Array, one per layer. Got one "
+                       r"jax.Array of shape \[8, 4, 128\]"):
+        kvxfer.KVCacheManager(x, num_host_blocks=2)
+
+
+def test_complex_caches_are_refused_at_construction():
+    with pytest.raises(TypeError, match="layer 1: dtype complex64 is not supported"):
+        kvxfer.KVCacheManager([jnp.zeros((8, 128)), jnp.zeros((8, 128), jnp.complex64)],
+                              num_host_blocks=2)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"num_host_blocks": True}, TypeError, "num_host_blocks=True must be an int, not a bool"),
+    ({"num_host_blocks": 2.5}, TypeError, "num_host_blocks=2.5 must be an int"),
+    ({"num_host_blocks": 0}, ValueError, "num_host_blocks=0 must be >= 1"),
+    ({"num_host_blocks": 2, "host_memory_budget": 1.5}, TypeError,
+     "host_memory_budget=1.5 must be an int"),
+    ({"num_host_blocks": 2, "ready_timeout": float("nan")}, ValueError,
+     "ready_timeout=nan must be None or a finite number"),
+    ({"num_host_blocks": 2, "path": "fast"}, ValueError, "path='fast'; expected one of"),
+])
+def test_bad_construction_arguments_name_the_value(kwargs, error, match):
+    with pytest.raises(error, match=re.escape(match)):
+        kvxfer.KVCacheManager([jnp.zeros((8, 128))], **kwargs)
+
+
+def test_numpy_ints_are_counts():
+    mgr = kvxfer.KVCacheManager([jnp.zeros((8, 128))], num_host_blocks=np.int64(4),
+                                host_memory_budget=np.int64(1 << 30))
+    assert mgr.plan.num_host_blocks == 4 and mgr.num_free_pages == 4
+    mgr.close()
+
+
+def test_nan_timeouts_are_refused():
+    caches = [jnp.zeros((8, 128))]
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2) as mgr:
+        handle = mgr.offload(caches, [1], keys=[1])
+        with pytest.raises(ValueError, match="timeout=nan"):
+            handle.wait(float("nan"))
+        pages = handle.wait()
+        _, load = mgr.load(caches, pages, [2])
+        with pytest.raises(ValueError, match="timeout=-1"):
+            load.result(-1)
+        with pytest.raises(ValueError, match="timeout=inf"):
+            load.layer_ready(0, float("inf"))
+        assert load.result().verified_prefix == 1
+
+
+@pytest.mark.parametrize("fields, error, match", [
+    ({"slot": None}, TypeError, "PageRef.slot must be an int >= 0. Got None"),
+    ({"key": -1}, ValueError, "PageRef.key must be in [0, 2**64). Got -1"),
+    ({"generation": True}, TypeError, "PageRef.generation must be an int"),
+])
+def test_page_refs_check_their_fields(fields, error, match):
+    with pytest.raises(error, match=re.escape(match)):
+        kvxfer.PageRef(**{"key": 1, "slot": 0, "generation": 1, **fields})
+
+
+def test_buckets_start_at_one():
+    from kvxfer.engine import bucket
+
+    assert [bucket(k) for k in range(6)] == [1, 1, 2, 4, 4, 8]
+
+
+def test_the_manager_does_not_keep_old_caches_alive():
+    import gc
+    import weakref
+
+    caches = [jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128) + i for i in range(2)]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    pages = mgr.offload(caches, [1], keys=[1]).wait()
+    new, load = mgr.load(caches, pages, [3])
+    load.result()
+    old = [weakref.ref(a) for a in caches] + [weakref.ref(a) for a in new]
+    del caches, new, load
+    gc.collect()
+    assert all(r() is None for r in old)
+    mgr.close()
+
+
+def test_layouts_are_applied_on_the_auto_path():
+    """With emulated TPU layouts, auto moves proven classes through emulated memory and
+    the rest staged: the raw path never moves bytes the plan describes differently."""
+    good = jnp.asarray(np.arange(16 * 8 * 256, dtype=np.float32).reshape(16, 8, 256))
+    bad = jnp.asarray(np.arange(16 * 3 * 256, dtype=np.float32).reshape(16, 3, 256))
+    layouts = ["{2,1,0:T(8,128)}", "{2,0,1:T(8,128)}"]
+    with kvxfer.KVCacheManager([good, bad], num_host_blocks=4, layouts=layouts) as mgr:
+        assert mgr.paths == ["emulated", "staged"]
+        assert [c.addressable for c in mgr.plan.classes] == [True, False]
+        before = [np.array(good), np.array(bad)]
+        pages = mgr.offload([good, bad], [2, 5], keys=[1, 2]).wait()
+        new, load = mgr.load([good, bad], pages, [9, 10])  # consumes the inputs
+        assert load.result().verified_prefix == 2
+        for a, b in zip(new, before):
+            assert np.array_equal(np.asarray(a)[[9, 10]], b[[2, 5]])
+        good, bad = new
+    with kvxfer.KVCacheManager([good, bad], num_host_blocks=4, layouts=layouts,
+                               path="staged") as mgr:
+        assert mgr.paths == ["staged", "staged"]
+    with pytest.raises(kvxfer.LayoutError, match=r"layer 1: f32\[16,3,256\]\{2,0,1:T"):
+        kvxfer.KVCacheManager([good, bad], num_host_blocks=4, layouts=layouts,
+                              path="direct")
+
+
+def test_direct_refusal_names_the_shard_geometry_it_decided_on():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("kv",))
+    x = jax.device_put(np.zeros((16, 4, 256), np.float32), NamedSharding(mesh, P(None, "kv")))
+    with pytest.raises(kvxfer.LayoutError, match=r"layer 0 \(one shard of 2\): "
+                       r"f32\[16,2,256\]\{2,0,1:T\(8,128\)\}"):
+        kvxfer.KVCacheManager([x], num_host_blocks=2, path="direct",
+                              layouts=["{2,0,1:T(8,128)}"])

@@ -22,7 +22,7 @@ def bucket(k: int) -> int:
         >>> [bucket(k) for k in (0, 1, 2, 3, 5, 8)]
         [1, 1, 2, 4, 8, 8]
     """
-    return 1 << max(0, (k - 1).bit_length())
+    return 1 << max(0, k - 1).bit_length()
 
 
 def device_of(a: jax.Array) -> Any:
