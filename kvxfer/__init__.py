@@ -1,5 +1,16 @@
-"""kvxfer: verified KV-cache transfers between accelerator and host memory for JAX."""
+"""kvxfer: verified KV-cache transfers between accelerator and host memory for JAX.
 
+The public surface, one name a line; modules and subpackages hold the rest
+(``kvxfer.testing`` for fault injection and cache builders, ``kvxfer.config`` and
+``kvxfer.catalog`` for the shipped model configs and layout catalogues).
+
+Example:
+    >>> import kvxfer
+    >>> kvxfer.inspect((512, 8, 2048), "bfloat16", "{2,1,0:T(8,128)(2,1)}").bytes_per_block
+    32768
+"""
+
+from kvxfer._version import __version__ as __version__
 from kvxfer.engine import TransferError as TransferError
 from kvxfer.hostpool import PageRef as PageRef
 from kvxfer.hostpool import PoolError as PoolError
@@ -19,4 +30,7 @@ from kvxfer.plan import LayerSpec as LayerSpec
 from kvxfer.plan import Plan as Plan
 from kvxfer.plan import make_plan as make_plan
 
-from kvxfer._version import __version__ as __version__
+__all__ = ["__version__", "TransferError", "PageRef", "PoolError", "PoolExhaustedError",
+           "Layout", "LayoutError", "SliceGeometry", "inspect", "require_addressable",
+           "IntegrityError", "KVCacheManager", "LoadHandle", "LoadResult", "OffloadHandle",
+           "BudgetError", "LayerSpec", "Plan", "make_plan"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+__all__ = ["format_bytes", "table"]
+
 
 def format_bytes(n: int | None) -> str:
     """``32768`` → ``'32 KiB'``; ``6291456`` → ``'6 MiB'``; None → ``'-'``."""

@@ -110,9 +110,10 @@ class KVCacheManager:
       integrity: ``"page"`` digests every page on the device before it leaves and
         verifies it after it returns; ``"off"`` skips digests.
       host_memory_budget: bytes; default ``kvxfer.plan.default_host_memory_budget()``.
-      path: ``"auto"`` (raw copies where XLA:CPU buffers allow, else staged),
-        ``"staged"`` (compiled gather/scatter, any backend and layout), or
-        ``"direct"`` (raw copies only; refuses layouts not proven addressable).
+      path: ``"auto"`` (raw copies where XLA:CPU buffers allow, else staged; with
+        ``layouts=``, emulated copies for classes proven addressable under them, else
+        staged), ``"staged"`` (compiled gather/scatter, any backend and layout), or
+        ``"direct"`` (byte-range copies only; refuses layouts not proven addressable).
       ready_timeout: seconds to wait for caches still being computed.
       pinned: host pools in ``pinned_host`` memory (default: off on CPU).
 
