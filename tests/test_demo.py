@@ -1,4 +1,4 @@
-"""Tests for the serving demo (kvxfer.demo.serving): a host-tier prefix cache on kvxfer.
+"""Tests for the serving demo (kvxfer.demo): a host-tier prefix cache on kvxfer.
 
 Every run compares each request's tokens with a run of the same requests with no
 cache at all; the runs are small (two short system prompts, few device blocks) so
@@ -8,11 +8,12 @@ that device blocks run short, pages go to host, and later requests hit from host
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import pytest
 
-from kvxfer.demo import serving
+from kvxfer import demo
 from kvxfer.hostpool import PageRef
 
 # Prompts of 3 and 4 pages and at most 6 device blocks: every request evicts the
@@ -26,7 +27,14 @@ SUMMARY_KEYS = {"requests", "device_hits", "host_hits", "bytes_offloaded", "byte
 
 
 def run(**kw) -> dict:
-    return serving.run_demo(serving.DemoOptions(**{**SMALL, **kw}))
+    return _run(tuple(sorted(kw.items())))
+
+
+@functools.cache
+def _run(kw: tuple) -> dict:
+    # Runs are deterministic but for their timings: tests that ask for the same
+    # options share one run (and must not change its summary).
+    return demo.run_demo(demo.DemoOptions(**{**SMALL, **dict(kw)}))
 
 
 # -- keys and indexes ------------------------------------------------------------------
@@ -34,18 +42,18 @@ def run(**kw) -> dict:
 
 def test_page_keys_chain_the_whole_prefix():
     a = list(range(50))
-    keys = serving.page_keys(a)
+    keys = demo.page_keys(a)
     assert len(keys) == 3 and all(0 <= k < 1 << 64 for k in keys)
     # Same pages, another partial tail: same keys. A change in page 0 changes every key.
-    assert serving.page_keys(a[:48] + [1, 2, 3]) == keys
+    assert demo.page_keys(a[:48] + [1, 2, 3]) == keys
     b = [7] + a[1:]
-    assert all(x != y for x, y in zip(serving.page_keys(b), keys))
+    assert all(x != y for x, y in zip(demo.page_keys(b), keys))
     # Page 1 alone (no prefix) is not page 1 of the chain.
-    assert serving.page_keys(a[16:32])[0] != keys[1]
+    assert demo.page_keys(a[16:32])[0] != keys[1]
 
 
 def test_device_blocks_refcounts_lru_and_eviction():
-    blocks = serving.DeviceBlocks(4)
+    blocks = demo.DeviceBlocks(4)
     b0, b1, b2 = blocks.allocate(3)
     assert blocks.publish(10, b0) and blocks.publish(11, b1)
     assert not blocks.publish(10, b2)  # duplicate key: b2 stays private
@@ -65,7 +73,7 @@ def test_device_blocks_refcounts_lru_and_eviction():
 
 
 def test_host_index_pins_and_swaps():
-    idx = serving.HostIndex()
+    idx = demo.HostIndex()
     idx.put(1, PageRef(1, 0, 1))
     idx.put(2, PageRef(2, 1, 1))
     idx.pin(1)
@@ -130,7 +138,7 @@ def test_integrity_off_still_matches_without_faults():
 
 def test_integrity_off_lets_a_bitflip_through_and_exits_1(capsys):
     parser = argparse.ArgumentParser(prog="kvxfer")
-    serving.register_cli(parser.add_subparsers(dest="command"))
+    demo.register_cli(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["demo", "--requests", "5", "--system-pages", "3", "4",
                               "--new-tokens", "4", "--device-blocks", "6", "--host-blocks",
                               "16", "--integrity", "off", "--inject", "bitflip", "--json",
@@ -142,7 +150,7 @@ def test_integrity_off_lets_a_bitflip_through_and_exits_1(capsys):
 
 def test_cli_json_is_one_object_and_exits_0(capsys):
     parser = argparse.ArgumentParser(prog="kvxfer")
-    serving.register_cli(parser.add_subparsers(dest="command"))
+    demo.register_cli(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["demo", "--requests", "4", "--system-pages", "3", "4",
                               "--new-tokens", "4", "--device-blocks", "6", "--json", "--quiet"])
     assert args.func(args) == 0
@@ -150,8 +158,8 @@ def test_cli_json_is_one_object_and_exits_0(capsys):
     assert SUMMARY_KEYS <= set(s) and s["requests"] == 4 and s["tokens_match"] is True
 
 
-def test_human_summary_names_every_metric(capsys):
-    text = serving.format_summary(run(requests=3))
+def test_human_summary_names_every_metric():
+    text = demo.format_summary(run())
     for key in ("device_hits", "host_hits", "bytes_offloaded", "bytes_loaded",
                 "corruptions_detected", "pages_recomputed", "ttft_miss_ms",
                 "ttft_host_hit_ms", "tokens_match", "integrity=page", "inject=none"):
@@ -179,14 +187,14 @@ def tiny_model():
     return m.Model(m.tiny_llama(), seed=0)
 
 
-def _host_then_device(srv: serving.PrefixCacheServer, prompt: tuple[int, ...]) -> None:
+def _host_then_device(srv: demo.PrefixCacheServer, prompt: tuple[int, ...]) -> None:
     """Serves ``prompt`` once, then moves only its page 0 to host (pages 1, 2 stay)."""
-    srv.serve(serving.Request(0, prompt, 4))
+    srv.serve(demo.Request(0, prompt, 4))
     cold = srv.blocks.cold_pages()  # deepest page first
     assert len(cold) == 3
     for block, _ in cold[:2]:
         srv.blocks.acquire(block)  # keep pages 2 and 1 on device
-    taken = srv._allocate(srv.blocks.num_free + 1)  # evicts page 0 to host
+    taken = srv.allocate_blocks(srv.blocks.num_free + 1)  # evicts page 0 to host
     assert len(srv.host) == 1
     for block in taken + [b for b, _ in cold[:2]]:
         srv.blocks.release(block)
@@ -196,13 +204,13 @@ def _host_then_device(srv: serving.PrefixCacheServer, prompt: tuple[int, ...]) -
 def test_prefix_with_host_page_before_device_pages(tiny_model, inject):
     system = tuple(range(1, 49))  # 3 full pages
     first, second = system + (7, 8, 9), system + (5,)
-    injector = serving.FaultInjector(inject, limit=1) if inject else None
-    with serving.PrefixCacheServer(tiny_model, tiny_model.make_kv_caches(10), num_host_blocks=4,
-                                   injector=injector) as srv:
+    injector = demo.FaultInjector(inject, limit=1) if inject else None
+    with demo.PrefixCacheServer(tiny_model, tiny_model.make_kv_caches(10), num_host_blocks=4,
+                                injector=injector) as srv:
         _host_then_device(srv, first)
-        out = srv.serve(serving.Request(1, second, 4))
+        out = srv.serve(demo.Request(1, second, 4))
         # All three pages end up cached on device again (page 0 promoted or recomputed).
-        assert all(srv.blocks.lookup(k) is not None for k in serving.page_keys(system))
+        assert all(srv.blocks.lookup(k) is not None for k in demo.page_keys(system))
     _, want = tiny_model.generate(tiny_model.make_kv_caches(10), second, list(range(4)), 4)
     assert list(out.tokens) == want
     if inject:
@@ -219,8 +227,8 @@ def test_a_transfer_failure_is_an_error_and_leaks_nothing(tiny_model, monkeypatc
     from kvxfer import TransferError
 
     system = tuple(range(1, 49))
-    with serving.PrefixCacheServer(tiny_model, tiny_model.make_kv_caches(10),
-                                   num_host_blocks=4) as srv:
+    with demo.PrefixCacheServer(tiny_model, tiny_model.make_kv_caches(10),
+                                num_host_blocks=4) as srv:
         _host_then_device(srv, system + (7,))
         real_load = srv.mgr.load
 
@@ -235,13 +243,23 @@ def test_a_transfer_failure_is_an_error_and_leaks_nothing(tiny_model, monkeypatc
 
         monkeypatch.setattr(srv.mgr, "load", failing_load)
         with pytest.raises(TransferError, match="device lost before layer 0"):
-            srv.serve(serving.Request(1, system + (5,), 4))
+            srv.serve(demo.Request(1, system + (5,), 4))
         # Every block is free or cached-and-unreferenced again, nothing was published,
         # and the host page is evictable again.
         assert srv.blocks.num_free + srv.blocks.num_cold == srv.blocks.num_blocks
         assert srv.stats.requests == 1 and srv.host.coldest_unpinned() is not None
         monkeypatch.setattr(srv.mgr, "load", real_load)
-        out = srv.serve(serving.Request(2, system + (5,), 4))
+        out = srv.serve(demo.Request(2, system + (5,), 4))
     _, want = tiny_model.generate(tiny_model.make_kv_caches(10), system + (5,),
                                   list(range(4)), 4)
     assert out.kind == "host_hit" and list(out.tokens) == want
+
+
+def test_serving_module_re_exports_the_demo():
+    from kvxfer.demo import serving
+
+    assert serving.__all__ and set(serving.__all__) <= set(demo.__all__)
+    for name in serving.__all__:
+        assert getattr(serving, name) is getattr(demo, name), name
+    for name in ("register_cli", "run_demo", "DemoOptions"):
+        assert name in serving.__all__
