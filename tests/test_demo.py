@@ -13,8 +13,9 @@ import json
 
 import pytest
 
+import kvxfer.testing
 from kvxfer import demo
-from kvxfer.hostpool import PageRef
+from kvxfer.hostpool import PageRef, PoolExhaustedError
 
 # Prompts of 3 and 4 pages and at most 6 device blocks: every request evicts the
 # other prompt's pages to host, so the third request on is a host hit.
@@ -113,6 +114,10 @@ def test_injected_faults_are_detected_and_recovered(inject, extra):
     expect = {"bitflip": "digest mismatch in layer", "wrong-key": "wrong key",
               "stale-slot": "stale generation", "one-shard": "shard disagreement"}[inject]
     assert all(expect in d for d in s["detections"]), s["detections"]
+    if inject == "wrong-key":  # the words of kvxfer.testing's wrong-key fault
+        assert all(t.startswith("wrong-key: the caller asks for key 0x") and
+                   "and is handed the page stored under key 0x" in t
+                   for t in s["injections"]), s["injections"]
 
 
 def test_late_bitflip_restarts_from_the_verified_prefix():
@@ -253,6 +258,73 @@ def test_a_transfer_failure_is_an_error_and_leaks_nothing(tiny_model, monkeypatc
     _, want = tiny_model.generate(tiny_model.make_kv_caches(10), system + (5,),
                                   list(range(4)), 4)
     assert out.kind == "host_hit" and list(out.tokens) == want
+
+
+# -- the stale-slot injector ----------------------------------------------------------------
+
+
+def _three_pages_on_host(srv: demo.PrefixCacheServer, prompt: tuple[int, ...]) -> list[int]:
+    """Serves ``prompt`` (3 full pages), then evicts all its pages to host; their keys."""
+    srv.serve(demo.Request(0, prompt, 4))
+    keys = [k for _, k in srv.blocks.cold_pages()]
+    assert len(keys) == 3
+    for block in srv.allocate_blocks(srv.blocks.num_free + len(keys)):
+        srv.blocks.release(block)
+    assert sorted(srv.host.keys()) == sorted(keys)
+    return demo.page_keys(prompt)
+
+
+def _stale_slot_server(model) -> tuple[demo.FaultInjector, demo.PrefixCacheServer]:
+    injector = demo.FaultInjector("stale-slot", limit=1)
+    return injector, demo.PrefixCacheServer(model, model.make_kv_caches(10), num_host_blocks=6,
+                                            injector=injector)
+
+
+def test_stale_slot_reuses_the_slot_even_when_a_lower_slot_is_free(tiny_model):
+    system = tuple(range(1, 49))
+    injector, srv = _stale_slot_server(tiny_model)
+    with srv:
+        k0, k1, k2 = _three_pages_on_host(srv, system + (7, 8, 9))
+        # Free the deepest page's slot, below page 1's: the pool hands out its lowest
+        # free slot, so page 1's slot comes back only after that one is taken.
+        low = srv.host.pop(k2)
+        assert low.slot < srv.host.get(k1).slot
+        srv.mgr.free([low])
+        out = srv.serve(demo.Request(1, system + (5,), 4))  # hits pages 0, 1 from host
+        (inj,) = injector.injections
+        stale, new = inj.page, inj.reused_by
+        assert stale.key == k1 and new is not None
+        assert str(inj) == (f"stale-slot: {stale} freed while the host index still holds it; "
+                            f"its slot {stale.slot} reused by {new}")
+        # What the log says happened did: the slot holds a newer generation, the load
+        # saw the stale ref, and the lower slot is free again.
+        assert new.slot == stale.slot and new.generation > stale.generation
+        assert srv.mgr.host_pool.state(stale.slot)[0] == new.generation
+        assert srv.stats.detection_reasons == [f"stale generation ({stale})"]
+        assert srv.mgr.host_pool.state(low.slot)[1] == "free"
+    assert (out.kind, out.host_pages, out.recomputed_pages) == ("recovered", 1, 1)
+    _, want = tiny_model.generate(tiny_model.make_kv_caches(10), system + (5,), list(range(4)), 4)
+    assert list(out.tokens) == want
+
+
+def test_stale_slot_log_says_when_the_slot_was_not_reused(tiny_model, monkeypatch):
+    def never_reused(mgr, caches, page, block, key):
+        mgr.free([page])
+        raise PoolExhaustedError("host pool exhausted")
+
+    monkeypatch.setattr(kvxfer.testing, "reuse_slot", never_reused)
+    system = tuple(range(1, 49))
+    injector, srv = _stale_slot_server(tiny_model)
+    with srv:
+        _three_pages_on_host(srv, system + (7, 8, 9))
+        out = srv.serve(demo.Request(1, system + (5,), 4))
+        (inj,) = injector.injections
+        assert inj.reused_by is None
+        assert str(inj) == (f"stale-slot: {inj.page} freed while the host index still holds "
+                            f"it; its slot {inj.page.slot} was not reused")
+        assert srv.mgr.host_pool.state(inj.page.slot)[:2] == (inj.page.generation, "free")
+        assert srv.stats.detection_reasons == [f"freed ({inj.page})"]
+    assert out.kind == "recovered"
 
 
 def test_serving_module_re_exports_the_demo():

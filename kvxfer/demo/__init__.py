@@ -28,6 +28,7 @@ from kvxfer.demo.command import run_demo as run_demo
 from kvxfer.demo.inject import INJECT_MODES as INJECT_MODES
 from kvxfer.demo.inject import FaultInjector as FaultInjector
 from kvxfer.demo.inject import InjectMode as InjectMode
+from kvxfer.demo.inject import Injection as Injection
 from kvxfer.demo.server import PrefixCacheServer as PrefixCacheServer
 from kvxfer.demo.server import Request as Request
 from kvxfer.demo.server import RequestKind as RequestKind
@@ -41,7 +42,7 @@ from kvxfer.demo.workload import reference_tokens as reference_tokens
 from kvxfer.demo.workload import shard_caches as shard_caches
 
 __all__ = ["DemoOptions", "run_demo", "format_summary", "add_arguments", "build_parser",
-           "register_cli", "main", "InjectMode", "INJECT_MODES", "FaultInjector",
+           "register_cli", "main", "InjectMode", "INJECT_MODES", "FaultInjector", "Injection",
            "PrefixCacheServer", "Request", "RequestKind", "RequestOutcome", "ServeStats",
            "DeviceBlocks", "HostIndex", "page_keys", "make_workload", "shard_caches",
            "reference_tokens"]
