@@ -171,6 +171,46 @@ def test_human_summary_names_every_metric():
         assert key in text
 
 
+def test_summary_ends_with_host_hit_ttft_against_misses_and_tokens_match():
+    s = run()
+    kinds = s["requests_by_kind"]
+    assert s["ttft_host_hit_speedup"] == round(s["ttft_miss_ms"] / s["ttft_host_hit_ms"], 2)
+    ttft, tokens, _ = demo.format_summary(s).splitlines()[-3:]
+    assert ttft.startswith(f"time to first token: host hits {s['ttft_host_hit_ms']:.2f} ms "
+                           f"against {s['ttft_miss_ms']:.2f} ms for misses (medians of "
+                           f"{kinds['host_hit']} and {kinds['miss']} requests): host hits "
+                           f"{s['ttft_host_hit_speedup']:.1f}x")
+    assert tokens == "tokens: identical to a run with no cache in all 5 requests"
+
+
+def test_summary_says_loudly_when_tokens_differ():
+    s = dict(run(), tokens_match=False, mismatched_requests=[2, 4], integrity="off")
+    last = demo.format_summary(s).splitlines()[-2]
+    assert last == ("tokens: DIFFER FROM A RUN WITH NO CACHE in 2 of 5 requests [2, 4] "
+                    "(integrity=off: damaged host pages were used unverified)")
+
+
+def test_summary_without_host_hits_says_there_is_no_comparison():
+    s = dict(run(), ttft_host_hit_ms=None, ttft_host_hit_speedup=None)
+    assert demo.format_summary(s).splitlines()[-3].startswith(
+        "time to first token: no comparison")
+
+
+def test_inject_suggestion_only_without_injection():
+    s = run(inject="bitflip")
+    plain, injected = demo.format_summary(run()), demo.format_summary(s)
+    assert plain.splitlines()[-1].startswith("next: kvxfer demo --inject bitflip ")
+    assert "--inject" not in injected
+    faults, ttft, tokens = injected.splitlines()[-3:]
+    assert (s["corruptions_detected"], s["restarts"]) == (2, 1)
+    assert faults == (f"faults: 2 bitflip injected, 2 detected, {s['pages_recomputed']} pages "
+                      "recomputed, restarts 1")
+    # Both host hits were damaged: the line says why there is nothing to compare.
+    assert ttft == ("time to first token: no comparison, the run had 0 host hits and 2 "
+                    "misses (2 hits recovered from damaged host pages)")
+    assert tokens.startswith("tokens: identical to a run with no cache")
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(device_blocks=3), "--device-blocks 3 is too few: a request needs up to 6 blocks"),
     (dict(inject="flood"), "inject='flood'; expected one of bitflip"),

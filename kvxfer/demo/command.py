@@ -180,7 +180,8 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
         The summary (the ``--json`` object): ``requests, device_hits, host_hits``
         (pages served from each tier), ``bytes_offloaded, bytes_loaded,
         pages_verified, corruptions_detected, pages_recomputed, ttft_miss_ms,
-        ttft_host_hit_ms, tokens_match`` and more (see ``format_summary``).
+        ttft_host_hit_ms, ttft_host_hit_speedup`` (median miss TTFT over median
+        host-hit TTFT), ``tokens_match`` and more (see ``format_summary``).
 
     Raises:
         ValueError: a bad option (e.g. too few device blocks for a request).
@@ -273,6 +274,8 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
         "ttft_device_hit_ms": _median_ms(by_kind["device_hit"]),
         "ttft_host_hit_ms": ttft_host,
         "ttft_recovered_ms": _median_ms(by_kind["recovered"]),
+        "ttft_host_hit_speedup": (round(ttft_miss / ttft_host, 2)
+                                  if ttft_miss is not None and ttft_host else None),
         "tokens_match": not mismatched,
         "mismatched_requests": mismatched,
         "integrity": opts.integrity,
@@ -322,13 +325,56 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} ms"
 
 
+def _shown(summary: dict) -> list[str]:
+    """The closing lines: what the run showed, and what to try next."""
+    kinds = summary["requests_by_kind"]
+    lines = []
+    if summary["inject"]:
+        lines.append(
+            f"faults: {len(summary['injections'])} {summary['inject']} injected, "
+            f"{summary['corruptions_detected']} detected, {summary['pages_recomputed']} "
+            f"pages recomputed, restarts {summary['restarts']}")
+    miss, host = summary["ttft_miss_ms"], summary["ttft_host_hit_ms"]
+    if miss is None or host is None:
+        had = f"{kinds['host_hit']} host hits and {kinds['miss']} misses"
+        if kinds["recovered"]:
+            had += f" ({kinds['recovered']} hits recovered from damaged host pages)"
+        hint = "" if kinds["recovered"] else \
+            " (raise --requests, or lower --device-blocks so pages go to host)"
+        lines.append(f"time to first token: no comparison, the run had {had}{hint}")
+    else:
+        ratio = summary["ttft_host_hit_speedup"]
+        verdict = f"{ratio:.1f}x faster" if ratio >= 1 else \
+            f"{ratio:.1f}x as fast: slower than computing the prompt"
+        lines.append(f"time to first token: host hits {_ms(host)} against {_ms(miss)} for "
+                     f"misses (medians of {kinds['host_hit']} and {kinds['miss']} requests): "
+                     f"host hits {verdict}")
+    if summary["tokens_match"]:
+        lines.append(f"tokens: identical to a run with no cache in all {summary['requests']} "
+                     "requests")
+    else:
+        bad = summary["mismatched_requests"]
+        why = (" (integrity=off: damaged host pages were used unverified)"
+               if summary["integrity"] == "off" else "")
+        lines.append(f"tokens: DIFFER FROM A RUN WITH NO CACHE in {len(bad)} of "
+                     f"{summary['requests']} requests {bad}{why}")
+    if not summary["inject"]:
+        lines.append("next: kvxfer demo --inject bitflip (damages host pages after offload, "
+                     "to see them detected and recomputed)")
+    return lines
+
+
 def format_summary(summary: dict) -> str:
-    """The human-readable summary table of a ``run_demo`` result.
+    """The human-readable summary of a ``run_demo`` result.
+
+    A header, a table of every metric, the injections and detections, and last
+    what the run showed: host-hit against miss time to first token, whether the
+    tokens equal a run with no cache, and (without ``--inject``) what to try next.
 
     Example:
         >>> s = run_demo(requests=4, system_pages=(2, 3), new_tokens=2, device_blocks=5,
         ...              host_blocks=8, progress=False)
-        >>> "tokens_match" in format_summary(s)
+        >>> format_summary(s).splitlines()[-1].startswith("next: kvxfer demo --inject bitflip")
         True
     """
     kinds = summary["requests_by_kind"]
@@ -371,7 +417,7 @@ def format_summary(summary: dict) -> str:
     lines = head + [table(rows, ["metric", "value", "note"])]
     lines += [f"injected: {t}" for t in summary["injections"]]
     lines += [f"detected: {t}" for t in summary["detections"]]
-    return "\n".join(lines)
+    return "\n".join(lines + _shown(summary))
 
 
 def _positive(text: str) -> int:
