@@ -1,4 +1,4 @@
-"""Tests for the serving demo (kvxfer.demo.serving): a host-tier prefix cache on kvxfer.
+"""Tests for the serving demo (kvxfer.demo): a host-tier prefix cache on kvxfer.
 
 Every run compares each request's tokens with a run of the same requests with no
 cache at all; the runs are small (two short system prompts, few device blocks) so
@@ -8,12 +8,14 @@ that device blocks run short, pages go to host, and later requests hit from host
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import pytest
 
-from kvxfer.demo import serving
-from kvxfer.hostpool import PageRef
+import kvxfer.testing
+from kvxfer import demo
+from kvxfer.hostpool import PageRef, PoolExhaustedError
 
 # Prompts of 3 and 4 pages and at most 6 device blocks: every request evicts the
 # other prompt's pages to host, so the third request on is a host hit.
@@ -26,7 +28,14 @@ SUMMARY_KEYS = {"requests", "device_hits", "host_hits", "bytes_offloaded", "byte
 
 
 def run(**kw) -> dict:
-    return serving.run_demo(serving.DemoOptions(**{**SMALL, **kw}))
+    return _run(tuple(sorted(kw.items())))
+
+
+@functools.cache
+def _run(kw: tuple) -> dict:
+    # Runs are deterministic but for their timings: tests that ask for the same
+    # options share one run (and must not change its summary).
+    return demo.run_demo(demo.DemoOptions(**{**SMALL, **dict(kw)}))
 
 
 # -- keys and indexes ------------------------------------------------------------------
@@ -34,18 +43,18 @@ def run(**kw) -> dict:
 
 def test_page_keys_chain_the_whole_prefix():
     a = list(range(50))
-    keys = serving.page_keys(a)
+    keys = demo.page_keys(a)
     assert len(keys) == 3 and all(0 <= k < 1 << 64 for k in keys)
     # Same pages, another partial tail: same keys. A change in page 0 changes every key.
-    assert serving.page_keys(a[:48] + [1, 2, 3]) == keys
+    assert demo.page_keys(a[:48] + [1, 2, 3]) == keys
     b = [7] + a[1:]
-    assert all(x != y for x, y in zip(serving.page_keys(b), keys))
+    assert all(x != y for x, y in zip(demo.page_keys(b), keys))
     # Page 1 alone (no prefix) is not page 1 of the chain.
-    assert serving.page_keys(a[16:32])[0] != keys[1]
+    assert demo.page_keys(a[16:32])[0] != keys[1]
 
 
 def test_device_blocks_refcounts_lru_and_eviction():
-    blocks = serving.DeviceBlocks(4)
+    blocks = demo.DeviceBlocks(4)
     b0, b1, b2 = blocks.allocate(3)
     assert blocks.publish(10, b0) and blocks.publish(11, b1)
     assert not blocks.publish(10, b2)  # duplicate key: b2 stays private
@@ -65,7 +74,7 @@ def test_device_blocks_refcounts_lru_and_eviction():
 
 
 def test_host_index_pins_and_swaps():
-    idx = serving.HostIndex()
+    idx = demo.HostIndex()
     idx.put(1, PageRef(1, 0, 1))
     idx.put(2, PageRef(2, 1, 1))
     idx.pin(1)
@@ -105,6 +114,10 @@ def test_injected_faults_are_detected_and_recovered(inject, extra):
     expect = {"bitflip": "digest mismatch in layer", "wrong-key": "wrong key",
               "stale-slot": "stale generation", "one-shard": "shard disagreement"}[inject]
     assert all(expect in d for d in s["detections"]), s["detections"]
+    if inject == "wrong-key":  # the words of kvxfer.testing's wrong-key fault
+        assert all(t.startswith("wrong-key: the caller asks for key 0x") and
+                   "and is handed the page stored under key 0x" in t
+                   for t in s["injections"]), s["injections"]
 
 
 def test_late_bitflip_restarts_from_the_verified_prefix():
@@ -130,7 +143,7 @@ def test_integrity_off_still_matches_without_faults():
 
 def test_integrity_off_lets_a_bitflip_through_and_exits_1(capsys):
     parser = argparse.ArgumentParser(prog="kvxfer")
-    serving.register_cli(parser.add_subparsers(dest="command"))
+    demo.register_cli(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["demo", "--requests", "5", "--system-pages", "3", "4",
                               "--new-tokens", "4", "--device-blocks", "6", "--host-blocks",
                               "16", "--integrity", "off", "--inject", "bitflip", "--json",
@@ -142,7 +155,7 @@ def test_integrity_off_lets_a_bitflip_through_and_exits_1(capsys):
 
 def test_cli_json_is_one_object_and_exits_0(capsys):
     parser = argparse.ArgumentParser(prog="kvxfer")
-    serving.register_cli(parser.add_subparsers(dest="command"))
+    demo.register_cli(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["demo", "--requests", "4", "--system-pages", "3", "4",
                               "--new-tokens", "4", "--device-blocks", "6", "--json", "--quiet"])
     assert args.func(args) == 0
@@ -150,12 +163,52 @@ def test_cli_json_is_one_object_and_exits_0(capsys):
     assert SUMMARY_KEYS <= set(s) and s["requests"] == 4 and s["tokens_match"] is True
 
 
-def test_human_summary_names_every_metric(capsys):
-    text = serving.format_summary(run(requests=3))
+def test_human_summary_names_every_metric():
+    text = demo.format_summary(run())
     for key in ("device_hits", "host_hits", "bytes_offloaded", "bytes_loaded",
                 "corruptions_detected", "pages_recomputed", "ttft_miss_ms",
                 "ttft_host_hit_ms", "tokens_match", "integrity=page", "inject=none"):
         assert key in text
+
+
+def test_summary_ends_with_host_hit_ttft_against_misses_and_tokens_match():
+    s = run()
+    kinds = s["requests_by_kind"]
+    assert s["ttft_host_hit_speedup"] == round(s["ttft_miss_ms"] / s["ttft_host_hit_ms"], 2)
+    ttft, tokens, _ = demo.format_summary(s).splitlines()[-3:]
+    assert ttft.startswith(f"time to first token: host hits {s['ttft_host_hit_ms']:.2f} ms "
+                           f"against {s['ttft_miss_ms']:.2f} ms for misses (medians of "
+                           f"{kinds['host_hit']} and {kinds['miss']} requests): host hits "
+                           f"{s['ttft_host_hit_speedup']:.1f}x")
+    assert tokens == "tokens: identical to a run with no cache in all 5 requests"
+
+
+def test_summary_says_loudly_when_tokens_differ():
+    s = dict(run(), tokens_match=False, mismatched_requests=[2, 4], integrity="off")
+    last = demo.format_summary(s).splitlines()[-2]
+    assert last == ("tokens: DIFFER FROM A RUN WITH NO CACHE in 2 of 5 requests [2, 4] "
+                    "(integrity=off: damaged host pages were used unverified)")
+
+
+def test_summary_without_host_hits_says_there_is_no_comparison():
+    s = dict(run(), ttft_host_hit_ms=None, ttft_host_hit_speedup=None)
+    assert demo.format_summary(s).splitlines()[-3].startswith(
+        "time to first token: no comparison")
+
+
+def test_inject_suggestion_only_without_injection():
+    s = run(inject="bitflip")
+    plain, injected = demo.format_summary(run()), demo.format_summary(s)
+    assert plain.splitlines()[-1].startswith("next: kvxfer demo --inject bitflip ")
+    assert "--inject" not in injected
+    faults, ttft, tokens = injected.splitlines()[-3:]
+    assert (s["corruptions_detected"], s["restarts"]) == (2, 1)
+    assert faults == (f"faults: 2 bitflip injected, 2 detected, {s['pages_recomputed']} pages "
+                      "recomputed, restarts 1")
+    # Both host hits were damaged: the line says why there is nothing to compare.
+    assert ttft == ("time to first token: no comparison, the run had 0 host hits and 2 "
+                    "misses (2 hits recovered from damaged host pages)")
+    assert tokens.startswith("tokens: identical to a run with no cache")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -179,14 +232,14 @@ def tiny_model():
     return m.Model(m.tiny_llama(), seed=0)
 
 
-def _host_then_device(srv: serving.PrefixCacheServer, prompt: tuple[int, ...]) -> None:
+def _host_then_device(srv: demo.PrefixCacheServer, prompt: tuple[int, ...]) -> None:
     """Serves ``prompt`` once, then moves only its page 0 to host (pages 1, 2 stay)."""
-    srv.serve(serving.Request(0, prompt, 4))
+    srv.serve(demo.Request(0, prompt, 4))
     cold = srv.blocks.cold_pages()  # deepest page first
     assert len(cold) == 3
     for block, _ in cold[:2]:
         srv.blocks.acquire(block)  # keep pages 2 and 1 on device
-    taken = srv._allocate(srv.blocks.num_free + 1)  # evicts page 0 to host
+    taken = srv.allocate_blocks(srv.blocks.num_free + 1)  # evicts page 0 to host
     assert len(srv.host) == 1
     for block in taken + [b for b, _ in cold[:2]]:
         srv.blocks.release(block)
@@ -196,13 +249,13 @@ def _host_then_device(srv: serving.PrefixCacheServer, prompt: tuple[int, ...]) -
 def test_prefix_with_host_page_before_device_pages(tiny_model, inject):
     system = tuple(range(1, 49))  # 3 full pages
     first, second = system + (7, 8, 9), system + (5,)
-    injector = serving.FaultInjector(inject, limit=1) if inject else None
-    with serving.PrefixCacheServer(tiny_model, tiny_model.make_kv_caches(10), num_host_blocks=4,
-                                   injector=injector) as srv:
+    injector = demo.FaultInjector(inject, limit=1) if inject else None
+    with demo.PrefixCacheServer(tiny_model, tiny_model.make_kv_caches(10), num_host_blocks=4,
+                                injector=injector) as srv:
         _host_then_device(srv, first)
-        out = srv.serve(serving.Request(1, second, 4))
+        out = srv.serve(demo.Request(1, second, 4))
         # All three pages end up cached on device again (page 0 promoted or recomputed).
-        assert all(srv.blocks.lookup(k) is not None for k in serving.page_keys(system))
+        assert all(srv.blocks.lookup(k) is not None for k in demo.page_keys(system))
     _, want = tiny_model.generate(tiny_model.make_kv_caches(10), second, list(range(4)), 4)
     assert list(out.tokens) == want
     if inject:
@@ -219,8 +272,8 @@ def test_a_transfer_failure_is_an_error_and_leaks_nothing(tiny_model, monkeypatc
     from kvxfer import TransferError
 
     system = tuple(range(1, 49))
-    with serving.PrefixCacheServer(tiny_model, tiny_model.make_kv_caches(10),
-                                   num_host_blocks=4) as srv:
+    with demo.PrefixCacheServer(tiny_model, tiny_model.make_kv_caches(10),
+                                num_host_blocks=4) as srv:
         _host_then_device(srv, system + (7,))
         real_load = srv.mgr.load
 
@@ -235,13 +288,90 @@ def test_a_transfer_failure_is_an_error_and_leaks_nothing(tiny_model, monkeypatc
 
         monkeypatch.setattr(srv.mgr, "load", failing_load)
         with pytest.raises(TransferError, match="device lost before layer 0"):
-            srv.serve(serving.Request(1, system + (5,), 4))
+            srv.serve(demo.Request(1, system + (5,), 4))
         # Every block is free or cached-and-unreferenced again, nothing was published,
         # and the host page is evictable again.
         assert srv.blocks.num_free + srv.blocks.num_cold == srv.blocks.num_blocks
         assert srv.stats.requests == 1 and srv.host.coldest_unpinned() is not None
         monkeypatch.setattr(srv.mgr, "load", real_load)
-        out = srv.serve(serving.Request(2, system + (5,), 4))
+        out = srv.serve(demo.Request(2, system + (5,), 4))
     _, want = tiny_model.generate(tiny_model.make_kv_caches(10), system + (5,),
                                   list(range(4)), 4)
     assert out.kind == "host_hit" and list(out.tokens) == want
+
+
+# -- the stale-slot injector ----------------------------------------------------------------
+
+
+def _three_pages_on_host(srv: demo.PrefixCacheServer, prompt: tuple[int, ...]) -> list[int]:
+    """Serves ``prompt`` (3 full pages), then evicts all its pages to host; their keys."""
+    srv.serve(demo.Request(0, prompt, 4))
+    keys = [k for _, k in srv.blocks.cold_pages()]
+    assert len(keys) == 3
+    for block in srv.allocate_blocks(srv.blocks.num_free + len(keys)):
+        srv.blocks.release(block)
+    assert sorted(srv.host.keys()) == sorted(keys)
+    return demo.page_keys(prompt)
+
+
+def _stale_slot_server(model) -> tuple[demo.FaultInjector, demo.PrefixCacheServer]:
+    injector = demo.FaultInjector("stale-slot", limit=1)
+    return injector, demo.PrefixCacheServer(model, model.make_kv_caches(10), num_host_blocks=6,
+                                            injector=injector)
+
+
+def test_stale_slot_reuses_the_slot_even_when_a_lower_slot_is_free(tiny_model):
+    system = tuple(range(1, 49))
+    injector, srv = _stale_slot_server(tiny_model)
+    with srv:
+        k0, k1, k2 = _three_pages_on_host(srv, system + (7, 8, 9))
+        # Free the deepest page's slot, below page 1's: the pool hands out its lowest
+        # free slot, so page 1's slot comes back only after that one is taken.
+        low = srv.host.pop(k2)
+        assert low.slot < srv.host.get(k1).slot
+        srv.mgr.free([low])
+        out = srv.serve(demo.Request(1, system + (5,), 4))  # hits pages 0, 1 from host
+        (inj,) = injector.injections
+        stale, new = inj.page, inj.reused_by
+        assert stale.key == k1 and new is not None
+        assert str(inj) == (f"stale-slot: {stale} freed while the host index still holds it; "
+                            f"its slot {stale.slot} reused by {new}")
+        # What the log says happened did: the slot holds a newer generation, the load
+        # saw the stale ref, and the lower slot is free again.
+        assert new.slot == stale.slot and new.generation > stale.generation
+        assert srv.mgr.host_pool.state(stale.slot)[0] == new.generation
+        assert srv.stats.detection_reasons == [f"stale generation ({stale})"]
+        assert srv.mgr.host_pool.state(low.slot)[1] == "free"
+    assert (out.kind, out.host_pages, out.recomputed_pages) == ("recovered", 1, 1)
+    _, want = tiny_model.generate(tiny_model.make_kv_caches(10), system + (5,), list(range(4)), 4)
+    assert list(out.tokens) == want
+
+
+def test_stale_slot_log_says_when_the_slot_was_not_reused(tiny_model, monkeypatch):
+    def never_reused(mgr, caches, page, block, key):
+        mgr.free([page])
+        raise PoolExhaustedError("host pool exhausted")
+
+    monkeypatch.setattr(kvxfer.testing, "reuse_slot", never_reused)
+    system = tuple(range(1, 49))
+    injector, srv = _stale_slot_server(tiny_model)
+    with srv:
+        _three_pages_on_host(srv, system + (7, 8, 9))
+        out = srv.serve(demo.Request(1, system + (5,), 4))
+        (inj,) = injector.injections
+        assert inj.reused_by is None
+        assert str(inj) == (f"stale-slot: {inj.page} freed while the host index still holds "
+                            f"it; its slot {inj.page.slot} was not reused")
+        assert srv.mgr.host_pool.state(inj.page.slot)[:2] == (inj.page.generation, "free")
+        assert srv.stats.detection_reasons == [f"freed ({inj.page})"]
+    assert out.kind == "recovered"
+
+
+def test_serving_module_re_exports_the_demo():
+    from kvxfer.demo import serving
+
+    assert serving.__all__ and set(serving.__all__) <= set(demo.__all__)
+    for name in serving.__all__:
+        assert getattr(serving, name) is getattr(demo, name), name
+    for name in ("register_cli", "run_demo", "DemoOptions"):
+        assert name in serving.__all__

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvxfer.demo import model as m
+from kvxfer.testing import same_bits
 
 BS = 16
 NUM_BLOCKS = 24
@@ -32,11 +33,6 @@ def _positions(kv: jax.Array, block_ids: list[int], n: int) -> np.ndarray:
     """Rows for positions [0, n) of a request, gathered in logical order."""
     a = np.asarray(kv[jnp.asarray(block_ids)])
     return a.reshape(-1, *a.shape[2:])[:n]
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    """Raw bytes view so comparisons are bit-exact (nan- and signed-zero-proof)."""
-    return np.ascontiguousarray(a).view(np.uint8)
 
 
 def _reference_logits(model: m.Model, tokens: np.ndarray) -> np.ndarray:
@@ -91,7 +87,7 @@ def test_params_deterministic_and_cache_shapes() -> None:
     cfg = m.mixed_layers()
     a, b, c = m.init_params(cfg, 7), m.init_params(cfg, 7), m.init_params(cfg, 8)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert x.dtype == jnp.float32 and _bits(np.asarray(x)).tobytes() == _bits(np.asarray(y)).tobytes()
+        assert x.dtype == jnp.float32 and same_bits(x, y)
     assert not np.array_equal(np.asarray(a.embed), np.asarray(c.embed))
     assert a.layers[1]["wq"].shape == (128, 4 * 128) and a.layers[1]["wo"].shape == (4 * 128, 128)
 
@@ -196,15 +192,14 @@ def test_prefix_reuse_is_bit_identical(request: pytest.FixtureRequest, which: st
         got = _positions(kv[i], b_ids, n_written)
         want = _positions(kv_ref[i], r_ids, n_written)
         assert got.dtype == np.dtype(dtype)
-        assert np.array_equal(_bits(got), _bits(want)), f"layer {i} KV differs"
+        assert same_bits(got, want), f"layer {i} KV differs"
         # Full prompt pages are whole blocks: all 16 rows must match, including
         # page 2 which B computed on top of the reused prefix.
         for j in range(len(p2) // BS):
-            assert np.array_equal(_bits(np.asarray(kv[i][b_ids[j]])),
-                                  _bits(np.asarray(kv_ref[i][r_ids[j]])))
+            assert same_bits(kv[i][b_ids[j]], kv_ref[i][r_ids[j]])
     # The reused pages are exactly A's pages.
     for i in range(model.cfg.num_layers):
-        assert np.array_equal(_bits(np.asarray(kv[i][jnp.asarray(b_ids[:2])])), _bits(a_prefix[i]))
+        assert same_bits(kv[i][jnp.asarray(b_ids[:2])], a_prefix[i])
     assert a_toks != b_toks  # different prompts really diverge
 
 
@@ -218,7 +213,7 @@ def test_fully_cached_prompt_recomputes_last_page(tiny: m.Model) -> None:
     kv, t2 = tiny.generate(kv, prompt, ids, 4, first_page=2)
     assert t1 == t2
     for x, b in zip(kv, before):
-        assert np.array_equal(_bits(np.asarray(x[jnp.asarray(ids[:2])])), _bits(b))
+        assert same_bits(x[jnp.asarray(ids[:2])], b)
 
 
 def test_no_recompilation_across_positions_and_lengths(tiny: m.Model) -> None:
@@ -260,4 +255,4 @@ def test_stale_cache_contents_never_leak(tiny: m.Model) -> None:
         outs.append((toks, [_positions(x, ids, len(prompt) + 7) for x in kv]))
     assert outs[0][0] == outs[1][0]
     for a, b in zip(outs[0][1], outs[1][1]):
-        assert np.array_equal(_bits(a), _bits(b))
+        assert same_bits(a, b)

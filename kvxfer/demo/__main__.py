@@ -2,6 +2,6 @@
 
 import sys
 
-from kvxfer.demo.serving import main
+from kvxfer.demo.command import main
 
 sys.exit(main())

@@ -1,0 +1,536 @@
+"""The ``kvxfer demo`` command: options, one run, its summary, the command line.
+
+``run_demo`` serves a workload through :class:`PrefixCacheServer`, then compares
+every request's tokens with a run of the same requests with no cache at all;
+``format_summary`` prints what the run showed; ``register_cli`` adds the command
+to ``kvxfer``'s parser and ``main`` runs it alone (``python -m kvxfer.demo``).
+
+Example:
+    >>> parser = build_parser()
+    >>> args = parser.parse_args(["--requests", "6", "--inject", "bitflip"])
+    >>> DemoOptions.from_namespace(args).inject
+    'bitflip'
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvxfer._text import format_bytes, table
+from kvxfer.demo import model as _model
+from kvxfer.demo.inject import INJECT_MODES, FaultInjector, InjectMode
+from kvxfer.demo.server import PrefixCacheServer, RequestKind, RequestOutcome
+from kvxfer.demo.workload import make_workload, reference_tokens, shard_caches
+from kvxfer.manager import Gate, IntegrityMode
+
+__all__ = ["ModelPreset", "MODEL_PRESETS", "CacheDtype", "CACHE_DTYPES", "DemoOptions",
+           "run_demo", "format_summary", "add_arguments", "build_parser", "register_cli",
+           "main"]
+
+ModelPreset = Literal["tiny", "mixed"]
+MODEL_PRESETS: tuple[str, ...] = get_args(ModelPreset)
+CacheDtype = Literal["float32", "bfloat16"]
+CACHE_DTYPES: tuple[str, ...] = get_args(CacheDtype)
+_INTEGRITY_MODES: tuple[str, ...] = get_args(IntegrityMode)
+_GATES: tuple[str, ...] = get_args(Gate)
+
+_REQUEST_KINDS: tuple[str, ...] = get_args(RequestKind)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """Options of :func:`run_demo` (the ``kvxfer demo`` flags).
+
+    Attributes:
+        model: ``tiny`` (uniform layers) or ``mixed`` (two slice classes).
+        scale: Width multiplier (KV heads, d_model, ...).
+        layers: Decoder layers (None: the preset's 4).
+        requests: Requests to serve.
+        devices: Devices to shard KV heads over (``NamedSharding``).
+        device_blocks: Device KV blocks per layer (small, so the device tier fills).
+        host_blocks: Host pages of the host tier.
+        integrity: ``page`` (digests verified on load) or ``off``.
+        inject: A fault to inject into the host tier, or None.
+        injections: How many times to inject it.
+        gate: ``layer`` (layer i starts once verified) or ``all``.
+        system_pages: Pages of each shared system prompt.
+        new_tokens: Tokens generated per request.
+        dtype: Cache dtype, ``float32`` or ``bfloat16``.
+        seed: Seed of the weights and the workload.
+        progress: Progress lines on stderr for runs longer than a few seconds.
+
+    Example:
+        >>> DemoOptions(requests=0).check()
+        Traceback (most recent call last):
+        ...
+        ValueError: requests=0 must be >= 1
+    """
+
+    model: ModelPreset = "tiny"
+    scale: int = 1
+    layers: int | None = None
+    requests: int = 32
+    devices: int = 1
+    device_blocks: int = 20
+    host_blocks: int = 64
+    integrity: IntegrityMode = "page"
+    inject: InjectMode | None = None
+    injections: int = 2
+    gate: Gate = "layer"
+    system_pages: tuple[int, ...] = (6, 8, 10)
+    new_tokens: int = 8
+    dtype: CacheDtype = "float32"
+    seed: int = 0
+    progress: bool = True
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> DemoOptions:
+        """The options of a parsed ``kvxfer demo`` command line (other names ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def check(self) -> None:
+        """Raises ValueError naming the first bad option."""
+        for name, choices in (("model", MODEL_PRESETS), ("integrity", _INTEGRITY_MODES),
+                              ("gate", _GATES), ("dtype", CACHE_DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r}; expected one of "
+                                 f"{', '.join(choices)}")
+        if self.inject is not None and self.inject not in INJECT_MODES:
+            raise ValueError(f"inject={self.inject!r}; expected one of {', '.join(INJECT_MODES)}")
+        for name in ("scale", "requests", "devices", "device_blocks", "host_blocks",
+                     "new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"layers={self.layers} must be >= 1")
+        if self.injections < 0:
+            raise ValueError(f"injections={self.injections} must be >= 0")
+        if not self.system_pages or min(self.system_pages) < 1:
+            raise ValueError(f"system_pages={self.system_pages} must be positive page counts")
+
+
+class _Progress:
+    """Progress lines on stderr, only once a run has taken a few seconds."""
+
+    def __init__(self, enabled: bool, after_s: float = 3.0, every_s: float = 2.0):
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.after_s, self.every_s = after_s, every_s
+        self.last = -1e9
+
+    def __call__(self, text: str, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.start < self.after_s:
+            return
+        if force or now - self.last >= self.every_s:
+            self.last = now
+            print(f"kvxfer demo [{now - self.start:5.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def _ensure_devices(n: int) -> list[Any]:
+    """The first ``n`` devices, asking XLA:CPU for more if JAX has not started yet."""
+    if n > 1 and jax.config.jax_num_cpu_devices < n:
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:  # backends already initialized: use what exists
+            pass
+    devices = jax.devices()
+    if len(devices) < n:
+        raise ValueError(f"--devices {n}: JAX has {len(devices)} "
+                         f"{devices[0].platform} device(s); on CPU start with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+    return devices[:n]
+
+
+def _median_ms(values: Sequence[float]) -> float | None:
+    return round(float(np.median(values)) * 1e3, 3) if values else None
+
+
+def _model_config(options: DemoOptions, requests_need: int) -> _model.ModelConfig:
+    base = _model.tiny_llama() if options.model == "tiny" else _model.mixed_layers()
+    return _model.scaled(base, options.scale, num_layers=options.layers,
+                         max_blocks_per_seq=max(base.max_blocks_per_seq, requests_need))
+
+
+def run_demo(options: DemoOptions | argparse.Namespace | None = None, **overrides: Any) -> dict:
+    """Runs the serving demo and returns its summary.
+
+    Serves a workload through :class:`PrefixCacheServer`, then compares every
+    request's tokens with a run of the same requests with a fresh cache and no
+    prefix reuse.
+
+    Args:
+        options: A ``DemoOptions``, the ``argparse`` namespace of ``kvxfer demo``,
+            or None for the defaults.
+        **overrides: ``DemoOptions`` fields to override.
+
+    Returns:
+        The summary (the ``--json`` object): ``requests, device_hits, host_hits``
+        (pages served from each tier), ``bytes_offloaded, bytes_loaded,
+        pages_verified, corruptions_detected, pages_recomputed, ttft_miss_ms,
+        ttft_host_hit_ms, ttft_host_hit_speedup`` (median miss TTFT over median
+        host-hit TTFT), ``tokens_match`` and more (see ``format_summary``).
+
+    Raises:
+        ValueError: a bad option (e.g. too few device blocks for a request).
+
+    Example:
+        >>> s = run_demo(requests=4, system_pages=(2, 3), new_tokens=2, device_blocks=5,
+        ...              host_blocks=8, inject="bitflip", injections=1, progress=False)
+        >>> s["corruptions_detected"], s["tokens_match"]
+        (1, True)
+    """
+    opts = _options(options, overrides)
+    t_start = time.perf_counter()
+    devices_n = opts.devices
+    if opts.inject == "one-shard" and devices_n < 2:
+        devices_n = 2  # corruption on one shard needs at least two shards
+    devices = _ensure_devices(devices_n)
+    progress = _Progress(opts.progress)
+
+    bs = _model.tiny_llama().block_size
+    # The longest prompt: the longest system prompt and a suffix of bs - 1 tokens.
+    max_need = _model.blocks_needed(max(opts.system_pages) * bs + bs - 1, opts.new_tokens, bs)
+    cfg = _model_config(opts, max_need)
+    requests = make_workload(cfg, opts.requests, opts.seed, system_pages=opts.system_pages,
+                             new_tokens=opts.new_tokens)
+    if opts.device_blocks < max_need:
+        raise ValueError(f"--device-blocks {opts.device_blocks} is too few: a request needs "
+                         f"up to {max_need} blocks")
+    if opts.inject == "one-shard" and not any(
+            lkv.num_kv_heads % len(devices) == 0 for lkv in cfg.layers):
+        raise ValueError(f"--inject one-shard needs a layer whose KV heads split over "
+                         f"{len(devices)} devices; the layers have "
+                         f"{sorted({lkv.num_kv_heads for lkv in cfg.layers})} KV heads "
+                         "(use --devices 2 or raise --scale)")
+    model = _model.Model(cfg, seed=opts.seed)
+    dtype = jnp.dtype(opts.dtype)
+
+    def fresh_caches() -> list[jax.Array]:
+        return shard_caches(model.make_kv_caches(opts.device_blocks, dtype), devices)
+
+    # The reference first: it also compiles the model's programs, so the served
+    # requests' time-to-first-token does not include compilation.
+    t0 = time.perf_counter()
+    reference = reference_tokens(model, requests, fresh_caches,
+                                 lambda i: progress(f"reference run {i}/{len(requests)}"))
+    reference_s = time.perf_counter() - t0
+
+    injector = FaultInjector(opts.inject, opts.injections) if opts.inject else None
+    outcomes: list[RequestOutcome] = []
+    with PrefixCacheServer(model, fresh_caches(), num_host_blocks=opts.host_blocks,
+                           integrity=opts.integrity, gate=opts.gate, injector=injector) as srv:
+        progress("warm-up: compiling the transfer programs", force=True)
+        t0 = time.perf_counter()
+        srv.warm_up(max(opts.system_pages))
+        warmup_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for r in requests:
+            outcomes.append(srv.serve(r))
+            st = srv.stats
+            progress(f"served {len(outcomes)}/{len(requests)} (pages from device "
+                     f"{st.device_hits}, host {st.host_hits}; corruptions "
+                     f"{st.corruptions_detected})")
+        serve_s = time.perf_counter() - t0
+        stats, plan = srv.stats, srv.mgr.plan
+        paths = sorted(set(srv.mgr.paths))
+    sharded = sum(len(c.layers) for c in plan.classes if c.num_shards > 1)
+
+    mismatched = [o.rid for o, ref in zip(outcomes, reference) if list(o.tokens) != ref]
+    by_kind: dict[str, list[float]] = collections.defaultdict(list)
+    for o in outcomes:
+        by_kind[o.kind].append(o.ttft_s)
+    ttft_miss, ttft_host = _median_ms(by_kind["miss"]), _median_ms(by_kind["host_hit"])
+    progress("done", force=True)
+    return {
+        "requests": stats.requests,
+        "device_hits": stats.device_hits,
+        "host_hits": stats.host_hits,
+        "computed_pages": stats.computed_pages,
+        "requests_by_kind": {k: len(by_kind.get(k, ())) for k in _REQUEST_KINDS},
+        "pages_offloaded": stats.pages_offloaded,
+        "bytes_offloaded": stats.bytes_offloaded,
+        "pages_loaded": stats.pages_loaded,
+        "bytes_loaded": stats.bytes_loaded,
+        "pages_verified": stats.pages_verified,
+        "corruptions_detected": stats.corruptions_detected,
+        "pages_recomputed": stats.pages_recomputed,
+        "restarts": stats.restarts,
+        "device_evictions": stats.device_evictions,
+        "host_evictions": stats.host_evictions,
+        "ttft_miss_ms": ttft_miss,
+        "ttft_device_hit_ms": _median_ms(by_kind["device_hit"]),
+        "ttft_host_hit_ms": ttft_host,
+        "ttft_recovered_ms": _median_ms(by_kind["recovered"]),
+        "ttft_host_hit_speedup": (round(ttft_miss / ttft_host, 2)
+                                  if ttft_miss is not None and ttft_host else None),
+        "tokens_match": not mismatched,
+        "mismatched_requests": mismatched,
+        "integrity": opts.integrity,
+        "inject": opts.inject,
+        "injections": injector.log if injector else [],
+        "detections": stats.detection_reasons,
+        "gate": opts.gate,
+        "model": opts.model,
+        "layers": cfg.num_layers,
+        "scale": opts.scale,
+        "dtype": opts.dtype,
+        "devices": len(devices),
+        "sharded_layers": sharded,
+        "device_blocks": opts.device_blocks,
+        "host_blocks": opts.host_blocks,
+        "page_bytes": plan.page_bytes,
+        "slice_classes": len(plan.classes),
+        "transfer_paths": paths,
+        "seed": opts.seed,
+        "reference_s": round(reference_s, 3),
+        "warmup_s": round(warmup_s, 3),
+        "serve_s": round(serve_s, 3),
+        "time_s": round(time.perf_counter() - t_start, 3),
+    }
+
+
+def _options(options: DemoOptions | argparse.Namespace | None,
+             overrides: dict[str, Any]) -> DemoOptions:
+    if options is None:
+        opts = DemoOptions()
+    elif isinstance(options, DemoOptions):
+        opts = options
+    elif isinstance(options, argparse.Namespace):
+        opts = DemoOptions.from_namespace(options)
+    else:
+        raise TypeError(f"options: expected DemoOptions or argparse.Namespace. Got "
+                        f"{options!r} of type {type(options)}")
+    if overrides:
+        opts = dataclasses.replace(opts, **overrides)
+    if isinstance(opts.system_pages, list):
+        opts = dataclasses.replace(opts, system_pages=tuple(opts.system_pages))
+    opts.check()
+    return opts
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} ms"
+
+
+def _shown(summary: dict) -> list[str]:
+    """The closing lines: what the run showed, and what to try next."""
+    kinds = summary["requests_by_kind"]
+    lines = []
+    if summary["inject"]:
+        lines.append(
+            f"faults: {len(summary['injections'])} {summary['inject']} injected, "
+            f"{summary['corruptions_detected']} detected, {summary['pages_recomputed']} "
+            f"pages recomputed, restarts {summary['restarts']}")
+    miss, host = summary["ttft_miss_ms"], summary["ttft_host_hit_ms"]
+    if miss is None or host is None:
+        had = f"{kinds['host_hit']} host hits and {kinds['miss']} misses"
+        if kinds["recovered"]:
+            had += f" ({kinds['recovered']} hits recovered from damaged host pages)"
+        hint = "" if kinds["recovered"] else \
+            " (raise --requests, or lower --device-blocks so pages go to host)"
+        lines.append(f"time to first token: no comparison, the run had {had}{hint}")
+    else:
+        ratio = summary["ttft_host_hit_speedup"]
+        verdict = f"{ratio:.1f}x faster" if ratio >= 1 else \
+            f"{ratio:.1f}x as fast: slower than computing the prompt"
+        lines.append(f"time to first token: host hits {_ms(host)} against {_ms(miss)} for "
+                     f"misses (medians of {kinds['host_hit']} and {kinds['miss']} requests): "
+                     f"host hits {verdict}")
+    if summary["tokens_match"]:
+        lines.append(f"tokens: identical to a run with no cache in all {summary['requests']} "
+                     "requests")
+    else:
+        bad = summary["mismatched_requests"]
+        why = (" (integrity=off: damaged host pages were used unverified)"
+               if summary["integrity"] == "off" else "")
+        lines.append(f"tokens: DIFFER FROM A RUN WITH NO CACHE in {len(bad)} of "
+                     f"{summary['requests']} requests {bad}{why}")
+    if not summary["inject"]:
+        lines.append("next: kvxfer demo --inject bitflip (damages host pages after offload, "
+                     "to see them detected and recomputed)")
+    return lines
+
+
+def format_summary(summary: dict) -> str:
+    """The human-readable summary of a ``run_demo`` result.
+
+    A header, a table of every metric, the injections and detections, and last
+    what the run showed: host-hit against miss time to first token, whether the
+    tokens equal a run with no cache, and (without ``--inject``) what to try next.
+
+    Example:
+        >>> s = run_demo(requests=4, system_pages=(2, 3), new_tokens=2, device_blocks=5,
+        ...              host_blocks=8, progress=False)
+        >>> format_summary(s).splitlines()[-1].startswith("next: kvxfer demo --inject bitflip")
+        True
+    """
+    kinds = summary["requests_by_kind"]
+    rows = [
+        ["requests", summary["requests"],
+         ", ".join(f"{k} {v}" for k, v in kinds.items())],
+        ["device_hits", summary["device_hits"], "prompt pages served from device blocks"],
+        ["host_hits", summary["host_hits"], "prompt pages promoted from host and used"],
+        ["computed_pages", summary["computed_pages"], "prompt pages computed"],
+        ["bytes_offloaded", format_bytes(summary["bytes_offloaded"]),
+         f"{summary['pages_offloaded']} pages of {format_bytes(summary['page_bytes'])}"],
+        ["bytes_loaded", format_bytes(summary["bytes_loaded"]),
+         f"{summary['pages_loaded']} pages"],
+        ["pages_verified", summary["pages_verified"], f"integrity={summary['integrity']}"],
+        ["corruptions_detected", summary["corruptions_detected"],
+         f"inject={summary['inject'] or 'none'}"],
+        ["pages_recomputed", summary["pages_recomputed"],
+         f"restarts {summary['restarts']}"],
+        ["ttft_miss_ms", _ms(summary["ttft_miss_ms"]), "median"],
+        ["ttft_device_hit_ms", _ms(summary["ttft_device_hit_ms"]), "median"],
+        ["ttft_host_hit_ms", _ms(summary["ttft_host_hit_ms"]), "median"],
+        ["ttft_recovered_ms", _ms(summary["ttft_recovered_ms"]), "median"],
+        ["tokens_match", summary["tokens_match"],
+         "vs. no cache" + (f"; differ: {summary['mismatched_requests']}"
+                           if summary["mismatched_requests"] else "")],
+        ["time_s", f"{summary['time_s']:.2f}",
+         f"reference {summary['reference_s']:.2f}, warm-up {summary['warmup_s']:.2f}, "
+         f"serve {summary['serve_s']:.2f}"],
+    ]
+    head = [
+        f"kvxfer demo: model={summary['model']} layers={summary['layers']} "
+        f"scale={summary['scale']} dtype={summary['dtype']} "
+        f"slice_classes={summary['slice_classes']} devices={summary['devices']} "
+        f"(KV heads split in {summary['sharded_layers']} layers)",
+        f"tiers: device_blocks={summary['device_blocks']} "
+        f"host_blocks={summary['host_blocks']} paths={','.join(summary['transfer_paths'])} "
+        f"gate={summary['gate']} integrity={summary['integrity']} "
+        f"inject={summary['inject'] or 'none'}",
+    ]
+    lines = head + [table(rows, ["metric", "value", "note"])]
+    lines += [f"injected: {t}" for t in summary["injections"]]
+    lines += [f"detected: {t}" for t in summary["detections"]]
+    return "\n".join(lines + _shown(summary))
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``kvxfer demo`` options to ``parser``.
+
+    Example:
+        >>> p = argparse.ArgumentParser()
+        >>> add_arguments(p)
+        >>> p.parse_args(["--system-pages", "3", "4"]).system_pages
+        [3, 4]
+    """
+    d = DemoOptions()
+    parser.add_argument("--model", choices=MODEL_PRESETS, default=d.model,
+                        help="tiny: uniform layers; mixed: two slice classes (default tiny)")
+    parser.add_argument("--scale", type=_positive, default=d.scale,
+                        help="width multiplier: KV heads, d_model, ffn (default 1)")
+    parser.add_argument("--layers", type=_positive, default=d.layers,
+                        help="decoder layers (default: the preset's 4)")
+    parser.add_argument("--requests", type=_positive, default=d.requests,
+                        help=f"requests to serve (default {d.requests})")
+    parser.add_argument("--devices", type=_positive, default=d.devices,
+                        help="devices to shard KV heads over (default 1; CPU devices are "
+                        "created as needed)")
+    parser.add_argument("--device-blocks", type=_positive, default=d.device_blocks,
+                        help=f"device KV blocks per layer (default {d.device_blocks}: few, "
+                        "so cold pages go to host)")
+    parser.add_argument("--host-blocks", type=_positive, default=d.host_blocks,
+                        help=f"host pages (default {d.host_blocks})")
+    parser.add_argument("--integrity", choices=_INTEGRITY_MODES, default=d.integrity,
+                        help="page: verify page digests on load (default); off: skip")
+    parser.add_argument("--inject", choices=INJECT_MODES, default=None,
+                        help="damage host pages after offload: "
+                        f"{', '.join(INJECT_MODES)} (one-shard forces --devices >= 2)")
+    parser.add_argument("--injections", type=int, default=d.injections,
+                        help=f"how many times to inject (default {d.injections})")
+    parser.add_argument("--gate", choices=_GATES, default=d.gate,
+                        help="release each layer once verified (default) or all at once")
+    parser.add_argument("--system-pages", type=_positive, nargs="+", default=d.system_pages,
+                        help="pages of each shared system prompt (default 6 8 10)")
+    parser.add_argument("--new-tokens", type=_positive, default=d.new_tokens,
+                        help=f"tokens generated per request (default {d.new_tokens})")
+    parser.add_argument("--dtype", choices=CACHE_DTYPES, default=d.dtype,
+                        help="KV cache dtype (default float32)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="weights and workload seed")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quiet", dest="progress", action="store_false",
+                        help="no progress lines on stderr")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    summary = run_demo(args)
+    print(json.dumps(summary) if args.json else format_summary(summary))
+    return 0 if summary["tokens_match"] else 1
+
+
+_DESCRIPTION = ("Serves requests that share long system prompts through a two-tier "
+                "prefix cache: device blocks, and host pages moved and verified by "
+                "kvxfer. Checks every request's tokens against a run with no cache; "
+                "exits 1 if any differ.")
+
+
+def register_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds the ``demo`` subcommand to an ``argparse`` subparsers object.
+
+    The command's handler is ``args.func(args) -> exit status``.
+
+    Example:
+        >>> p = argparse.ArgumentParser(prog="kvxfer")
+        >>> sub = p.add_subparsers(dest="command")
+        >>> _ = register_cli(sub)
+        >>> p.parse_args(["demo", "--inject", "bitflip"]).inject
+        'bitflip'
+    """
+    p = subparsers.add_parser("demo", help="serving loop with a verified host-tier prefix cache",
+                              description=_DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=_cmd_demo)
+    return p
+
+
+def build_parser(prog: str = "python -m kvxfer.demo") -> argparse.ArgumentParser:
+    """The parser of the demo command on its own (``main``'s).
+
+    Example:
+        >>> build_parser().parse_args([]).requests
+        32
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvxfer.demo [options]``: the ``kvxfer demo`` command on its own.
+
+    Returns:
+        The exit status: 0, 1 when tokens differ from a run with no cache, 2 on a
+        bad option.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return _cmd_demo(args)
+    except (ValueError, MemoryError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"kvxfer demo: error: {message}", file=sys.stderr)
+        return 2
