@@ -212,10 +212,9 @@ def _register_plan(sub: Any) -> None:
 
 
 def _extra_commands() -> list[Callable[[Any], None]]:
-    from kvxfer import bench, probe
-    from kvxfer.demo import serving
+    from kvxfer import bench, demo, probe
 
-    return [_register_plan, probe.register_cli, bench.register_cli, serving.register_cli]
+    return [_register_plan, probe.register_cli, bench.register_cli, demo.register_cli]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -365,13 +365,3 @@ def test_stale_slot_log_says_when_the_slot_was_not_reused(tiny_model, monkeypatc
         assert srv.mgr.host_pool.state(inj.page.slot)[:2] == (inj.page.generation, "free")
         assert srv.stats.detection_reasons == [f"freed ({inj.page})"]
     assert out.kind == "recovered"
-
-
-def test_serving_module_re_exports_the_demo():
-    from kvxfer.demo import serving
-
-    assert serving.__all__ and set(serving.__all__) <= set(demo.__all__)
-    for name in serving.__all__:
-        assert getattr(serving, name) is getattr(demo, name), name
-    for name in ("register_cli", "run_demo", "DemoOptions"):
-        assert name in serving.__all__

@@ -43,16 +43,16 @@ def _reference_logits(model: m.Model, tokens: np.ndarray) -> np.ndarray:
     x = prm.embed[jnp.asarray(tokens)]
     for p, lkv in zip(prm.layers, cfg.layers):
         hkv, hd, hq = lkv.num_kv_heads, lkv.head_dim, cfg.num_q_heads
-        h = m._rms_norm(x, p["attn_norm"], cfg.norm_eps)
-        q = m._rope((h @ p["wq"]).reshape(t, hq, hd), pos, cfg.rope_theta)
-        k = m._rope((h @ p["wk"]).reshape(t, hkv, hd), pos, cfg.rope_theta)
+        h = m.rms_norm(x, p["attn_norm"], cfg.norm_eps)
+        q = m.rope((h @ p["wq"]).reshape(t, hq, hd), pos, cfg.rope_theta)
+        k = m.rope((h @ p["wk"]).reshape(t, hkv, hd), pos, cfg.rope_theta)
         v = (h @ p["wv"]).reshape(t, hkv, hd)
         k, v = jnp.repeat(k, hq // hkv, axis=1), jnp.repeat(v, hq // hkv, axis=1)
         s = jnp.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
         s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None], s, -jnp.inf)
         a = jnp.einsum("hts,shd->thd", jax.nn.softmax(s, -1), v).reshape(t, hq * hd)
         x = x + a @ p["wo"]
-        h = m._rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+        h = m.rms_norm(x, p["mlp_norm"], cfg.norm_eps)
         x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
     return np.asarray(model.logits(x[-1]))
 
@@ -220,11 +220,11 @@ def test_no_recompilation_across_positions_and_lengths(tiny: m.Model) -> None:
     kv = tiny.make_kv_caches(NUM_BLOCKS)
     rng = np.random.default_rng(9)
     kv, _ = tiny.generate(kv, rng.integers(0, 512, 20), [0, 1], 3)  # warm both paths
-    n0 = m._layer_jit._cache_size()
+    n0 = m.compiled_layer_programs()
     for plen, new in ((16, 2), (45, 5), (70, 9)):
         ids = list(range(2, 2 + m.blocks_needed(plen, new)))
         kv, _ = tiny.generate(kv, rng.integers(0, 512, plen), ids, new)
-    assert m._layer_jit._cache_size() == n0
+    assert m.compiled_layer_programs() == n0
 
 
 def test_cache_is_donated(tiny: m.Model) -> None:

@@ -76,6 +76,9 @@ __all__ = [
     "embed",
     "logits",
     "greedy_token",
+    "rms_norm",
+    "rope",
+    "compiled_layer_programs",
 ]
 
 LayerParams = dict[str, jax.Array]
@@ -368,12 +371,12 @@ def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int = 16) ->
 # --------------------------------------------------------------------------
 
 
-def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
     return x * jax.lax.rsqrt(var + eps) * w
 
 
-def _rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
+def rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
     """Rotate-half RoPE. ``x``: ``[T, H, hd]``, ``pos``: ``int32[T]``."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * (2.0 / x.shape[-1])))
@@ -397,9 +400,9 @@ def _layer_impl(p: LayerParams, x: jax.Array, kv: jax.Array, block_table: jax.Ar
     hq = p["wq"].shape[1] // hd
     pos = start_pos + jnp.arange(t, dtype=jnp.int32)
 
-    h = _rms_norm(x, p["attn_norm"], norm_eps)
-    q = _rope((h @ p["wq"]).reshape(t, hq, hd), pos, rope_theta)
-    k = _rope((h @ p["wk"]).reshape(t, hkv, hd), pos, rope_theta)
+    h = rms_norm(x, p["attn_norm"], norm_eps)
+    q = rope((h @ p["wq"]).reshape(t, hq, hd), pos, rope_theta)
+    k = rope((h @ p["wk"]).reshape(t, hkv, hd), pos, rope_theta)
     v = (h @ p["wv"]).reshape(t, hkv, hd)
 
     # Write first, then read the window back from the cache: the tokens of
@@ -427,7 +430,7 @@ def _layer_impl(p: LayerParams, x: jax.Array, kv: jax.Array, block_table: jax.Ar
     attn = jnp.einsum("kgts,skd->tkgd", probs, vw).reshape(t, hq * hd)
     x = x + attn @ p["wo"]
 
-    h = _rms_norm(x, p["mlp_norm"], norm_eps)
+    h = rms_norm(x, p["mlp_norm"], norm_eps)
     x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
     return x, kv
 
@@ -435,6 +438,11 @@ def _layer_impl(p: LayerParams, x: jax.Array, kv: jax.Array, block_table: jax.Ar
 # Donating the cache lets XLA update the block in place instead of copying the
 # whole per-layer array every step.
 _layer_jit = jax.jit(_layer_impl, static_argnames=("rope_theta", "norm_eps"), donate_argnums=(2,))
+
+
+def compiled_layer_programs() -> int:
+    """How many layer programs are compiled so far (each shape compiles once)."""
+    return _layer_jit._cache_size()
 
 
 def _check_table(block_table: jax.Array | np.ndarray | Sequence[int], max_blocks: int) -> jax.Array:
@@ -525,14 +533,14 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
 def logits(final_norm: jax.Array, unembed: jax.Array, hidden: jax.Array,
            norm_eps: float = 1e-5) -> jax.Array:
     """Final RMSNorm + unembedding: ``[..., d_model]`` -> ``float32[..., vocab]``."""
-    return _rms_norm(hidden, final_norm, norm_eps) @ unembed
+    return rms_norm(hidden, final_norm, norm_eps) @ unembed
 
 
 @partial(jax.jit, static_argnames=("norm_eps",))
 def greedy_token(final_norm: jax.Array, unembed: jax.Array, hidden: jax.Array,
                  norm_eps: float = 1e-5) -> jax.Array:
     """Argmax token (int32, lowest id on ties) for one hidden state ``[d_model]``."""
-    return jnp.argmax(_rms_norm(hidden, final_norm, norm_eps) @ unembed).astype(jnp.int32)
+    return jnp.argmax(rms_norm(hidden, final_norm, norm_eps) @ unembed).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------
