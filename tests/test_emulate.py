@@ -126,3 +126,10 @@ def test_emulator_matches_xla_cpu_bytes_for_permutations(dtype, seed):
     assert same_bits(emulate.from_image(raw, shape, x.dtype, layout), x)
     if np.prod(shape) * geo.element_bits % 8 == 0:  # no unspecified padding bits
         assert np.array_equal(raw, emulate.to_image(x, layout))
+
+
+def test_docstring_examples_hold():
+    import doctest
+
+    result = doctest.testmod(emulate, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result

@@ -173,6 +173,15 @@ def test_inspect_reads_array_layout():
     assert g2.addressable and g2.bytes_per_block == 4 * 128 * 4
 
 
+def test_docstring_examples_hold():
+    import doctest
+
+    from kvxfer import layout as layout_module
+
+    result = doctest.testmod(layout_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result
+
+
 def test_layout_of_rejects_other_objects():
     with pytest.raises(LayoutError, match="Expected a jax.Array, Format or Layout"):
         Layout.of(42)
