@@ -7,15 +7,10 @@ import numpy as np
 from kvxfer.layout import Layout, dtype_of
 
 
-def byte_owners(shape, dtype, layout, block_dim):
-    """For every physical byte, the min and max padded block index that touches it.
-
-    Enumerates every index of the padded logical box, maps it through the
-    geometry's offsets, and checks the map is a bijection onto the tiled shape.
-    """
+def _explicit(shape, layout, block_dim):
+    """A tile with more dims than the shape acts on leading size-1 dims: make them
+    explicit so that their padding is enumerated like any other."""
     layout = layout if isinstance(layout, Layout) else Layout.parse(layout)
-    # A tile with more dims than the shape acts on leading size-1 dims: make them
-    # explicit so that their padding is enumerated (and owned) like any other.
     extra = max([len(t) for t in layout.tiles] + [len(shape)]) - len(shape)
     if extra:
         shape = (1,) * extra + tuple(shape)
@@ -23,11 +18,28 @@ def byte_owners(shape, dtype, layout, block_dim):
                         tuple(range(extra - 1, -1, -1)), layout.tiles,
                         layout.element_size_bits, layout.memory_space)
         block_dim += extra
-    geo = layout.geometry(shape, dtype_of(dtype))
+    return tuple(shape), layout, block_dim
+
+
+def _check_bijection(geo):
     padded = geo.padded_shape
     idx = np.indices(padded, dtype=np.int64).reshape(len(padded), -1).T
     elem = geo.element_index(idx)
     assert np.array_equal(np.sort(elem), np.arange(geo.num_elements)), "offsets not a bijection"
+    return idx, elem
+
+
+def byte_owners(shape, dtype, layout, block_dim):
+    """For every physical byte, the min and max padded block index that touches it.
+
+    Enumerates every index of the padded logical box (padding included, each
+    padding element owned by its padded block index), maps it through the
+    geometry's offsets, and checks the map is a bijection onto the tiled shape.
+    """
+    shape, layout, block_dim = _explicit(shape, layout, block_dim)
+    geo = layout.geometry(shape, dtype_of(dtype))
+    padded = geo.padded_shape
+    idx, elem = _check_bijection(geo)
     bits = geo.element_bits
     first = elem * bits // 8
     last = (elem * bits + bits - 1) // 8
@@ -44,8 +56,13 @@ def byte_owners(shape, dtype, layout, block_dim):
     return lo, hi, padded[block_dim], nbytes
 
 
-def brute_force_granularity(shape, dtype, layout, block_dim=0):
-    """(granularity, group_bytes) by definition: scan g = 1, 2, ... over byte owners."""
+def padded_granularity(shape, dtype, layout, block_dim=0):
+    """(granularity, group_bytes) if padding belonged to its padded block index.
+
+    Stricter than the definition: it also asks every padding byte to lie in the
+    range of the block whose padded index it has, so groups must tile the whole
+    buffer. Whatever it accepts, ``brute_force_granularity`` accepts too.
+    """
     lo, hi, vpad, nbytes = byte_owners(shape, dtype, layout, block_dim)
     n = shape[block_dim]
     pos = np.arange(nbytes)
@@ -62,6 +79,52 @@ def brute_force_granularity(shape, dtype, layout, block_dim=0):
         size = last - first + 1
         if (count == size).all() and (size == size[0]).all():
             return g, int(size[0])
+    return n, None
+
+
+def block_bit_offsets(shape, dtype, layout, block_dim=0):
+    """``(bits[n, m], geometry)``: the bit offset of every element of every block.
+
+    Row ``r`` lists block ``r``'s elements in one fixed order (the other dims'
+    indices, row-major), so that row ``r`` and row ``s`` pair up like elements.
+    Only the array's own elements appear: padding belongs to no block.
+    """
+    shape, layout, block_dim = _explicit(shape, layout, block_dim)
+    geo = layout.geometry(shape, dtype_of(dtype))
+    _check_bijection(geo)
+    n = shape[block_dim]
+    idx = np.moveaxis(np.indices(shape, dtype=np.int64), 0, -1)
+    idx = np.moveaxis(idx, block_dim, 0).reshape(n, -1, len(shape))
+    return geo.element_index(idx) * geo.element_bits, geo
+
+
+def brute_force_granularity(shape, dtype, layout, block_dim=0):
+    """(granularity, group_bytes) by definition, scanning g = 1, 2, ...
+
+    Groups of ``g`` consecutive blocks qualify when, for one ``T``, group ``j`` is
+    group 0 moved by ``j * T`` bytes, bit for bit (so a raw copy of the range moves
+    the group), group 0 lies inside ``[0, T)``, and all groups fit in the buffer
+    (the last group's range may hold padding). Bytes no element occupies are
+    padding. Returns ``(n, None)`` when no ``g < n`` qualifies.
+    """
+    n = shape[block_dim]
+    if 0 in tuple(shape):
+        return 1, 0
+    off, geo = block_bit_offsets(shape, dtype, layout, block_dim)
+    bits = geo.element_bits
+    last = (off.max(axis=1) + bits - 1) // 8
+    r = np.arange(n)
+    for g in range(1, n):
+        d = int(off[g, 0] - off[0, 0])
+        if d % 8 or d <= 0:
+            continue
+        t = d // 8
+        if last[:g].max() >= t or -(-n // g) * t > geo.physical_bytes:
+            continue
+        shift = (r // g) * d
+        if (off[:, 0] - off[r % g, 0] == shift).all() and \
+                (off - off[r % g] == shift[:, None]).all():
+            return g, t
     return n, None
 
 
@@ -108,3 +171,4 @@ def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.tobytes() == b.tobytes()
+

@@ -11,7 +11,11 @@ from jax.experimental.layout import Format
 import kvxfer
 from kvxfer import catalog
 from kvxfer.layout import Layout, LayoutError
-from checkers import brute_force_granularity, random_case
+from checkers import (
+    brute_force_granularity,
+    padded_granularity,
+    random_case,
+)
 
 SEEDS = [
     # shape, dtype, layout, addressable, bytes_per_block, granularity, physical_bytes
@@ -135,6 +139,54 @@ def test_sweep_agrees_with_brute_force(seed):
             assert g.bytes_per_block == group_bytes
         seen["addressable" if g.addressable else "rejected"] += 1
     assert min(seen.values()) > 20, seen  # the sweep exercises both verdicts
+
+
+# -- padding that no block owns -------------------------------------------------
+
+PADDING_FAMILY = [
+    # shape, dtype, layout, granularity, group_bytes, physical_bytes
+    # A partner dim inside one sub-tile: each block is a few bytes of one sub-tile.
+    ((128, 4), "int8", "{0,1:T(32,128)(4,1)}", 1, 4, 4096),
+    ((7, 1), "bfloat16", "{0,1:T(16,128)(2,1)}", 1, 4, 4096),  # 2 bytes of padding
+    ((4, 1), "float8_e4m3fn", "{1,0:T(32,128)(4,1)}", 1, 1, 4096),
+    ((5,), "bfloat16", "{0:T(8,128)(2,1)}", 1, 4, 2048),  # the tile's missing dim
+    ((3, 2), "int4", "{0,1:T(64,128)(8,1)E(4)}", 1, 4, 4096),
+    # Padding between block digits breaks the stride after each tile row.
+    ((300,), "bfloat16", "{0:T(8,128)(2,1)}", 128, 2048, 6144),
+    ((16, 1), "bfloat16", "{1,0:T(8,128)(2,1)}", 2, 512, 4096),
+    ((9, 1), "int8", "{1,0:T(8,8)(4,4)(2,2)}", 4, 32, 128),  # two such gaps
+    # Two groups, the second starting mid-row: only it keeps one stride in whole bytes.
+    ((5, 1), "int4", "{1,0:T(12,3)(3,1)}", 4, 5, 18),
+    ((6, 1), "int4", "{1,0:T(12,3)(3,1)}", 4, 5, 18),
+    ((5, 1), "int4", "{1,0:T(6,3)(3,1)}", 5, 9, 9),  # ... unless they pass the end
+]
+
+
+@pytest.mark.parametrize("shape, dtype, text, gran, group_bytes, physical", PADDING_FAMILY)
+def test_padding_family_verdicts(shape, dtype, text, gran, group_bytes, physical):
+    g = kvxfer.inspect(shape, dtype, text)
+    assert (g.granularity, g.group_bytes, g.physical_bytes) == (gran, group_bytes, physical)
+    assert g.addressable == (gran == 1)
+    assert g.bytes_per_block == (group_bytes if gran == 1 else None)
+    assert brute_force_granularity(shape, dtype, text) == (
+        gran, group_bytes if gran < shape[0] else None)
+
+
+def test_partner_dim_inside_a_subtile_is_addressable():
+    g = kvxfer.require_addressable((128, 4), "s8", "{0,1:T(32,128)(4,1)}")
+    assert [g.block_offset(b) for b in (0, 1, 127)] == [0, 4, 508]
+    assert "dim 1 has 4 elements, so of the 8 tile steps of 4 along it only the first" \
+        in g.reason
+    assert "the blocks fill the first 512 of 4096 bytes" in g.reason
+    # The padded analysis refused it: padding rows of dim 1 are not the block's.
+    assert padded_granularity((128, 4), "int8", "{0,1:T(32,128)(4,1)}") == (128, None)
+
+
+def test_gap_between_block_digits_names_the_padding():
+    with pytest.raises(LayoutError, match=r"bf16\[16,1\]\{1,0:T\(8,128\)\(2,1\)\}: rule "
+                       r"'uniform block stride' failed: dim 1 has 1 element, .* blocks 1 "
+                       r"and 2 are further apart .*granularity 2 \(512 bytes per group\)"):
+        kvxfer.require_addressable((16, 1), "bf16", "{1,0:T(8,128)(2,1)}")
 
 
 # -- JAX arrays ---------------------------------------------------------------
