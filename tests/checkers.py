@@ -172,3 +172,38 @@ def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
+
+# The padding family: a block dim smaller than its tile, beside a partner dim that
+# fits inside one sub-tile, so most of each tile is padding that no block owns.
+FAMILY_DTYPES = ["int8", "bfloat16", "float16", "float32", "int4", "float8_e4m3fn"]
+FAMILY_TILINGS = ["T(8,128)", "T(8,128)(2,1)", "T(16,128)(2,1)", "T(32,128)(4,1)",
+                  "T(8,128)(4,1)", "T(64,128)(8,1)", "T(8,128)(8,1)", "T(2,128)",
+                  "T(8,8)(4,4)(2,2)"]
+FAMILY_BLOCKS = [2, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 130]
+FAMILY_PARTNERS = [1, 1, 2, 3, 4, 5, 8]
+
+
+def random_padding_case(rng: np.random.Generator, max_elems: int = 1 << 16):
+    """A random (shape, dtype, layout text, block_dim) from the padding family.
+
+    The block dim is usually one of the two most minor physical dims (those the
+    tile covers), its size often below the tile's; the other tiled dim is small
+    enough to fit inside one sub-tile; minor-to-major is a random permutation.
+    """
+    while True:
+        rank = int(rng.integers(1, 5))
+        m2m = [int(d) for d in rng.permutation(rank)]
+        tiling = str(rng.choice(FAMILY_TILINGS))
+        dtype = str(rng.choice(FAMILY_DTYPES))
+        if dtype == "int4" and rng.random() < 0.5:
+            tiling += "E(4)"
+        minor = m2m[:2]
+        block_dim = int(rng.choice(minor)) if rng.random() < 0.85 else int(rng.integers(rank))
+        shape = [int(rng.choice([1, 1, 2, 3])) for _ in range(rank)]
+        for d in minor:
+            shape[d] = int(rng.choice(FAMILY_PARTNERS))
+        shape[block_dim] = int(rng.choice(FAMILY_BLOCKS))
+        layout = "{" + ",".join(map(str, m2m)) + ":" + tiling + "}"
+        geo = Layout.parse(layout).geometry(tuple(shape), dtype_of(dtype))
+        if geo.num_elements <= max_elems:
+            return tuple(shape), dtype, layout, block_dim

@@ -1,5 +1,6 @@
 """Layout parsing, geometry, and the addressability proof against a brute-force scan."""
 
+import collections
 import json
 
 import jax
@@ -15,6 +16,7 @@ from checkers import (
     brute_force_granularity,
     padded_granularity,
     random_case,
+    random_padding_case,
 )
 
 SEEDS = [
@@ -187,6 +189,44 @@ def test_gap_between_block_digits_names_the_padding():
                        r"'uniform block stride' failed: dim 1 has 1 element, .* blocks 1 "
                        r"and 2 are further apart .*granularity 2 \(512 bytes per group\)"):
         kvxfer.require_addressable((16, 1), "bf16", "{1,0:T(8,128)(2,1)}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_padding_family_sweep_agrees_with_brute_force(seed):
+    """Small block dims inside tiles, partner dims inside a sub-tile, permutations."""
+    rng = np.random.default_rng(400 + seed)
+    seen = collections.Counter()
+    for _ in range(300):
+        shape, dtype, text, block_dim = random_padding_case(rng)
+        case = (shape, dtype, text, block_dim)
+        g = kvxfer.inspect(shape, dtype, text, block_dim=block_dim)
+        gran, group_bytes = brute_force_granularity(shape, dtype, text, block_dim)
+        assert (g.addressable, g.granularity) == (gran == 1, gran), case
+        if gran < shape[block_dim]:
+            assert g.group_bytes == group_bytes, case
+        if g.addressable and shape[block_dim] > 1:
+            assert g.bytes_per_block == group_bytes, case
+        n = shape[block_dim]
+        seen["addressable" if g.addressable else "grouped" if gran < n else "whole"] += 1
+        if g.addressable and n * g.bytes_per_block < g.physical_bytes:
+            seen["blocks fill part of the buffer"] += 1
+    assert len(seen) == 4 and min(seen.values()) >= 10, seen
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_padding_owned_by_no_block_only_relaxes(seed):
+    """Whatever the padded analysis accepted keeps its verdict; it refused more."""
+    rng = np.random.default_rng(500 + seed)
+    relaxed = 0
+    for i in range(120):
+        case = random_padding_case(rng) if i % 2 else random_case(rng)
+        g = kvxfer.inspect(case[0], case[1], case[2], block_dim=case[3])
+        gran, group_bytes = padded_granularity(*case)
+        assert g.granularity <= gran, case
+        if g.granularity == gran and gran < case[0][case[3]]:
+            assert g.group_bytes == group_bytes, case
+        relaxed += g.granularity < gran
+    assert relaxed >= 10
 
 
 # -- JAX arrays ---------------------------------------------------------------
