@@ -333,6 +333,11 @@ class Layout:
 # ---------------------------------------------------------------------------
 
 
+# Offsets are int64 bit positions (numpy), so no array may span 2**63 bits or more:
+# 1 EiB, far beyond any device, so a larger size is a mistake in the input.
+_MAX_INDEX = 2**63 - 1
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Axis:
     """One row-major axis of the final tiled shape: a digit of one logical dim.
@@ -376,6 +381,10 @@ class PhysicalGeometry:
         where = shape_text(shape, dt, layout)
         if any(d < 0 for d in shape):
             raise LayoutError(f"{where}: negative dimension in shape {list(shape)}")
+        for d, size in enumerate(shape):
+            if size > _MAX_INDEX:
+                raise LayoutError(f"{where}: dim {d} has size {size}, beyond what an int64 "
+                                  f"index can address (at most {_MAX_INDEX})")
         if layout.rank != len(shape):
             raise LayoutError(f"{where}: layout has rank {layout.rank} (minor_to_major "
                               f"{list(layout.minor_to_major)}) but the shape has rank "
@@ -412,6 +421,12 @@ class PhysicalGeometry:
                                   False))
             axes = head + outer + inner
             shapes.append(tuple(a.size for a in axes))
+        total_bits = math.prod(a.size for a in axes) * bits
+        if total_bits > _MAX_INDEX:
+            raise LayoutError(
+                f"{where}: the physical size, {total_bits} bits ({-(-total_bits // 8)} "
+                f"bytes) with padding, is 2**63 bits or more, so bit offsets would overflow "
+                f"int64; no device holds that much (2**60 bytes, 1 EiB)")
         return cls(shape, dt, layout, bits, tuple(axes), tuple(shapes))
 
     # -- sizes --------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import collections
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -227,6 +228,30 @@ def test_padding_owned_by_no_block_only_relaxes(seed):
             assert g.group_bytes == group_bytes, case
         relaxed += g.granularity < gran
     assert relaxed >= 10
+
+
+# -- sizes no device holds --------------------------------------------------------------
+
+
+def test_huge_block_dims_are_proven_without_scanning():
+    start = time.perf_counter()
+    g = kvxfer.inspect((2**55,), "f32")
+    assert g.addressable and g.block_offset(2**55 - 1) == (2**55 - 1) * 4
+    g = kvxfer.inspect((2**50, 1), "bf16", "{0,1:T(16,128)(2,1)}")
+    assert (g.granularity, g.group_bytes) == (128, 4096)  # 4 bytes a block within a tile
+    g = kvxfer.inspect((2**51, 16), "bf16", "{1,0:T(8,128)(2,1)}")
+    assert (g.granularity, g.group_bytes) == (2, 512)  # rows 2k, 2k+1 share words
+    g = kvxfer.inspect((2**55 + 1, 3), "int4", "{0,1:E(4)}")
+    assert g.granularity == 2**55 + 1
+    for shape, dtype, text in [((2**62,), "int8", None), ((2**55, 128), "bf16", "{1,0}"),
+                               ((2**62, 1), "bf16", "{0,1:T(16,128)(2,1)}")]:
+        with pytest.raises(LayoutError, match=r"physical size, \d+ bits \(\d+ bytes\) with "
+                           r"padding, is 2\*\*63 bits or more"):
+            kvxfer.inspect(shape, dtype, text)
+    with pytest.raises(LayoutError, match=f"dim 1 has size {2**64}, beyond"):
+        kvxfer.inspect((0, 2**64), "int8")
+    # The proof works on the axes alone: no loop over divisors or bytes.
+    assert time.perf_counter() - start < 1.0
 
 
 # -- JAX arrays ---------------------------------------------------------------
