@@ -746,9 +746,9 @@ def _prove(geo: PhysicalGeometry, block_dim: int, where: str) -> SliceGeometry:
     k = 8 // math.gcd(pos(top) * bits, 8)
     if top * k < n_up and fits(top * k):
         candidates.append(top * k)
-    # Any other h keeps one stride only with two groups, the second lying under one
-    # step of the digit above the lowest gap h is not a multiple of: h in
-    # (a * high, n_up) for that gap's weight high, a multiple of the gap below it.
+    # Any other h keeps one stride only when there are two groups and the second
+    # stays within one step of the digit above the lowest gap whose weight (high)
+    # does not divide h: h in (a * high, n_up), a multiple of the gap below (low).
     for low, high in zip([1] + weights, weights):
         a = _ceil_div(n_up, high) - 1
         if a < 1:
