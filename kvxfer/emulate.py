@@ -188,11 +188,14 @@ def write_blocks(image: np.ndarray, geo: SliceGeometry, block_ids: Sequence[int]
 class EmulatedBuffer:
     """One array held in emulated TPU memory: its image plus what it is.
 
+    Each row of f32[8,4] under ``T(8,128)`` is one tile row, padded to 128
+    elements: the blocks are addressable at 512 bytes each.
+
     Example:
       >>> import numpy as np
       >>> buf = EmulatedBuffer.from_array(np.zeros((8, 4), np.float32), "{1,0:T(8,128)}")
-      >>> buf.geometry.addressable, buf.image.nbytes
-      (False, 4096)
+      >>> buf.geometry.addressable, buf.geometry.bytes_per_block, buf.image.nbytes
+      (True, 512, 4096)
     """
 
     image: np.ndarray

@@ -11,11 +11,26 @@ one a digit of exactly one logical dim. Everything else follows from that list:
 * whether one index of the block dim (a KV block) is one contiguous byte range,
   and if not, the granularity: the smallest number of consecutive blocks that is.
 
+The granularity is the smallest ``g`` such that every aligned group of ``g``
+consecutive blocks occupies one contiguous byte range of equal size at a fixed
+stride, group ``j`` being group 0 moved by ``j`` strides bit for bit (so a raw copy
+of the range moves the group) and every range inside the buffer; bytes that hold
+no element of the array are padding, owned by no block, and the last group's
+range may hold more of it. Addressable means granularity 1. The proof works on
+the axes alone (no scan over bytes), so it costs the same for any size.
+
 Example:
     >>> import kvxfer
     >>> g = kvxfer.inspect((512, 4, 2048), "bfloat16", "{2,1,0:T(8,128)(2,1)}")
     >>> g.addressable, g.bytes_per_block, g.padding_factor
     (True, 32768, 2.0)
+
+    A dim that fits inside one sub-tile leaves the rest of the tile as padding;
+    each block of s8[128,4] below is four consecutive bytes of one sub-tile:
+
+    >>> g = kvxfer.inspect((128, 4), "int8", "{0,1:T(32,128)(4,1)}")
+    >>> g.addressable, g.bytes_per_block, g.physical_bytes
+    (True, 4, 4096)
 """
 
 from __future__ import annotations
@@ -318,6 +333,11 @@ class Layout:
 # ---------------------------------------------------------------------------
 
 
+# Offsets are int64 bit positions (numpy), so no array may span 2**63 bits or more:
+# 1 EiB, far beyond any device, so a larger size is a mistake in the input.
+_MAX_INDEX = 2**63 - 1
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Axis:
     """One row-major axis of the final tiled shape: a digit of one logical dim.
@@ -361,6 +381,10 @@ class PhysicalGeometry:
         where = shape_text(shape, dt, layout)
         if any(d < 0 for d in shape):
             raise LayoutError(f"{where}: negative dimension in shape {list(shape)}")
+        for d, size in enumerate(shape):
+            if size > _MAX_INDEX:
+                raise LayoutError(f"{where}: dim {d} has size {size}, beyond what an int64 "
+                                  f"index can address (at most {_MAX_INDEX})")
         if layout.rank != len(shape):
             raise LayoutError(f"{where}: layout has rank {layout.rank} (minor_to_major "
                               f"{list(layout.minor_to_major)}) but the shape has rank "
@@ -397,6 +421,12 @@ class PhysicalGeometry:
                                   False))
             axes = head + outer + inner
             shapes.append(tuple(a.size for a in axes))
+        total_bits = math.prod(a.size for a in axes) * bits
+        if total_bits > _MAX_INDEX:
+            raise LayoutError(
+                f"{where}: the physical size, {total_bits} bits ({-(-total_bits // 8)} "
+                f"bytes) with padding, is 2**63 bits or more, so bit offsets would overflow "
+                f"int64; no device holds that much (2**60 bytes, 1 EiB)")
         return cls(shape, dt, layout, bits, tuple(axes), tuple(shapes))
 
     # -- sizes --------------------------------------------------------------
@@ -484,11 +514,14 @@ class SliceGeometry:
       num_blocks: size of the block dim.
       addressable: every block is one contiguous byte range of the same size at a
         fixed stride (granularity 1).
-      bytes_per_block: that size, padding included; None when not addressable.
+      bytes_per_block: that size, padding included (the stride: block ``b``
+        starts at ``b * bytes_per_block``); None when not addressable. The blocks
+        may fill less than the buffer when the rest of it is padding.
       granularity: the smallest g such that every aligned group of g consecutive
-        blocks is one contiguous byte range of equal size (``num_blocks`` when the
-        layout interleaves everything).
-      group_bytes: bytes of one such group (the stride between groups).
+        blocks is one contiguous byte range of equal size at a fixed stride
+        (``num_blocks`` when the layout interleaves everything).
+      group_bytes: bytes of one such group (the stride between groups; the whole
+        buffer when the granularity is ``num_blocks``).
       physical_bytes: bytes of the whole buffer, padding included.
       logical_bytes: bytes of the values alone.
       padding_factor: physical / logical bytes.
@@ -617,65 +650,156 @@ def _axis_name(geo: PhysicalGeometry, a: Axis) -> str:
     return f"a tile row of dim {a.dim} ({a.size} elements)"
 
 
-def _group_candidates(radix: int, unit_bits: int) -> list[int]:
-    """Ascending h <= radix whose groups are whole bytes: the smallest such h, then
-    every divisor of radix that is a multiple of it (only those can tile exactly)."""
-    step = 8 // math.gcd(unit_bits, 8)
-    divisors = {d for i in range(1, math.isqrt(radix) + 1) if radix % i == 0
-                for d in (i, radix // i)}
-    return sorted({step} | {d for d in divisors if d % step == 0}) if step <= radix else \
-        sorted(d for d in divisors if d % step == 0)
+def _padding_note(geo: PhysicalGeometry, a: Axis) -> str:
+    if a.dim is None:
+        return f"the tile has {a.size} steps along a dim the array lacks, all but one padding"
+    n = geo.shape[a.dim]
+    return (f"dim {a.dim} has {n} element{'s' * (n != 1)}, so of the {a.size} tile steps of "
+            f"{a.divisor} along it only the first holds data")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _nbytes(n: int) -> str:
+    return f"{n} byte{'s' * (n != 1)}"
+
+
+def _holds_data(geo: PhysicalGeometry, a: Axis) -> bool:
+    # A digit of dim d with divisor q is non-zero only at indices >= q, so an axis
+    # of a dim no larger than its divisor (a dim that fits inside one tile or
+    # sub-tile of it) holds only padding and places no element.
+    return a.size > 1 and a.dim is not None and geo.shape[a.dim] > a.divisor
 
 
 def _prove(geo: PhysicalGeometry, block_dim: int, where: str) -> SliceGeometry:
+    """The granularity of ``block_dim`` under ``geo``, derived from the axes alone.
+
+    An element's position is ``sum(digit * stride)`` over the axes of the final
+    tiled shape; ``pos(r)``, the position of block ``r``'s first element, sums the
+    block dim's digits only, and every block holds the same pattern of other-dim
+    elements after it. Only axes that hold data matter (``_holds_data``). Groups
+    of ``g`` blocks are copies of one another at a stride of ``T`` bytes iff:
+
+    * no group overlaps the next: every block digit below the first other-dim
+      axis that holds data lies inside ``g`` (``g`` is a multiple of ``q``, the
+      blocks one step of the lowest leading block digit covers);
+    * the stride is uniform: ``pos(r) = (r // g) * pos(g) + pos(r % g)``. Where
+      padding-only axes sit between two leading block digits (a gap), this holds
+      for multiples of the blocks below the top gap, and otherwise only when the
+      second and last group stays under one step of the digit above a gap;
+    * ``pos(g)`` is a whole number of bytes, and all groups fit in the buffer.
+    """
     n = geo.shape[block_dim]
-    axes = [a for a in geo.axes if a.size > 1]
-    # The leading run of block-dim digits, before any other non-trivial axis, holds
-    # the most significant digits of the block index: fixing them selects one
-    # contiguous range. Block digits after the first foreign axis interleave.
-    lead = 0
-    while lead < len(axes) and axes[lead].dim == block_dim:
-        lead += 1
-    radix = math.prod(a.size for a in axes[:lead])
-    rest = math.prod(a.size for a in axes[lead:] if a.dim == block_dim)
-    unit_elems = math.prod(a.size for a in axes[lead:])
     bits = geo.element_bits
     physical = geo.physical_bytes
     logical = geo.logical_bytes
     padding = physical / logical if logical else 1.0
-    if lead == 0:
-        # No block digit leads: one group is the whole buffer.
-        g, group_bytes = n, physical
-    else:
-        # Smallest h such that groups of h leading digits are whole bytes and tile the
-        # buffer exactly (a last partial group may only be short by sub-byte padding).
-        h = next((h for h in _group_candidates(radix, unit_elems * bits)
-                  if -(-radix // h) * (h * unit_elems * bits // 8) == physical), None)
-        if h is None:  # the whole buffer is not a whole number of bytes
-            g, group_bytes = n, physical
-        else:
-            g, group_bytes = min(h * rest, n), h * unit_elems * bits // 8
+
+    def verdict(g: int, group_bytes: int, reason: str) -> SliceGeometry:
+        ok = g == 1
+        return SliceGeometry(geo.shape, geo.dtype.name, geo.layout, block_dim, n, ok,
+                             group_bytes if ok else None, g, group_bytes, physical, logical,
+                             padding, reason)
+
     if n == 1:
-        g = 1
-    if g == 1:
-        reason = (f"{where}: block dim {block_dim} is the outermost non-trivial physical "
-                  f"dim; each block is one contiguous range of {group_bytes} bytes")
-        return SliceGeometry(geo.shape, geo.dtype.name, geo.layout, block_dim, n, True,
-                             group_bytes, 1, group_bytes, physical, logical, padding, reason)
-    if lead == 0:
-        reason = (f"{where}: rule 'block dim outermost' failed: {_axis_name(geo, axes[0])} "
-                  f"is more major than block dim {block_dim}, so every block is split "
-                  f"across the buffer; granularity is the whole buffer ({n} blocks, "
-                  f"{physical} bytes)")
-    elif rest > 1:
-        reason = (f"{where}: rule 'block dim not interleaved' failed: {rest} consecutive "
-                  f"blocks of dim {block_dim} share each tile, interleaved by "
-                  f"{_axis_name(geo, axes[lead])}; granularity {g}")
+        return verdict(1, physical, f"{where}: block dim {block_dim} has one block, the "
+                       f"whole buffer of {physical} bytes")
+    if 0 in geo.shape:
+        return verdict(1, 0, f"{where}: the array holds no elements (dim "
+                       f"{geo.shape.index(0)} has size 0); every block is an empty range")
+    # (axis position, axis, element stride) of every axis that holds data.
+    digits = [(i, a, s) for i, (a, s) in enumerate(zip(geo.axes, geo.strides()))
+              if _holds_data(geo, a)]
+    lead = next((k for k, (_, a, _) in enumerate(digits) if a.dim != block_dim), len(digits))
+    upper = digits[:lead]  # the leading block digits, most significant first
+    if not upper:
+        return verdict(n, physical, (
+            f"{where}: rule 'block dim outermost' failed: {_axis_name(geo, digits[0][1])} "
+            f"holds data and is more major than block dim {block_dim}, so every block is "
+            f"split across the buffer; granularity is the whole buffer ({n} blocks, "
+            f"{physical} bytes)"))
+    q = upper[-1][1].divisor
+    n_up = _ceil_div(n, q)  # groups of q blocks; h below counts them
+
+    def pos(h: int) -> int:
+        return sum(((h // (a.divisor // q)) % a.size) * s for _, a, s in upper)
+
+    # Gaps between consecutive leading digits, as the number of q-groups below each
+    # (ascending), with the padding-only axis that opens it.
+    gaps: list[tuple[int, Axis]] = []
+    for (i, a, s), (j, b, t) in zip(upper, upper[1:]):
+        if s != b.size * t:
+            filler = next(c for c in geo.axes[i + 1:j] if c.size > 1)
+            gaps.insert(0, (a.divisor // q, filler))
+    weights = [w for w, _ in gaps]
+
+    def fits(h: int) -> bool:  # whole bytes apart, and every group inside the buffer
+        stride_bits = pos(h) * bits
+        return stride_bits % 8 == 0 and _ceil_div(n, q * h) * stride_bits <= 8 * physical
+
+    # Multiples of the q-groups below the top gap keep one stride; of those, the
+    # smallest whole-bytes one is best (a larger multiple never fits where it fails).
+    candidates = []
+    top = weights[-1] if weights else 1
+    k = 8 // math.gcd(pos(top) * bits, 8)
+    if top * k < n_up and fits(top * k):
+        candidates.append(top * k)
+    # Any other h keeps one stride only when there are two groups and the second
+    # stays within one step of the digit above the lowest gap whose weight (high)
+    # does not divide h: h in (a * high, n_up), a multiple of the gap below (low).
+    for low, high in zip([1] + weights, weights):
+        a = _ceil_div(n_up, high) - 1
+        if a < 1:
+            continue
+        e0 = max(1, _ceil_div(_ceil_div(n_up, 2) - a * high, low))  # two groups at most
+        for e in range(e0, e0 + 8):  # pos(h) * bits % 8 repeats within 8 steps
+            h = a * high + e * low
+            if h >= n_up:
+                break
+            if fits(h):
+                candidates.append(h)
+                break
+    if candidates:
+        h = min(candidates)
+        g, group_bytes = q * h, pos(h) * bits // 8
     else:
-        reason = (f"{where}: rule 'whole bytes per block' failed: one block is "
-                  f"{unit_elems * bits} bits, so {g} blocks share bytes; granularity {g}")
-    return SliceGeometry(geo.shape, geo.dtype.name, geo.layout, block_dim, n, False, None,
-                         g, group_bytes, physical, logical, padding, reason)
+        g, group_bytes = n, physical
+
+    if g == 1:
+        skipped = [_padding_note(geo, a) for a in geo.axes[:upper[0][0]]
+                   if a.size > 1 and a.dim != block_dim]
+        reason = (f"{where}: block dim {block_dim} is the outermost physical dim that holds "
+                  f"data; each block is one contiguous range of {_nbytes(group_bytes)}")
+        if skipped:
+            reason += f" ({'; '.join(skipped)})"
+        if n * group_bytes < physical:
+            reason += (f"; the blocks fill the first {n * group_bytes} of {physical} bytes, "
+                       "the rest is padding")
+        return verdict(1, group_bytes, reason)
+    failed = []
+    if q > 1:
+        failed.append(f"rule 'block dim not interleaved' failed: {q} consecutive blocks of "
+                      f"dim {block_dim} share each tile, interleaved by "
+                      f"{_axis_name(geo, digits[lead][1])}")
+    if gaps:
+        w, filler = gaps[0]
+        failed.append(f"rule 'uniform block stride' failed: {_padding_note(geo, filler)}; "
+                      f"that padding lies between digits of block dim {block_dim}, so blocks "
+                      f"{q * w - 1} and {q * w} are further apart than their neighbours")
+    if not failed and pos(1) * bits % 8:
+        failed.append(f"rule 'whole bytes per block' failed: consecutive blocks are "
+                      f"{pos(1) * bits} bits apart, so blocks share bytes")
+    if not failed:
+        failed.append(f"rule 'groups fit the buffer' failed: {n} blocks of "
+                      f"{_nbytes(pos(1) * bits // 8)} end past the buffer's {physical} bytes")
+    if g < n:
+        tail = f"granularity {g} ({_nbytes(group_bytes)} per group)"
+    else:
+        tail = (f"no smaller group is a whole number of bytes at one stride within the "
+                f"buffer, so granularity is the whole buffer ({n} blocks, {physical} bytes)")
+    return verdict(g, group_bytes, f"{where}: {'; '.join(failed)}; {tail}")
 
 
 def require_addressable(array_or_shape: Any, dtype: Any = None, layout: Any = None, *,

@@ -1,6 +1,8 @@
 """Layout parsing, geometry, and the addressability proof against a brute-force scan."""
 
+import collections
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,12 @@ from jax.experimental.layout import Format
 import kvxfer
 from kvxfer import catalog
 from kvxfer.layout import Layout, LayoutError
-from checkers import brute_force_granularity, random_case
+from checkers import (
+    brute_force_granularity,
+    padded_granularity,
+    random_case,
+    random_padding_case,
+)
 
 SEEDS = [
     # shape, dtype, layout, addressable, bytes_per_block, granularity, physical_bytes
@@ -137,6 +144,116 @@ def test_sweep_agrees_with_brute_force(seed):
     assert min(seen.values()) > 20, seen  # the sweep exercises both verdicts
 
 
+# -- padding that no block owns -------------------------------------------------
+
+PADDING_FAMILY = [
+    # shape, dtype, layout, granularity, group_bytes, physical_bytes
+    # A partner dim inside one sub-tile: each block is a few bytes of one sub-tile.
+    ((128, 4), "int8", "{0,1:T(32,128)(4,1)}", 1, 4, 4096),
+    ((7, 1), "bfloat16", "{0,1:T(16,128)(2,1)}", 1, 4, 4096),  # 2 bytes of padding
+    ((4, 1), "float8_e4m3fn", "{1,0:T(32,128)(4,1)}", 1, 1, 4096),
+    ((5,), "bfloat16", "{0:T(8,128)(2,1)}", 1, 4, 2048),  # the tile's missing dim
+    ((3, 2), "int4", "{0,1:T(64,128)(8,1)E(4)}", 1, 4, 4096),
+    # Padding between block digits breaks the stride after each tile row.
+    ((300,), "bfloat16", "{0:T(8,128)(2,1)}", 128, 2048, 6144),
+    ((16, 1), "bfloat16", "{1,0:T(8,128)(2,1)}", 2, 512, 4096),
+    ((9, 1), "int8", "{1,0:T(8,8)(4,4)(2,2)}", 4, 32, 128),  # two such gaps
+    # Two groups, the second starting mid-row: only it keeps one stride in whole bytes.
+    ((5, 1), "int4", "{1,0:T(12,3)(3,1)}", 4, 5, 18),
+    ((6, 1), "int4", "{1,0:T(12,3)(3,1)}", 4, 5, 18),
+    ((5, 1), "int4", "{1,0:T(6,3)(3,1)}", 5, 9, 9),  # ... unless they pass the end
+]
+
+
+@pytest.mark.parametrize("shape, dtype, text, gran, group_bytes, physical", PADDING_FAMILY)
+def test_padding_family_verdicts(shape, dtype, text, gran, group_bytes, physical):
+    g = kvxfer.inspect(shape, dtype, text)
+    assert (g.granularity, g.group_bytes, g.physical_bytes) == (gran, group_bytes, physical)
+    assert g.addressable == (gran == 1)
+    assert g.bytes_per_block == (group_bytes if gran == 1 else None)
+    assert brute_force_granularity(shape, dtype, text) == (
+        gran, group_bytes if gran < shape[0] else None)
+
+
+def test_partner_dim_inside_a_subtile_is_addressable():
+    g = kvxfer.require_addressable((128, 4), "s8", "{0,1:T(32,128)(4,1)}")
+    assert [g.block_offset(b) for b in (0, 1, 127)] == [0, 4, 508]
+    assert "dim 1 has 4 elements, so of the 8 tile steps of 4 along it only the first" \
+        in g.reason
+    assert "the blocks fill the first 512 of 4096 bytes" in g.reason
+    # The padded analysis refused it: padding rows of dim 1 are not the block's.
+    assert padded_granularity((128, 4), "int8", "{0,1:T(32,128)(4,1)}") == (128, None)
+
+
+def test_gap_between_block_digits_names_the_padding():
+    with pytest.raises(LayoutError, match=r"bf16\[16,1\]\{1,0:T\(8,128\)\(2,1\)\}: rule "
+                       r"'uniform block stride' failed: dim 1 has 1 element, .* blocks 1 "
+                       r"and 2 are further apart .*granularity 2 \(512 bytes per group\)"):
+        kvxfer.require_addressable((16, 1), "bf16", "{1,0:T(8,128)(2,1)}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_padding_family_sweep_agrees_with_brute_force(seed):
+    """Small block dims inside tiles, partner dims inside a sub-tile, permutations."""
+    rng = np.random.default_rng(400 + seed)
+    seen = collections.Counter()
+    for _ in range(300):
+        shape, dtype, text, block_dim = random_padding_case(rng)
+        case = (shape, dtype, text, block_dim)
+        g = kvxfer.inspect(shape, dtype, text, block_dim=block_dim)
+        gran, group_bytes = brute_force_granularity(shape, dtype, text, block_dim)
+        assert (g.addressable, g.granularity) == (gran == 1, gran), case
+        if gran < shape[block_dim]:
+            assert g.group_bytes == group_bytes, case
+        if g.addressable and shape[block_dim] > 1:
+            assert g.bytes_per_block == group_bytes, case
+        n = shape[block_dim]
+        seen["addressable" if g.addressable else "grouped" if gran < n else "whole"] += 1
+        if g.addressable and n * g.bytes_per_block < g.physical_bytes:
+            seen["blocks fill part of the buffer"] += 1
+    assert len(seen) == 4 and min(seen.values()) >= 10, seen
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_padding_owned_by_no_block_only_relaxes(seed):
+    """Whatever the padded analysis accepted keeps its verdict; it refused more."""
+    rng = np.random.default_rng(500 + seed)
+    relaxed = 0
+    for i in range(120):
+        case = random_padding_case(rng) if i % 2 else random_case(rng)
+        g = kvxfer.inspect(case[0], case[1], case[2], block_dim=case[3])
+        gran, group_bytes = padded_granularity(*case)
+        assert g.granularity <= gran, case
+        if g.granularity == gran and gran < case[0][case[3]]:
+            assert g.group_bytes == group_bytes, case
+        relaxed += g.granularity < gran
+    assert relaxed >= 10
+
+
+# -- sizes no device holds --------------------------------------------------------------
+
+
+def test_huge_block_dims_are_proven_without_scanning():
+    start = time.perf_counter()
+    g = kvxfer.inspect((2**55,), "f32")
+    assert g.addressable and g.block_offset(2**55 - 1) == (2**55 - 1) * 4
+    g = kvxfer.inspect((2**50, 1), "bf16", "{0,1:T(16,128)(2,1)}")
+    assert (g.granularity, g.group_bytes) == (128, 4096)  # 4 bytes a block within a tile
+    g = kvxfer.inspect((2**51, 16), "bf16", "{1,0:T(8,128)(2,1)}")
+    assert (g.granularity, g.group_bytes) == (2, 512)  # rows 2k, 2k+1 share words
+    g = kvxfer.inspect((2**55 + 1, 3), "int4", "{0,1:E(4)}")
+    assert g.granularity == 2**55 + 1
+    for shape, dtype, text in [((2**62,), "int8", None), ((2**55, 128), "bf16", "{1,0}"),
+                               ((2**62, 1), "bf16", "{0,1:T(16,128)(2,1)}")]:
+        with pytest.raises(LayoutError, match=r"physical size, \d+ bits \(\d+ bytes\) with "
+                           r"padding, is 2\*\*63 bits or more"):
+            kvxfer.inspect(shape, dtype, text)
+    with pytest.raises(LayoutError, match=f"dim 1 has size {2**64}, beyond"):
+        kvxfer.inspect((0, 2**64), "int8")
+    # The proof works on the axes alone: no loop over divisors or bytes.
+    assert time.perf_counter() - start < 1.0
+
+
 # -- JAX arrays ---------------------------------------------------------------
 
 
@@ -171,6 +288,15 @@ def test_inspect_reads_array_layout():
     assert not g.addressable and g.granularity == 8
     g2 = kvxfer.inspect(x, layout="{2,1,0}")  # an emulated layout overrides
     assert g2.addressable and g2.bytes_per_block == 4 * 128 * 4
+
+
+def test_docstring_examples_hold():
+    import doctest
+
+    from kvxfer import layout as layout_module
+
+    result = doctest.testmod(layout_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result
 
 
 def test_layout_of_rejects_other_objects():
