@@ -12,11 +12,13 @@ import re
 import pytest
 
 from kvxfer import bench
-from kvxfer.bench import limits, timing
+from kvxfer._text import format_bytes
+from kvxfer.bench import limits, report as bench_report, timing
 
 LOAD_METHODS = {"load_off_all", "load_off_layer", "load_page_all", "load_page_layer"}
 KVXFER_METHODS = {"offload_off", "offload_page"} | LOAD_METHODS
 USER_OFFLOADS = {"user_device_get", "user_gather_pinned", "user_batched_gather_pinned"}
+USER_LOADS = {"user_put_scatter", "user_batched_put_scatter"}
 D2H_METHODS = {"offload_off", "offload_page"} | USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
             "integrity_traffic", "cache_size", "memory", "targets", "not_measured", "files"}
@@ -46,7 +48,7 @@ def test_report_has_every_section(run):
     assert [(r["block_bytes"], r["dtype"]) for r in report["throughput"]] == \
         sorted(cfg.cells, key=lambda c: c != cfg.reference)
     for row in report["throughput"] + report["sweep"]:
-        assert set(row["methods"]) == KVXFER_METHODS | USER_OFFLOADS
+        assert set(row["methods"]) == KVXFER_METHODS | USER_OFFLOADS | USER_LOADS
         assert set(row["limit"]) == {"d2h", "h2d"}
         assert row["bytes"] == row["pages"] * row["layers"] * row["block_bytes"]
     for row in report["throughput"]:
@@ -168,6 +170,44 @@ def test_out_dir_holds_the_report_and_a_plot_when_matplotlib_is_there(run):
     assert (out / "bench.png").exists() == HAS_MPL
     assert ("plot" in report["files"]) == HAS_MPL
     assert any("matplotlib" in note for note in report["not_measured"]) != HAS_MPL
+
+
+def test_plot_keeps_one_colour_per_variant_and_shows_users_both_ways(run):
+    report, _, _ = run
+    variants = bench_report.VARIANTS
+    assert len({v.colour.lower() for v in variants}) == len(variants)
+    assert len({v.name for v in variants}) == len(variants)
+    keys = [key for v in variants for key, _ in v.methods.values() if key != "limit"]
+    assert len(keys) == len(set(keys))  # a method is drawn as one variant only
+    for v in variants:
+        for direction, (key, _) in v.methods.items():
+            assert key == "limit" or all(
+                row["methods"][key]["direction"] == direction for row in report["sweep"]), key
+    both = {v.name for v in variants if set(v.methods) == {"d2h", "h2d"}}
+    assert {"limit", "user, per page", "user, batched", "kvxfer integrity=off",
+            "kvxfer integrity=page"} <= both
+    assert [d for _, d in bench_report.PANELS] == ["d2h", "h2d"]
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed (extra 'plot')")
+def test_plot_lines_take_their_variants_colour_and_bytes_read_as_bytes(run):
+    from matplotlib.colors import to_hex
+
+    report, _, _ = run
+    fig = bench_report.figure(report)
+    colours = {}
+    for ax, (_, direction) in zip(fig.axes, bench_report.PANELS):
+        drawn = [v for v in bench_report.VARIANTS if direction in v.methods]
+        lines = ax.get_lines()
+        assert len(lines) == len(drawn)
+        for line, v in zip(lines, drawn):
+            assert to_hex(line.get_color()) == v.colour.lower()
+            assert line.get_linestyle() == v.linestyle
+            colours.setdefault(v.name, set()).add(to_hex(line.get_color()))
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert labels == [format_bytes(r["bytes"]) for r in report["sweep"]]
+    assert all(len(c) == 1 for c in colours.values())
+    assert {"user, per page", "user, batched"} <= set(colours)
 
 
 def test_register_cli_adds_bench_with_its_options():

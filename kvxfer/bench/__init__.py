@@ -7,9 +7,10 @@ them all alike) and throughputs taken from the best repeat:
 * **limit**: the physical limit for the same bytes; a numpy memcpy between
   preallocated host buffers on CPU; on GPU a pinned host<->device copy (PyTorch or
   CuPy when importable, else ``jax.device_put`` of one large ``pinned_host`` buffer);
-* **user**: what users write today: a per-page ``jax.device_get`` loop; a jitted
-  per-page gather then ``jax.device_put`` to ``pinned_host``; one batched jitted
-  gather then ``device_put`` to ``pinned_host``;
+* **user**: what users write today. Offloads: a per-page ``jax.device_get`` loop; a
+  jitted per-page gather then ``jax.device_put`` to ``pinned_host``; one batched
+  jitted gather then ``device_put`` to ``pinned_host``. Loads: a per-page
+  ``device_put`` then a jitted donated scatter; one batched ``device_put`` and scatter;
 * **kvxfer**: ``KVCacheManager`` offload and load (``path="auto"``) with
   ``integrity`` ``"off"`` / ``"page"`` and ``gate`` ``"all"`` / ``"layer"``.
 

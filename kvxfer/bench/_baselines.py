@@ -2,9 +2,9 @@
 
 Offloads: a per-page ``jax.device_get`` loop; a per-page jitted gather then
 ``jax.device_put`` to ``pinned_host``; one batched jitted gather then ``device_put``
-to ``pinned_host``. Loads (into the caches of the cache-size section): one batched
-``device_put`` then one donated scatter. A per-page step moves one page: the block
-at one index of every layer.
+to ``pinned_host``. Loads: a per-page ``jax.device_put`` of the host blocks then a
+jitted donated scatter; one batched ``device_put`` then one donated scatter. A
+per-page step moves one page: the block at one index of every layer.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._rig import Rig
 from kvxfer.bench.timing import no_gc, now, per_page_loop, sample, stats
 
-__all__ = ["OFFLOAD_BASELINES", "offload_baselines", "host_pages", "put_scatter"]
+__all__ = ["OFFLOAD_BASELINES", "LOAD_BASELINES", "offload_baselines", "load_baselines",
+           "host_pages", "put_scatter"]
 
 #: Report names of the user offload baselines (per page, per page, batched).
 OFFLOAD_BASELINES = ("user_device_get", "user_gather_pinned", "user_batched_gather_pinned")
+#: Report names of the user load baselines (per page, batched).
+LOAD_BASELINES = ("user_put_scatter", "user_batched_put_scatter")
 
 
 def _pinned_sharding() -> jax.sharding.Sharding:
@@ -104,3 +107,23 @@ def put_scatter(rig: Rig, host: Sequence[np.ndarray], ids: Sequence[int]
         return now() - t0
 
     return run
+
+
+def load_baselines(rig: Rig, ids: Sequence[int], cfg: BenchConfig, batched: bool
+                   ) -> dict[str, dict[str, Any]]:
+    """The user loads of pages ``ids`` into ``rig.caches`` (replaced): name -> stats."""
+    host = host_pages(rig.caches, ids)
+    page_bytes = sum(int(h.nbytes) for h in host) // len(ids)
+    scatter_one = jax.jit(_scatter, donate_argnums=0)
+
+    def put_one(j: int) -> None:
+        us = [jax.device_put(h[j]) for h in host]
+        rig.caches = list(scatter_one(tuple(rig.caches), ids[j], us))
+
+    out = {"user_put_scatter": per_page_loop(
+        put_one, lambda outs: jax.block_until_ready(rig.caches), range(len(ids)),
+        page_bytes, cfg.baseline_budget_s, cfg.repeats)}
+    if batched:
+        out["user_batched_put_scatter"] = _batched(put_scatter(rig, host, ids),
+                                                   len(ids) * page_bytes, cfg)
+    return out

@@ -42,7 +42,7 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
         "bench", help="measure kvxfer against the physical limit and user baselines",
         description="Measures, side by side in one run: the physical limit (memcpy on "
         "CPU, pinned host<->device copy on GPU), what users write today (per-page "
-        "device_get, jitted gather -> pinned_host) and "
+        "device_get, jitted gather -> pinned_host, device_put + donated scatter) and "
         "KVCacheManager offload/load with integrity off/page and gate all/layer; prints "
         "tables and PASS/MISS target lines.")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from kvxfer._text import format_bytes
-from kvxfer.bench._baselines import host_pages, offload_baselines, put_scatter
+from kvxfer.bench._baselines import host_pages, load_baselines, offload_baselines, put_scatter
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._rig import LOAD_VARIANTS, Rig, load_name, make_caches
 from kvxfer.bench.limits import Limit, limit_figures
@@ -97,6 +97,8 @@ def _measure_case(cfg: BenchConfig, limit: Limit, rig: Rig, held: _Held, ids: li
         methods[name] = _with_fraction(s, lim, "d2h" if name.startswith("offload") else "h2d")
     for name, s in offload_baselines(rig, ids, cfg, batched).items():
         methods[name] = _with_fraction(s, lim, "d2h")
+    for name, s in load_baselines(rig, ids, cfg, batched).items():
+        methods[name] = _with_fraction(s, lim, "h2d")
     return lim, methods
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvxfer._text import format_bytes, table
 from kvxfer.bench._config import MiB
 
 __all__ = ["Targets", "evaluate_targets", "missed", "ZERO_OK", "iter_figures",
-           "format_report", "plot"]
+           "format_report", "Variant", "VARIANTS", "PANELS", "figure", "plot"]
 
 #: Figures that are differences and may legitimately be zero (all others are > 0).
 ZERO_OK = frozenset({"host_transient_bytes", "device_persistent_bytes",
@@ -256,12 +256,14 @@ def format_report(report: dict[str, Any]) -> str:
     for r in report["throughput"]:
         m = r["methods"]
         rows.append([format_bytes(r["block_bytes"]), r["dtype"],
-                     f"{r['limit']['h2d']['gbps']:.2f}", _gb(m["load_off_all"]),
+                     f"{r['limit']['h2d']['gbps']:.2f}", _gb(m["user_put_scatter"]),
+                     _gb(m.get("user_batched_put_scatter")), _gb(m["load_off_all"]),
                      _gb(m["load_off_layer"]), _gb(m["load_page_all"]),
                      _gb(m["load_page_layer"]),
                      f"{m['load_page_all']['gbps'] / m['load_off_all']['gbps']:.2f}",
                      f"{m['load_page_all']['first_call_s']:.2f}", ",".join(r["paths"])])
-    lines.append(table(rows, ["block", "dtype", h2d, "kvxfer off/all", "off/layer",
+    lines.append(table(rows, ["block", "dtype", h2d, "user put+scatter/page",
+                              "user put+scatter batched", "kvxfer off/all", "off/layer",
                               "page/all", "page/layer", "page/off", "1st call s (integrity=page)",
                               "mover"]))
 
@@ -273,13 +275,13 @@ def format_report(report: dict[str, Any]) -> str:
         m = r["methods"]
         lp, la = m["load_page_layer"], m["load_page_all"]
         rows.append([r["pages"], format_bytes(r["bytes"]), f"{r['limit']['d2h']['gbps']:.2f}",
-                     _gb(m["user_device_get"]), _gb(m["user_gather_pinned"]),
+                     _gb(m["user_device_get"]), _gb(m["user_put_scatter"]),
                      _gb(m["offload_off"]), _gb(m["offload_page"]), _gb(m["load_off_all"]),
                      _gb(la), _p50_p99(lp["first_layer"]), _p50_p99(lp["last_layer"]),
                      _p50_p99(la["last_layer"]),
                      _ms(m["load_off_layer"]["first_layer"]["p50_s"])])
     lines.append(table(rows, ["pages", "bytes", "limit", "user device_get/page",
-                              "user gather/page", "offload off", "offload page",
+                              "user put+scatter/page", "offload off", "offload page",
                               "load off", "load page", "first layer (page,layer)",
                               "last layer (page,layer)", "last layer (page,all)",
                               "first layer (off,layer) p50"]))
@@ -350,48 +352,96 @@ def format_report(report: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def plot(report: dict[str, Any], path: str) -> str | None:
-    """Throughput vs transfer size (offload and load panels); None without matplotlib."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
+class Variant(NamedTuple):
+    """One line of the plot, drawn alike (colour and style) in every panel it is in."""
+
+    name: str
+    colour: str
+    linestyle: str
+    #: Direction (``"d2h"``, ``"h2d"``) -> (method in a report row's ``methods``, or
+    #: ``"limit"``; its legend label).
+    methods: dict[str, tuple[str, str]]
+
+
+#: The plot's variants; colours from the Okabe-Ito palette (readable in colour blindness).
+VARIANTS: tuple[Variant, ...] = (
+    Variant("limit", "#000000", "-", {"d2h": ("limit", "limit"), "h2d": ("limit", "limit")}),
+    Variant("user, per page", "#E69F00", ":", {
+        "d2h": ("user_device_get", "user device_get / page"),
+        "h2d": ("user_put_scatter", "user device_put + donated scatter / page")}),
+    Variant("user, per page, jitted gather", "#CC79A7", "-.", {
+        "d2h": ("user_gather_pinned", "user jitted gather -> pinned_host / page")}),
+    Variant("user, batched", "#D55E00", "--", {
+        "d2h": ("user_batched_gather_pinned", "user jitted gather -> pinned_host, batched"),
+        "h2d": ("user_batched_put_scatter", "user device_put + donated scatter, batched")}),
+    Variant("kvxfer integrity=off", "#0072B2", "-", {
+        "d2h": ("offload_off", "kvxfer integrity=off"),
+        "h2d": ("load_off_all", "kvxfer integrity=off, gate=all")}),
+    Variant("kvxfer integrity=page", "#009E73", "-", {
+        "d2h": ("offload_page", "kvxfer integrity=page"),
+        "h2d": ("load_page_all", "kvxfer integrity=page, gate=all")}),
+    Variant("kvxfer integrity=page, gate=layer", "#56B4E9", "--", {
+        "h2d": ("load_page_layer", "kvxfer integrity=page, gate=layer")}),
+)
+
+#: The panels of the plot: (title, direction).
+PANELS = (("offload (device -> host)", "d2h"), ("load (host -> device)", "h2d"))
+
+
+def figure(report: dict[str, Any]) -> Any:
+    """Throughput vs bytes per call, offload and load panels, from the prefix sweep.
+
+    Returns:
+      A ``matplotlib.figure.Figure`` (with an Agg canvas).
+
+    Raises:
+      ImportError: matplotlib is not installed (``pip install 'kvxfer[plot]'``).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, NullLocator
+
     sweep = report["sweep"]
-    x = [r["bytes"] / MiB for r in sweep]
+    sizes = [r["bytes"] for r in sweep]
+    meta = report["meta"]
+    limit_label = ("pinned copy" if meta["platform"] == "gpu" else "memcpy") + " (limit)"
     fig = Figure(figsize=(12, 6.5))
     FigureCanvasAgg(fig)
-    gpu = report["meta"]["platform"] == "gpu"
-    panels = (("offload (device -> host)", "d2h",
-               (("user device_get / page", "user_device_get", ":"),
-                ("user gather -> pinned / page", "user_gather_pinned", "-."),
-                ("user gather -> pinned, batched", "user_batched_gather_pinned", "-."),
-                ("kvxfer integrity=off", "offload_off", "-"),
-                ("kvxfer integrity=page", "offload_page", "-"))),
-              ("load (host -> device)", "h2d",
-               (("kvxfer integrity=off, gate=all", "load_off_all", "-"),
-                ("kvxfer integrity=page, gate=all", "load_page_all", "-"),
-                ("kvxfer integrity=page, gate=layer", "load_page_layer", "--"))))
-    for i, (title, direction, series) in enumerate(panels):
+    for i, (title, direction) in enumerate(PANELS):
         ax = fig.add_subplot(1, 2, i + 1)
-        ax.plot(x, [r["limit"][direction]["gbps"] for r in sweep], "k-", lw=2,
-                label=("pinned memcpy" if gpu else "memcpy") + " (limit)")
-        for label, key, style in series:
-            pts = [(r["bytes"] / MiB, r["methods"][key]["gbps"]) for r in sweep
-                   if key in r["methods"]]
+        for v in VARIANTS:
+            if direction not in v.methods:
+                continue
+            key, label = v.methods[direction]
+            if key == "limit":
+                ax.plot(sizes, [r["limit"][direction]["gbps"] for r in sweep], v.linestyle,
+                        color=v.colour, lw=2, label=limit_label)
+                continue
+            pts = [(r["bytes"], r["methods"][key]["gbps"]) for r in sweep if key in r["methods"]]
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", label=label)
+                ax.plot(*zip(*pts), v.linestyle, color=v.colour, marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("bytes per call (MiB)")
+        ax.xaxis.set_major_locator(FixedLocator(sizes))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([format_bytes(n) for n in sizes], rotation=30, ha="right")
+        ax.set_xlabel("bytes per call")
         ax.set_ylabel("GB/s (best repeat)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    meta = report["meta"]
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     fig.suptitle(f"kvxfer bench {meta['date']}: {meta['platform']} ({meta['device']}), "
                  f"{sweep[0]['layers']} layers x {format_bytes(sweep[0]['block_bytes'])} "
                  "bfloat16 blocks")
     fig.tight_layout()
+    return fig
+
+
+def plot(report: dict[str, Any], path: str) -> str | None:
+    """Writes ``figure(report)`` as a PNG at ``path``; None (nothing written) without matplotlib."""
+    try:
+        fig = figure(report)
+    except ImportError:
+        return None
     fig.savefig(path, dpi=110)
     return path
