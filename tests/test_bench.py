@@ -1,10 +1,13 @@
-"""``kvxfer bench``: a tiny run's report has every section and only sane figures.
+"""``kvxfer bench``: a tiny run's report has every section and only sane figures, and the
+command exits by its targets.
 
 No timing assertions: timings belong to the benchmark itself (BENCHMARKS.md).
 """
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import re
@@ -22,21 +25,35 @@ USER_LOADS = {"user_put_scatter", "user_batched_put_scatter"}
 D2H_METHODS = {"offload_off", "offload_page"} | USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
             "integrity_traffic", "cache_size", "memory", "targets", "not_measured", "files"}
-PROGRESS = re.compile(r"^\[(\d+)/(\d+) \d+:\d\d elapsed"
+PROGRESS = re.compile(r"^kvxfer bench: \[(\d+)/(\d+) \d+:\d\d elapsed"
                       r"(, about \d+:\d\d left)?\] (.*)$")
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 # A host-overhead target of 0 ms cannot be met: every call takes some time.
 UNMEETABLE = bench.Targets(host_overhead_ms=0.0)
 
 
+def run_cli(*argv, targets=bench.Targets()):
+    parser = argparse.ArgumentParser(prog="kvxfer")
+    bench.register_cli(parser.add_subparsers(dest="command", required=True), targets=targets)
+    args = parser.parse_args(list(argv))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = args.func(args)
+    return rc, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One smoke run: its report, output folder and progress lines."""
+def cli_run(tmp_path_factory):
+    """One smoke run through the command, as a user runs it: ``--no-check``, JSON, files."""
     out = tmp_path_factory.mktemp("bench")
-    lines = []
-    report = bench.run_bench(out_dir=str(out), config=bench.BenchConfig.smoke(),
-                             progress=lines.append)
-    return json.loads(json.dumps(report)), out, lines
+    rc, stdout, stderr = run_cli("bench", "--smoke", "--json", "--no-check", "--out", str(out))
+    return json.loads(stdout), out, stderr.splitlines(), rc
+
+
+@pytest.fixture(scope="module")
+def run(cli_run):
+    """The smoke run's report, output folder and progress lines."""
+    return cli_run[:3]
 
 
 def test_report_has_every_section(run):
@@ -116,6 +133,26 @@ def test_words_page_and_staged_keep_one_meaning(run):
     # "staged" names the path only.
     assert [line for line in text.splitlines() if "staged" in line] == \
         [line for line in text.splitlines() if "path=staged" in line]
+
+
+def test_no_check_reports_misses_and_exits_0(cli_run):
+    report, _, lines, rc = cli_run
+    assert rc == 0
+    misses = bench.missed(report)
+    assert ("(not checked: --no-check)" in "\n".join(lines)) == bool(misses)
+    for t in misses:
+        assert any(t["name"] in line for line in lines)
+
+
+def test_a_missed_target_exits_1_and_is_named():
+    rc, stdout, stderr = run_cli("bench", "--smoke", "--json", targets=UNMEETABLE)
+    report = json.loads(stdout)
+    overhead = [t for t in report["targets"] if t["name"].startswith("host overhead")]
+    assert len(overhead) == 6 and all(t["status"] == "MISS" for t in overhead)
+    assert rc == 1
+    assert f"{len(bench.missed(report))} of {len(report['targets'])} targets missed:" in stderr
+    for t in overhead:
+        assert f"  {t['name']}: " in stderr
 
 
 def test_missed_and_forced_targets_on_a_report(run):
@@ -213,10 +250,15 @@ def test_plot_lines_take_their_variants_colour_and_bytes_read_as_bytes(run):
 def test_register_cli_adds_bench_with_its_options():
     parser = argparse.ArgumentParser(prog="kvxfer")
     bench.register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "--json", "--out", "d", "--quick"])
-    assert (args.json, args.out, args.quick) == (True, "d", True) and callable(args.func)
+    args = parser.parse_args(["bench", "--json", "--out", "d", "--quick", "--no-check"])
+    assert (args.json, args.out, args.quick, args.smoke, args.no_check) == \
+        (True, "d", True, False, True)
+    assert callable(args.func)
     args = parser.parse_args(["bench"])
-    assert (args.json, args.out, args.quick) == (False, None, False)
+    assert (args.json, args.out, args.quick, args.smoke, args.no_check) == \
+        (False, None, False, False, False)
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        parser.parse_args(["bench", "--quick", "--smoke"])
 
 
 @pytest.mark.parametrize("kwargs, match", [

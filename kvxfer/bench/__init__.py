@@ -33,6 +33,8 @@ The targets, printed as PASS/MISS lines (``Targets`` holds the thresholds):
 * on GPU, offload and load reach 0.9x the pinned copy at 64 MiB per call and more,
   0.6x at 8 MiB, and offload is 100x as fast as the per-page ``device_get`` loop.
 
+``kvxfer bench`` exits 1 when a target is missed (``--no-check``: only report).
+
 Example:
     >>> from kvxfer import bench
     >>> report = bench.run_bench(config=bench.BenchConfig.smoke())
