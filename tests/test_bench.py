@@ -1,44 +1,74 @@
-"""``kvxfer bench``: a tiny run's report has every section and only sane figures.
+"""``kvxfer bench``: a tiny run's report has every section and only sane figures, and the
+command exits by its targets.
 
 No timing assertions: timings belong to the benchmark itself (BENCHMARKS.md).
 """
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import math
+import re
 
 import pytest
 
 from kvxfer import bench
+from kvxfer._text import format_bytes
+from kvxfer.bench import limits, report as bench_report, timing
 
 LOAD_METHODS = {"load_off_all", "load_off_layer", "load_page_all", "load_page_layer"}
 KVXFER_METHODS = {"offload_off", "offload_page"} | LOAD_METHODS
-USER_METHODS = {"user_device_get", "user_gather_pinned"}
+USER_OFFLOADS = {"user_device_get", "user_gather_pinned", "user_batched_gather_pinned"}
+USER_LOADS = {"user_put_scatter", "user_batched_put_scatter"}
+D2H_METHODS = {"offload_off", "offload_page"} | USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
             "integrity_traffic", "cache_size", "memory", "targets", "not_measured", "files"}
+PROGRESS = re.compile(r"^kvxfer bench: \[(\d+)/(\d+) \d+:\d\d elapsed"
+                      r"(, about \d+:\d\d left)?\] (.*)$")
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+# A host-overhead target of 0 ms cannot be met: every call takes some time.
+UNMEETABLE = bench.Targets(host_overhead_ms=0.0)
+
+
+def run_cli(*argv, targets=bench.Targets()):
+    parser = argparse.ArgumentParser(prog="kvxfer")
+    bench.register_cli(parser.add_subparsers(dest="command", required=True), targets=targets)
+    args = parser.parse_args(list(argv))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = args.func(args)
+    return rc, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def cli_run(tmp_path_factory):
+    """One smoke run through the command, as a user runs it: ``--no-check``, JSON, files."""
     out = tmp_path_factory.mktemp("bench")
-    lines = []
-    report = bench.run_bench(out_dir=str(out), config=bench.BenchConfig.smoke(),
-                             progress=lines.append)
-    return report, out, lines
+    rc, stdout, stderr = run_cli("bench", "--smoke", "--json", "--no-check", "--out", str(out))
+    return json.loads(stdout), out, stderr.splitlines(), rc
+
+
+@pytest.fixture(scope="module")
+def run(cli_run):
+    """The smoke run's report, output folder and progress lines."""
+    return cli_run[:3]
 
 
 def test_report_has_every_section(run):
     report, _, lines = run
     cfg = bench.BenchConfig.smoke()
-    assert set(report) == SECTIONS
+    assert set(report) == SECTIONS and report["schema"] == bench.SCHEMA
     assert report["meta"]["platform"] == "cpu" and report["meta"]["limit_method"]
-    assert [(r["page_bytes"], r["dtype"]) for r in report["throughput"]] == \
+    assert report["meta"]["preset"] == "smoke" and report["meta"]["config"] == cfg.as_dict()
+    assert [(r["block_bytes"], r["dtype"]) for r in report["throughput"]] == \
         sorted(cfg.cells, key=lambda c: c != cfg.reference)
-    for row in report["throughput"]:
-        assert set(row["methods"]) >= KVXFER_METHODS | USER_METHODS
+    for row in report["throughput"] + report["sweep"]:
+        assert set(row["methods"]) == KVXFER_METHODS | USER_OFFLOADS | USER_LOADS
         assert set(row["limit"]) == {"d2h", "h2d"}
-        assert row["bytes"] == row["pages"] * row["layers"] * row["page_bytes"]
+        assert row["bytes"] == row["pages"] * row["layers"] * row["block_bytes"]
+    for row in report["throughput"]:
         assert row["paths"] == ["raw"]  # XLA:CPU row-major caches take the raw path
     assert [r["pages"] for r in report["sweep"]] == list(cfg.prefix_pages)
     for row in report["sweep"]:
@@ -53,9 +83,10 @@ def test_report_has_every_section(run):
     assert set(report["cache_size"]["variants"]) == \
         {"off_auto", "page_auto", "page_staged", "user_scatter"}
     assert report["memory"]["pool_bytes"] == report["memory"]["plan_bytes"]
+    said = [PROGRESS.match(line).group(4) for line in lines if PROGRESS.match(line)]
     for section in ("throughput", "memory", "concurrency", "host overhead", "prefix sweep",
                     "cache size"):
-        assert any(line.startswith(section) for line in lines), section
+        assert any(line.startswith(section) for line in said), section
 
 
 def test_every_figure_is_positive_and_finite(run):
@@ -68,13 +99,13 @@ def test_every_figure_is_positive_and_finite(run):
     assert not bad
 
 
-def test_fractions_are_against_the_limit_of_the_same_case(run):
+def test_fractions_are_against_the_limit_of_the_same_case_and_direction(run):
     report, _, _ = run
     for row in report["throughput"] + report["sweep"]:
         for name, m in row["methods"].items():
-            direction = "d2h" if name.startswith(("offload", "user")) else "h2d"
+            assert m["direction"] == ("d2h" if name in D2H_METHODS else "h2d"), name
             assert m["fraction_of_limit"] == pytest.approx(
-                m["gbps"] / row["limit"][direction]["gbps"])
+                m["gbps"] / row["limit"][m["direction"]]["gbps"])
             assert m["best_s"] <= m["p50_s"] <= m["p99_s"]
 
 
@@ -84,27 +115,150 @@ def test_targets_are_pass_or_miss_lines(run):
     assert len(names) == len(set(names)) >= 10
     for t in report["targets"]:
         assert t["status"] in ("PASS", "MISS") and t["op"] in (">=", "<=", "within")
+    assert report["targets"] == bench.evaluate_targets(report)
     text = bench.format_report(report)
     for t in report["targets"]:
         assert f"{t['status']}  {t['name']}" in text
+    met = sum(t["status"] == "PASS" for t in report["targets"])
+    assert f"{met} of {len(names)} targets met" in text
     assert "Prefix sweep" in text and "Host overhead" in text
+
+
+def test_words_page_and_staged_keep_one_meaning(run):
+    report, _, lines = run
+    text = "\n".join([bench.format_report(report), *lines])
+    # A page spans every layer; a single layer's unit is a block.
+    assert "KiB pages" not in text and "KiB bfloat16 pages" not in text
+    assert re.search(r"\d+ KiB (bfloat16|int8) blocks", text)
+    # "staged" names the path only.
+    assert [line for line in text.splitlines() if "staged" in line] == \
+        [line for line in text.splitlines() if "path=staged" in line]
+
+
+def test_no_check_reports_misses_and_exits_0(cli_run):
+    report, _, lines, rc = cli_run
+    assert rc == 0
+    misses = bench.missed(report)
+    assert ("(not checked: --no-check)" in "\n".join(lines)) == bool(misses)
+    for t in misses:
+        assert any(t["name"] in line for line in lines)
+
+
+def test_a_missed_target_exits_1_and_is_named():
+    rc, stdout, stderr = run_cli("bench", "--smoke", "--json", targets=UNMEETABLE)
+    report = json.loads(stdout)
+    overhead = [t for t in report["targets"] if t["name"].startswith("host overhead")]
+    assert len(overhead) == 6 and all(t["status"] == "MISS" for t in overhead)
+    assert rc == 1
+    assert f"{len(bench.missed(report))} of {len(report['targets'])} targets missed:" in stderr
+    for t in overhead:
+        assert f"  {t['name']}: " in stderr
+
+
+def test_missed_and_forced_targets_on_a_report(run):
+    report, _, _ = run
+    forced = {**report, "targets": bench.evaluate_targets(report, UNMEETABLE)}
+    names = {t["name"] for t in bench.missed(forced)}
+    assert {t["name"] for t in forced["targets"] if "<= 0 ms" in t["name"]} <= names
+    assert len([n for n in names if n.startswith("host overhead")]) == 6
+    with pytest.raises(ValueError, match="host_overhead_ms"):
+        bench.Targets(host_overhead_ms=-1.0)
+
+
+def test_progress_lines_count_every_step_and_estimate_what_is_left(run):
+    _, _, lines = run
+    steps = [PROGRESS.match(line) for line in lines if PROGRESS.match(line)]
+    assert steps and len(steps) == len([line for line in lines if "elapsed" in line])
+    totals = {int(m.group(2)) for m in steps}
+    assert len(totals) == 1
+    numbers = [int(m.group(1)) for m in steps]
+    assert sorted(set(numbers)) == list(range(1, totals.pop() + 1))
+    assert numbers == sorted(numbers)
+    # Every step after the first carries an estimate (notes within a step do not).
+    firsts = {}
+    for m in steps:
+        firsts.setdefault(int(m.group(1)), m)
+    assert firsts[1].group(3) is None
+    assert all(m.group(3) for n, m in firsts.items() if n > 1)
+
+
+def test_progress_estimate_uses_the_mean_time_of_each_kind():
+    t, said = [0.0], []
+    p = timing.Progress(["cell", "cell", "cell", "sweep"], said.append, clock=lambda: t[0])
+    p.step("cell", "a")
+    assert p.left_s() is None
+    t[0] = 10.0
+    p.step("cell", "b")
+    assert p.left_s() == 30.0  # 3 steps left at the 10 s the first one took
+    t[0] = 40.0
+    p.step("cell", "c")
+    assert p.left_s() == 40.0  # cells average 20 s; the sweep, unseen, the same
+    t[0] = 45.0
+    p.step("sweep", "d")
+    assert p.left_s() == pytest.approx(15.0)
+    assert said == ["[1/4 0:00 elapsed] a", "[2/4 0:10 elapsed, about 0:30 left] b",
+                    "[3/4 0:40 elapsed, about 0:40 left] c",
+                    "[4/4 0:45 elapsed, about 0:15 left] d"]
 
 
 def test_out_dir_holds_the_report_and_a_plot_when_matplotlib_is_there(run):
     report, out, _ = run
-    assert json.loads((out / "bench.json").read_text()) == json.loads(json.dumps(report))
-    has_mpl = importlib.util.find_spec("matplotlib") is not None
-    assert (out / "bench.png").exists() == has_mpl
-    assert ("plot" in report["files"]) == has_mpl
+    assert json.loads((out / "bench.json").read_text()) == report
+    assert (out / "bench.png").exists() == HAS_MPL
+    assert ("plot" in report["files"]) == HAS_MPL
+    assert any("matplotlib" in note for note in report["not_measured"]) != HAS_MPL
+
+
+def test_plot_keeps_one_colour_per_variant_and_shows_users_both_ways(run):
+    report, _, _ = run
+    variants = bench_report.VARIANTS
+    assert len({v.colour.lower() for v in variants}) == len(variants)
+    assert len({v.name for v in variants}) == len(variants)
+    keys = [key for v in variants for key, _ in v.methods.values() if key != "limit"]
+    assert len(keys) == len(set(keys))  # a method is drawn as one variant only
+    for v in variants:
+        for direction, (key, _) in v.methods.items():
+            assert key == "limit" or all(
+                row["methods"][key]["direction"] == direction for row in report["sweep"]), key
+    both = {v.name for v in variants if set(v.methods) == {"d2h", "h2d"}}
+    assert {"limit", "user, per page", "user, batched", "kvxfer integrity=off",
+            "kvxfer integrity=page"} <= both
+    assert [d for _, d in bench_report.PANELS] == ["d2h", "h2d"]
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed (extra 'plot')")
+def test_plot_lines_take_their_variants_colour_and_bytes_read_as_bytes(run):
+    from matplotlib.colors import to_hex
+
+    report, _, _ = run
+    fig = bench_report.figure(report)
+    colours = {}
+    for ax, (_, direction) in zip(fig.axes, bench_report.PANELS):
+        drawn = [v for v in bench_report.VARIANTS if direction in v.methods]
+        lines = ax.get_lines()
+        assert len(lines) == len(drawn)
+        for line, v in zip(lines, drawn):
+            assert to_hex(line.get_color()) == v.colour.lower()
+            assert line.get_linestyle() == v.linestyle
+            colours.setdefault(v.name, set()).add(to_hex(line.get_color()))
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert labels == [format_bytes(r["bytes"]) for r in report["sweep"]]
+    assert all(len(c) == 1 for c in colours.values())
+    assert {"user, per page", "user, batched"} <= set(colours)
 
 
 def test_register_cli_adds_bench_with_its_options():
     parser = argparse.ArgumentParser(prog="kvxfer")
     bench.register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "--json", "--out", "d", "--quick"])
-    assert (args.json, args.out, args.quick, args.func) == (True, "d", True, bench._cmd_bench)
+    args = parser.parse_args(["bench", "--json", "--out", "d", "--quick", "--no-check"])
+    assert (args.json, args.out, args.quick, args.smoke, args.no_check) == \
+        (True, "d", True, False, True)
+    assert callable(args.func)
     args = parser.parse_args(["bench"])
-    assert (args.json, args.out, args.quick) == (False, None, False)
+    assert (args.json, args.out, args.quick, args.smoke, args.no_check) == \
+        (False, None, False, False, False)
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        parser.parse_args(["bench", "--quick", "--smoke"])
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -124,22 +278,30 @@ def test_gpu_targets_and_report_from_the_same_figures(run):
     # The GPU branch cannot run here; its targets and tables are read from the same
     # report structure, so check they are built from it without error.
     report, _, _ = run
-    targets = bench._targets(bench.BenchConfig.smoke(), report, gpu=True)
+    gpu = {**report, "meta": {**report["meta"], "platform": "gpu"}}
+    targets = bench.evaluate_targets(gpu)
     names = [t["name"] for t in targets]
-    assert any("0.97x off" in n for n in names)
-    assert any("100x the per-block device_get" in n for n in names)
+    assert any("0.97x integrity=off" in n for n in names)
+    assert any("100x the per-page device_get" in n for n in names)
     assert not any(n.startswith("cpu:") for n in names)
-    gpu_report = {**report, "meta": {**report["meta"], "platform": "gpu"},
-                  "targets": targets}
-    text = bench.format_report(gpu_report)
-    assert "pinned d2h" in text and "100x" in text
+    text = bench.format_report({**gpu, "targets": targets})
+    assert "pinned d2h" in text and "pinned h2d" in text and "100x" in text
 
 
-def test_jax_pinned_copy_limit_copies_both_ways():
-    limit = bench._JaxPinnedCopy(1 << 20)
-    try:
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host", None])
+def test_jax_host_copy_limit_copies_both_ways(kind):
+    with limits.JaxHostCopy(1 << 20, host_kind=kind) as limit:
         runners = limit.runners(1 << 16)
         assert set(runners) == {"d2h", "h2d"}
         assert all(fn() > 0 for fn in runners.values())
-    finally:
-        limit.close()
+        assert (kind or "no host memory kinds") in limit.label
+
+
+def test_limits_refuse_copies_beyond_their_buffers():
+    with limits.Memcpy(1024) as limit:
+        with pytest.raises(ValueError, match="capacity=1024"):
+            limit.runners(2048)
+    with pytest.raises(ValueError, match="Got 0 of type int"):
+        limits.Memcpy(0)
+    with pytest.raises(ValueError, match="Got 'device_host'"):
+        limits.JaxHostCopy(1024, host_kind="device_host")

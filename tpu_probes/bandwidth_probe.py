@@ -4,10 +4,11 @@ For every block size (``--block_sizes``, KiB) it builds ``--num_layers`` caches 
 ``[num_blocks, rows, 128]`` elements (one block = that many KiB) and, for each path
 (``staged``; ``direct`` where the backend has one), times ``offload`` (d2h: until
 the pages are on the host) and ``load`` (h2d: until the caches are written) of
-``--batch_sizes`` random blocks, integrity off. Every number is a median over
+``--batch_sizes`` pages (a page: the block at one index of every layer) at random
+block indices, integrity off. Every number is a median over
 ``--iters`` runs after ``--warmup`` runs (which compile the programs).
 
-The physical limit is measured in the same run:
+The physical limit is measured in the same run, with ``kvxfer.bench.limits``:
 
 * CPU: a numpy memcpy of the same bytes (per cell), and of one ``--limit_mib``
   buffer;
@@ -43,6 +44,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvxfer  # noqa: E402
+from kvxfer import testing  # noqa: E402
+from kvxfer.bench import limits, timing  # noqa: E402
 from kvxfer.layout import dtype_of  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -63,140 +66,51 @@ flags.DEFINE_integer("seed", 0, "random seed")
 flags.DEFINE_bool("json", False, "print one JSON object instead of the table")
 
 
-def _median_time(fn: Callable[[], Any], iters: int, min_seconds: float = 0.0) -> float:
-    """Median seconds of ``fn()``; repeats inside a sample until ``min_seconds``."""
-    samples = []
-    for _ in range(iters):
-        reps, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            reps += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= min_seconds:
-                break
-        samples.append(elapsed / reps)
-    return statistics.median(samples)
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
-
-
 # ---------------------------------------------------------------------------
 # Physical limits
 # ---------------------------------------------------------------------------
 
 
-def memcpy_seconds(nbytes: int, iters: int) -> float:
-    """Median seconds of a numpy memcpy of ``nbytes`` (buffers touched first)."""
-    src = np.ones(nbytes, np.uint8)
-    dst = np.zeros(nbytes, np.uint8)
-    np.copyto(dst, src)
-    return _median_time(lambda: np.copyto(dst, src), iters, min_seconds=2e-3)
+def _median(fn: Callable[[], float], iters: int, min_seconds: float = 0.0) -> float:
+    """Median seconds of a copy (after one untimed run); see ``timing.sample``."""
+    fn()
+    return timing.stats(timing.sample(fn, iters, min_seconds=min_seconds))["p50_s"]
 
 
-def jax_host_link(nbytes: int, iters: int) -> dict[str, Any]:
-    """d2h / h2d of one buffer with ``jax.device_put`` between device and host memory."""
-    dev = common.device()
-    kinds = [m.kind for m in dev.addressable_memories()]
-    x = jax.device_put(np.ones(nbytes, np.uint8), dev).block_until_ready()
-    host_kind = next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
-    if host_kind is not None:
-        host_s = jax.sharding.SingleDeviceSharding(dev, memory_kind=host_kind)
-        dev_s = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-        h = jax.device_put(x, host_s).block_until_ready()
-        d2h = _median_time(lambda: jax.device_put(x, host_s).block_until_ready(), iters)
-        h2d = _median_time(lambda: jax.device_put(h, dev_s).block_until_ready(), iters)
-        how = f"jax.device_put to/from {host_kind}"
+def link(limit: limits.Limit, nbytes: int, iters: int) -> dict[str, Any]:
+    """d2h / h2d GB/s of one limit's copies of ``nbytes`` (a memcpy counts for both)."""
+    runners = limit.runners(nbytes)
+    if "memcpy" in runners:  # repeated within a sample: small copies take microseconds
+        d2h = h2d = _median(runners["memcpy"], iters, min_seconds=2e-3)
     else:
-        host = np.asarray(x)
-        d2h = _median_time(lambda: np.asarray(jax.device_put(x, dev)).copy(), iters)
-        h2d = _median_time(lambda: jax.device_put(host, dev).block_until_ready(), iters)
-        how = "np.asarray / jax.device_put (no host memory kinds offered)"
-    return {"how": how, "bytes": nbytes, "d2h_gbps": _gbps(nbytes, d2h),
-            "h2d_gbps": _gbps(nbytes, h2d)}
-
-
-def torch_link(nbytes: int, iters: int) -> dict[str, Any] | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    devb = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-
-    def h2d():
-        devb.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-
-    def d2h():
-        host.copy_(devb, non_blocking=True)
-        torch.cuda.synchronize()
-
-    h2d()
-    d2h()
-    return {"how": "torch pinned copies", "bytes": nbytes,
-            "d2h_gbps": _gbps(nbytes, _median_time(d2h, iters)),
-            "h2d_gbps": _gbps(nbytes, _median_time(h2d, iters))}
-
-
-def cupy_link(nbytes: int, iters: int) -> dict[str, Any] | None:
-    try:
-        import cupy
-    except ImportError:
-        return None
-    try:
-        mem = cupy.cuda.alloc_pinned_memory(nbytes)
-        host = np.frombuffer(mem, np.uint8, nbytes)
-        devb = cupy.empty(nbytes, cupy.uint8)
-        stream = cupy.cuda.Stream(non_blocking=True)
-
-        def h2d():
-            devb.set(host, stream=stream)
-            stream.synchronize()
-
-        def d2h():
-            devb.get(out=host, stream=stream)
-            stream.synchronize()
-
-        h2d()
-        d2h()
-        return {"how": "cupy pinned copies", "bytes": nbytes,
-                "d2h_gbps": _gbps(nbytes, _median_time(d2h, iters)),
-                "h2d_gbps": _gbps(nbytes, _median_time(h2d, iters))}
-    except Exception as e:  # noqa: BLE001 - an optional extra measurement
-        logging.warning("cupy measurement failed: %s", e)
-        return None
+        d2h, h2d = _median(runners["d2h"], iters), _median(runners["h2d"], iters)
+    return {"how": limit.label, "bytes": nbytes, "d2h_gbps": timing.gbps(nbytes, d2h),
+            "h2d_gbps": timing.gbps(nbytes, h2d)}
 
 
 def measure_limits(nbytes: int, iters: int) -> dict[str, Any]:
     """The large-buffer link limit per direction (best of what this backend offers)."""
     dev = common.device()
     found = []
+    kinds: list[type[limits.Limit]] = [limits.JaxHostCopy]
     if dev.platform == "cpu":
-        s = memcpy_seconds(nbytes, iters)
-        found.append({"how": "numpy memcpy", "bytes": nbytes, "d2h_gbps": _gbps(nbytes, s),
-                      "h2d_gbps": _gbps(nbytes, s)})
-    try:
-        found.append(jax_host_link(nbytes, iters))
-    except Exception as e:  # noqa: BLE001 - report and use what else there is
-        logging.warning("jax host-link measurement failed: %s", e)
-    if dev.platform == "gpu":
-        for fn in (torch_link, cupy_link):
-            try:
-                r = fn(nbytes, iters)
-            except Exception as e:  # noqa: BLE001
-                logging.warning("%s failed: %s", fn.__name__, e)
-                r = None
-            if r is not None:
-                found.append(r)
+        kinds.insert(0, limits.Memcpy)
+    elif dev.platform == "gpu":
+        kinds += [limits.TorchCopy, limits.CupyCopy]
+    for kind in kinds:
+        try:
+            with kind(nbytes) as limit:
+                found.append(link(limit, nbytes, iters))
+        except ImportError:  # torch or cupy is not installed: nothing to compare
+            continue
+        except Exception as e:  # noqa: BLE001 - report and use what else there is
+            logging.warning("%s measurement failed: %s: %s", kind.__name__,
+                            type(e).__name__, e)
     if not found:
         nan = float("nan")
         d2h, h2d, how_d2h, how_h2d = nan, nan, "not measured", "not measured"
     elif dev.platform == "cpu":
-        best = found[0]  # the CPU's limit is memcpy (DESIGN.md), whatever jax reaches
+        best = found[0]  # the CPU's limit is memcpy, whatever jax's host copies reach
         d2h, h2d = best["d2h_gbps"], best["h2d_gbps"]
         how_d2h = how_h2d = best["how"]
     else:
@@ -210,15 +124,6 @@ def measure_limits(nbytes: int, iters: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 # kvxfer transfers
 # ---------------------------------------------------------------------------
-
-
-def block_shape(block_bytes: int, dtype: Any) -> tuple[int, ...]:
-    item = dtype_of(dtype).itemsize
-    if block_bytes % item:
-        raise ValueError(f"a {block_bytes}-byte block is not a whole number of "
-                         f"{dtype_of(dtype).name} elements")
-    elems = block_bytes // item
-    return (elems // 128, 128) if elems % 128 == 0 else (elems,)
 
 
 def measure_cell(mgr: kvxfer.KVCacheManager, caches: list[jax.Array], batch: int,
@@ -259,14 +164,16 @@ def run(block_kib: list[int], batches: list[int], paths: list[str], *, num_layer
     n = num_blocks or max(16, 2 * max(batches))
     if n < max(batches):
         raise ValueError(f"--num_blocks {n} is smaller than the largest batch {max(batches)}")
-    limits = measure_limits(limit_mib << 20, iters)
-    logging.info("limit: d2h %.2f GB/s (%s), h2d %.2f GB/s (%s)", limits["d2h_gbps"],
-                 limits["d2h_how"], limits["h2d_gbps"], limits["h2d_how"])
+    link_limit = measure_limits(limit_mib << 20, iters)
+    logging.info("limit: d2h %.2f GB/s (%s), h2d %.2f GB/s (%s)", link_limit["d2h_gbps"],
+                 link_limit["d2h_how"], link_limit["h2d_gbps"], link_limit["h2d_how"])
+    # On CPU every cell is also measured against a memcpy of its own bytes.
+    memcpy = limits.Memcpy(max(batches) * num_layers * (max(block_kib) << 10)) \
+        if dev.platform == "cpu" else None
     results, unavailable, failures = [], {}, []
     for kib in block_kib:
-        shape = (n, *block_shape(kib << 10, dtype))
-        caches = [jax.device_put(common.random_array(shape, dtype, seed + i), dev)
-                  for i in range(num_layers)]
+        caches = testing.random_caches(num_layers, n, testing.block_shape(kib << 10, dtype),
+                                       dtype, seed=seed)
         for path in paths:
             if path in unavailable:
                 continue
@@ -289,22 +196,23 @@ def run(block_kib: list[int], batches: list[int], paths: list[str], *, num_layer
                         logging.error("%s", msg)
                         failures.append(msg)
                         continue
-                    if dev.platform == "cpu":
-                        s = memcpy_seconds(nbytes, iters)
-                        lim_d2h = lim_h2d = _gbps(nbytes, s)
+                    if memcpy is not None:
+                        cell = link(memcpy, nbytes, iters)
+                        lim_d2h, lim_h2d = cell["d2h_gbps"], cell["h2d_gbps"]
                         lim_how = "numpy memcpy of the same bytes"
                     else:
-                        lim_d2h, lim_h2d = limits["d2h_gbps"], limits["h2d_gbps"]
+                        lim_d2h, lim_h2d = link_limit["d2h_gbps"], link_limit["h2d_gbps"]
                         lim_how = f"large-buffer limit ({limit_mib} MiB)"
                     row = {"block_kib": kib, "batch": batch, "path": path, "movers": movers,
                            "layers": num_layers, "bytes": nbytes, "d2h_s": d2h, "h2d_s": h2d,
-                           "d2h_gbps": _gbps(nbytes, d2h), "h2d_gbps": _gbps(nbytes, h2d),
+                           "d2h_gbps": timing.gbps(nbytes, d2h),
+                           "h2d_gbps": timing.gbps(nbytes, h2d),
                            "limit_d2h_gbps": lim_d2h, "limit_h2d_gbps": lim_h2d,
                            "limit_how": lim_how}
                     row["d2h_fraction"] = row["d2h_gbps"] / lim_d2h
                     row["h2d_fraction"] = row["h2d_gbps"] / lim_h2d
-                    row["d2h_fraction_of_link"] = row["d2h_gbps"] / limits["d2h_gbps"]
-                    row["h2d_fraction_of_link"] = row["h2d_gbps"] / limits["h2d_gbps"]
+                    row["d2h_fraction_of_link"] = row["d2h_gbps"] / link_limit["d2h_gbps"]
+                    row["h2d_fraction_of_link"] = row["h2d_gbps"] / link_limit["h2d_gbps"]
                     logging.info("%s %d KiB x %d: d2h %.3f GB/s, h2d %.3f GB/s", path, kib,
                                  batch, row["d2h_gbps"], row["h2d_gbps"])
                     results.append(row)
@@ -312,7 +220,7 @@ def run(block_kib: list[int], batches: list[int], paths: list[str], *, num_layer
     return {"provenance": common.provenance(), "backend": dev.platform,
             "device_kind": getattr(dev, "device_kind", ""), "dtype": dtype_of(dtype).name,
             "num_layers": num_layers, "num_blocks": n, "iters": iters, "warmup": warmup,
-            "integrity": integrity, "limits": limits, "results": results,
+            "integrity": integrity, "limits": link_limit, "results": results,
             "unavailable": unavailable, "failures": failures}
 
 

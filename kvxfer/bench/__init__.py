@@ -1,0 +1,61 @@
+"""``kvxfer bench``: kvxfer against the physical limit and what users write today.
+
+Everything is measured side by side in one run, on the same machine, with the
+variants of each case interleaved repeat by repeat (so a noisy neighbour slows
+them all alike) and throughputs taken from the best repeat:
+
+* **limit**: the physical limit for the same bytes; a numpy memcpy between
+  preallocated host buffers on CPU; on GPU a pinned host<->device copy (PyTorch or
+  CuPy when importable, else ``jax.device_put`` of one large ``pinned_host`` buffer);
+* **user**: what users write today. Offloads: a per-page ``jax.device_get`` loop; a
+  jitted per-page gather then ``jax.device_put`` to ``pinned_host``; one batched
+  jitted gather then ``device_put`` to ``pinned_host``. Loads: a per-page
+  ``device_put`` then a jitted donated scatter; one batched ``device_put`` and scatter;
+* **kvxfer**: ``KVCacheManager`` offload and load (``path="auto"``) with
+  ``integrity`` ``"off"`` / ``"page"`` and ``gate`` ``"all"`` / ``"layer"``.
+
+A *block* is one layer's block; a *page* is one block index across every layer of a
+slice class, what one host slot holds. Sections: throughput over block sizes and
+dtypes at a fixed bytes per call; a prefix-length sweep (throughput vs bytes per
+call, hit latency to the first and the last layer); concurrency (requests in flight
+before waiting); per-call host overhead; integrity traffic; loading into a small vs
+a large cache; memory.
+
+The targets, printed as PASS/MISS lines (``Targets`` holds the thresholds):
+
+* on CPU, offload and load, integrity off and page, reach 0.5x memcpy in every cell;
+* with integrity page, offload and load keep 0.6x (CPU) or 0.97x (GPU) of their
+  integrity-off throughput at the reference block size;
+* loading the same pages into a large cache takes at most 2x as long as into a
+  small one;
+* each ``offload()`` / ``load()`` call spends at most 1 ms in the caller's thread (p50);
+* the host pool is within 1% of the plan's bytes;
+* on GPU, offload and load reach 0.9x the pinned copy at 64 MiB per call and more,
+  0.6x at 8 MiB, and offload is 100x as fast as the per-page ``device_get`` loop.
+
+``kvxfer bench`` exits 1 when a target is missed (``--no-check``: only report).
+
+Example:
+    >>> from kvxfer import bench
+    >>> report = bench.run_bench(config=bench.BenchConfig.smoke())
+    >>> {t["status"] for t in report["targets"]} <= {"PASS", "MISS"}
+    True
+    >>> text = bench.format_report(report)
+    >>> met = len(report["targets"]) - len(bench.missed(report))
+    >>> text.startswith("kvxfer bench"), f"{met} of {len(report['targets'])} targets met" in text
+    (True, True)
+"""
+
+from kvxfer.bench._cli import register_cli as register_cli
+from kvxfer.bench._config import BenchConfig as BenchConfig
+from kvxfer.bench._run import SCHEMA as SCHEMA
+from kvxfer.bench._run import run_bench as run_bench
+from kvxfer.bench.report import ZERO_OK as ZERO_OK
+from kvxfer.bench.report import Targets as Targets
+from kvxfer.bench.report import evaluate_targets as evaluate_targets
+from kvxfer.bench.report import format_report as format_report
+from kvxfer.bench.report import iter_figures as iter_figures
+from kvxfer.bench.report import missed as missed
+
+__all__ = ["BenchConfig", "run_bench", "register_cli", "format_report", "iter_figures",
+           "evaluate_targets", "missed", "Targets", "ZERO_OK", "SCHEMA"]

@@ -1,0 +1,80 @@
+"""``kvxfer bench``: the command line of the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from typing import Any
+
+from kvxfer.bench import report as _report
+from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._run import run_bench
+
+__all__ = ["register_cli"]
+
+
+def _progress(line: str) -> None:
+    print(f"kvxfer bench: {line}", file=sys.stderr, flush=True)
+
+
+def _cmd_bench(args: argparse.Namespace, targets: _report.Targets) -> int:
+    config = BenchConfig.smoke() if args.smoke else None
+    report = run_bench(quick=args.quick, out_dir=args.out, config=config, progress=_progress,
+                       targets=targets)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_report.format_report(report))
+        if "files" in report:
+            print("wrote " + ", ".join(report["files"].values()))
+    misses = _report.missed(report)
+    if not misses:
+        return 0
+    names = "".join(f"\n  {t['name']}: {t['value']:.3g} ({t['where']})" for t in misses)
+    if args.no_check:
+        print(f"kvxfer bench: {len(misses)} of {len(report['targets'])} targets missed "
+              f"(not checked: --no-check):{names}", file=sys.stderr)
+        return 0
+    print(f"kvxfer bench: {len(misses)} of {len(report['targets'])} targets missed:{names}",
+          file=sys.stderr)
+    return 1
+
+
+def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets()
+                 ) -> argparse.ArgumentParser:
+    """Adds ``bench`` to an argparse subparsers object; returns its parser.
+
+    Args:
+      subparsers: what ``ArgumentParser.add_subparsers()`` returned.
+      targets: the thresholds the command checks the run against (default: kvxfer's).
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="kvxfer")
+        >>> p = register_cli(parser.add_subparsers(dest="command"))
+        >>> args = parser.parse_args(["bench", "--quick", "--no-check"])
+        >>> args.quick, args.smoke, args.no_check, args.json, args.out
+        (True, False, True, False, None)
+    """
+    p = subparsers.add_parser(
+        "bench", help="measure kvxfer against the physical limit and user baselines",
+        description="Measures, side by side in one run: the physical limit (memcpy on "
+        "CPU, pinned host<->device copy on GPU), what users write today (per-page "
+        "device_get, jitted gather -> pinned_host, device_put + donated scatter) and "
+        "KVCacheManager offload/load with integrity off/page and gate all/layer; prints "
+        "tables and PASS/MISS target lines. Exits 1 when a target is missed (2 on an "
+        "error), unless --no-check.")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--out", metavar="DIR",
+                   help="write bench.json (and bench.png when matplotlib is importable) here")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="fewer cases and repeats (under a minute on a 2-core CPU)")
+    size.add_argument("--smoke", action="store_true",
+                      help="tiny sizes: checks that every section runs, in seconds (its "
+                      "figures, and so its targets, mean little)")
+    p.add_argument("--no-check", action="store_true",
+                   help="only report: exit 0 even when a target is missed")
+    p.set_defaults(func=functools.partial(_cmd_bench, targets=targets))
+    return p

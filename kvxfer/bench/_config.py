@@ -1,0 +1,150 @@
+"""What a benchmark run measures: ``BenchConfig`` and its presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from kvxfer.layout import dtype_of
+
+__all__ = ["BenchConfig", "BatchedBaseline", "KiB", "MiB", "GiB"]
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+#: Where the batched user baselines run: every case, the reference cell only, or nowhere.
+BatchedBaseline = Literal["all", "reference", "none"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """What ``run_bench`` measures. ``full()`` / ``quick()`` / ``smoke()`` are presets.
+
+    A *block* is one layer's block (``block_bytes``); a *page* is one block index
+    across every layer, what one host slot holds (``layers x block_bytes``).
+
+    Attributes:
+      layers: layers of the benchmark model (every layer one cache array).
+      batch_bytes: bytes per offload/load call in the throughput section.
+      cells: ``(block_bytes, dtype)`` cases of the throughput section.
+      reference: the cell the concurrency, overhead, integrity-traffic and memory
+        sections reuse, and where the per-block-size targets are read.
+      prefix_block_bytes: block size (bfloat16) of the prefix-length sweep.
+      prefix_pages: prefix lengths (pages per call) of the sweep.
+      concurrency: requests in flight (issued before the first wait).
+      request_pages: pages per request in the concurrency section.
+      overhead_pages: pages per call in the host-overhead section.
+      cache_small_bytes, cache_large_bytes: the two caches of the cache-size figure.
+      cache_load_pages: pages loaded into each of them.
+      repeats: timed repeats per variant (after one warm-up).
+      overhead_repeats: timed repeats per variant of the host-overhead section.
+      baseline_budget_s: seconds each per-page user loop may run per case (a loop
+        cut short reports the throughput of the pages it moved).
+      cache_size_extras: also load into both caches with ``path="staged"`` and
+        with a user's jitted donated scatter.
+      batched_baseline: where to time the batched user baselines: ``"all"`` cases,
+        the ``"reference"`` cell only, or ``"none"`` (on CPU the batched gather runs
+        below 1 GB/s, so one sample of it can cost seconds).
+
+    Example:
+        >>> cfg = BenchConfig.smoke()
+        >>> cfg.layers, cfg.reference
+        (2, (16384, 'bfloat16'))
+        >>> BenchConfig.smoke().as_dict()["cells"]
+        [[16384, 'bfloat16'], [4096, 'int8']]
+    """
+
+    layers: int = 32
+    batch_bytes: int = 256 * MiB
+    cells: tuple[tuple[int, str], ...] = (
+        (64 * KiB, "bfloat16"), (16 * KiB, "bfloat16"), (256 * KiB, "bfloat16"),
+        (2 * MiB, "bfloat16"), (16 * KiB, "int8"), (64 * KiB, "int8"), (2 * MiB, "int8"),
+        (64 * KiB, "float8_e4m3fn"), (16 * KiB, "float32"), (64 * KiB, "float32"),
+        (2 * MiB, "float32"))
+    reference: tuple[int, str] = (64 * KiB, "bfloat16")
+    prefix_block_bytes: int = 16 * KiB
+    prefix_pages: tuple[int, ...] = (1, 4, 16, 64, 128, 256, 1024)
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    request_pages: int = 16
+    overhead_pages: int = 32
+    cache_small_bytes: int = 64 * MiB
+    cache_large_bytes: int = 1 * GiB
+    cache_load_pages: int = 32
+    repeats: int = 15
+    overhead_repeats: int = 50
+    baseline_budget_s: float = 1.5
+    cache_size_extras: bool = True
+    batched_baseline: BatchedBaseline = "all"
+
+    def __post_init__(self) -> None:
+        choices = typing.get_args(BatchedBaseline)
+        if self.batched_baseline not in choices:
+            raise ValueError(f"Expected batched_baseline in {choices}. Got "
+                             f"{self.batched_baseline!r} of type "
+                             f"{type(self.batched_baseline).__name__}")
+        if self.reference not in self.cells:
+            raise ValueError(f"reference={self.reference!r} must be one of cells={self.cells!r}")
+        for block, dtype in self.cells:
+            itemsize = dtype_of(dtype).itemsize
+            if block % itemsize or block < itemsize:
+                raise ValueError(f"cell ({block}, {dtype!r}): block_bytes must be a positive "
+                                 f"multiple of {itemsize}")
+            if self.batch_bytes < self.layers * block:
+                raise ValueError(f"batch_bytes={self.batch_bytes} holds no page of "
+                                 f"{self.layers} layers x {block} bytes")
+        if self.cache_small_bytes < self.layers * self.cache_load_pages * self.reference[0]:
+            raise ValueError(f"cache_small_bytes={self.cache_small_bytes} cannot hold "
+                             f"{self.cache_load_pages} pages of {self.layers} layers")
+        if max(self.concurrency) * self.request_pages > self.reference_pages or \
+                self.overhead_pages > self.reference_pages:
+            raise ValueError(f"concurrency x request_pages and overhead_pages must fit the "
+                             f"reference cell's {self.reference_pages} pages")
+
+    @property
+    def reference_pages(self) -> int:
+        """Pages per call of the reference cell."""
+        return self.batch_bytes // (self.layers * self.reference[0])
+
+    @property
+    def sweep_on_reference(self) -> bool:
+        """The prefix sweep runs on the reference cell's caches (no programs to compile)."""
+        return (self.prefix_block_bytes, "bfloat16") == self.reference and \
+            max(self.prefix_pages) <= self.reference_pages
+
+    @classmethod
+    def full(cls) -> BenchConfig:
+        """The full run (a few minutes on a 2-core CPU)."""
+        return cls()
+
+    @classmethod
+    def quick(cls) -> BenchConfig:
+        """Every section, fewer cases and repeats (under a minute on a 2-core CPU).
+
+        Its prefix sweep reuses the reference cell (64 KiB blocks, up to 128 pages) and
+        its requests share the sweep's page counts: each new cache shape or page-count
+        bucket costs seconds of compilation.
+        """
+        return cls(cells=((64 * KiB, "bfloat16"), (16 * KiB, "int8"), (2 * MiB, "float32")),
+                   prefix_block_bytes=64 * KiB, prefix_pages=(1, 4, 32, 128), request_pages=4,
+                   repeats=5, overhead_repeats=20, baseline_budget_s=0.2,
+                   cache_size_extras=False, batched_baseline="none")
+
+    @classmethod
+    def smoke(cls) -> BenchConfig:
+        """Tiny sizes for tests: every section and figure, in seconds (figures mean little)."""
+        return cls(layers=2, batch_bytes=256 * KiB,
+                   cells=((16 * KiB, "bfloat16"), (4 * KiB, "int8")),
+                   reference=(16 * KiB, "bfloat16"), prefix_block_bytes=16 * KiB,
+                   prefix_pages=(1, 2), concurrency=(1, 2), request_pages=1,
+                   overhead_pages=2, cache_small_bytes=128 * KiB, cache_large_bytes=512 * KiB,
+                   cache_load_pages=2, repeats=2, overhead_repeats=3,
+                   baseline_budget_s=0.02, cache_size_extras=True)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The config as JSON-ready lists and numbers."""
+        d = dataclasses.asdict(self)
+        d["cells"] = [list(c) for c in self.cells]
+        d["reference"] = list(self.reference)
+        for k in ("prefix_pages", "concurrency"):
+            d[k] = list(d[k])
+        return d

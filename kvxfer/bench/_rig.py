@@ -1,0 +1,92 @@
+"""The kvxfer side of a case: caches and one ``KVCacheManager`` per (integrity, path)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from kvxfer import testing
+from kvxfer.bench.timing import now
+from kvxfer.hostpool import PageRef
+from kvxfer.manager import Gate, IntegrityMode, KVCacheManager, PathMode
+
+__all__ = ["Rig", "make_caches", "load_name", "LOAD_VARIANTS"]
+
+#: The load variants every case times: (integrity, gate).
+LOAD_VARIANTS: tuple[tuple[IntegrityMode, Gate], ...] = (
+    ("off", "all"), ("off", "layer"), ("page", "all"), ("page", "layer"))
+
+
+def load_name(integrity: str, gate: str) -> str:
+    """The report's name of a kvxfer load variant: ``load_page_all``."""
+    return f"load_{integrity}_{gate}"
+
+
+def make_caches(layers: int, num_blocks: int, block_bytes: int, dtype: str,
+                seed: int = 0) -> list[jax.Array]:
+    """Caches ``[num_blocks, ...]`` of ``block_bytes`` per block, random bits in each."""
+    return testing.random_caches(layers, num_blocks, testing.block_shape(block_bytes, dtype),
+                                 dtype, seed=seed)
+
+
+class Rig:
+    """Caches and one ``KVCacheManager`` per (integrity, path) over them.
+
+    Loads (kvxfer's and the user baselines') replace ``caches`` with what they return.
+    """
+
+    def __init__(self, caches: list[jax.Array], num_host_blocks: int,
+                 kinds: Sequence[tuple[IntegrityMode, PathMode]] = (("off", "auto"),
+                                                                    ("page", "auto"))):
+        self.caches = caches
+        self.mgrs = {k: KVCacheManager(caches, num_host_blocks=num_host_blocks,
+                                       integrity=k[0], path=k[1]) for k in kinds}
+        self._key = 0
+
+    def mgr(self, integrity: IntegrityMode, path: PathMode = "auto") -> KVCacheManager:
+        return self.mgrs[(integrity, path)]
+
+    def keys(self, n: int) -> list[int]:
+        """``n`` page keys not used before in this rig."""
+        self._key += n
+        return list(range(self._key - n, self._key))
+
+    def hold(self, integrity: IntegrityMode, ids: Sequence[int], path: PathMode = "auto"
+             ) -> list[PageRef]:
+        """Offloads ``ids`` and keeps the pages (sources for loads)."""
+        return self.mgr(integrity, path).offload(self.caches, ids, self.keys(len(ids))).wait()
+
+    def offload(self, integrity: IntegrityMode, ids: Sequence[int]) -> dict[str, float]:
+        """One timed offload of ``ids`` (its pages are freed after): total and call seconds."""
+        mgr = self.mgr(integrity)
+        keys = self.keys(len(ids))
+        t0 = now()
+        handle = mgr.offload(self.caches, ids, keys)
+        t1 = now()
+        pages = handle.wait()
+        t2 = now()
+        mgr.free(pages)
+        return {"s": t2 - t0, "call_s": t1 - t0}
+
+    def load(self, integrity: IntegrityMode, pages: Sequence[PageRef], ids: Sequence[int],
+             gate: Gate, path: PathMode = "auto") -> dict[str, float]:
+        """One timed load: total, call, and first-layer-ready seconds."""
+        mgr = self.mgr(integrity, path)
+        t0 = now()
+        self.caches, handle = mgr.load(self.caches, pages, ids, gate=gate)
+        t1 = now()
+        handle.layer_ready(0)
+        t2 = now()
+        result = handle.result()
+        t3 = now()
+        if result.verified_prefix != len(pages):
+            raise RuntimeError(f"bench: a load verified {result.verified_prefix} of "
+                               f"{len(pages)} pages: {result.reasons}")
+        return {"s": t3 - t0, "call_s": t1 - t0, "first_s": t2 - t0}
+
+    def close(self) -> None:
+        for m in self.mgrs.values():
+            m.close()
+        self.mgrs.clear()
+        self.caches = []

@@ -1,0 +1,117 @@
+"""``run_bench``: every section in one run, the targets, and the files it keeps."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from kvxfer.bench import report as _report
+from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._sections import (cache_size_section, ordered_cells, plan, prefix_sweep,
+                                    throughput_cell)
+from kvxfer.bench.limits import make_limit
+from kvxfer.bench.timing import Progress, now
+
+__all__ = ["run_bench", "SCHEMA"]
+
+#: The report's schema (2: ``block_bytes`` per layer, user load baselines, ``direction``).
+SCHEMA = "kvxfer-bench/2"
+
+
+def _preset(config: BenchConfig) -> str:
+    for name in ("full", "quick", "smoke"):
+        if config == getattr(BenchConfig, name)():
+            return name
+    return "custom"
+
+
+def run_bench(quick: bool = False, out_dir: str | None = None, *,
+              config: BenchConfig | None = None,
+              progress: Callable[[str], None] | None = None,
+              targets: _report.Targets = _report.Targets()) -> dict[str, Any]:
+    """Runs the benchmark; returns the report (also written to ``out_dir``).
+
+    Args:
+      quick: the quick preset (under a minute on a 2-core CPU) instead of the full one.
+      out_dir: when given, writes ``bench.json`` there and, when matplotlib is
+        importable, ``bench.png`` (throughput vs bytes per call).
+      config: explicit sizes (overrides ``quick``); see ``BenchConfig``.
+      progress: called with a line per step as the run goes, each with the time
+        elapsed and, after the first step, an estimate of the time left.
+      targets: the thresholds the run is checked against (default: kvxfer's).
+
+    Returns:
+      A JSON-ready dict: ``schema``, ``meta``, ``throughput``, ``sweep``,
+      ``concurrency``, ``overhead``, ``integrity_traffic``, ``cache_size``, ``memory``,
+      ``targets``, ``not_measured`` (and ``files`` when written).
+
+    Example:
+        >>> report = run_bench(config=BenchConfig.smoke())
+        >>> report["meta"]["preset"], len(report["sweep"]) == len(BenchConfig.smoke().prefix_pages)
+        ('smoke', True)
+    """
+    cfg = config or (BenchConfig.quick() if quick else BenchConfig.full())
+    steps = Progress(plan(cfg), progress or (lambda line: None))
+    started = now()
+    dev = jax.devices()[0]
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "meta": {"date": datetime.date.today().isoformat(), "platform": dev.platform,
+                 "device": getattr(dev, "device_kind", str(dev)),
+                 "jax_version": jax.__version__, "python": platform.python_version(),
+                 "source": _source(), "cpu_count": os.cpu_count() or 1,
+                 "preset": _preset(cfg), "config": cfg.as_dict(),
+                 "stat_note": "throughput from the best repeat; p50/p99 over repeats; "
+                              "variants interleaved repeat by repeat"}}
+    capacity = max([cfg.batch_bytes] + [n * cfg.layers * cfg.prefix_block_bytes
+                                         for n in cfg.prefix_pages])
+    with make_limit(capacity) as limit:
+        report["meta"]["limit_method"] = limit.method
+        report["throughput"] = [
+            throughput_cell(cfg, limit, block, dtype, report=report, progress=steps)
+            for block, dtype in ordered_cells(cfg)]
+        if not cfg.sweep_on_reference:
+            report["sweep"] = prefix_sweep(cfg, limit, steps)
+    gc.collect()
+    report["cache_size"] = cache_size_section(cfg, steps)
+    report["not_measured"] = report["memory"].pop("not_measured")
+    report["targets"] = _report.evaluate_targets(report, targets)
+    report["meta"]["wall_s"] = now() - started
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        files = {"json": os.path.join(out_dir, "bench.json")}
+        png = _report.plot(report, os.path.join(out_dir, "bench.png"))
+        if png:
+            files["plot"] = png
+        else:
+            report["not_measured"].append("plot: matplotlib is not importable "
+                                          "(pip install 'kvxfer[plot]')")
+        report["files"] = files
+        with open(files["json"], "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+def _source() -> str:
+    """The kvxfer source measured: its git commit and whether ``kvxfer/`` is modified."""
+    import kvxfer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvxfer.__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain",
+                                "--untracked-files=no", "--", "kvxfer"],
+                               capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return f"kvxfer {kvxfer.__version__}"
+    return f"kvxfer {kvxfer.__version__}, git {head.stdout.strip()}" + \
+        (" with uncommitted changes to kvxfer/" if dirty.stdout.strip() else "")

@@ -1,0 +1,447 @@
+"""What a run tells its reader: the targets it is checked against, the tables, the plot.
+
+A report is the JSON-ready dict ``run_bench`` returns. Everything here reads only that
+dict (its ``meta.config`` included), so a kept ``bench.json`` can be re-read, checked
+and plotted again.
+
+Example:
+    >>> report = {"targets": [
+    ...     {"name": "a", "status": "PASS", "value": 0.7, "where": "x"},
+    ...     {"name": "b", "status": "MISS", "value": 3.0, "where": "y"}]}
+    >>> [t["name"] for t in missed(report)]
+    ['b']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from kvxfer._text import format_bytes, table
+from kvxfer.bench._config import MiB
+
+__all__ = ["Targets", "evaluate_targets", "missed", "ZERO_OK", "iter_figures",
+           "format_report", "Variant", "VARIANTS", "PANELS", "figure", "plot"]
+
+#: Figures that are differences and may legitimately be zero (all others are > 0).
+ZERO_OK = frozenset({"host_transient_bytes", "device_persistent_bytes",
+                     "device_transient_bytes"})
+
+
+# ---------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Targets:
+    """The thresholds a run is checked against; the defaults are kvxfer's targets.
+
+    Attributes:
+      cpu_fraction: on CPU, offload and load of ``batch_bytes`` per call, integrity
+        off and page, reach at least this fraction of memcpy (worst cell).
+      cache_size_ratio: loading ``cache_load_pages`` pages into the large cache
+        takes at most this many times as long as into the small one.
+      integrity_ratio_cpu, integrity_ratio_gpu: with ``integrity="page"``, offload and
+        load reach at least this fraction of their ``integrity="off"`` throughput at
+        the reference block size (worst dtype).
+      host_overhead_ms: each ``offload()`` / ``load()`` call of the host-overhead
+        section takes at most this long in the caller's thread (p50).
+      pool_tolerance: the host pool's bytes are within this fraction of the plan's.
+      gpu_fraction_64mib: on GPU, offload and load reach this fraction of the pinned
+        copy at 64 MiB per call and more.
+      gpu_fraction_8mib: on GPU, the same from 8 MiB up to 64 MiB per call.
+      gpu_over_device_get: on GPU, offload is this many times as fast as the
+        per-page ``jax.device_get`` loop.
+
+    Example:
+        >>> Targets().host_overhead_ms, Targets(host_overhead_ms=0.5).host_overhead_ms
+        (1.0, 0.5)
+    """
+
+    cpu_fraction: float = 0.5
+    cache_size_ratio: float = 2.0
+    integrity_ratio_cpu: float = 0.6
+    integrity_ratio_gpu: float = 0.97
+    host_overhead_ms: float = 1.0
+    pool_tolerance: float = 0.01
+    gpu_fraction_64mib: float = 0.9
+    gpu_fraction_8mib: float = 0.6
+    gpu_over_device_get: float = 100.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                    not math.isfinite(v) or v < 0:
+                raise ValueError(f"Expected a finite number >= 0 for {f.name}. Got {v!r} of "
+                                 f"type {type(v).__name__}")
+
+
+def _target(name: str, value: float, op: str, threshold: float, where: str
+            ) -> dict[str, Any]:
+    ok = {">=": value >= threshold, "<=": value <= threshold,
+          "within": abs(value - 1) <= threshold}[op]
+    return {"name": name, "value": float(value), "op": op, "threshold": float(threshold),
+            "status": "PASS" if ok else "MISS", "where": where}
+
+
+def _cell(row: dict[str, Any]) -> str:
+    return f"{format_bytes(row['block_bytes'])} {row['dtype']}"
+
+
+def evaluate_targets(report: dict[str, Any], targets: Targets = Targets()
+                     ) -> list[dict[str, Any]]:
+    """The target lines of a report (PASS or MISS each), for its platform.
+
+    Args:
+      report: a report with its measured sections (``targets`` may be absent).
+      targets: the thresholds (a test forces a miss with, say,
+        ``Targets(host_overhead_ms=0)``).
+
+    Returns:
+      One dict per target: ``name``, ``value``, ``op``, ``threshold``, ``status``,
+      ``where`` (the case the value was read from).
+    """
+    cfg = report["meta"]["config"]
+    gpu = report["meta"]["platform"] == "gpu"
+    cells = report["throughput"]
+    out = []
+    if not gpu:
+        batch = format_bytes(cfg["batch_bytes"])
+        for op, m in (("offload", "offload_page"), ("load", "load_page_all"),
+                      ("offload", "offload_off"), ("load", "load_off_all")):
+            v, row = min(((r["methods"][m]["fraction_of_limit"], r) for r in cells),
+                         key=lambda x: x[0])
+            out.append(_target(f"cpu: {op} of {batch} per call (integrity={m.split('_')[1]}) "
+                               f">= {targets.cpu_fraction:g}x memcpy", v, ">=",
+                               targets.cpu_fraction, f"worst cell: {_cell(row)}"))
+    cs = report["cache_size"]
+    out.append(_target(
+        f"load {cs['pages']} pages into {format_bytes(cs['large_cache_bytes'])} vs "
+        f"{format_bytes(cs['small_cache_bytes'])} cache <= {targets.cache_size_ratio:g}x time",
+        cs["variants"]["page_auto"]["ratio"], "<=", targets.cache_size_ratio,
+        "integrity=page, gate=all"))
+    floor = targets.integrity_ratio_gpu if gpu else targets.integrity_ratio_cpu
+    block_ref = cfg["reference"][0]
+    ref_cells = [r for r in cells if r["block_bytes"] == block_ref]
+    for op, on, off in (("offload", "offload_page", "offload_off"),
+                        ("load", "load_page_all", "load_off_all")):
+        v, row = min(((r["methods"][on]["gbps"] / r["methods"][off]["gbps"], r)
+                      for r in ref_cells), key=lambda x: x[0])
+        out.append(_target(f"{'gpu' if gpu else 'cpu'}: {op} integrity=page >= {floor:g}x "
+                           f"integrity=off at {format_bytes(block_ref)} blocks", v, ">=",
+                           floor, f"worst dtype: {row['dtype']}"))
+    for row in report["overhead"]:
+        label = f"integrity={row['integrity']}" + \
+            (f", gate={row['gate']}" if row["gate"] != "-" else "")
+        out.append(_target(f"host overhead per {row['op']}() call, {row['pages']} pages x "
+                           f"{row['layers']} layers ({label}) <= "
+                           f"{targets.host_overhead_ms:g} ms",
+                           row["call"]["p50_s"] * 1e3, "<=", targets.host_overhead_ms,
+                           "p50 of the call"))
+    out.append(_target(f"host pool bytes within {targets.pool_tolerance:.0%} of the plan",
+                       report["memory"]["pool_over_plan"], "within", targets.pool_tolerance,
+                       "pool/plan"))
+    if gpu:
+        for op, m in (("offload", "offload_page"), ("load", "load_page_all")):
+            big = [r["methods"][m]["fraction_of_limit"] for r in report["sweep"]
+                   if r["bytes"] >= 64 * MiB]
+            mid = [r["methods"][m]["fraction_of_limit"] for r in report["sweep"]
+                   if 8 * MiB <= r["bytes"] < 64 * MiB]
+            if big:
+                out.append(_target(f"gpu: {op} >= {targets.gpu_fraction_64mib:g}x pinned copy "
+                                   "at >= 64 MiB per call", min(big), ">=",
+                                   targets.gpu_fraction_64mib, "worst size >= 64 MiB"))
+            if mid:
+                out.append(_target(f"gpu: {op} >= {targets.gpu_fraction_8mib:g}x pinned copy "
+                                   "at 8 MiB per call", min(mid), ">=",
+                                   targets.gpu_fraction_8mib, "worst size in [8, 64) MiB"))
+        ref = next(r for r in cells if [r["block_bytes"], r["dtype"]] ==
+                   list(cfg["reference"]))
+        v = ref["methods"]["offload_page"]["gbps"] / ref["methods"]["user_device_get"]["gbps"]
+        out.append(_target(f"gpu: offload >= {targets.gpu_over_device_get:g}x the per-page "
+                           "device_get loop", v, ">=", targets.gpu_over_device_get,
+                           f"{format_bytes(ref['bytes'])} per call"))
+    return out
+
+
+def missed(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of ``report`` that missed (``status == "MISS"``)."""
+    return [t for t in report["targets"] if t["status"] == "MISS"]
+
+
+def iter_figures(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
+    """Every number in a report with its path (booleans are flags, not figures).
+
+    Example:
+        >>> list(iter_figures({"a": [1, {"b": 2.5}], "ok": True, "name": "x"}))
+        [('a[0]', 1), ('a[1].b', 2.5)]
+    """
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from iter_figures(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from iter_figures(v, f"{path}[{i}]")
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield path, obj
+
+
+# ---------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------
+
+
+def _gb(s: dict[str, Any] | None) -> str:
+    return "-" if s is None else f"{s['gbps']:.2f} ({s['fraction_of_limit']:.2f}x)"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3f}" if x < 0.01 else f"{x * 1e3:.1f}"
+
+
+def _p50_p99(s: dict[str, Any]) -> str:
+    return f"{_ms(s['p50_s'])}/{_ms(s['p99_s'])}"
+
+
+_CACHE_SIZE_LABELS = {"off_auto": "kvxfer integrity=off, path=auto",
+                      "page_auto": "kvxfer integrity=page, path=auto",
+                      "page_staged": "kvxfer integrity=page, path=staged",
+                      "user_scatter": "user device_put + donated scatter"}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable report: tables, then the PASS/MISS target lines.
+
+    A *block* is one layer's block; a *page* is one block index across every
+    layer (what one host slot holds). ``integrity`` and ``gate`` name
+    ``KVCacheManager``'s options.
+    """
+    meta = report["meta"]
+    cfg = meta["config"]
+    gpu = meta["platform"] == "gpu"
+    d2h, h2d = ("pinned d2h", "pinned h2d") if gpu else ("memcpy", "memcpy")
+    lines = [f"kvxfer bench — {meta['date']}, {meta['platform']} ({meta['device']}), "
+             f"jax {meta['jax_version']}, {meta['cpu_count']} CPUs"
+             f"{', ' + meta['preset'] if meta.get('preset') not in (None, 'full') else ''}",
+             f"source: {meta['source']}; limit: {meta['limit_method']}",
+             "GB/s = 1e9 bytes/s from the best repeat; (x) = fraction of the limit measured "
+             "in the same case; times in ms.",
+             "A block is one layer's block; a page is one block index across every layer. "
+             "kvxfer columns name KVCacheManager's options integrity=off|page and "
+             "gate=all|layer; page/off is integrity=page over integrity=off throughput.",
+             ""]
+
+    lines.append(f"Offload throughput, {format_bytes(cfg['batch_bytes'])} per call, "
+                 f"{cfg['layers']} layers")
+    rows = []
+    for r in report["throughput"]:
+        m = r["methods"]
+        rows.append([format_bytes(r["block_bytes"]), r["dtype"], r["pages"],
+                     f"{r['limit']['d2h']['gbps']:.2f}", _gb(m["user_device_get"]),
+                     _gb(m["user_gather_pinned"]), _gb(m.get("user_batched_gather_pinned")),
+                     _gb(m["offload_off"]), _gb(m["offload_page"]),
+                     f"{m['offload_page']['gbps'] / m['offload_off']['gbps']:.2f}",
+                     f"{m['offload_page']['first_call_s']:.2f}"])
+    lines.append(table(rows, ["block", "dtype", "pages", d2h, "user device_get/page",
+                              "user gather->pinned/page", "user gather->pinned batched",
+                              "kvxfer integrity=off", "kvxfer integrity=page",
+                              "page/off", "1st call s (integrity=page)"]))
+
+    lines += ["", f"Load throughput, {format_bytes(cfg['batch_bytes'])} per call"]
+    rows = []
+    for r in report["throughput"]:
+        m = r["methods"]
+        rows.append([format_bytes(r["block_bytes"]), r["dtype"],
+                     f"{r['limit']['h2d']['gbps']:.2f}", _gb(m["user_put_scatter"]),
+                     _gb(m.get("user_batched_put_scatter")), _gb(m["load_off_all"]),
+                     _gb(m["load_off_layer"]), _gb(m["load_page_all"]),
+                     _gb(m["load_page_layer"]),
+                     f"{m['load_page_all']['gbps'] / m['load_off_all']['gbps']:.2f}",
+                     f"{m['load_page_all']['first_call_s']:.2f}", ",".join(r["paths"])])
+    lines.append(table(rows, ["block", "dtype", h2d, "user put+scatter/page",
+                              "user put+scatter batched", "kvxfer off/all", "off/layer",
+                              "page/all", "page/layer", "page/off", "1st call s (integrity=page)",
+                              "mover"]))
+
+    lines += ["", f"Prefix sweep ({format_bytes(cfg['prefix_block_bytes'])} bfloat16 blocks, "
+              f"{cfg['layers']} layers): throughput, and hit latency (load call -> layer "
+              "ready) p50/p99 ms"]
+    rows = []
+    for r in report["sweep"]:
+        m = r["methods"]
+        lp, la = m["load_page_layer"], m["load_page_all"]
+        rows.append([r["pages"], format_bytes(r["bytes"]), f"{r['limit']['d2h']['gbps']:.2f}",
+                     _gb(m["user_device_get"]), _gb(m["user_put_scatter"]),
+                     _gb(m["offload_off"]), _gb(m["offload_page"]), _gb(m["load_off_all"]),
+                     _gb(la), _p50_p99(lp["first_layer"]), _p50_p99(lp["last_layer"]),
+                     _p50_p99(la["last_layer"]),
+                     _ms(m["load_off_layer"]["first_layer"]["p50_s"])])
+    lines.append(table(rows, ["pages", "bytes", "limit", "user device_get/page",
+                              "user put+scatter/page", "offload off", "offload page",
+                              "load off", "load page", "first layer (page,layer)",
+                              "last layer (page,layer)", "last layer (page,all)",
+                              "first layer (off,layer) p50"]))
+
+    lines += ["", "Concurrency (requests in flight before waiting; gate=all)"]
+    rows = [[r["op"], r["integrity"], r["in_flight"], format_bytes(r["request_bytes"]),
+             f"{r['aggregate']['gbps']:.2f}", _ms(r["issue_p50_s"]),
+             _p50_p99(r["request_latency"])] for r in report["concurrency"]]
+    lines.append(table(rows, ["op", "integrity", "in flight", "request", "aggregate GB/s",
+                              "issue all p50", "request latency p50/p99"]))
+
+    lines += ["", "Host overhead: time inside the offload()/load() call (ms)"]
+    rows = [[r["op"], r["integrity"], r["gate"], f"{r['pages']} x {r['layers']}",
+             _ms(r["call"]["best_s"]), _ms(r["call"]["p50_s"]), _ms(r["call"]["p99_s"]),
+             _ms(r["total"]["p50_s"])] for r in report["overhead"]]
+    lines.append(table(rows, ["op", "integrity", "gate", "pages x layers", "call best",
+                              "call p50", "call p99", "call+wait p50"]))
+
+    lines += ["", "Integrity traffic per call (derived from the digest programs' shapes)"]
+    rows = [[r["pages"], format_bytes(r["payload_bytes"]),
+             format_bytes(r["device_read_bytes_offload"]),
+             format_bytes(r["device_read_bytes_load"]), format_bytes(r["host_digest_bytes"]),
+             format_bytes(r["identity_bytes"]), f"{r['extra_over_payload']:.3f}"]
+            for r in report["integrity_traffic"]]
+    lines.append(table(rows, ["pages", "payload", "extra device read (offload)",
+                              "extra device read (load)", "host digests", "identities",
+                              "extra/payload per direction"]))
+
+    cs = report["cache_size"]
+    lines += ["", f"Load {cs['pages']} pages ({format_bytes(cs['bytes'])}) into a "
+              f"{format_bytes(cs['large_cache_bytes'])} vs a "
+              f"{format_bytes(cs['small_cache_bytes'])} cache (ms; gate=all)"]
+    rows = [[_CACHE_SIZE_LABELS.get(name, name),
+             f"{_ms(v['small']['best_s'])}/{_ms(v['small']['p50_s'])}",
+             f"{_ms(v['large']['best_s'])}/{_ms(v['large']['p50_s'])}", f"{v['ratio']:.2f}"]
+            for name, v in cs["variants"].items()]
+    lines.append(table(rows, ["variant", "small best/p50", "large best/p50",
+                              "large/small (best)"]))
+
+    mem = report["memory"]
+    lines += ["", "Memory",
+              f"  host pool {format_bytes(mem['pool_bytes'])} ({mem['pool_bytes']} B) vs plan "
+              f"{format_bytes(mem['plan_bytes'])} ({mem['plan_bytes']} B): "
+              f"{mem['pool_over_plan']:.4f}x"]
+    if "host_transient_bytes" in mem:
+        lines.append(f"  host RSS beyond caches and pools during one offload + load of "
+                     f"{format_bytes(mem['payload_bytes'])}: "
+                     f"{format_bytes(mem['host_transient_bytes'])}")
+    if "device_persistent_bytes" in mem:
+        lines.append(f"  device memory beyond caches: "
+                     f"{format_bytes(mem['device_persistent_bytes'])} held, peak "
+                     f"{format_bytes(mem.get('device_transient_bytes'))}")
+    for note in report["not_measured"]:
+        lines.append(f"  not measured: {note}")
+
+    lines += ["", "Targets"]
+    for t in report["targets"]:
+        lines.append(f"{t['status']}  {t['name']}: {t['value']:.3g} ({t['where']})")
+    misses = missed(report)
+    lines.append(f"{len(report['targets']) - len(misses)} of {len(report['targets'])} "
+                 "targets met")
+    lines.append(f"\n(wall time {meta['wall_s']:.0f} s)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# The plot
+# ---------------------------------------------------------------------------
+
+
+class Variant(NamedTuple):
+    """One line of the plot, drawn alike (colour and style) in every panel it is in."""
+
+    name: str
+    colour: str
+    linestyle: str
+    #: Direction (``"d2h"``, ``"h2d"``) -> (method in a report row's ``methods``, or
+    #: ``"limit"``; its legend label).
+    methods: dict[str, tuple[str, str]]
+
+
+#: The plot's variants; colours from the Okabe-Ito palette (readable in colour blindness).
+VARIANTS: tuple[Variant, ...] = (
+    Variant("limit", "#000000", "-", {"d2h": ("limit", "limit"), "h2d": ("limit", "limit")}),
+    Variant("user, per page", "#E69F00", ":", {
+        "d2h": ("user_device_get", "user device_get / page"),
+        "h2d": ("user_put_scatter", "user device_put + donated scatter / page")}),
+    Variant("user, per page, jitted gather", "#CC79A7", "-.", {
+        "d2h": ("user_gather_pinned", "user jitted gather -> pinned_host / page")}),
+    Variant("user, batched", "#D55E00", "--", {
+        "d2h": ("user_batched_gather_pinned", "user jitted gather -> pinned_host, batched"),
+        "h2d": ("user_batched_put_scatter", "user device_put + donated scatter, batched")}),
+    Variant("kvxfer integrity=off", "#0072B2", "-", {
+        "d2h": ("offload_off", "kvxfer integrity=off"),
+        "h2d": ("load_off_all", "kvxfer integrity=off, gate=all")}),
+    Variant("kvxfer integrity=page", "#009E73", "-", {
+        "d2h": ("offload_page", "kvxfer integrity=page"),
+        "h2d": ("load_page_all", "kvxfer integrity=page, gate=all")}),
+    Variant("kvxfer integrity=page, gate=layer", "#56B4E9", "--", {
+        "h2d": ("load_page_layer", "kvxfer integrity=page, gate=layer")}),
+)
+
+#: The panels of the plot: (title, direction).
+PANELS = (("offload (device -> host)", "d2h"), ("load (host -> device)", "h2d"))
+
+
+def figure(report: dict[str, Any]) -> Any:
+    """Throughput vs bytes per call, offload and load panels, from the prefix sweep.
+
+    Returns:
+      A ``matplotlib.figure.Figure`` (with an Agg canvas).
+
+    Raises:
+      ImportError: matplotlib is not installed (``pip install 'kvxfer[plot]'``).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    sweep = report["sweep"]
+    sizes = [r["bytes"] for r in sweep]
+    meta = report["meta"]
+    limit_label = ("pinned copy" if meta["platform"] == "gpu" else "memcpy") + " (limit)"
+    fig = Figure(figsize=(12, 6.5))
+    FigureCanvasAgg(fig)
+    for i, (title, direction) in enumerate(PANELS):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for v in VARIANTS:
+            if direction not in v.methods:
+                continue
+            key, label = v.methods[direction]
+            if key == "limit":
+                ax.plot(sizes, [r["limit"][direction]["gbps"] for r in sweep], v.linestyle,
+                        color=v.colour, lw=2, label=limit_label)
+                continue
+            pts = [(r["bytes"], r["methods"][key]["gbps"]) for r in sweep if key in r["methods"]]
+            if pts:
+                ax.plot(*zip(*pts), v.linestyle, color=v.colour, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_locator(FixedLocator(sizes))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([format_bytes(n) for n in sizes], rotation=30, ha="right")
+        ax.set_xlabel("bytes per call")
+        ax.set_ylabel("GB/s (best repeat)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    fig.suptitle(f"kvxfer bench {meta['date']}: {meta['platform']} ({meta['device']}), "
+                 f"{sweep[0]['layers']} layers x {format_bytes(sweep[0]['block_bytes'])} "
+                 "bfloat16 blocks")
+    fig.tight_layout()
+    return fig
+
+
+def plot(report: dict[str, Any], path: str) -> str | None:
+    """Writes ``figure(report)`` as a PNG at ``path``; None (nothing written) without matplotlib."""
+    try:
+        fig = figure(report)
+    except ImportError:
+        return None
+    fig.savefig(path, dpi=110)
+    return path
