@@ -8,12 +8,3 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 4)
 
-
-import pathlib  # noqa: E402
-
-import pytest  # noqa: E402
-
-
-@pytest.fixture
-def repo_root() -> pathlib.Path:
-    return pathlib.Path(__file__).resolve().parent.parent

@@ -307,23 +307,23 @@ def test_layout_of_rejects_other_objects():
 # -- catalogues -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["layouts/seeds.json", "layouts/tpu_kv_derived.json"])
-def test_catalogues_agree(path, repo_root):
-    cat = catalog.load(repo_root / path)
+@pytest.mark.parametrize("path", ["seeds", "tpu_kv_derived"])
+def test_catalogues_agree(path):
+    cat = catalog.load(path)
     results = cat.check()
     assert results and all(r.agrees for r in results), [r.disagreement for r in results]
     for e in cat.entries:
         assert e.source == "derived" or e.source.startswith("observed on"), e.source
 
 
-def test_seed_catalogue_marks_observed(repo_root):
-    cat = catalog.load(repo_root / "layouts/seeds.json")
+def test_seed_catalogue_marks_observed():
+    cat = catalog.load("seeds")
     assert len(cat.entries) == 6
     assert {e.source for e in cat.entries} == {"observed on tpu7x (upstream report)"}
 
 
-def test_small_catalogue_entries_agree_with_brute_force(repo_root):
-    cat = catalog.load(repo_root / "layouts/tpu_kv_derived.json")
+def test_small_catalogue_entries_agree_with_brute_force():
+    cat = catalog.load("tpu_kv_derived")
     checked = 0
     for e in cat.entries:
         g = e.inspect()

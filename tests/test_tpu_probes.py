@@ -21,7 +21,7 @@ import kvxfer
 from kvxfer import catalog, config
 
 ROOT = Path(__file__).resolve().parent.parent
-CATALOGS = ("layouts/seeds.json", "layouts/tpu_kv_derived.json")
+CATALOGS = ("seeds", "tpu_kv_derived")  # built-in names: found wherever kvxfer is installed
 
 
 def run_probe(script, *args, timeout=240):
@@ -67,11 +67,11 @@ def test_capture_provenance(captured):
 def test_capture_covers_every_config_and_seed_shape(captured):
     _, cat = captured
     shapes = {(tuple(a["shape"]), a["dtype"]) for a in cat["arrays"]}
-    for name in sorted(p.stem for p in (ROOT / "configs").glob("*.toml")):
-        spec = config.load(ROOT / "configs" / f"{name}.toml")
+    for name in config.builtin_names():
+        spec = config.load(name)
         for g in spec.groups:
             assert ((16, *g.block_shape), g.dtype) in shapes, (name, g.name)
-    for e in catalog.load(ROOT / "layouts/seeds.json").entries:
+    for e in catalog.load("seeds").entries:
         assert (tuple(e.shape), e.dtype) in shapes, e.name
     # identical (shape, dtype, layout) captures of one config are merged into one entry
     keys = [(a["name"].split("/")[0], tuple(a["shape"]), a["dtype"], a["layout"])
@@ -151,7 +151,7 @@ def test_roundtrip_agrees_everywhere(roundtrip):
     assert report["ok"] and report["disagreements"] == []
     assert report["backend"] == "cpu"
     names = [a["name"] for a in report["arrays"]]
-    expected = [e.name for c in CATALOGS for e in catalog.load(ROOT / c).entries]
+    expected = [e.name for c in CATALOGS for e in catalog.load(c).entries]
     assert names == expected + ["tiny/kv32.0", "tiny/kv16.0"]
 
 
@@ -171,7 +171,7 @@ def test_roundtrip_staged_is_byte_exact_for_every_array(roundtrip):
 def test_roundtrip_emulated_refusals_are_exactly_the_rejected_layouts(roundtrip):
     _, report = roundtrip
     expected = {e.name: e.expected.get("addressable") for c in CATALOGS
-                for e in catalog.load(ROOT / c).entries}
+                for e in catalog.load(c).entries}
     expected.update({"tiny/kv32.0": True, "tiny/kv16.0": True})
     for a in report["arrays"]:
         if "skipped" in a:

@@ -1,9 +1,9 @@
 """Helpers shared by the probes in ``tpu_probes/`` (not part of the kvxfer package).
 
 The probes run as scripts (``python tpu_probes/<script>.py``), so this module is
-imported as a sibling. It finds the repository (for ``configs/`` and ``layouts/``),
-makes ``kvxfer`` importable from a plain checkout, and holds what more than one
-probe needs: backend provenance, random array contents, placing an array with a
+imported as a sibling. It makes ``kvxfer`` importable from a plain checkout (an
+installed kvxfer comes first, and finds its configs and catalogues by name), and
+holds what more than one probe needs: backend provenance, placing an array with a
 requested layout, reading raw XLA:CPU buffer bytes, tables and JSON.
 """
 
@@ -12,8 +12,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging as _py_logging
-import math
-import os
 import platform
 import re
 import shlex
@@ -25,8 +23,8 @@ import numpy as np
 
 #: The repository root (the folder holding ``tpu_probes/``, ``configs/``, ``layouts/``).
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Where a capture is written, to be contributed as a catalogue of the repository.
 LAYOUTS_DIR = REPO_ROOT / "layouts"
-CONFIGS_DIR = REPO_ROOT / "configs"
 
 try:  # an installed kvxfer (pip install . / a wheel) comes first
     import kvxfer  # noqa: F401
@@ -38,6 +36,7 @@ import jax  # noqa: E402
 
 from kvxfer import Layout  # noqa: E402
 from kvxfer import _text  # noqa: E402
+from kvxfer import testing  # noqa: E402
 from kvxfer.layout import dtype_of  # noqa: E402
 
 SUB_BYTE_DTYPES = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
@@ -136,18 +135,17 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def load_config(name: str):
-    """A model config by built-in name (``configs/<name>.toml`` here) or TOML path."""
+    """A model config by built-in name or TOML path (kvxfer finds built-ins anywhere)."""
     from kvxfer import config as _config
 
-    path = CONFIGS_DIR / f"{name}.toml"
-    if os.sep not in name and "/" not in name and path.is_file():
-        return _config.load(path)
-    return _config.load_builtin(name)
+    return _config.load(name)
 
 
 def config_names() -> list[str]:
-    """Every config in ``configs/``."""
-    return sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
+    """Every built-in config."""
+    from kvxfer import config as _config
+
+    return _config.builtin_names()
 
 
 def split_names(values: list[str] | None) -> list[str]:
@@ -156,15 +154,6 @@ def split_names(values: list[str] | None) -> list[str]:
     for v in values or []:
         out.extend(s.strip() for s in v.split(",") if s.strip())
     return out
-
-
-def resolve_path(text: str) -> Path:
-    """A path as given, else relative to the repository (``layouts/seeds.json``)."""
-    p = Path(text)
-    if p.exists() or p.is_absolute():
-        return p
-    alt = REPO_ROOT / p
-    return alt if alt.exists() else p
 
 
 # ---------------------------------------------------------------------------
@@ -176,29 +165,9 @@ def is_sub_byte(dtype: Any) -> bool:
     return dtype_of(dtype).name in SUB_BYTE_DTYPES
 
 
-def random_array(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
-    """Random raw bits (floats include NaN payloads); sub-byte ints hold valid values."""
-    dt = dtype_of(dtype)
-    rng = np.random.default_rng(seed)
-    if dt.name in SUB_BYTE_DTYPES:
-        import jax.numpy as jnp
-
-        if dt.name.startswith("float"):  # any 4-bit pattern is a value
-            return rng.integers(0, 16, size=shape, dtype=np.uint8).view(dt)
-        info = jnp.iinfo(dt)
-        return rng.integers(int(info.min), int(info.max), size=shape, dtype=np.int8,
-                            endpoint=True).astype(dt)
-    n = math.prod(shape) * dt.itemsize
-    return rng.integers(0, 256, size=n, dtype=np.uint8).view(dt).reshape(shape)
-
-
-def bits(x: Any) -> np.ndarray:
-    """A host copy of an array's bits as unsigned ints of the element's width.
-
-    numpy holds one sub-byte element per byte, so int4 compares as its byte.
-    """
-    a = np.array(x)  # a copy: on CPU np.asarray may view the live device buffer
-    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+# Random raw bits and bit comparisons are kvxfer.testing's (one helper, one place).
+random_array = testing.random_bits
+bits = testing.bits
 
 
 def to_jax_layout(layout: Layout):

@@ -126,7 +126,7 @@ def targets(config_names: list[str], seeds_catalog: str, num_blocks: int
         for g in spec.groups:
             out.append((spec.name, f"{g.name}.0", (num_blocks, *g.block_shape), g.dtype))
     if seeds_catalog:
-        cat = kv_catalog.load(common.resolve_path(seeds_catalog))
+        cat = kv_catalog.load(seeds_catalog)
         for e in cat.entries:
             out.append(("seeds", e.name, tuple(e.shape), e.dtype))
     return out

@@ -60,7 +60,7 @@ from kvxfer import emulate  # noqa: E402
 from kvxfer.layout import dtype_name, shape_text  # noqa: E402
 from kvxfer.probe import round_trip  # noqa: E402
 
-DEFAULT_CATALOGS = ("layouts/seeds.json", "layouts/tpu_kv_derived.json")
+DEFAULT_CATALOGS = ("seeds", "tpu_kv_derived")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("catalog", None, "layouts catalogue(s) to probe (repeatable); "
@@ -100,8 +100,7 @@ class Case:
 
 
 def catalogue_cases(path: str, max_blocks: int) -> list[Case]:
-    p = common.resolve_path(path)
-    cat = kv_catalog.load(p)
+    cat = kv_catalog.load(path)
     cases = []
     for r in cat.check():
         e = r.entry
