@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int", "check_timeout"]
+__all__ = ["check_int", "check_timeout", "positive_int"]
 
 
 def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
@@ -51,3 +52,19 @@ def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
         raise ValueError(f"{name}={timeout!r} must be None or a finite number of seconds "
                          ">= 0")
     return float(timeout)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (``--pages 0`` is an error, not a default).
+
+    Example:
+        >>> positive_int("3")
+        3
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value

@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvxfer import catalog as _catalog
+from kvxfer._check import positive_int
 from kvxfer._text import format_bytes, table
 from kvxfer._version import __version__
 from kvxfer.layout import LayoutError, SliceGeometry, inspect
 
-__all__ = ["main", "main_entry", "build_parser", "positive_int", "UsageError"]
+__all__ = ["main", "main_entry", "build_parser", "UsageError"]
 
 
 class UsageError(Exception):
@@ -30,17 +31,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (``--pages 0`` is an error, not a default)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:

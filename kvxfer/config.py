@@ -59,6 +59,7 @@ except ModuleNotFoundError:  # Python 3.10 (TPU VM images): the same parser, as 
     import tomli as tomllib
 
 from kvxfer import _resources
+from kvxfer import testing
 from kvxfer.layout import (Layout, LayoutError, SliceGeometry, dtype_name, dtype_of,
                            inspect)
 from kvxfer.plan import LayerSpec
@@ -418,35 +419,13 @@ class ModelSpec:
                 raise ConfigError(f"{self.source or self.name}: layers[{gi}].dtype: "
                                   f"{g.dtype} needs jax_enable_x64 to build a cache")
             for _ in range(g.count):
-                host = _random_array((n, *g.block_shape), dt, seed, index)
+                host = testing.random_bits((n, *g.block_shape), dt, seed=(int(seed), index))
                 # XLA:CPU may alias an aligned numpy array (one buffer under every
                 # replica): copy, so each cache owns its device buffers.
                 cache = jax.device_put(host, shardings[index])
                 caches.append(jax.device_put(cache, shardings[index], may_alias=False))
                 index += 1
         return caches
-
-
-def _random_array(shape: tuple[int, ...], dt: np.dtype, seed: int, layer: int) -> np.ndarray:
-    """Random contents for one layer, deterministic in (seed, layer)."""
-    rng = np.random.default_rng((int(seed), int(layer)))
-    count = math.prod(shape)
-    name = dt.name
-    if name in ("int4", "uint4", "int2", "uint2"):
-        import jax.numpy as jnp
-
-        info = jnp.iinfo(dt)
-        return rng.integers(int(info.min), int(info.max), size=shape, dtype=np.int8,
-                            endpoint=True).astype(dt)
-    nbytes = count * dt.itemsize
-    words = rng.integers(0, np.iinfo(np.uint64).max, size=-(-nbytes // 8), dtype=np.uint64,
-                         endpoint=True)
-    raw = words.view(np.uint8)[:nbytes]
-    if name == "bool":
-        raw = raw & 1
-    elif name == "float4_e2m1fn":
-        raw = raw & 0x0F
-    return raw.view(dt).reshape(shape)
 
 
 # ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from kvxfer import config as _config
-from kvxfer._check import check_int
+from kvxfer._check import check_int, positive_int
 from kvxfer._text import format_bytes, table
 from kvxfer.engine import TransferError
 from kvxfer import testing
@@ -35,14 +35,9 @@ from kvxfer.manager import KVCacheManager
 __all__ = ["run_probe", "register_cli", "round_trip"]
 
 
-def _host_bits(a: jax.Array) -> np.ndarray:
-    x = np.array(a)  # a copy: on CPU np.asarray views the live device buffer
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
 def _clobber(a: jax.Array, blocks: np.ndarray) -> jax.Array:
     """A copy of ``a`` whose ``blocks`` hold inverted bits (same layout and sharding)."""
-    x = np.array(_host_bits(a))
+    x = np.array(testing.bits(a))
     x[blocks] = ~x[blocks]
     if a.dtype.name in ("int4", "uint4"):
         x &= 0x0F
@@ -66,7 +61,7 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
     k = min(num_pages, n)
     src = rng.permutation(n)[:k]
     dst = rng.permutation(n)[:k]
-    before = [_host_bits(c) for c in caches]
+    before = [testing.bits(c) for c in caches]
     t0 = time.perf_counter()
     pages = mgr.offload(caches, src, keys=[int(x) for x in rng.integers(0, 2**63, k)]).wait()
     t_off = time.perf_counter() - t0
@@ -109,7 +104,7 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
                         consumed_before_failure=result.consumed_before_failure)
     rows = []
     for i, (a, e) in enumerate(zip(new, expected)):
-        got = _host_bits(a)
+        got = testing.bits(a)
         good = dst[:result.verified_prefix]
         moved = bool(np.array_equal(got[good], e[good]))
         rest = np.ones(n, bool)
@@ -230,8 +225,6 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 def register_cli(sub: Any) -> None:
     """Adds ``kvxfer probe`` to the command line's subparsers."""
-    from kvxfer.cli import positive_int
-
     p = sub.add_parser("probe", help="registration + permuted per-block round trip",
                        description="Offloads a random permutation of blocks, clobbers the "
                        "device blocks, loads the pages elsewhere and checks every byte.")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvxfer import testing
+
 from kvxfer.layout import Layout, dtype_of
 
 
@@ -160,17 +162,13 @@ def random_case(rng: np.random.Generator, max_elems: int = 1 << 16):
             return shape, dtype, layout, int(rng.integers(0, rank))
 
 
+# Random bits and bit comparisons are kvxfer.testing's (one helper, one place).
 def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
-    """Random bits in every element (NaN patterns included): compare as raw bits."""
-    dt = dtype_of(dtype)
-    raw = rng.integers(0, 256, size=tuple(shape) + (dt.itemsize,), dtype=np.uint8)
-    if dt.name in ("int4", "uint4"):
-        raw &= 0x0F
-    return raw.view(dt).reshape(shape)
+    """``testing.random_bits`` drawn from ``rng`` (the sweeps' argument order)."""
+    return testing.random_bits(shape, dtype, rng)
 
 
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.tobytes() == b.tobytes()
+same_bits = testing.same_bits
 
 
 # The padding family: a block dim smaller than its tile, beside a partner dim that

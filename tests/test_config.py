@@ -242,28 +242,24 @@ def test_unknown_config_names_list_the_built_ins():
         config.load("llama9")
 
 
+def _groups(*groups: tuple[str, int, str]) -> str:
+    """A config text with one [[layers]] group per (name, count, dtype)."""
+    return "num_device_blocks = 16\nnum_host_blocks = 4\n" + "".join(
+        f'[[layers]]\nname = "{name}"\ncount = {count}\nblock_shape = [16, 128]\n'
+        f'dtype = "{dtype}"\n' for name, count, dtype in groups)
+
+
 def test_configs_that_cannot_be_real_are_refused_fast(tmp_path):
-    path = tmp_path / "huge.toml"
-    path.write_text('num_device_blocks = 16\nnum_host_blocks = 4\n[[layers]]\n'
-                    'name = "a"\ncount = 1000000000\nblock_shape = [16, 128]\n'
-                    'dtype = "bf16"\n')
     with pytest.raises(ConfigError, match="count: 1000000000 is more than any real model"):
-        config.load(path)
-    path.write_text('num_device_blocks = 16\nnum_host_blocks = 4\n' + "".join(
-        f'[[layers]]\nname = "g{i}"\ncount = 4000\nblock_shape = [16, 128]\n'
-        'dtype = "bf16"\n' for i in range(2)))
+        config.load(_write(tmp_path, _groups(("a", 10**9, "bf16"))))
     with pytest.raises(ConfigError, match="layers\\[1\\].count: brings the model to 8000 "
                        "layers"):
-        config.load(path)
+        config.load(_write(tmp_path, _groups(("g0", 4000, "bf16"), ("g1", 4000, "bf16"))))
 
 
 def test_complex_dtypes_are_refused(tmp_path):
-    path = tmp_path / "c.toml"
-    path.write_text('num_device_blocks = 16\nnum_host_blocks = 4\n[[layers]]\n'
-                    'name = "a"\ncount = 1\nblock_shape = [16, 128]\n'
-                    'dtype = "complex64"\n')
     with pytest.raises(ConfigError, match="not a real numeric type"):
-        config.load(path)
+        config.load(_write(tmp_path, _groups(("a", 1, "complex64"))))
 
 
 # -- errors ---------------------------------------------------------------------------

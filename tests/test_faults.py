@@ -17,26 +17,17 @@ REASONS = {"bitflip": "digest mismatch in layer 1", "wrong-key": "wrong key",
            "one-shard": "shard disagreement", "torn": "digest mismatch in layer 1"}
 
 
-def bits(a) -> np.ndarray:
-    """A copy of the array's bits (a CPU array's np.asarray is a view of its buffer)."""
-    x = np.array(a)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+bits = faults.bits
 
 
 def make_caches(dtype, page_bytes, sharded, seed=0):
     itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
-    shape = (8, page_bytes // itemsize // 256, 2, 128)
-    rng = np.random.default_rng(seed)
+    block = (page_bytes // itemsize // 256, 2, 128)
+    sharding = None
     if sharded:
         mesh = Mesh(np.array(jax.devices()[:2]), ("kv",))
         sharding = NamedSharding(mesh, P(None, None, "kv"))
-    else:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    out = []
-    for _ in range(LAYERS):
-        raw = rng.integers(0, 256, size=shape[:-1] + (128 * itemsize,), dtype=np.uint8)
-        out.append(jax.device_put(raw.view(jax.numpy.dtype(dtype)).reshape(shape), sharding))
-    return out
+    return faults.random_caches(LAYERS, 8, block, dtype, sharding=sharding, seed=seed)
 
 
 @pytest.mark.parametrize("gate", ["layer", "all"])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvxfer import integrity as I
+from kvxfer import testing
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -39,15 +40,8 @@ IDENT = I.identity_words(0x0123456789ABCDEF, 1, 2, 3)
 
 
 def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype) -> np.ndarray:
-    """Random array with uniformly random bit patterns (NaNs, -0, subnormals...)."""
-    dtype = np.dtype(dtype)
-    bits = jax.dtypes.itemsize_bits(dtype)
-    if dtype == np.bool_:
-        return rng.integers(0, 2, shape).astype(np.bool_)
-    if bits < 8:  # ml_dtypes store sub-byte values in the low bits of a byte
-        return rng.integers(0, 1 << bits, shape, dtype=np.uint8).view(dtype)
-    raw = rng.integers(0, 256, (*shape, dtype.itemsize), dtype=np.uint8)
-    return raw.view(dtype).reshape(shape)
+    """Uniformly random bit patterns (NaNs, -0, subnormals...), from ``rng``."""
+    return testing.random_bits(shape, dtype, rng)
 
 
 def reference_words(x: np.ndarray, batch_dims: int) -> np.ndarray:

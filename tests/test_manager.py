@@ -9,17 +9,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kvxfer
-from kvxfer import config
+from kvxfer import config, testing
 from kvxfer.probe import run_probe
 
 CONFIGS = ["tiny", "llama3-8b", "gemma-mixed", "deepseek-mla", "llama3-8b-fp8", "int8-kv",
            "seed-good", "seed-interleaved"]
 
 
-def bits(a) -> np.ndarray:
-    """A copy of the array's bits (a CPU array's np.asarray is a view of its buffer)."""
-    x = np.array(a)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+bits = testing.bits
 
 
 def check_loaded(caches, before, src, dst):

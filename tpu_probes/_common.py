@@ -250,3 +250,11 @@ def verdict_text(g: Any) -> str:
     if g.addressable:
         return f"addressable ({format_bytes(g.bytes_per_block)}/block)"
     return f"NOT addressable (g={g.granularity})"
+
+
+def show(report: dict[str, Any], as_json: bool, print_table: Any) -> None:
+    """Prints a probe's report: one JSON line, or its table."""
+    if as_json:
+        print(dumps(report, indent=None))
+    else:
+        print_table(report)

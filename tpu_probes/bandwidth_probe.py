@@ -269,10 +269,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"bandwidth_probe: {e}", file=sys.stderr)
         return 2
-    if FLAGS.json:
-        print(common.dumps(report, indent=None))
-    else:
-        print_table(report)
+    common.show(report, FLAGS.json, print_table)
     bad = report["failures"] or not report["results"] or any(
         not (math.isfinite(r["d2h_gbps"]) and math.isfinite(r["h2d_gbps"]))
         for r in report["results"])

@@ -510,10 +510,7 @@ def main(argv: list[str]) -> int:
     except (LayoutError, ValueError, OSError) as e:  # bad catalogue or config
         print(f"roundtrip_probe: {e}", file=sys.stderr)
         return 2
-    if FLAGS.json:
-        print(common.dumps(report, indent=None))
-    else:
-        print_table(report)
+    common.show(report, FLAGS.json, print_table)
     return 0 if report["ok"] else 1
 
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvxfer._check import positive_int
 from kvxfer._text import format_bytes, table
 from kvxfer.demo import model as _model
 from kvxfer.demo.inject import INJECT_MODES, FaultInjector, InjectMode
@@ -420,16 +421,6 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines + _shown(summary))
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the ``kvxfer demo`` options to ``parser``.
 
@@ -442,19 +433,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoOptions()
     parser.add_argument("--model", choices=MODEL_PRESETS, default=d.model,
                         help="tiny: uniform layers; mixed: two slice classes (default tiny)")
-    parser.add_argument("--scale", type=_positive, default=d.scale,
+    parser.add_argument("--scale", type=positive_int, default=d.scale,
                         help="width multiplier: KV heads, d_model, ffn (default 1)")
-    parser.add_argument("--layers", type=_positive, default=d.layers,
+    parser.add_argument("--layers", type=positive_int, default=d.layers,
                         help="decoder layers (default: the preset's 4)")
-    parser.add_argument("--requests", type=_positive, default=d.requests,
+    parser.add_argument("--requests", type=positive_int, default=d.requests,
                         help=f"requests to serve (default {d.requests})")
-    parser.add_argument("--devices", type=_positive, default=d.devices,
+    parser.add_argument("--devices", type=positive_int, default=d.devices,
                         help="devices to shard KV heads over (default 1; CPU devices are "
                         "created as needed)")
-    parser.add_argument("--device-blocks", type=_positive, default=d.device_blocks,
+    parser.add_argument("--device-blocks", type=positive_int, default=d.device_blocks,
                         help=f"device KV blocks per layer (default {d.device_blocks}: few, "
                         "so cold pages go to host)")
-    parser.add_argument("--host-blocks", type=_positive, default=d.host_blocks,
+    parser.add_argument("--host-blocks", type=positive_int, default=d.host_blocks,
                         help=f"host pages (default {d.host_blocks})")
     parser.add_argument("--integrity", choices=_INTEGRITY_MODES, default=d.integrity,
                         help="page: verify page digests on load (default); off: skip")
@@ -465,9 +456,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"how many times to inject (default {d.injections})")
     parser.add_argument("--gate", choices=_GATES, default=d.gate,
                         help="release each layer once verified (default) or all at once")
-    parser.add_argument("--system-pages", type=_positive, nargs="+", default=d.system_pages,
+    parser.add_argument("--system-pages", type=positive_int, nargs="+", default=d.system_pages,
                         help="pages of each shared system prompt (default 6 8 10)")
-    parser.add_argument("--new-tokens", type=_positive, default=d.new_tokens,
+    parser.add_argument("--new-tokens", type=positive_int, default=d.new_tokens,
                         help=f"tokens generated per request (default {d.new_tokens})")
     parser.add_argument("--dtype", choices=CACHE_DTYPES, default=d.dtype,
                         help="KV cache dtype (default float32)")
