@@ -67,6 +67,11 @@ def test_fault_matrix(fault, dtype, page_bytes, gate):
     assert result.verified_prefix == BAD
     assert result.invalid_pages == (2, 3)
     assert REASONS[fault] in result.reasons[BAD]
+    # Only a page proven bad by its own digest is freed; the others stay valid.
+    proven = fault in ("bitflip", "misfile", "one-shard", "torn")
+    assert result.freed_pages == ((BAD,) if proven else ())
+    assert mgr.is_valid(pages[BAD + 1])
+    assert mgr.is_valid(pages[BAD]) == (fault == "wrong-key")
     for layer in range(LAYERS):
         released_blocks_are_good(new, layer, BAD)
     consumed = gate == "layer" and fault in ("bitflip", "torn", "one-shard")
@@ -82,7 +87,7 @@ def test_fault_matrix(fault, dtype, page_bytes, gate):
         with pytest.raises(kvxfer.PoolError, match="is stale"):
             mgr.free([pages[BAD]])
         pages[BAD] = kvxfer.PageRef(key, pages[BAD].slot, gen)
-    mgr.free(pages[BAD:])  # freeing invalidated refs is a no-op
+    mgr.free(pages[BAD:])  # the intact ones; freeing those kvxfer freed is a no-op
     assert mgr.num_free_pages == 8
 
 
@@ -172,11 +177,11 @@ def test_slots_read_by_a_load_in_flight_are_not_reused():
     pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
     gate = threading.Event()
     mgr.set_transfer_hook(lambda event, layer, array: gate.wait(30))
-    new, handle = mgr.load(caches, pages, DST)
+    new, handle = mgr.load(caches, pages, DST)  # consumes caches
     mgr.free(pages)  # the load still reads these slots
     assert mgr.num_free_pages == 0
     with pytest.raises(kvxfer.PoolExhaustedError):
-        mgr.offload(caches, [0], keys=[9])
+        mgr.offload(new, [0], keys=[9])
     gate.set()
     assert handle.result().verified_prefix == 4
     mgr.set_transfer_hook(None)
@@ -266,3 +271,19 @@ def test_inject_knows_every_fault_it_lists_and_transfer_fails_one_load():
     with pytest.raises(ValueError, match=r"unknown fault 'flood'; expected one of \("
                        r"'bitflip', .*'transfer'\)"):
         faults.inject("flood", mgr, caches, pages, BAD, BAD_LAYER)
+
+
+def test_a_wrong_expected_key_is_a_miss_for_that_request_only():
+    caches = make_caches("float32", 16 << 10, sharded=False)
+    before = [bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
+    pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+    caches, handle = mgr.load(caches, pages, DST, keys=[1, 2, 99, 4])
+    result = handle.result()
+    assert result.verified_prefix == 2 and result.freed_pages == ()
+    assert result.reasons[2] == "wrong key: expected 0x63, page holds 0x3"
+    assert all(mgr.is_valid(p) for p in pages)
+    caches, handle = mgr.load(caches, pages[2:], DST[2:], keys=[3, 4])  # its real holder
+    assert handle.result().verified_prefix == 2
+    for c, b in zip(caches, before):
+        assert np.array_equal(bits(c)[DST], b[SRC])

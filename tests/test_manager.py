@@ -459,3 +459,39 @@ def test_direct_refusal_names_the_shard_geometry_it_decided_on():
                        r"f32\[16,2,256\]\{2,0,1:T\(8,128\)\}"):
         kvxfer.KVCacheManager([x], num_host_blocks=2, path="direct",
                               layouts=["{2,0,1:T(8,128)}"])
+
+
+@pytest.mark.parametrize("path", ["staged", "auto"])
+def test_a_failure_in_the_second_class_leaves_usable_caches(path):
+    """Two slice classes; the load fails as the second class starts, after the first
+    class's (donating) programs ran: err.kv_caches are the caches to continue with."""
+    a = [jnp.asarray(testing.random_bits((16, 4, 128), "bfloat16", seed=i)) for i in range(2)]
+    b = [jnp.asarray(testing.random_bits((16, 8, 128), "bfloat16", seed=5 + i))
+         for i in range(2)]
+    caches = a + b
+    before = [testing.bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path=path)
+    assert len(mgr.plan.classes) == 2
+    pages = mgr.offload(caches, [1, 2], keys=[1, 2]).wait()
+
+    def fail_second_class(event, layer, array):
+        if event == "start_load" and layer == 2:
+            raise OSError("injected failure in the second class")
+
+    mgr.set_transfer_hook(fail_second_class)
+    with pytest.raises(kvxfer.TransferError,
+                       match=r"failed in c1:bf16\[8,128\] \(layers \[2, 3\]\)") as err:
+        mgr.load(caches, pages, [9, 10])
+    mgr.set_transfer_hook(None)
+    kept = err.value.kv_caches
+    assert kept is not None and not any(x.is_deleted() for x in kept)
+    for i, x in enumerate(kept):
+        want = before[i].copy()
+        if i < 2:  # the first class was loaded before the failure
+            want[[9, 10]] = before[i][[1, 2]]
+        assert np.array_equal(testing.bits(x), want), i
+    assert mgr.num_free_pages == 2  # no read pin left behind
+    new, load = mgr.load(kept, pages, [11, 12])  # the caches carry on
+    assert load.result().verified_prefix == 2
+    for i, x in enumerate(new):
+        assert np.array_equal(testing.bits(x)[[11, 12]], before[i][[1, 2]])

@@ -357,9 +357,15 @@ class PrefixCacheServer:
         if shrunk:
             restarted = result.consumed_before_failure
             usable = host_pos[result.verified_prefix]
-            # The manager already freed the invalid pages: forget them, do not free.
+            # Pages past the verified prefix leave the index: those proven bad were
+            # freed by the manager (forget them); the rest are intact pages whose place
+            # in this index is in doubt (a wrong key, say), so the demo frees them.
+            intact = []
             for idx in result.invalid_pages:
-                self.host.pop(host_keys[idx])
+                ref = self.host.pop(host_keys[idx])
+                if idx not in result.freed_pages and self.mgr.is_valid(ref):
+                    intact.append(ref)
+            self.mgr.free(intact)
             # Shared device pages past the verified prefix are swapped for private
             # blocks, so the recomputation never writes a block other requests read.
             for j in range(usable, hit):

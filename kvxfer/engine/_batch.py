@@ -12,7 +12,8 @@ import numpy as np
 
 from kvxfer import integrity
 
-__all__ = ["ShardedLayer", "PageBatch", "assemble", "bucket", "device_of", "layer_nums"]
+__all__ = ["ShardedLayer", "PageBatch", "assemble", "bucket", "device_of", "layer_nums",
+           "abstract"]
 
 
 def bucket(k: int) -> int:
@@ -25,9 +26,14 @@ def bucket(k: int) -> int:
     return 1 << max(0, k - 1).bit_length()
 
 
-def device_of(a: jax.Array) -> Any:
-    """The one device of a single-device array."""
-    return next(iter(a.devices()))
+def device_of(a: jax.Array | jax.ShapeDtypeStruct) -> Any:
+    """The one device of a single-device array (or of its abstract value)."""
+    return next(iter(a.sharding.device_set))
+
+
+def abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
+    """An array's shape, dtype, sharding and layout, without its buffers."""
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.format)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -57,6 +63,10 @@ class ShardedLayer:
         for s in array.addressable_shards:
             groups.setdefault(_index_key(s.index, array.shape), []).append(s.data)
         return cls(tuple(tuple(groups[k]) for k in sorted(groups)))
+
+    def abstract(self) -> ShardedLayer:
+        """The same shards as abstract values (for compiling ahead, holding nothing)."""
+        return ShardedLayer(tuple(tuple(abstract(a) for a in reps) for reps in self.shards))
 
     @property
     def primary(self) -> tuple[jax.Array, ...]:

@@ -97,7 +97,7 @@ class EmulatedMover(Mover):
             out.append(self._digest_np(r, ident))
         return np.stack(out, axis=1)
 
-    def gather(self, layers, batch, with_digest):
+    def start_offload(self, layers, batch, slots, with_digest):
         positions = range(len(layers))
         out = self._read(layers, batch.ids, positions)
         digests = self._digest_raw(out, batch, positions) if with_digest else None
@@ -116,7 +116,10 @@ class EmulatedMover(Mover):
             if digests is not None:
                 self._store_digests(slots, s, digests[:, s])
 
-    def load(self, arrays, layers, request: LoadRequest):
+    def warmup(self, arrays, layers, b, with_digest):
+        pass  # host-side numpy: nothing to compile
+
+    def start_load(self, arrays, layers, request: LoadRequest, staged: None):
         batch, slots = request.batch, request.slots
         ids, new = batch.ids, []
         for pos, (arr, layer) in enumerate(zip(arrays, layers)):

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvxfer import integrity
 from kvxfer.engine._batch import PageBatch, ShardedLayer, device_of, layer_nums
-from kvxfer.engine._programs import DIGEST_CHUNK, digest_blocks
+from kvxfer.engine._programs import DIGEST_CHUNK, compile_ahead, digest_blocks
 from kvxfer.hostpool import ClassPool
 from kvxfer.plan import SliceClass
 
@@ -20,7 +20,16 @@ __all__ = ["TransferError", "Mover", "LoadRequest", "Pending"]
 
 
 class TransferError(RuntimeError):
-    """A device or transfer failure: never reported as a cache miss."""
+    """A device or transfer failure: never reported as a cache miss.
+
+    Attributes:
+      kv_caches: for a load that failed in the call, the caches to continue with
+        (classes already loaded replaced, the rest as given); None otherwise.
+    """
+
+    def __init__(self, message: str, *, kv_caches: list[jax.Array] | None = None):
+        super().__init__(message)
+        self.kv_caches = kv_caches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +48,16 @@ class LoadRequest:
     shared: frozenset[int] = frozenset()
 
 
+def _sds(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+
+def _batch_abstract(b: int, device: Any) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """What ``PageBatch.on`` puts on ``device`` for ``b`` padded pages, abstractly."""
+    return (_sds((b,), np.int32, device),
+            _sds((b, integrity.IDENTITY_WORDS), np.uint32, device))
+
+
 class Pending:
     """Digests being computed on the devices; ``get()`` waits and gathers them."""
 
@@ -55,10 +74,11 @@ class Pending:
 class Mover(abc.ABC):
     """Moves the pages of one slice class between device shards and its host pool.
 
-    Offload is split in two: ``gather`` runs in the caller's thread (it must read
-    the caches before later work changes them) and ``finish_offload`` on the
-    transfer thread. Load likewise: ``load`` returns the new arrays at once and
-    ``finish_load_layer`` completes layer by layer on the transfer thread.
+    Every device program of a transfer is enqueued on the caller's thread, before
+    ``offload()`` / ``load()`` returns, so XLA orders it against whatever the caller
+    dispatches next (donation included): ``start_offload``, ``stage_load``,
+    ``start_load`` and ``digests`` run there. The transfer thread only waits for
+    results and moves host bytes: ``finish_offload`` and ``finish_load_layer``.
     """
 
     name: ClassVar[str] = "mover"
@@ -71,9 +91,12 @@ class Mover(abc.ABC):
         self.pool = pool
 
     @abc.abstractmethod
-    def gather(self, layers: Sequence[ShardedLayer], batch: PageBatch, with_digest: bool
-               ) -> Any:
-        """Starts reading the batch's blocks (and their digests).
+    def start_offload(self, layers: Sequence[ShardedLayer], batch: PageBatch,
+                      slots: np.ndarray, with_digest: bool) -> Any:
+        """Reads the batch's blocks as they are now (and starts their digests).
+
+        Caller's thread. Whatever the caller does to the caches afterwards (a
+        donating step, say) cannot change what this offload stores.
 
         Returns:
           The mover's own offload state (a named type), for ``finish_offload``.
@@ -81,25 +104,37 @@ class Mover(abc.ABC):
 
     @abc.abstractmethod
     def finish_offload(self, state: Any, slots: np.ndarray) -> None:
-        """Writes what ``gather`` read into host ``slots`` (transfer thread)."""
+        """Moves what ``start_offload`` read into host ``slots`` (transfer thread)."""
+
+    def stage_load(self, layers: Sequence[ShardedLayer], request: LoadRequest) -> Any:
+        """Puts what a load needs on the devices, consuming nothing (caller's thread).
+
+        Every class is staged before any class starts (``start_load`` may donate the
+        caches), so a failure here leaves the caller's caches as they were.
+        """
+        return None
 
     @abc.abstractmethod
-    def load(self, arrays: Sequence[jax.Array], layers: Sequence[ShardedLayer],
-             request: LoadRequest) -> tuple[list[jax.Array], Any]:
-        """Starts writing the request's host slots into its blocks.
+    def start_load(self, arrays: Sequence[jax.Array], layers: Sequence[ShardedLayer],
+                   request: LoadRequest, staged: Any) -> tuple[list[jax.Array], Any]:
+        """Writes the request's host slots into its blocks (caller's thread).
 
         Returns:
-          ``(new arrays, load state)``; the state goes to ``finish_load_layer``.
+          ``(new arrays, load state)``: the new arrays hold the loaded blocks for any
+          computation dispatched after this call; the state goes to
+          ``finish_load_layer``.
         """
 
     def finish_load_layer(self, state: Any, pos: int) -> None:
-        """Completes the copy of layer ``pos`` of the class (transfer thread)."""
+        """Waits until layer ``pos`` of the class is in place (transfer thread)."""
 
     def digests(self, layers: Sequence[ShardedLayer], batch: PageBatch,
                 positions: Sequence[int], replica: int = 0) -> Pending:
         """Starts the device digests ``[len(positions), shards, k, D]`` of the blocks.
 
-        ``replica`` picks which copy of a replicated layer is read.
+        Caller's thread (the programs read the arrays, so they are enqueued before
+        the caller can donate them). ``replica`` picks which copy of a replicated
+        layer is read.
         """
         positions = list(positions)
         chunks = [positions[i:i + DIGEST_CHUNK] for i in range(0, len(positions), DIGEST_CHUNK)]
@@ -112,6 +147,25 @@ class Mover(abc.ABC):
                                              self.cls.layers[p] for p in chunk)))
                           for chunk in chunks])
         return Pending(parts, batch.k)
+
+    def warmup(self, arrays: Sequence[jax.ShapeDtypeStruct], layers: Sequence[ShardedLayer],
+               b: int, with_digest: bool) -> None:
+        """Compiles every program a transfer of ``b`` pages (a bucket) runs.
+
+        ``arrays`` and ``layers`` are abstract values (``ShardedLayer.abstract``). The
+        base compiles the digest programs (per layer and in groups, every replica).
+        """
+        if not with_digest:
+            return
+        n = len(layers)
+        chunks = {1, min(n, DIGEST_CHUNK)} | ({n % DIGEST_CHUNK} if n % DIGEST_CHUNK else set())
+        for s in range(self.cls.num_shards):
+            for r in range(len(layers[0].shards[s])):
+                device = device_of(layers[0].shards[s][r])
+                ids, base = _batch_abstract(b, device)
+                for size in chunks:
+                    compile_ahead("digest", tuple(layers[p].shards[s][r] for p in range(size)),
+                                  ids, base, _sds((size,), np.uint32, device))
 
     def _store_digests(self, slots: np.ndarray, shard: int, d: np.ndarray) -> None:
         # d: [L, k, D] -> pool.digests[slot, L, shard, D]

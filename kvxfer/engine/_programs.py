@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from kvxfer import integrity
 from kvxfer.layout import natural_bits
 
-__all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "DIGEST_CHUNK"]
+__all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "alias", "compile_ahead",
+           "DIGEST_CHUNK"]
 
 # Layers per digest program: compile time grows with the layers in a program, so a
 # class of 61 layers compiles two programs of 8 (and one of 5), not one of 61.
@@ -35,7 +36,7 @@ def needs_raw_bits(a: jax.Array) -> bool:
     payloads; other backends and dtypes move bits as they are. A bitcast breaks
     buffer aliasing, so it is used only where it is needed for exactness.
     """
-    return (any(d.platform == "cpu" for d in a.devices())
+    return (any(d.platform == "cpu" for d in a.sharding.device_set)
             and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4
             and natural_bits(a.dtype) == 8 * a.dtype.itemsize)  # not fp4: no NaNs
 
@@ -81,6 +82,9 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False):
     if kind == "digest":
         return jax.jit(functools.partial(_digest_impl, raw=raw),
                        in_shardings=(formats, None, None, None))
+    if kind == "alias":
+        return jax.jit(tuple, donate_argnums=(0,), in_shardings=(formats,),
+                       out_shardings=formats)
     return jax.jit(functools.partial(_scatter_impl, raw=raw), donate_argnums=(0,),
                    in_shardings=(formats, None, None), out_shardings=formats)
 
@@ -88,6 +92,17 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False):
 def _run(kind: str, arrays: tuple[jax.Array, ...], *args, with_digest: bool = False):
     formats = tuple(a.format for a in arrays)
     return _program(kind, formats, needs_raw_bits(arrays[0]), with_digest)(arrays, *args)
+
+
+def compile_ahead(kind: str, arrays: tuple, *args, with_digest: bool = False) -> None:
+    """Compiles the program ``kind`` for these (abstract) arguments, running nothing.
+
+    A later call with arrays of the same shapes, dtypes, shardings and layouts finds
+    the program compiled.
+    """
+    formats = tuple(a.format for a in arrays)
+    _program(kind, formats, needs_raw_bits(arrays[0]), with_digest).lower(
+        arrays, *args).compile()
 
 
 def gather(arrays, ids, base, layer_nums, with_digest: bool):
@@ -98,6 +113,15 @@ def gather(arrays, ids, base, layer_nums, with_digest: bool):
 def digest_blocks(arrays, ids, base, layer_nums):
     """Digests ``uint32[L, k, D]`` of blocks ``ids`` of every layer (no copy out)."""
     return _run("digest", arrays, ids, base, layer_nums)
+
+
+def alias(arrays):
+    """The same buffers as new arrays, handed over in XLA's order (donated).
+
+    The program runs once every computation dispatched earlier that uses the buffers
+    is done; the returned arrays then own them alone.
+    """
+    return _run("alias", arrays)
 
 
 def scatter(arrays, ids, pages):

@@ -15,27 +15,18 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from kvxfer.engine._batch import PageBatch, ShardedLayer, assemble, device_of
-from kvxfer.engine._mover import LoadRequest, Mover, TransferError
+from kvxfer.engine._batch import ShardedLayer, assemble, device_of
+from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
+from kvxfer.engine._programs import alias, compile_ahead
 from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 
 __all__ = ["RawMover", "RowCopy", "raw_capable", "shared_buffers"]
 
 
 class RawOffload(NamedTuple):
-    """Views of every shard's buffer, taken in the caller's thread."""
+    """The digests being computed (the bytes were copied on the caller's thread)."""
 
-    layers: Sequence[ShardedLayer]
-    views: list[list[np.ndarray]]
-    batch: PageBatch
-    with_digest: bool
-
-
-class RawLoad(NamedTuple):
-    """The arrays being written (private buffers) and the row plan of the copy."""
-
-    layers: list[ShardedLayer]
-    copy: RowCopy
+    digests: Pending | None
 
 
 def _buffer_view(a: jax.Array, block_bytes: int) -> np.ndarray:
@@ -129,33 +120,32 @@ class RawMover(Mover):
     name = "raw"
     writes_buffers = True
 
-    def gather(self, layers, batch, with_digest):
-        # The caller's thread only waits for the buffers to be computed and takes
-        # views of them; the transfer thread copies (and starts the digests).
-        views = [[_buffer_view(layer.shards[s][0].block_until_ready(),
-                               self.cls.shard_block_bytes) for layer in layers]
-                 for s in range(self.cls.num_shards)]
-        return RawOffload(layers, views, batch, with_digest)
-
-    def finish_offload(self, state: RawOffload, slots):
-        layers, views, batch, with_digest = state
-        # The digests run on XLA's threads while this thread copies.
+    def start_offload(self, layers, batch, slots, with_digest):
+        # The digests are enqueued first (they read the caches on XLA's threads while
+        # this thread copies); the copy is made now, on the caller's thread, once the
+        # caches' pending writers are done, so a step that donates the caches right
+        # after this call cannot change what is stored.
         digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
         copy = RowCopy(slots, batch.ids, self.cls.shard_block_bytes)
         for s in range(self.cls.num_shards):
-            for pos, view in enumerate(views[s]):
+            for pos, layer in enumerate(layers):
+                view = _buffer_view(layer.shards[s][0].block_until_ready(),
+                                    self.cls.shard_block_bytes)
                 lo, hi = self.pool.shard_range(pos, s)
                 copy(self.pool.data[:, lo:hi], view)
-        if any(layer.shards[s][0].is_deleted() for layer in layers
-               for s in range(self.cls.num_shards)):
-            raise TransferError("a cache was donated or deleted while its blocks were being "
-                                "offloaded; wait() before donating the caches")
-        if digests is not None:
-            d = digests.get()
+        return RawOffload(digests)
+
+    def finish_offload(self, state: RawOffload, slots):
+        if state.digests is not None:
+            d = state.digests.get()
             for s in range(self.cls.num_shards):
                 self._store_digests(slots, s, d[:, s])
 
-    def load(self, arrays, layers, request: LoadRequest):
+    def warmup(self, arrays, layers, b, with_digest):
+        super().warmup(arrays, layers, b, with_digest)
+        compile_ahead("alias", tuple(arrays))
+
+    def start_load(self, arrays, layers, request: LoadRequest, staged: None):
         shared = request.shared
         # Raw writes need buffers no one else reads: XLA:CPU places one buffer under
         # every replica of a replicated device_put (and may alias a 64-byte-aligned
@@ -165,19 +155,19 @@ class RawMover(Mover):
             tuple(jax.device_put(a, device_of(a), may_alias=False)
                   if a.unsafe_buffer_pointer() in shared else a for a in reps)
             for reps in layer.shards)) for layer in layers]
-        # New Array objects over the buffers: the old objects may hold a cached host
-        # copy (``np.asarray`` of a sharded array) that would go stale.
-        new = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
-        return new, RawLoad(layers, RowCopy(request.batch.ids, request.slots,
-                                            self.cls.shard_block_bytes))
-
-    def finish_load_layer(self, state: RawLoad, pos):
-        layers, copy = state
-        for s, reps in enumerate(layers[pos].shards):
-            lo, hi = self.pool.shard_range(pos, s)
-            src = self.pool.data[:, lo:hi]
-            for a in reps:
-                a.block_until_ready()
-                copy(_buffer_view(a, self.cls.shard_block_bytes), src)
-
-
+        inputs = tuple(assemble(a, layer.shards) for a, layer in zip(arrays, layers))
+        # A donating identity program hands the buffers over in XLA's order: it runs
+        # once every computation dispatched earlier that reads or writes them is done,
+        # so the copy below never changes what such a computation sees, and anything
+        # dispatched after this call reads the loaded bytes. (New Array objects, too:
+        # the old ones may hold a cached host copy that would go stale.)
+        new = list(alias(inputs))
+        copy = RowCopy(request.batch.ids, request.slots, self.cls.shard_block_bytes)
+        for pos, a in enumerate(new):
+            a.block_until_ready()
+            for s, reps in enumerate(ShardedLayer.of(a).shards):
+                lo, hi = self.pool.shard_range(pos, s)
+                src = self.pool.data[:, lo:hi]
+                for r in reps:
+                    copy(_buffer_view(r, self.cls.shard_block_bytes), src)
+        return new, None

@@ -15,10 +15,25 @@ import jax
 import numpy as np
 
 from kvxfer.engine._batch import assemble, device_of, layer_nums
-from kvxfer.engine._mover import LoadRequest, Mover
-from kvxfer.engine._programs import gather, needs_raw_bits, scatter
+from kvxfer.engine._mover import LoadRequest, Mover, _batch_abstract, _sds
+from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, scatter
 
 __all__ = ["StagedMover"]
+
+
+def _staging_dtype(a: jax.Array) -> np.dtype:
+    """The dtype pages travel in: the raw bits where XLA:CPU would rewrite NaNs."""
+    dtype = np.dtype(a.dtype)
+    return np.dtype(f"u{dtype.itemsize}") if needs_raw_bits(a) else dtype
+
+
+class StagedInputs(NamedTuple):
+    """One shard replica's padded block ids and pages, already on its device."""
+
+    shard: int
+    replica: int
+    ids: jax.Array
+    pages: jax.Array
 
 
 class StagedOffload(NamedTuple):
@@ -33,7 +48,7 @@ class StagedMover(Mover):
 
     name = "staged"
 
-    def gather(self, layers, batch, with_digest):
+    def start_offload(self, layers, batch, slots, with_digest):
         out = []
         for s in range(self.cls.num_shards):
             arrays = tuple(layer.primary[s] for layer in layers)
@@ -55,36 +70,47 @@ class StagedMover(Mover):
             if digests is not None:
                 self._store_digests(slots, s, np.asarray(digests))
 
-    def load(self, arrays, layers, request: LoadRequest):
+    def warmup(self, arrays, layers, b, with_digest):
+        super().warmup(arrays, layers, b, with_digest)
+        for s in range(self.cls.num_shards):
+            primary = tuple(layer.primary[s] for layer in layers)
+            ids, base = _batch_abstract(b, device_of(primary[0]))
+            compile_ahead("gather", primary, ids, base,
+                          _sds((len(layers),), np.uint32, device_of(primary[0])),
+                          with_digest=with_digest)
+            dtype = _staging_dtype(primary[0])
+            for r in range(len(layers[0].shards[s])):
+                local = tuple(layer.shards[s][r] for layer in layers)
+                device = device_of(local[0])
+                compile_ahead("scatter", local, _sds((b,), np.int32, device),
+                              _sds((len(layers), b) + local[0].shape[1:], dtype, device))
+
+    def stage_load(self, layers, request: LoadRequest) -> list[StagedInputs]:
         batch, slots = request.batch, request.slots
         k, b = batch.k, len(batch.padded)
-        new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
-                                                    for _ in layers]
         # Padding entries point past the end and are dropped by the scatter.
         ids_pad = np.full(b, np.iinfo(np.int32).max, dtype=np.int32)
         ids_pad[:k] = batch.ids
-        # Every transfer to the devices is made before the first donating scatter, so a
-        # failure there leaves the caller's caches intact.
         work = []
         for s in range(self.cls.num_shards):
             first = layers[0].primary[s]
-            dtype = np.dtype(first.dtype)
-            if needs_raw_bits(first):
-                dtype = np.dtype(f"u{dtype.itemsize}")
-            staging = np.zeros((len(layers), b) + first.shape[1:], dtype=dtype)
+            staging = np.zeros((len(layers), b) + first.shape[1:], dtype=_staging_dtype(first))
             flat = staging.reshape(len(layers), b, -1).view(np.uint8)
             for pos in range(len(layers)):
                 lo, hi = self.pool.shard_range(pos, s)
                 flat[pos, :k] = self.pool.data[slots, lo:hi]
             for r in range(len(layers[0].shards[s])):
-                local = tuple(layer.shards[s][r] for layer in layers)
-                device = device_of(local[0])
-                work.append((s, local, jax.device_put(ids_pad, device),
-                             jax.device_put(staging, device)))
-        for s, local, ids_d, pages_d in work:
+                device = device_of(layers[0].shards[s][r])
+                work.append(StagedInputs(s, r, jax.device_put(ids_pad, device),
+                                         jax.device_put(staging, device)))
+        return work
+
+    def start_load(self, arrays, layers, request: LoadRequest, staged: list[StagedInputs]):
+        new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
+                                                    for _ in layers]
+        for shard, replica, ids_d, pages_d in staged:
+            local = tuple(layer.shards[shard][replica] for layer in layers)
             for pos, a in enumerate(scatter(local, ids_d, pages_d)):
-                new_shards[pos][s].append(a)
+                new_shards[pos][shard].append(a)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
         return new, None
-
-

@@ -29,11 +29,16 @@ class LoadResult:
     Attributes:
       verified_prefix: pages ``[0, verified_prefix)`` are loaded and verified in every
         layer and shard; the caller recomputes the rest.
-      invalid_pages: request indices invalidated (the first bad page and all after).
+      invalid_pages: request indices this load did not deliver (the first bad page
+        and all after it).
       reasons: request index → why that page is bad (only pages found bad themselves).
       consumed_before_failure: a layer was released with a longer prefix than the
         final one; the caller must restart from ``verified_prefix``.
       released_prefixes: the prefix each layer was released with.
+      freed_pages: request indices kvxfer freed because their own digest proved them
+        bad (freeing them again is a no-op). Every other page, also past the
+        prefix, is intact and still the caller's: a page the caller expected under
+        another key is a miss for this request only.
     """
 
     verified_prefix: int
@@ -41,6 +46,7 @@ class LoadResult:
     reasons: dict[int, str]
     consumed_before_failure: bool
     released_prefixes: tuple[int, ...]
+    freed_pages: tuple[int, ...] = ()
 
     def raise_if_consumed(self) -> None:
         """Raises ``IntegrityError`` when a layer was released with a longer prefix.

@@ -26,12 +26,13 @@ import numpy as np
 from kvxfer import integrity as _integrity
 from kvxfer._check import check_int, check_timeout
 from kvxfer.engine import LoadRequest, Mover, PageBatch, ShardedLayer, TransferError, \
-    shared_buffers
+    bucket, shared_buffers
+from kvxfer.engine._batch import abstract
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
 from kvxfer.manager._handles import Gate, LoadHandle, OffloadHandle
 from kvxfer.manager._select import PATHS, PathMode, plan_path, select_movers
-from kvxfer.manager._verify import LoadVerifier, TransferHook, agree_min
+from kvxfer.manager._verify import DigestJob, LoadVerifier, TransferHook, agree_min
 from kvxfer.plan import LayerSpec, Plan, make_plan
 
 __all__ = ["KVCacheManager", "IntegrityMode"]
@@ -160,6 +161,8 @@ class KVCacheManager:
         self._formats = [(a.sharding, Layout.of(a)) for a in caches]
         self._validated: list[weakref.ref | None] = [None] * len(caches)
         self._private: list[weakref.ref | None] = [None] * len(caches)
+        # Abstract values of every layer: enough to compile ahead, holding no buffer.
+        self._abstract = [(abstract(a), ShardedLayer.of(a).abstract()) for a in caches]
         self._pool = HostPool(self._plan, pinned=pinned)
         self._movers: list[Mover] = [m(cls, pool) for m, cls, pool in
                                      zip(mover_types, self._plan.classes, self._pool.pools)]
@@ -186,12 +189,20 @@ class KVCacheManager:
         return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
 
     def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:
-        """Installs a hook the transfer thread calls around each layer of a load.
+        """Installs a hook called at three points of every load, for fault injection.
 
-        For fault injection (``kvxfer.testing``): ``hook("load_layer", layer, array)``
-        runs before layer ``layer``'s copy completes (raising there is a device
-        failure) and ``hook("loaded_layer", layer, array)`` right after it, with the
-        array the load returns for that layer. ``None`` removes the hook.
+        ``hook(event, layer, array)`` (``kvxfer.testing`` builds its faults on it):
+
+        * ``"start_load"``, on the caller's thread before the device work of the
+          class whose first layer is ``layer`` starts (raising there is a failure in
+          that class, after earlier classes were loaded);
+        * ``"loaded_layer"``, on the caller's thread once ``layer``'s bytes are
+          written (raw, emulated) or their programs enqueued (staged), before its
+          digests are enqueued; ``array`` is what the load returns for that layer;
+        * ``"load_layer"``, on the transfer thread before the load waits for
+          ``layer`` (raising there is a device failure reported by ``result()``).
+
+        ``None`` removes the hook.
 
         Returns:
           The hook installed before.
@@ -309,8 +320,8 @@ class KVCacheManager:
         batch = PageBatch(ids, keys, [g for _, g in refs])
         try:
             layers = self._layers(caches)
-            states = [mover.gather([layers[i] for i in cls.layers], batch,
-                                   self.integrity == "page")
+            states = [mover.start_offload([layers[i] for i in cls.layers], batch, slots,
+                                          self.integrity == "page")
                       for cls, mover in zip(self._plan.classes, self._movers)]
         except Exception as e:
             for s, g in refs:
@@ -392,43 +403,75 @@ class KVCacheManager:
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
         batch = PageBatch(ids[:n], [p.key for p in pages[:n]], [p.generation for p in pages[:n]])
         try:
-            layers = self._layers(caches)
-            new = list(caches)
-            states: list[Any] = []
-            shared: frozenset[int] = frozenset()
-            if n and any(m.writes_buffers for m in self._movers) and not all(
-                    _is(p, a) for a, p in zip(caches, self._private)):
-                shared = shared_buffers(caches)
-            request = LoadRequest(batch, slots, shared)
-            for cls, mover in zip(self._plan.classes, self._movers):
-                state = None
-                if n:
-                    out, state = mover.load([caches[i] for i in cls.layers],
-                                            [layers[i] for i in cls.layers], request)
-                    for i, a in zip(cls.layers, out):
-                        new[i] = a
-                states.append(state)
-        except Exception as e:
+            new, states, jobs = self._start_load(caches, batch, slots, gate)
+        except TransferError:
             self._pool.release_readers(pinned_slots)
-            raise TransferError(f"load of {n} pages failed: {e}") from e
+            raise
 
         # The arrays handed back have the registered formats, and after a raw load
         # their buffers are their own (shared ones were copied).
         self._validated = [weakref.ref(a) for a in new]
         self._private = [weakref.ref(a) for a in new]
         self._worker.submit(self._finish_load, handle, new, pages, slots, batch, states,
-                            reasons, pinned_slots)
+                            jobs, reasons, pinned_slots)
         return new, handle
+
+    def _start_load(self, caches: list[jax.Array], batch: PageBatch, slots: np.ndarray,
+                    gate: Gate) -> tuple[list[jax.Array], list[Any], list[DigestJob]]:
+        """The caller's-thread half of a load: every device program enqueued.
+
+        Every class is staged before the first one starts (starting may donate the
+        caches), so a failure while staging leaves the caches as they were; a failure
+        once classes have started raises a ``TransferError`` whose ``kv_caches`` are
+        the arrays to continue with (loaded classes replaced, the others as given).
+        """
+        n = batch.k
+        layers = self._layers(caches)
+        new = list(caches)
+        states: list[Any] = [None] * len(self._movers)
+        if not n:
+            return new, states, self._verifier.start(new, batch, gate)
+        shared: frozenset[int] = frozenset()
+        if any(m.writes_buffers for m in self._movers) and not all(
+                _is(p, a) for a, p in zip(caches, self._private)):
+            shared = shared_buffers(caches)
+        request = LoadRequest(batch, slots, shared)
+        pairs = list(zip(self._plan.classes, self._movers))
+        try:
+            staged = [mover.stage_load([layers[i] for i in cls.layers], request)
+                      for cls, mover in pairs]
+        except Exception as e:
+            raise TransferError(f"load of {n} pages failed while staging (the caches are "
+                                f"unchanged): {e}", kv_caches=new) from e
+        hook = self._verifier.hook
+        for (cls, mover), st in zip(pairs, staged):
+            try:
+                if hook is not None:
+                    hook("start_load", cls.layers[0], new[cls.layers[0]])
+                out, states[cls.index] = mover.start_load(
+                    [caches[i] for i in cls.layers], [layers[i] for i in cls.layers],
+                    request, st)
+            except Exception as e:
+                usable = [a for a in new if not a.is_deleted()]
+                raise TransferError(
+                    f"load of {n} pages failed in {cls.name} (layers {list(cls.layers)}): "
+                    f"{e}; continue with err.kv_caches ({len(usable)} of {len(new)} layers "
+                    "usable)", kv_caches=new) from e
+            for i, a in zip(cls.layers, out):
+                new[i] = a
+        return new, states, self._verifier.start(new, batch, gate)
 
     def _finish_load(self, handle: LoadHandle, new: list[jax.Array], pages: list[PageRef],
                      slots: np.ndarray, batch: PageBatch, states: list[Any],
-                     reasons: dict[int, str], pinned_slots: list[int]) -> None:
-        """The transfer thread's half of a load: copy, verify, agree, settle."""
+                     jobs: list[DigestJob], reasons: dict[int, str],
+                     pinned_slots: list[int]) -> None:
+        """The transfer thread's half of a load: wait, verify, agree, settle."""
         try:
-            prefix = self._verifier.verify(handle, new, slots, batch, states, reasons)
+            prefix, proven_bad = self._verifier.verify(handle, new, states, jobs, slots, batch,
+                                                       reasons)
             error: BaseException | None = None
         except Exception as e:  # a transfer or device failure is an error, not a miss
-            prefix, error = -1, e
+            prefix, proven_bad, error = -1, frozenset(), e
         try:
             if jax.process_count() > 1:
                 # Every rank takes part even after a local failure, so none hangs.
@@ -438,7 +481,7 @@ class KVCacheManager:
                 prefix = agreed
             if error is not None:
                 raise error
-            result = self._verifier.settle(handle, pages, prefix, reasons)
+            result = self._verifier.settle(handle, pages, prefix, proven_bad, reasons)
         except Exception as e:
             handle.finish(None, e)
         else:
@@ -459,6 +502,50 @@ class KVCacheManager:
             if not isinstance(p, PageRef):
                 raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
         self._pool.release_many([(p.slot, p.generation) for p in pages])
+
+    def warmup(self, max_pages: int) -> list[int]:
+        """Compiles every program transfers of up to ``max_pages`` pages will run.
+
+        Offloads, loads (either gate) and digests, for every slice class and every
+        bucket of page counts up to ``max_pages`` (counts are padded to powers of two),
+        so the first request of each size does not pay for compiling.
+
+        Returns:
+          The buckets compiled.
+
+        Example:
+            >>> import jax.numpy as jnp, kvxfer
+            >>> mgr = kvxfer.KVCacheManager([jnp.zeros((8, 128))], num_host_blocks=4)
+            >>> mgr.warmup(5)
+            [1, 2, 4, 8]
+            >>> mgr.close()
+        """
+        self._check_open()
+        max_pages = check_int(max_pages, "max_pages", minimum=1)
+        buckets = [1 << i for i in range(bucket(max_pages).bit_length())]
+        for b in buckets:
+            for cls, mover in zip(self._plan.classes, self._movers):
+                mover.warmup([self._abstract[i][0] for i in cls.layers],
+                             [self._abstract[i][1] for i in cls.layers], b,
+                             self.integrity == "page")
+        return buckets
+
+    def is_valid(self, page: PageRef) -> bool:
+        """Whether ``page`` still holds the page it refers to (not freed, not reused).
+
+        Example:
+            >>> import jax.numpy as jnp, kvxfer
+            >>> caches = [jnp.zeros((8, 128))]
+            >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+            >>> (page,) = mgr.offload(caches, [1], keys=[7]).wait()
+            >>> mgr.is_valid(page), (mgr.free([page]), mgr.is_valid(page))[1]
+            (True, False)
+            >>> mgr.close()
+        """
+        if not isinstance(page, PageRef):
+            raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
+        gen, state, key = self._pool.state(page.slot)
+        return gen == page.generation and state == "valid" and key == page.key
 
     def _page_range(self, page: PageRef, layer: int) -> tuple[np.ndarray, int, int]:
         if not isinstance(page, PageRef):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -18,10 +18,10 @@ import numpy as np
 from kvxfer import integrity as _integrity
 from kvxfer.engine import DIGEST_CHUNK, Mover, PageBatch, Pending, ShardedLayer
 from kvxfer.hostpool import HostPool, PageRef
-from kvxfer.manager._handles import LoadHandle, LoadResult
+from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
 from kvxfer.plan import Plan, SliceClass
 
-__all__ = ["TransferHook", "LoadVerifier", "agree_min"]
+__all__ = ["TransferHook", "LoadVerifier", "DigestJob", "agree_min"]
 
 TransferHook = Callable[[str, int, jax.Array], None]
 """``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``."""
@@ -48,10 +48,25 @@ class _LoadCheck:
 
     handle: LoadHandle
     slots: np.ndarray
-    batch: PageBatch
     reasons: dict[int, str]
     prefix: int
-    by_class: list[list[ShardedLayer]] = dataclasses.field(default_factory=list)
+    proven_bad: set[int] = dataclasses.field(default_factory=set)
+
+
+class Verified(NamedTuple):
+    """What verification found on this process."""
+
+    prefix: int
+    proven_bad: frozenset[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class DigestJob:
+    """The digests of some layers of one class, being computed (one per replica)."""
+
+    cls: SliceClass
+    positions: list[int]
+    parts: list[Pending]
 
 
 def _mismatch_reason(cls: SliceClass, layer: int, bad_shards: np.ndarray,
@@ -82,86 +97,73 @@ class LoadVerifier:
         self.num_layers = self.plan.num_layers
         self.layer_class = [self.plan.class_of_layer(i) for i in range(self.num_layers)]
 
-    def verify(self, handle: LoadHandle, new: list[jax.Array], slots: np.ndarray,
-               batch: PageBatch, states: list[Any], reasons: dict[int, str]) -> int:
-        """Completes the copies layer by layer, verifying and releasing (gate="layer").
+    def start(self, new: list[jax.Array], batch: PageBatch, gate: Gate) -> list[DigestJob]:
+        """Enqueues the digest programs of a load's pages (caller's thread).
 
-        The digest of layer i runs on the device while layer i+1 is copied.
+        They read the arrays the load returns, so they run before anything the caller
+        dispatches next (a donating step included). ``gate="layer"`` gets one job per
+        layer, in layer order; ``gate="all"`` one per group of up to ``DIGEST_CHUNK``
+        layers of a class.
+        """
+        hook = self.hook
+        if hook is not None:
+            for i in range(self.num_layers):
+                hook("loaded_layer", i, new[i])
+        if not (batch.k and self.verify_pages):
+            return []
+        layers = [ShardedLayer.of(a) for a in new]
+        by_class = [[layers[j] for j in c.layers] for c in self.plan.classes]
+        if gate == "layer":
+            groups = [(cls, [pos]) for cls, pos in self.layer_class]
+        else:
+            groups = [(cls, list(range(len(cls.layers)))[a:a + DIGEST_CHUNK])
+                      for cls in self.plan.classes
+                      for a in range(0, len(cls.layers), DIGEST_CHUNK)]
+        # Every replica of a replicated layer received the pages: check each copy.
+        return [DigestJob(cls, positions, [
+                    self.movers[cls.index].digests(by_class[cls.index], batch, positions,
+                                                   replica=r)
+                    for r in range(cls.replicas)])
+                for cls, positions in groups]
+
+    def verify(self, handle: LoadHandle, new: list[jax.Array], states: list[Any],
+               jobs: list[DigestJob], slots: np.ndarray, batch: PageBatch,
+               reasons: dict[int, str]) -> Verified:
+        """Completes a load layer by layer, checking and releasing (transfer thread).
 
         Args:
           handle: the load's handle (layers are released on it).
           new: the arrays the load returned.
+          states: each class mover's load state.
+          jobs: the digests ``start`` enqueued.
           slots: host slot of each page moved.
           batch: the pages moved.
-          states: each class mover's load state.
           reasons: request index -> why that page is bad; filled in here.
 
         Returns:
-          The local verified prefix (over every layer and shard of this process).
+          The local verified prefix (over every layer and shard of this process) and
+          the pages proven bad by their own digests.
         """
-        check = _LoadCheck(handle, slots, batch, reasons, batch.k)
-        if check.batch.k and self.verify_pages:
-            layers = [ShardedLayer.of(a) for a in new]
-            check.by_class = [[layers[j] for j in c.layers] for c in self.plan.classes]
-            if handle.gate == "all":
-                self._verify_grouped(check, states, new)
-            else:
-                self._verify_per_layer(check, states, new)
+        check = _LoadCheck(handle, slots, reasons, batch.k)
+        if jobs and handle.gate == "layer":
+            for i, job in enumerate(jobs):
+                self._finish_layer(states, new, i)
+                gots = [part.get() for part in job.parts]
+                self._check_layer(check, job.cls, job.positions[0], [g[0] for g in gots])
+        elif jobs:
+            for i in range(self.num_layers):
+                self._finish_layer(states, new, i)
+            for job in jobs:
+                gots = [part.get() for part in job.parts]
+                for j, pos in enumerate(job.positions):
+                    self._check_layer(check, job.cls, pos, [g[j] for g in gots])
         else:
             for i in range(self.num_layers):
-                if check.batch.k:
+                if batch.k:
                     self._finish_layer(states, new, i)
                 if handle.gate == "layer":
                     handle.release(i, check.prefix)
-        return min([check.prefix] + list(reasons))
-
-    def _verify_grouped(self, check: _LoadCheck, states: list[Any],
-                        new: list[jax.Array]) -> None:
-        # Nothing is released before the end, so layers are checked in groups: a
-        # group's digest program runs on the device while the next group copies.
-        jobs, waiting = [], {c.index: [] for c in self.plan.classes}
-        for i in range(self.num_layers):
-            cls, pos = self.layer_class[i]
-            self._finish_layer(states, new, i)
-            group = waiting[cls.index]
-            group.append(pos)
-            if len(group) == DIGEST_CHUNK or pos == len(cls.layers) - 1:
-                jobs.append((cls, list(group), self._start(check, cls, list(group))))
-                group.clear()
-        for cls, group, parts in jobs:
-            gots = [part.get() for part in parts]
-            for j, pos in enumerate(group):
-                self._check_layer(check, cls, pos, [got[j] for got in gots])
-
-    def _verify_per_layer(self, check: _LoadCheck, states: list[Any],
-                          new: list[jax.Array]) -> None:
-        pending: tuple[SliceClass, int, list[Pending]] | None = None
-        for i in range(self.num_layers):
-            cls, pos = self.layer_class[i]
-            try:
-                self._finish_layer(states, new, i)
-            except Exception:
-                if pending is not None:  # release what was verified before the failure
-                    self._settle_pending(check, pending)
-                raise
-            job = (cls, pos, self._start(check, cls, [pos]))
-            if pending is not None:
-                self._settle_pending(check, pending)
-            pending = job
-        if pending is not None:
-            self._settle_pending(check, pending)
-
-    def _start(self, check: _LoadCheck, cls: SliceClass, positions: list[int]
-               ) -> list[Pending]:
-        # Every replica of a replicated layer received the pages: check each copy.
-        mover = self.movers[cls.index]
-        return [mover.digests(check.by_class[cls.index], check.batch, positions, replica=r)
-                for r in range(cls.replicas)]
-
-    def _settle_pending(self, check: _LoadCheck,
-                        job: tuple[SliceClass, int, list[Pending]]) -> None:
-        cls, pos, parts = job
-        self._check_layer(check, cls, pos, [part.get()[0] for part in parts])
+        return Verified(min([check.prefix] + list(reasons)), frozenset(check.proven_bad))
 
     def _check_layer(self, check: _LoadCheck, cls: SliceClass, pos: int,
                      gots: list[np.ndarray]) -> None:
@@ -172,6 +174,7 @@ class LoadVerifier:
         per_replica = [(got != expected).any(axis=-1) for got in gots]  # [S, k] each
         bad = np.logical_or.reduce(per_replica)
         for j in np.flatnonzero(bad.any(axis=0)):
+            check.proven_bad.add(int(j))
             if int(j) not in check.reasons:
                 check.reasons[int(j)] = _mismatch_reason(cls, i, bad[:, j],
                                                          [b[:, j] for b in per_replica])
@@ -189,18 +192,27 @@ class LoadVerifier:
             hook("loaded_layer", layer, new[layer])
 
     def settle(self, handle: LoadHandle, pages: list[PageRef], first_bad: int,
-               reasons: dict[int, str]) -> LoadResult:
-        """Releases (gate="all"), invalidates the bad page and all after it, reports."""
+               proven_bad: frozenset[int], reasons: dict[int, str]) -> LoadResult:
+        """Releases (gate="all"), frees the pages proven bad, reports.
+
+        Only a page whose own digest failed is freed: a page this request could not
+        use for another reason (the caller expected another key, it comes after the
+        first bad page, another process found its copy bad) is intact and stays
+        valid for its holders.
+        """
         if handle.gate == "all":
             for i in range(self.num_layers):
                 handle.release(i, first_bad)
         invalid = tuple(range(first_bad, len(pages)))
+        freed = []
         for j in invalid:
-            p = pages[j]
-            self.pool.invalidate(p.slot, p.generation)
-            if j == first_bad and j not in reasons:
-                reasons[j] = "invalid on another process"
+            if j in proven_bad:
+                p = pages[j]
+                self.pool.invalidate(p.slot, p.generation)
+                freed.append(j)
+        if first_bad < len(pages) and first_bad not in reasons:
+            reasons[first_bad] = "invalid on another process"
         released = handle.released_prefixes
         return LoadResult(first_bad, invalid, dict(sorted(reasons.items())),
-                          any(r > first_bad for r in released), released)
+                          any(r > first_bad for r in released), released, tuple(freed))
 
