@@ -1,10 +1,12 @@
-"""Two real JAX processes on loopback agree on the verified prefix (gloo collectives)."""
+"""Two real JAX processes on loopback agree on each load's verified prefix."""
 
 import json
 import pathlib
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -17,22 +19,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(fault: str) -> list[dict]:
+def run_pair(scenario: str, *, worker: pathlib.Path = WORKER,
+             exit_codes: tuple[int, int] = (0, 0), timeout: float = 120) -> list[dict | None]:
+    """Runs ``worker RANK PORT scenario`` as two processes; each one's last JSON line.
+
+    A rank that printed nothing gives None. Output goes to files, not pipes, so a
+    rank that logs a lot cannot block while the other is being waited for.
+    """
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), port, fault],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank hung")
-        assert p.returncode == 0, stderr[-2000:]
-        outs.append(json.loads(stdout.strip().splitlines()[-1]))
-    return outs
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(rank), port, scenario],
+                              stdout=out, stderr=err, text=True)
+             for rank, (out, err) in enumerate(logs)]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for rank, p in enumerate(procs):
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} hung in scenario {scenario!r}")
+        for rank, (p, (out, err)) in enumerate(zip(procs, logs)):
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+            assert p.returncode == exit_codes[rank], \
+                f"rank {rank} exited with {p.returncode}:\n{stderr[-3000:]}"
+            lines = stdout.strip().splitlines()
+            results.append(json.loads(lines[-1]) if lines else None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for out, err in logs:
+            out.close()
+            err.close()
+    return results
 
 
 def test_corruption_on_one_process_gives_both_the_same_prefix():
@@ -54,3 +77,24 @@ def test_transfer_failure_on_one_process_fails_both():
     a, b = run_pair("transfer")
     assert "injected device transfer failure" in a["error"]
     assert "a transfer failed on another process" in b["error"]
+
+
+@pytest.mark.xfail(reason="needs Agreement wired into KVCacheManager", strict=False)
+def test_load_that_raises_in_the_call_still_takes_part():
+    # Rank 0's first load raises in the call; rank 1's first load must fail with it
+    # (not pair with rank 0's second load), and the second loads then agree.
+    a, b = run_pair("sync-then-bad-page")
+    assert a["first"]["raised"] == "ValueError"
+    assert "device_blocks[3] = 8 is out of range" in a["first"]["error"]
+    assert "a transfer failed on another process" in b["first"]["error"]
+    assert a["second"]["prefix"] == b["second"]["prefix"] == 2
+    assert "digest mismatch in layer 1" in b["second"]["reasons"]["2"]
+    assert a["second"]["reasons"]["2"] == "invalid on another process"
+    assert a["second"]["exact"] and b["second"]["exact"]
+
+
+@pytest.mark.xfail(reason="needs Agreement wired into KVCacheManager", strict=False)
+def test_a_crashed_process_fails_the_load_instead_of_hanging():
+    a, b = run_pair("crash", exit_codes=(0, 3))
+    assert b is None  # rank 1 died before its load
+    assert "did not answer" in a["first"]["error"] and "[1]" in a["first"]["error"]
