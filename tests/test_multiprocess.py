@@ -79,7 +79,6 @@ def test_transfer_failure_on_one_process_fails_both():
     assert "a transfer failed on another process" in b["error"]
 
 
-@pytest.mark.xfail(reason="needs Agreement wired into KVCacheManager", strict=False)
 def test_load_that_raises_in_the_call_still_takes_part():
     # Rank 0's first load raises in the call; rank 1's first load must fail with it
     # (not pair with rank 0's second load), and the second loads then agree.
@@ -93,7 +92,6 @@ def test_load_that_raises_in_the_call_still_takes_part():
     assert a["second"]["exact"] and b["second"]["exact"]
 
 
-@pytest.mark.xfail(reason="needs Agreement wired into KVCacheManager", strict=False)
 def test_a_crashed_process_fails_the_load_instead_of_hanging():
     a, b = run_pair("crash", exit_codes=(0, 3))
     assert b is None  # rank 1 died before its load

@@ -1,8 +1,9 @@
 """The manager: ``KVCacheManager``, its handles and results, verification, movers chosen.
 
 One module an idea: ``_handles`` (what a transfer hands back), ``_verify`` (per-layer
-verification and the agreement on the verified prefix), ``_select`` (which mover moves
-each slice class) and ``_manager`` (the manager itself).
+verification), ``_agree`` (lockstep agreement on each load's verified prefix across
+processes), ``_select`` (which mover moves each slice class) and ``_manager`` (the
+manager itself).
 """
 
 from kvxfer.manager._handles import Gate as Gate

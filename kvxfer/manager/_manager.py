@@ -32,7 +32,8 @@ from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
 from kvxfer.manager._handles import Gate, LoadHandle, OffloadHandle
 from kvxfer.manager._select import PATHS, PathMode, plan_path, select_movers
-from kvxfer.manager._verify import DigestJob, LoadVerifier, TransferHook, agree_min
+from kvxfer.manager._agree import Agreement
+from kvxfer.manager._verify import DigestJob, LoadVerifier, TransferHook
 from kvxfer.plan import LayerSpec, Plan, make_plan
 
 __all__ = ["KVCacheManager", "IntegrityMode"]
@@ -117,6 +118,8 @@ class KVCacheManager:
         ``"direct"`` (byte-range copies only; refuses layouts not proven addressable).
       ready_timeout: seconds to wait for caches still being computed.
       pinned: host pools in ``pinned_host`` memory (default: off on CPU).
+      agreement_timeout: seconds a multi-process load waits for every process's
+        verified prefix before failing with ``TransferError`` (a crashed rank).
 
     Raises:
       BudgetError: the plan exceeds the budget (before any allocation).
@@ -129,7 +132,11 @@ class KVCacheManager:
     def __init__(self, kv_caches: Sequence[jax.Array], *, num_host_blocks: int,
                  layouts: Sequence[Any] | None = None, integrity: IntegrityMode = "page",
                  host_memory_budget: int | None = None, path: PathMode = "auto",
-                 ready_timeout: float = 30.0, pinned: bool | None = None):
+                 ready_timeout: float = 30.0, pinned: bool | None = None,
+                 agreement_timeout: float = 300.0):
+        # First, before any check that could fail on one rank only: every rank must
+        # create its managers' agreements in the same order.
+        self._agreement = Agreement(timeout=agreement_timeout)
         if integrity not in ("page", "off"):
             raise ValueError(f"integrity={integrity!r}; expected 'page' or 'off'")
         if path not in PATHS:
@@ -368,7 +375,27 @@ class KVCacheManager:
 
         Raises:
           ValueError, TypeError: bad caches, pages, ids, keys or gate (nothing moved).
+          TransferError: a failure while the device work was being enqueued; its
+            ``kv_caches`` are the caches to continue with.
+
+        In a multi-process job every call takes part in the agreement on the verified
+        prefix, also one that raises: the matching load on every other process then
+        fails with ``TransferError``, and the next load agrees as usual.
         """
+        round_ = self._agreement.next_round()
+        try:
+            return self._load(round_, kv_caches, pages, device_blocks, keys, gate)
+        except BaseException:
+            if self._agreement.multiprocess:
+                try:
+                    self._agreement.agree(round_, -1)  # the others learn this one failed
+                except TransferError:
+                    pass  # the original error is what the caller must see
+            raise
+
+    def _load(self, round_: int, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef],
+              device_blocks: Sequence[int], keys: Sequence[Any] | None,
+              gate: Gate) -> tuple[list[jax.Array], LoadHandle]:
         if gate not in ("all", "layer"):
             raise ValueError(f"gate={gate!r}; expected 'all' or 'layer'")
         self._check_open()
@@ -412,8 +439,8 @@ class KVCacheManager:
         # their buffers are their own (shared ones were copied).
         self._validated = [weakref.ref(a) for a in new]
         self._private = [weakref.ref(a) for a in new]
-        self._worker.submit(self._finish_load, handle, new, pages, slots, batch, states,
-                            jobs, reasons, pinned_slots)
+        self._worker.submit(self._finish_load, round_, handle, new, pages, slots, batch,
+                            states, jobs, reasons, pinned_slots)
         return new, handle
 
     def _start_load(self, caches: list[jax.Array], batch: PageBatch, slots: np.ndarray,
@@ -461,7 +488,8 @@ class KVCacheManager:
                 new[i] = a
         return new, states, self._verifier.start(new, batch, gate)
 
-    def _finish_load(self, handle: LoadHandle, new: list[jax.Array], pages: list[PageRef],
+    def _finish_load(self, round_: int, handle: LoadHandle, new: list[jax.Array],
+                     pages: list[PageRef],
                      slots: np.ndarray, batch: PageBatch, states: list[Any],
                      jobs: list[DigestJob], reasons: dict[int, str],
                      pinned_slots: list[int]) -> None:
@@ -473,9 +501,9 @@ class KVCacheManager:
         except Exception as e:  # a transfer or device failure is an error, not a miss
             prefix, proven_bad, error = -1, frozenset(), e
         try:
-            if jax.process_count() > 1:
+            if self._agreement.multiprocess:
                 # Every rank takes part even after a local failure, so none hangs.
-                agreed = agree_min(prefix)
+                agreed = self._agreement.agree(round_, prefix)
                 if agreed < 0 and error is None:
                     error = TransferError("a transfer failed on another process")
                 prefix = agreed

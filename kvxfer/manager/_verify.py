@@ -1,9 +1,9 @@
-"""Verification of a load, layer by layer, and agreement on its verified prefix.
+"""Verification of a load, layer by layer.
 
-A load's pages are digested on the device after they arrive and compared with the
-digests made before they left; layer i is released (``gate="layer"``) once its pages
-are checked, and the load's verified prefix is the first bad page over every layer,
-shard and replica, agreed over every process of a multi-process job (minimum).
+A load's pages are digested on the device after they arrive (programs enqueued on the
+caller's thread) and compared with the digests made before they left; layer i is
+released (``gate="layer"``) once its pages are checked, and the load's verified prefix
+on this process is the first bad page over every layer, shard and replica.
 """
 
 from __future__ import annotations
@@ -21,25 +21,10 @@ from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
 from kvxfer.plan import Plan, SliceClass
 
-__all__ = ["TransferHook", "LoadVerifier", "DigestJob", "agree_min"]
+__all__ = ["TransferHook", "LoadVerifier", "DigestJob", "Verified"]
 
 TransferHook = Callable[[str, int, jax.Array], None]
 """``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``."""
-
-
-def agree_min(value: int) -> int:
-    """The minimum of ``value`` over every process, through a JAX collective.
-
-    Every process runs its loads in the same order on its transfer thread, so the
-    collectives line up; all ranks then keep and recompute the same pages. The
-    collective runs on the transfer thread: a job must not run other multi-process
-    programs that could interleave with it differently on different ranks while a
-    load is being verified (wait for ``result()`` first).
-    """
-    from jax.experimental import multihost_utils
-
-    values = multihost_utils.process_allgather(np.array([value], dtype=np.int32))
-    return int(np.min(values))
 
 
 @dataclasses.dataclass
