@@ -129,6 +129,7 @@ class _Slot:
     state: str = "free"  # free | writing | valid | released (free once readers finish)
     key: int = 0
     readers: int = 0
+    classes: frozenset[int] = frozenset()  # the slice classes the page holds
 
 
 class HostPool:
@@ -204,12 +205,20 @@ class HostPool:
                 out.append((slot, s.generation))
             return out
 
-    def commit(self, slot: int, generation: int, key: int) -> None:
-        """Marks a written slot valid under ``key``."""
+    def commit(self, slot: int, generation: int, key: int,
+               classes: frozenset[int] | None = None) -> None:
+        """Marks a written slot valid under ``key``, holding ``classes`` (default all)."""
         with self._lock:
             s = self._slot(slot)
             if s.generation == generation and s.state == "writing":
                 s.state, s.key = "valid", key
+                s.classes = frozenset(range(len(self.pools))) if classes is None else \
+                    frozenset(classes)
+
+    def classes_of(self, slot: int) -> frozenset[int]:
+        """The slice classes whose part of the page ``slot`` holds."""
+        with self._lock:
+            return self._slot(slot).classes
 
     def release(self, slot: int, generation: int) -> None:
         """Frees a slot; if a transfer is reading it, the slot returns once it ends.

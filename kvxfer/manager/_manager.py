@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -269,28 +269,59 @@ class KVCacheManager:
             self._validated[i] = weakref.ref(a)
         return caches
 
-    def _check_ids(self, device_blocks: Sequence[int], n: int, what: str) -> np.ndarray:
+    def _check_blocks(self, device_blocks: Any, n: int, what: str) -> dict[int, np.ndarray]:
+        """Block ids per slice class moved: one list for every class, or a mapping.
+
+        A mapping ``{class index: ids}`` moves those classes only (layers of a class
+        share their block count); a plain list moves every class, checked against
+        every layer's own block count.
+        """
+        classes = self._plan.classes
+        if isinstance(device_blocks, Mapping):
+            if not device_blocks:
+                raise ValueError("device_blocks is an empty mapping; give ids for at least "
+                                 "one slice class")
+            out = {}
+            for c, ids in device_blocks.items():
+                c = check_int(c, "device_blocks key (a slice class index)", minimum=0)
+                if c >= len(classes):
+                    raise ValueError(f"device_blocks key {c} is not a slice class; the plan "
+                                     f"has classes 0..{len(classes) - 1}")
+                out[c] = self._check_ids(ids, n, what, classes[c].layers,
+                                         f"device_blocks[{c}]")
+            return dict(sorted(out.items()))
+        ids = self._check_ids(device_blocks, n, what, range(self.num_layers), "device_blocks")
+        return {c.index: ids for c in classes}
+
+    def _check_ids(self, device_blocks: Sequence[int], n: int, what: str,
+                   layers: Sequence[int], name: str) -> np.ndarray:
         ids = np.asarray(device_blocks)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise ValueError(f"device_blocks must be a 1-D sequence of ints. Got {device_blocks!r}")
+            raise ValueError(f"{name} must be a 1-D sequence of ints. Got {device_blocks!r}")
         if len(ids) != n:
-            raise ValueError(f"{len(ids)} device_blocks for {n} {what}")
-        limit = min(spec.num_blocks for spec in self._specs)
+            raise ValueError(f"{len(ids)} {name} for {n} {what}")
+        limit = min(self._specs[i].num_blocks for i in layers)
         out = (ids < 0) | (ids >= limit)
         if out.any():
             j = int(np.flatnonzero(out)[0])
-            i = next(i for i, spec in enumerate(self._specs)
-                     if not 0 <= ids[j] < spec.num_blocks)
-            raise ValueError(f"device_blocks[{j}] = {int(ids[j])} is out of range for layer "
+            i = next(i for i in layers if not 0 <= ids[j] < self._specs[i].num_blocks)
+            raise ValueError(f"{name}[{j}] = {int(ids[j])} is out of range for layer "
                              f"{i} ({self._specs[i].num_blocks} blocks)")
         if len(np.unique(ids)) != len(ids):
             seen: dict[int, int] = {}
             for j, b in enumerate(ids.tolist()):
                 if b in seen:
-                    raise ValueError(f"device_blocks[{j}] = {b} duplicates device_blocks"
-                                     f"[{seen[b]}]")
+                    raise ValueError(f"{name}[{j}] = {b} duplicates {name}[{seen[b]}]")
                 seen[b] = j
         return ids.astype(np.int32)
+
+    @staticmethod
+    def _batches(blocks: dict[int, np.ndarray], keys: Sequence[int],
+                 generations: Sequence[int]) -> dict[int, PageBatch]:
+        """One page batch per class moved (classes given the same ids share one)."""
+        made: dict[int, PageBatch] = {}
+        return {c: made.setdefault(id(ids), PageBatch(ids, keys, generations))
+                for c, ids in blocks.items()}
 
     def _layers(self, caches: list[jax.Array]) -> list[ShardedLayer]:
         return [ShardedLayer.of(a) for a in caches]
@@ -320,36 +351,37 @@ class KVCacheManager:
         self._check_open()
         caches = self._check_caches(kv_caches)
         keys = list(keys)
-        ids = self._check_ids(device_blocks, len(keys), "keys")
+        blocks = self._check_blocks(device_blocks, len(keys), "keys")
         keys = [_key(k, f"keys[{j}]") for j, k in enumerate(keys)]
-        refs = self._pool.allocate(len(ids))
+        refs = self._pool.allocate(len(keys))
         slots = np.array([s for s, _ in refs], dtype=np.int64)
-        batch = PageBatch(ids, keys, [g for _, g in refs])
+        batches = self._batches(blocks, keys, [g for _, g in refs])
         try:
             layers = self._layers(caches)
-            states = [mover.start_offload([layers[i] for i in cls.layers], batch, slots,
-                                          self.integrity == "page")
-                      for cls, mover in zip(self._plan.classes, self._movers)]
+            states = {c: self._movers[c].start_offload(
+                          [layers[i] for i in self._plan.classes[c].layers], batch, slots,
+                          self.integrity == "page")
+                      for c, batch in batches.items()}
         except Exception as e:
             for s, g in refs:
                 self._pool.release(s, g)
-            raise TransferError(f"offload of {len(ids)} blocks failed: {e}") from e
+            raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
 
         return OffloadHandle(self._worker.submit(self._finish_offload, states, slots, refs,
                                                  keys))
 
-    def _finish_offload(self, states: list[Any], slots: np.ndarray,
+    def _finish_offload(self, states: dict[int, Any], slots: np.ndarray,
                         refs: list[tuple[int, int]], keys: list[int]) -> list[PageRef]:
         """The transfer thread's half of an offload: host bytes in, pages committed."""
         try:
-            for mover, state in zip(self._movers, states):
-                mover.finish_offload(state, slots)
+            for c, state in states.items():
+                self._movers[c].finish_offload(state, slots)
         except Exception as e:
             for s, g in refs:
                 self._pool.release(s, g)
             raise TransferError(f"offload of {len(refs)} blocks failed: {e}") from e
         for (s, g), k in zip(refs, keys):
-            self._pool.commit(s, g, k)
+            self._pool.commit(s, g, k, frozenset(states))
         return [PageRef(k, s, g) for (s, g), k in zip(refs, keys)]
 
     # -- load -------------------------------------------------------------------
@@ -406,7 +438,7 @@ class KVCacheManager:
                 raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
             if not 0 <= p.slot < self._pool.num_slots:
                 raise PoolError(f"pages[{j}] ({p}): unknown host slot")
-        ids = self._check_ids(device_blocks, len(pages), "pages")
+        blocks = self._check_blocks(device_blocks, len(pages), "pages")
         want = None
         if keys is not None:
             keys = list(keys)
@@ -425,12 +457,17 @@ class KVCacheManager:
             elif self._pool.key_of(p.slot) != p.key:
                 reasons[j] = (f"wrong key: slot {p.slot} holds key "
                               f"{self._pool.key_of(p.slot):#x}, ref says {p.key:#x}")
+            elif not set(blocks) <= self._pool.classes_of(p.slot):
+                reasons[j] = (f"{p} holds slice classes "
+                              f"{sorted(self._pool.classes_of(p.slot))}, the load asks for "
+                              f"{sorted(blocks)}")
         n = min(reasons) if reasons else len(pages)
         pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
-        batch = PageBatch(ids[:n], [p.key for p in pages[:n]], [p.generation for p in pages[:n]])
+        batches = self._batches({c: ids[:n] for c, ids in blocks.items()},
+                                [p.key for p in pages[:n]], [p.generation for p in pages[:n]])
         try:
-            new, states, jobs = self._start_load(caches, batch, slots, gate)
+            new, states, jobs = self._start_load(caches, batches, slots, gate)
         except TransferError:
             self._pool.release_readers(pinned_slots)
             raise
@@ -439,12 +476,13 @@ class KVCacheManager:
         # their buffers are their own (shared ones were copied).
         self._validated = [weakref.ref(a) for a in new]
         self._private = [weakref.ref(a) for a in new]
-        self._worker.submit(self._finish_load, round_, handle, new, pages, slots, batch,
+        self._worker.submit(self._finish_load, round_, handle, new, pages, slots, batches,
                             states, jobs, reasons, pinned_slots)
         return new, handle
 
-    def _start_load(self, caches: list[jax.Array], batch: PageBatch, slots: np.ndarray,
-                    gate: Gate) -> tuple[list[jax.Array], list[Any], list[DigestJob]]:
+    def _start_load(self, caches: list[jax.Array], batches: dict[int, PageBatch],
+                    slots: np.ndarray, gate: Gate
+                    ) -> tuple[list[jax.Array], dict[int, Any], list[DigestJob]]:
         """The caller's-thread half of a load: every device program enqueued.
 
         Every class is staged before the first one starts (starting may donate the
@@ -452,26 +490,26 @@ class KVCacheManager:
         once classes have started raises a ``TransferError`` whose ``kv_caches`` are
         the arrays to continue with (loaded classes replaced, the others as given).
         """
-        n = batch.k
+        n = len(slots)
         layers = self._layers(caches)
         new = list(caches)
-        states: list[Any] = [None] * len(self._movers)
+        states: dict[int, Any] = {}
         if not n:
-            return new, states, self._verifier.start(new, batch, gate)
+            return new, states, self._verifier.start(new, batches, gate)
         shared: frozenset[int] = frozenset()
-        if any(m.writes_buffers for m in self._movers) and not all(
+        if any(self._movers[c].writes_buffers for c in batches) and not all(
                 _is(p, a) for a, p in zip(caches, self._private)):
             shared = shared_buffers(caches)
-        request = LoadRequest(batch, slots, shared)
-        pairs = list(zip(self._plan.classes, self._movers))
+        pairs = [(self._plan.classes[c], self._movers[c], LoadRequest(b, slots, shared))
+                 for c, b in batches.items()]
         try:
             staged = [mover.stage_load([layers[i] for i in cls.layers], request)
-                      for cls, mover in pairs]
+                      for cls, mover, request in pairs]
         except Exception as e:
             raise TransferError(f"load of {n} pages failed while staging (the caches are "
                                 f"unchanged): {e}", kv_caches=new) from e
         hook = self._verifier.hook
-        for (cls, mover), st in zip(pairs, staged):
+        for (cls, mover, request), st in zip(pairs, staged):
             try:
                 if hook is not None:
                     hook("start_load", cls.layers[0], new[cls.layers[0]])
@@ -486,17 +524,17 @@ class KVCacheManager:
                     "usable)", kv_caches=new) from e
             for i, a in zip(cls.layers, out):
                 new[i] = a
-        return new, states, self._verifier.start(new, batch, gate)
+        return new, states, self._verifier.start(new, batches, gate)
 
     def _finish_load(self, round_: int, handle: LoadHandle, new: list[jax.Array],
                      pages: list[PageRef],
-                     slots: np.ndarray, batch: PageBatch, states: list[Any],
+                     slots: np.ndarray, batches: dict[int, PageBatch], states: dict[int, Any],
                      jobs: list[DigestJob], reasons: dict[int, str],
                      pinned_slots: list[int]) -> None:
         """The transfer thread's half of a load: wait, verify, agree, settle."""
         try:
-            prefix, proven_bad = self._verifier.verify(handle, new, states, jobs, slots, batch,
-                                                       reasons)
+            prefix, proven_bad = self._verifier.verify(handle, new, states, jobs, slots,
+                                                       batches, reasons)
             error: BaseException | None = None
         except Exception as e:  # a transfer or device failure is an error, not a miss
             prefix, proven_bad, error = -1, frozenset(), e
@@ -509,7 +547,8 @@ class KVCacheManager:
                 prefix = agreed
             if error is not None:
                 raise error
-            result = self._verifier.settle(handle, pages, prefix, proven_bad, reasons)
+            result = self._verifier.settle(handle, pages, prefix, proven_bad, reasons,
+                                           set(batches))
         except Exception as e:
             handle.finish(None, e)
         else:

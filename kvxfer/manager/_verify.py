@@ -82,71 +82,79 @@ class LoadVerifier:
         self.num_layers = self.plan.num_layers
         self.layer_class = [self.plan.class_of_layer(i) for i in range(self.num_layers)]
 
-    def start(self, new: list[jax.Array], batch: PageBatch, gate: Gate) -> list[DigestJob]:
+    def start(self, new: list[jax.Array], batches: dict[int, PageBatch], gate: Gate
+              ) -> dict[int, DigestJob] | list[DigestJob]:
         """Enqueues the digest programs of a load's pages (caller's thread).
 
         They read the arrays the load returns, so they run before anything the caller
-        dispatches next (a donating step included). ``gate="layer"`` gets one job per
-        layer, in layer order; ``gate="all"`` one per group of up to ``DIGEST_CHUNK``
-        layers of a class.
+        dispatches next (a donating step included). ``batches`` holds the classes
+        moved. ``gate="layer"`` gets one job per layer moved (a dict by layer);
+        ``gate="all"`` one per group of up to ``DIGEST_CHUNK`` layers of a class.
         """
         hook = self.hook
         if hook is not None:
-            for i in range(self.num_layers):
-                hook("loaded_layer", i, new[i])
-        if not (batch.k and self.verify_pages):
+            for c in batches:
+                for i in self.plan.classes[c].layers:
+                    hook("loaded_layer", i, new[i])
+        k = next(iter(batches.values())).k
+        if not (k and self.verify_pages):
             return []
         layers = [ShardedLayer.of(a) for a in new]
-        by_class = [[layers[j] for j in c.layers] for c in self.plan.classes]
+        moved = [self.plan.classes[c] for c in batches]
         if gate == "layer":
-            groups = [(cls, [pos]) for cls, pos in self.layer_class]
+            groups = [(cls, [pos]) for cls in moved for pos in range(len(cls.layers))]
         else:
             groups = [(cls, list(range(len(cls.layers)))[a:a + DIGEST_CHUNK])
-                      for cls in self.plan.classes
-                      for a in range(0, len(cls.layers), DIGEST_CHUNK)]
+                      for cls in moved for a in range(0, len(cls.layers), DIGEST_CHUNK)]
         # Every replica of a replicated layer received the pages: check each copy.
-        return [DigestJob(cls, positions, [
-                    self.movers[cls.index].digests(by_class[cls.index], batch, positions,
-                                                   replica=r)
+        jobs = [DigestJob(cls, positions, [
+                    self.movers[cls.index].digests([layers[j] for j in cls.layers],
+                                                   batches[cls.index], positions, replica=r)
                     for r in range(cls.replicas)])
                 for cls, positions in groups]
+        if gate == "layer":
+            return {job.cls.layers[job.positions[0]]: job for job in jobs}
+        return jobs
 
-    def verify(self, handle: LoadHandle, new: list[jax.Array], states: list[Any],
-               jobs: list[DigestJob], slots: np.ndarray, batch: PageBatch,
-               reasons: dict[int, str]) -> Verified:
+    def verify(self, handle: LoadHandle, new: list[jax.Array], states: dict[int, Any],
+               jobs: dict[int, DigestJob] | list[DigestJob], slots: np.ndarray,
+               batches: dict[int, PageBatch], reasons: dict[int, str]) -> Verified:
         """Completes a load layer by layer, checking and releasing (transfer thread).
+
+        Layers of classes the load does not move are released as they come (their
+        contents did not change).
 
         Args:
           handle: the load's handle (layers are released on it).
           new: the arrays the load returned.
-          states: each class mover's load state.
+          states: the load state of each class moved.
           jobs: the digests ``start`` enqueued.
           slots: host slot of each page moved.
-          batch: the pages moved.
+          batches: the pages moved, per class moved.
           reasons: request index -> why that page is bad; filled in here.
 
         Returns:
           The local verified prefix (over every layer and shard of this process) and
           the pages proven bad by their own digests.
         """
-        check = _LoadCheck(handle, slots, reasons, batch.k)
-        if jobs and handle.gate == "layer":
-            for i, job in enumerate(jobs):
-                self._finish_layer(states, new, i)
-                gots = [part.get() for part in job.parts]
-                self._check_layer(check, job.cls, job.positions[0], [g[0] for g in gots])
-        elif jobs:
+        check = _LoadCheck(handle, slots, reasons, len(slots))
+        if jobs and handle.gate == "all":
             for i in range(self.num_layers):
-                self._finish_layer(states, new, i)
+                if self.layer_class[i][0].index in batches:
+                    self._finish_layer(states, new, i)
             for job in jobs:
                 gots = [part.get() for part in job.parts]
                 for j, pos in enumerate(job.positions):
                     self._check_layer(check, job.cls, pos, [g[j] for g in gots])
         else:
             for i in range(self.num_layers):
-                if batch.k:
+                cls, pos = self.layer_class[i]
+                if cls.index in batches and len(slots):
                     self._finish_layer(states, new, i)
-                if handle.gate == "layer":
+                if i in jobs:
+                    gots = [part.get() for part in jobs[i].parts]
+                    self._check_layer(check, cls, pos, [g[0] for g in gots])
+                elif handle.gate == "layer":
                     handle.release(i, check.prefix)
         return Verified(min([check.prefix] + list(reasons)), frozenset(check.proven_bad))
 
@@ -167,7 +175,7 @@ class LoadVerifier:
         if check.handle.gate == "layer":
             check.handle.release(i, check.prefix)
 
-    def _finish_layer(self, states: list[Any], new: list[jax.Array], layer: int) -> None:
+    def _finish_layer(self, states: dict[int, Any], new: list[jax.Array], layer: int) -> None:
         cls, pos = self.layer_class[layer]
         hook = self.hook
         if hook is not None:
@@ -177,7 +185,8 @@ class LoadVerifier:
             hook("loaded_layer", layer, new[layer])
 
     def settle(self, handle: LoadHandle, pages: list[PageRef], first_bad: int,
-               proven_bad: frozenset[int], reasons: dict[int, str]) -> LoadResult:
+               proven_bad: frozenset[int], reasons: dict[int, str],
+               moved: set[int]) -> LoadResult:
         """Releases (gate="all"), frees the pages proven bad, reports.
 
         Only a page whose own digest failed is freed: a page this request could not
@@ -198,6 +207,8 @@ class LoadVerifier:
         if first_bad < len(pages) and first_bad not in reasons:
             reasons[first_bad] = "invalid on another process"
         released = handle.released_prefixes
-        return LoadResult(first_bad, invalid, dict(sorted(reasons.items())),
-                          any(r > first_bad for r in released), released, tuple(freed))
+        consumed = any(r > first_bad for i, r in enumerate(released)
+                       if self.layer_class[i][0].index in moved)
+        return LoadResult(first_bad, invalid, dict(sorted(reasons.items())), consumed,
+                          released, tuple(freed))
 
