@@ -495,3 +495,48 @@ def test_a_failure_in_the_second_class_leaves_usable_caches(path):
     assert load.result().verified_prefix == 2
     for i, x in enumerate(new):
         assert np.array_equal(testing.bits(x)[[11, 12]], before[i][[1, 2]])
+
+
+@pytest.mark.parametrize("path", ["auto", "staged"])
+def test_hybrid_layers_take_block_ids_per_slice_class(path):
+    """Full-attention layers with 32 blocks and sliding-window layers with 8: each class
+    gets its own ids, checked against its own block count; a subset of classes moves."""
+    full = [jnp.asarray(testing.random_bits((32, 4, 128), "float32", seed=i)) for i in range(2)]
+    window = [jnp.asarray(testing.random_bits((8, 2, 128), "float32", seed=9 + i))
+              for i in range(2)]
+    caches = [full[0], window[0], full[1], window[1]]
+    before = [testing.bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path=path)
+    full_cls, window_cls = (mgr.plan.class_of_layer(i)[0].index for i in (0, 1))
+    with pytest.raises(ValueError, match=rf"device_blocks\[{window_cls}\]\[1\] = 9 is out of "
+                       r"range for layer 1 \(8 blocks\)"):
+        mgr.offload(caches, {full_cls: [20, 21], window_cls: [3, 9]}, keys=[1, 2])
+    with pytest.raises(ValueError, match=r"device_blocks\[1\] = 20 is out of range for layer 1"):
+        mgr.offload(caches, [3, 20], keys=[1, 2])  # one list must fit every layer
+    with pytest.raises(ValueError, match="key 7 is not a slice class"):
+        mgr.offload(caches, {7: [1, 2]}, keys=[1, 2])
+    assert mgr.num_free_pages == 4  # nothing allocated by the refused calls
+    pages = mgr.offload(caches, {full_cls: [20, 21], window_cls: [3, 5]}, keys=[1, 2]).wait()
+    caches, load = mgr.load(caches, pages, {full_cls: [30, 31], window_cls: [6, 7]},
+                            gate="layer")
+    assert load.result().verified_prefix == 2
+    for i, (c, b) in enumerate(zip(caches, before)):
+        src, dst = ([20, 21], [30, 31]) if i in (0, 2) else ([3, 5], [6, 7])
+        assert np.array_equal(testing.bits(c)[dst], b[src]), i
+    # Only the full-attention layers move; the window layers stay as they are.
+    part = mgr.offload(caches, {full_cls: [0, 1]}, keys=[5, 6]).wait()
+    now = [testing.bits(c) for c in caches]
+    caches, load = mgr.load(caches, part, {full_cls: [10, 11]}, gate="layer")
+    assert [load.layer_ready(i) for i in range(4)] == [2, 2, 2, 2]
+    assert load.result().verified_prefix == 2
+    for i, (c, b) in enumerate(zip(caches, now)):
+        want = b.copy()
+        if i in (0, 2):
+            want[[10, 11]] = b[[0, 1]]
+        assert np.array_equal(testing.bits(c), want), i
+    # A page holding only the full-attention class cannot fill the window layers.
+    caches, load = mgr.load(caches, part, [2, 3])
+    result = load.result()
+    assert result.verified_prefix == 0 and "holds slice classes" in result.reasons[0]
+    assert result.freed_pages == () and mgr.is_valid(part[0])
+    mgr.close()

@@ -11,10 +11,11 @@ from kvxfer.manager._handles import IntegrityError as IntegrityError
 from kvxfer.manager._handles import LoadHandle as LoadHandle
 from kvxfer.manager._handles import LoadResult as LoadResult
 from kvxfer.manager._handles import OffloadHandle as OffloadHandle
+from kvxfer.manager._manager import Blocks as Blocks
 from kvxfer.manager._manager import IntegrityMode as IntegrityMode
 from kvxfer.manager._manager import KVCacheManager as KVCacheManager
 from kvxfer.manager._select import PathMode as PathMode
 from kvxfer.manager._verify import TransferHook as TransferHook
 
 __all__ = ["KVCacheManager", "OffloadHandle", "LoadHandle", "LoadResult", "IntegrityError",
-           "Gate", "IntegrityMode", "PathMode", "TransferHook"]
+           "Gate", "IntegrityMode", "PathMode", "TransferHook", "Blocks"]

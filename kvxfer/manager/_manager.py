@@ -36,8 +36,10 @@ from kvxfer.manager._agree import Agreement
 from kvxfer.manager._verify import DigestJob, LoadVerifier, TransferHook
 from kvxfer.plan import LayerSpec, Plan, make_plan
 
-__all__ = ["KVCacheManager", "IntegrityMode"]
+__all__ = ["KVCacheManager", "IntegrityMode", "Blocks"]
 
+Blocks = Sequence[int] | Mapping[int, Sequence[int]]
+"""Device block ids: one list for every slice class, or ``{class index: ids}``."""
 IntegrityMode = Literal["page", "off"]
 """``"page"`` digests every page on the device; ``"off"`` skips digests."""
 
@@ -328,17 +330,19 @@ class KVCacheManager:
 
     # -- offload ----------------------------------------------------------------
 
-    def offload(self, kv_caches: Sequence[jax.Array], device_blocks: Sequence[int],
+    def offload(self, kv_caches: Sequence[jax.Array], device_blocks: Blocks,
                 keys: Sequence[Any]) -> OffloadHandle:
         """Copies blocks to new host pages, asynchronously.
 
-        The device blocks must not be overwritten, and the caches not donated,
-        until ``wait()`` returns (as with any DMA); a raw copy that finds its source
-        donated mid-way fails with ``TransferError`` rather than keep a torn page.
+        Every device program is enqueued before this returns, so the caller may
+        overwrite the blocks or donate the caches right away: the pages hold the
+        bytes as they were at the call.
 
         Args:
           kv_caches: the current caches (one per layer).
-          device_blocks: block ids to copy, any order, no duplicates.
+          device_blocks: block ids to copy, any order, no duplicates: one list for
+            every slice class, or ``{class index: ids}`` to move those classes only
+            (layers may hold different numbers of blocks).
           keys: one key per block (int in [0, 2**64) or bytes).
 
         Returns:
@@ -387,17 +391,21 @@ class KVCacheManager:
     # -- load -------------------------------------------------------------------
 
     def load(self, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef],
-             device_blocks: Sequence[int], keys: Sequence[Any] | None = None,
+             device_blocks: Blocks, keys: Sequence[Any] | None = None,
              gate: Gate = "all") -> tuple[list[jax.Array], LoadHandle]:
         """Copies host pages into device blocks; layers are released once verified.
 
         The input caches are consumed (as with donation): use the returned ones,
-        and consume layer ``i`` only after ``handle.layer_ready(i)``.
+        and consume layer ``i`` only after ``handle.layer_ready(i)``. Every device
+        program is enqueued before this returns: the returned arrays are the loaded
+        values for any later computation, and the caller may donate them right away.
 
         Args:
           kv_caches: the current caches.
           pages: page refs from ``offload``, in request order (a prefix chain).
-          device_blocks: destination block ids, one per page, no duplicates.
+          device_blocks: destination block ids, one per page, no duplicates: one list
+            for every slice class, or ``{class index: ids}`` (the pages must hold
+            those classes).
           keys: the keys the caller expects (a page under another key is bad).
           gate: ``"layer"`` releases each layer once its pages are verified;
             ``"all"`` releases nothing until every layer is verified.
@@ -426,7 +434,7 @@ class KVCacheManager:
             raise
 
     def _load(self, round_: int, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef],
-              device_blocks: Sequence[int], keys: Sequence[Any] | None,
+              device_blocks: Blocks, keys: Sequence[Any] | None,
               gate: Gate) -> tuple[list[jax.Array], LoadHandle]:
         if gate not in ("all", "layer"):
             raise ValueError(f"gate={gate!r}; expected 'all' or 'layer'")
