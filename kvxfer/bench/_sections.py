@@ -17,7 +17,7 @@ import numpy as np
 from kvxfer._text import format_bytes
 from kvxfer.bench._baselines import host_pages, load_baselines, offload_baselines, put_scatter
 from kvxfer.bench._config import BenchConfig
-from kvxfer.bench._rig import LOAD_VARIANTS, Rig, load_name, make_caches
+from kvxfer.bench._rig import LOAD_VARIANTS, Rig, check_loaded, load_name, make_caches
 from kvxfer.bench.limits import Limit, limit_figures
 from kvxfer.bench.timing import Progress, interleaved, now, stats
 from kvxfer.engine import bucket
@@ -177,13 +177,6 @@ def prefix_sweep(cfg: BenchConfig, limit: Limit, progress: Progress, rig: Rig | 
     return rows
 
 
-def _load_or_raise(handle: Any, k: int) -> None:
-    r = handle.result()
-    if r.verified_prefix != k:
-        raise RuntimeError(f"bench: a load verified {r.verified_prefix} of {k} pages: "
-                           f"{r.reasons}")
-
-
 def _concurrency_section(cfg: BenchConfig, rig: Rig, held: _Held, block_bytes: int,
                          progress: Progress) -> list[dict[str, Any]]:
     k = cfg.request_pages
@@ -220,7 +213,7 @@ def _concurrency_section(cfg: BenchConfig, rig: Rig, held: _Held, block_bytes: i
             issued = now() - t0
             done = []
             for h in handles:
-                _load_or_raise(h, k)
+                check_loaded(h.result(), k)
                 done.append(now() - t0)
             return {"s": now() - t0, "issue_s": issued,
                     **{f"req{j}": d for j, d in enumerate(done)}}
