@@ -180,6 +180,26 @@ def test_targets_are_pass_or_miss_lines(run):
     assert "Prefix sweep" in text and "Host overhead" in text
 
 
+def table_rows(text, title):
+    """The rows of the table under the caption that starts with ``title``."""
+    lines = text.split(title, 1)[1].split("\n\n", 1)[0].splitlines()
+    return lines[3:]  # the rest of the caption, the header, the rule
+
+
+def test_human_report_prints_the_caller_thread_sections(run):
+    report, _, _ = run
+    text = bench.format_report(report)
+    first = table_rows(text, "First call of a size on a fresh manager")
+    queued = table_rows(text, "Caller's thread behind 10 queued steps")
+    for lines, rows in ((first, report["first_call"]), (queued, report["queued"])):
+        assert [line.split("  ")[0] for line in lines] == \
+            [f"path={r['path']} -> {','.join(r['movers'])}" for r in rows]
+    for line, row in zip(queued, report["queued"]):
+        cells = line.split()  # ... offload() call, wait(), done, load() call, result(), done
+        assert (cells[-4], cells[-1]) == tuple(f"{row[op]['steps_done_at_return']:.0%}"
+                                               for op in ("offload", "load"))
+
+
 def test_words_page_and_staged_keep_one_meaning(run):
     report, _, lines = run
     text = "\n".join([bench.format_report(report), *lines])
