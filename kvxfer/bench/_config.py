@@ -167,11 +167,12 @@ class BenchConfig:
 
     @classmethod
     def quick(cls) -> BenchConfig:
-        """Every section, fewer cases and repeats (under a minute on a 2-core CPU).
+        """Every section, fewer cases and repeats (a minute or so on a 2-core CPU).
 
         Its prefix sweep reuses the reference cell (64 KiB blocks, up to 128 pages) and
         its requests share the sweep's page counts: each new cache shape or page-count
-        bucket costs seconds of compilation.
+        bucket costs seconds of compilation. Its caller-thread sections move 8 pages a
+        call, as a warm-up compiles every bucket up to the size it is given.
         """
         return cls(cells=((64 * KiB, "bfloat16"), (16 * KiB, "int8"), (2 * MiB, "float32")),
                    prefix_block_bytes=64 * KiB, prefix_pages=(1, 4, 32, 128), request_pages=4,

@@ -42,7 +42,7 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     """Runs the benchmark; returns the report (also written to ``out_dir``).
 
     Args:
-      quick: the quick preset (under a minute on a 2-core CPU) instead of the full one.
+      quick: the quick preset (a minute or so on a 2-core CPU) instead of the full one.
       out_dir: when given, writes ``bench.json`` there and, when matplotlib is
         importable, ``bench.png`` (throughput vs bytes per call).
       config: explicit sizes (overrides ``quick``); see ``BenchConfig``.
