@@ -24,7 +24,13 @@ USER_OFFLOADS = {"user_device_get", "user_gather_pinned", "user_batched_gather_p
 USER_LOADS = {"user_put_scatter", "user_batched_put_scatter"}
 D2H_METHODS = {"offload_off", "offload_page"} | USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
-            "integrity_traffic", "cache_size", "memory", "targets", "not_measured", "files"}
+            "integrity_traffic", "cache_size", "memory", "first_call", "queued", "targets",
+            "not_measured", "files"}
+# The caller-thread sections' cases on XLA:CPU: (path asked for, dtype, movers taken).
+CALL_CASES = [("staged", "bfloat16", ["staged"]), ("auto", "float32", ["raw"])]
+CALL_GEOMETRY = {"case", "dtype", "path", "movers", "integrity", "layers", "block_bytes",
+                 "cache_blocks", "pages", "bytes"}
+STATS = {"n", "best_s", "p50_s", "p99_s"}
 PROGRESS = re.compile(r"^kvxfer bench: \[(\d+)/(\d+) \d+:\d\d elapsed"
                       r"(, about \d+:\d\d left)?\] (.*)$")
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
@@ -85,8 +91,58 @@ def test_report_has_every_section(run):
     assert report["memory"]["pool_bytes"] == report["memory"]["plan_bytes"]
     said = [PROGRESS.match(line).group(4) for line in lines if PROGRESS.match(line)]
     for section in ("throughput", "memory", "concurrency", "host overhead", "prefix sweep",
-                    "cache size"):
+                    "cache size", "first call", "queued steps"):
         assert any(line.startswith(section) for line in said), section
+
+
+def check_call_geometry(row, cfg, cache_blocks):
+    assert (row["path"], row["dtype"], row["movers"]) in CALL_CASES
+    assert row["integrity"] == "page" and row["layers"] == cfg.layers
+    assert (row["block_bytes"], row["pages"]) == (cfg.call_block_bytes, cfg.call_pages)
+    assert row["bytes"] == row["pages"] * row["layers"] * row["block_bytes"]
+    assert row["cache_blocks"] == cache_blocks
+
+
+def test_first_call_section_times_each_path_without_and_with_warmup(run):
+    report, _, _ = run
+    cfg = bench.BenchConfig.smoke()
+    rows = report["first_call"]
+    assert [(r["path"], r["dtype"], r["movers"]) for r in rows] == CALL_CASES
+    for row in rows:
+        assert set(row) == CALL_GEOMETRY | {"cold_cache_blocks", "warmup_s", "warmup_buckets",
+                                            "without_warmup", "with_warmup", "second_call"}
+        check_call_geometry(row, cfg, cfg.call_blocks)
+        # Without warm-up the caches have a shape of their own: nothing compiled before.
+        assert row["cold_cache_blocks"] == cfg.cold_call_blocks != cfg.call_blocks
+        assert row["warmup_buckets"] == [1, 2]  # every bucket up to call_pages=2
+        assert row["warmup_s"] > 0
+        for when in ("without_warmup", "with_warmup", "second_call"):
+            calls = row[when]
+            assert set(calls["offload"]) == {"s", "call_s", "wait_s"}
+            assert set(calls["load"]) == {"s", "call_s", "result_s"}
+            for op, rest in (("offload", "wait_s"), ("load", "result_s")):
+                assert 0 < calls[op]["call_s"] <= calls[op]["s"]
+                assert calls[op]["s"] == pytest.approx(calls[op]["call_s"] + calls[op][rest])
+
+
+def test_queued_section_times_the_call_apart_from_the_wait(run):
+    report, _, _ = run
+    cfg = bench.BenchConfig.smoke()
+    rows = report["queued"]
+    assert [(r["path"], r["dtype"], r["movers"]) for r in rows] == CALL_CASES
+    for row in rows:
+        assert set(row) == CALL_GEOMETRY | {"steps", "step_passes", "repeats", "steps_alone",
+                                            "offload", "load"}
+        check_call_geometry(row, cfg, cfg.call_blocks)
+        assert (row["steps"], row["repeats"]) == (cfg.queued_steps, cfg.call_repeats)
+        assert 1 <= row["step_passes"] and isinstance(row["step_passes"], int)
+        assert set(row["steps_alone"]) == {"total", "dispatch"}
+        for op, rest in (("offload", "wait"), ("load", "result")):
+            timing = row[op]
+            assert set(timing) == {"call", rest, "total", "steps_done_at_return"}
+            for part in ("call", rest, "total"):
+                assert set(timing[part]) == STATS and timing[part]["n"] == cfg.call_repeats
+            assert 0 <= timing["steps_done_at_return"] <= 1
 
 
 def test_every_figure_is_positive_and_finite(run):
@@ -122,6 +178,26 @@ def test_targets_are_pass_or_miss_lines(run):
     met = sum(t["status"] == "PASS" for t in report["targets"])
     assert f"{met} of {len(names)} targets met" in text
     assert "Prefix sweep" in text and "Host overhead" in text
+
+
+def table_rows(text, title):
+    """The rows of the table under the caption that starts with ``title``."""
+    lines = text.split(title, 1)[1].split("\n\n", 1)[0].splitlines()
+    return lines[3:]  # the rest of the caption, the header, the rule
+
+
+def test_human_report_prints_the_caller_thread_sections(run):
+    report, _, _ = run
+    text = bench.format_report(report)
+    first = table_rows(text, "First call of a size on a fresh manager")
+    queued = table_rows(text, "Caller's thread behind 10 queued steps")
+    for lines, rows in ((first, report["first_call"]), (queued, report["queued"])):
+        assert [line.split("  ")[0] for line in lines] == \
+            [f"path={r['path']} -> {','.join(r['movers'])}" for r in rows]
+    for line, row in zip(queued, report["queued"]):
+        cells = line.split()  # ... offload() call, wait(), done, load() call, result(), done
+        assert (cells[-4], cells[-1]) == tuple(f"{row[op]['steps_done_at_return']:.0%}"
+                                               for op in ("offload", "load"))
 
 
 def test_words_page_and_staged_keep_one_meaning(run):
@@ -266,6 +342,10 @@ def test_register_cli_adds_bench_with_its_options():
     ({"cells": ((16 * 1024 + 1, "bfloat16"),), "reference": (16 * 1024 + 1, "bfloat16")},
      "multiple of 2"),
     ({"batched_baseline": "some"}, "batched_baseline"),
+    ({"call_pages": 9}, "call_pages=9"),
+    # The throughput cell (16 KiB, bfloat16) has caches of 8 blocks: not new to the run.
+    ({"call_block_bytes": 16 * 1024, "call_blocks": 8}, "call_blocks=8: caches of 8 blocks"),
+    ({"call_block_bytes": 16 * 1024, "call_blocks": 7}, "call_blocks=7: caches of 8 blocks"),
 ])
 def test_config_rejects_bad_sizes(kwargs, match):
     base = bench.BenchConfig.smoke()

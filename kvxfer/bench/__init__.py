@@ -19,7 +19,17 @@ slice class, what one host slot holds. Sections: throughput over block sizes and
 dtypes at a fixed bytes per call; a prefix-length sweep (throughput vs bytes per
 call, hit latency to the first and the last layer); concurrency (requests in flight
 before waiting); per-call host overhead; integrity traffic; loading into a small vs
-a large cache; memory.
+a large cache; memory; and what a call costs its caller's thread, on a bfloat16 cache
+with ``path="staged"`` and a float32 one with ``path="auto"`` (raw on XLA:CPU):
+
+* **first call**: a fresh manager's first offload + wait and load + result of a
+  size, without warm-up and after ``mgr.warmup(n)``, and the warm-up itself;
+* **queued steps**: ``offload()`` / ``load()`` called right after dispatching donating
+  jitted steps over the caches: the call alone, then ``wait()`` / ``result()``, the
+  steps alone, and whether the call returned before they were done. Every device
+  program of a transfer is enqueued before the call returns; a raw CPU copy runs on
+  the caller's thread once the caches' writers are done, so such a call can wait
+  for the steps: the section shows whether it did.
 
 The targets, printed as PASS/MISS lines (``Targets`` holds the thresholds):
 

@@ -45,6 +45,17 @@ class BenchConfig:
       batched_baseline: where to time the batched user baselines: ``"all"`` cases,
         the ``"reference"`` cell only, or ``"none"`` (on CPU the batched gather runs
         below 1 GB/s, so one sample of it can cost seconds).
+      call_block_bytes: block size of the queued-steps and first-call sections, which
+        time a bfloat16 cache on ``path="staged"`` and a float32 one on ``path="auto"``
+        (the raw path on XLA:CPU).
+      call_blocks: blocks per layer of those caches; the first call without warm-up
+        gets one block more. Both must be shapes no other section builds.
+      call_pages: pages per ``offload()`` / ``load()`` call in both sections (and the
+        ``warmup`` size).
+      queued_steps: donating jitted steps dispatched, not waited for, before each
+        timed call of the queued-steps section.
+      step_ms: the arithmetic each step aims at (passes over every layer, calibrated).
+      call_repeats: timed repeats of the queued-steps section.
 
     Example:
         >>> cfg = BenchConfig.smoke()
@@ -75,6 +86,12 @@ class BenchConfig:
     baseline_budget_s: float = 1.5
     cache_size_extras: bool = True
     batched_baseline: BatchedBaseline = "all"
+    call_block_bytes: int = 16 * KiB
+    call_blocks: int = 64
+    call_pages: int = 32
+    queued_steps: int = 10
+    step_ms: float = 5.0
+    call_repeats: int = 9
 
     def __post_init__(self) -> None:
         choices = typing.get_args(BatchedBaseline)
@@ -99,11 +116,43 @@ class BenchConfig:
                 self.overhead_pages > self.reference_pages:
             raise ValueError(f"concurrency x request_pages and overhead_pages must fit the "
                              f"reference cell's {self.reference_pages} pages")
+        if self.call_block_bytes % 4 or self.call_block_bytes < 4:
+            raise ValueError(f"call_block_bytes={self.call_block_bytes} must be a positive "
+                             "multiple of 4 (it holds float32 blocks)")
+        if not 1 <= self.call_pages <= self.call_blocks:
+            raise ValueError(f"call_pages={self.call_pages} must be in [1, "
+                             f"call_blocks={self.call_blocks}]")
+        if self.queued_steps < 1 or not self.step_ms > 0 or self.call_repeats < 1:
+            raise ValueError(f"queued_steps={self.queued_steps}, step_ms={self.step_ms} and "
+                             f"call_repeats={self.call_repeats} must be positive")
+        ours = {(self.call_block_bytes, d, n) for d in ("bfloat16", "float32")
+                for n in (self.call_blocks, self.cold_call_blocks)}
+        clash = sorted(ours & self._other_caches())
+        if clash:  # a first call or a warm-up would find its programs compiled
+            raise ValueError(f"call_blocks={self.call_blocks}: caches of {clash[0][2]} "
+                             f"blocks of {clash[0][0]} bytes ({clash[0][1]}) are built by "
+                             "another section too; the first-call section needs shapes "
+                             "new to the run")
 
     @property
     def reference_pages(self) -> int:
         """Pages per call of the reference cell."""
         return self.batch_bytes // (self.layers * self.reference[0])
+
+    @property
+    def cold_call_blocks(self) -> int:
+        """Blocks per layer of the first-call section's manager without warm-up."""
+        return self.call_blocks + 1
+
+    def _other_caches(self) -> set[tuple[int, str, int]]:
+        """``(block_bytes, dtype, blocks)`` of the caches the other sections build."""
+        out = {(b, d, self.batch_bytes // (self.layers * b)) for b, d in self.cells}
+        if not self.sweep_on_reference:
+            out.add((self.prefix_block_bytes, "bfloat16", max(self.prefix_pages)))
+        block = self.reference[0]
+        out |= {(block, "bfloat16", total // (self.layers * block))
+                for total in (self.cache_small_bytes, self.cache_large_bytes)}
+        return out
 
     @property
     def sweep_on_reference(self) -> bool:
@@ -118,16 +167,18 @@ class BenchConfig:
 
     @classmethod
     def quick(cls) -> BenchConfig:
-        """Every section, fewer cases and repeats (under a minute on a 2-core CPU).
+        """Every section, fewer cases and repeats (a minute or so on a 2-core CPU).
 
         Its prefix sweep reuses the reference cell (64 KiB blocks, up to 128 pages) and
         its requests share the sweep's page counts: each new cache shape or page-count
-        bucket costs seconds of compilation.
+        bucket costs seconds of compilation. Its caller-thread sections move 8 pages a
+        call, as a warm-up compiles every bucket up to the size it is given.
         """
         return cls(cells=((64 * KiB, "bfloat16"), (16 * KiB, "int8"), (2 * MiB, "float32")),
                    prefix_block_bytes=64 * KiB, prefix_pages=(1, 4, 32, 128), request_pages=4,
                    repeats=5, overhead_repeats=20, baseline_budget_s=0.2,
-                   cache_size_extras=False, batched_baseline="none")
+                   cache_size_extras=False, batched_baseline="none", call_pages=8,
+                   call_repeats=5)
 
     @classmethod
     def smoke(cls) -> BenchConfig:
@@ -138,7 +189,8 @@ class BenchConfig:
                    prefix_pages=(1, 2), concurrency=(1, 2), request_pages=1,
                    overhead_pages=2, cache_small_bytes=128 * KiB, cache_large_bytes=512 * KiB,
                    cache_load_pages=2, repeats=2, overhead_repeats=3,
-                   baseline_budget_s=0.02, cache_size_extras=True)
+                   baseline_budget_s=0.02, cache_size_extras=True, call_block_bytes=4 * KiB,
+                   call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2)
 
     def as_dict(self) -> dict[str, Any]:
         """The config as JSON-ready lists and numbers."""

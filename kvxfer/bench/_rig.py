@@ -9,9 +9,9 @@ import jax
 from kvxfer import testing
 from kvxfer.bench.timing import now
 from kvxfer.hostpool import PageRef
-from kvxfer.manager import Gate, IntegrityMode, KVCacheManager, PathMode
+from kvxfer.manager import Gate, IntegrityMode, KVCacheManager, LoadResult, PathMode
 
-__all__ = ["Rig", "make_caches", "load_name", "LOAD_VARIANTS"]
+__all__ = ["Rig", "make_caches", "load_name", "check_loaded", "LOAD_VARIANTS"]
 
 #: The load variants every case times: (integrity, gate).
 LOAD_VARIANTS: tuple[tuple[IntegrityMode, Gate], ...] = (
@@ -28,6 +28,13 @@ def make_caches(layers: int, num_blocks: int, block_bytes: int, dtype: str,
     """Caches ``[num_blocks, ...]`` of ``block_bytes`` per block, random bits in each."""
     return testing.random_caches(layers, num_blocks, testing.block_shape(block_bytes, dtype),
                                  dtype, seed=seed)
+
+
+def check_loaded(result: LoadResult, n: int) -> None:
+    """Raises unless a load verified all of its ``n`` pages (a figure of a miss is no figure)."""
+    if result.verified_prefix != n:
+        raise RuntimeError(f"bench: a load verified {result.verified_prefix} of {n} pages: "
+                           f"{result.reasons}")
 
 
 class Rig:
@@ -80,9 +87,7 @@ class Rig:
         t2 = now()
         result = handle.result()
         t3 = now()
-        if result.verified_prefix != len(pages):
-            raise RuntimeError(f"bench: a load verified {result.verified_prefix} of "
-                               f"{len(pages)} pages: {result.reasons}")
+        check_loaded(result, len(pages))
         return {"s": t3 - t0, "call_s": t1 - t0, "first_s": t2 - t0}
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 
 from kvxfer.bench import report as _report
+from kvxfer.bench._caller import first_call_section, queued_section
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._sections import (cache_size_section, ordered_cells, plan, prefix_sweep,
                                     throughput_cell)
@@ -22,8 +23,9 @@ from kvxfer.bench.timing import Progress, now
 
 __all__ = ["run_bench", "SCHEMA"]
 
-#: The report's schema (2: ``block_bytes`` per layer, user load baselines, ``direction``).
-SCHEMA = "kvxfer-bench/2"
+#: The report's schema (2: ``block_bytes`` per layer, user load baselines, ``direction``;
+#: 3: the ``first_call`` and ``queued`` sections).
+SCHEMA = "kvxfer-bench/3"
 
 
 def _preset(config: BenchConfig) -> str:
@@ -40,7 +42,7 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     """Runs the benchmark; returns the report (also written to ``out_dir``).
 
     Args:
-      quick: the quick preset (under a minute on a 2-core CPU) instead of the full one.
+      quick: the quick preset (a minute or so on a 2-core CPU) instead of the full one.
       out_dir: when given, writes ``bench.json`` there and, when matplotlib is
         importable, ``bench.png`` (throughput vs bytes per call).
       config: explicit sizes (overrides ``quick``); see ``BenchConfig``.
@@ -51,7 +53,8 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     Returns:
       A JSON-ready dict: ``schema``, ``meta``, ``throughput``, ``sweep``,
       ``concurrency``, ``overhead``, ``integrity_traffic``, ``cache_size``, ``memory``,
-      ``targets``, ``not_measured`` (and ``files`` when written).
+      ``first_call``, ``queued``, ``targets``, ``not_measured`` (and ``files`` when
+      written).
 
     Example:
         >>> report = run_bench(config=BenchConfig.smoke())
@@ -82,6 +85,11 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
             report["sweep"] = prefix_sweep(cfg, limit, steps)
     gc.collect()
     report["cache_size"] = cache_size_section(cfg, steps)
+    gc.collect()
+    # First calls before the queued steps: the warm-up there compiles the programs of
+    # the queued section's caches (the same shapes), which is then not timed twice.
+    report["first_call"] = first_call_section(cfg, steps)
+    report["queued"] = queued_section(cfg, steps)
     report["not_measured"] = report["memory"].pop("not_measured")
     report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started

@@ -1,5 +1,5 @@
 """The measured sections: throughput cells, the prefix sweep, concurrency, host overhead,
-integrity traffic, memory and cache size.
+integrity traffic, memory and cache size (the caller-thread sections are in ``_caller``).
 
 Each section returns JSON-ready rows. kvxfer's variants of a case run interleaved with
 the limit's copies (``timing.interleaved``); the user baselines run after them.
@@ -16,8 +16,9 @@ import numpy as np
 
 from kvxfer._text import format_bytes
 from kvxfer.bench._baselines import host_pages, load_baselines, offload_baselines, put_scatter
+from kvxfer.bench._caller import CALL_CASES
 from kvxfer.bench._config import BenchConfig
-from kvxfer.bench._rig import LOAD_VARIANTS, Rig, load_name, make_caches
+from kvxfer.bench._rig import LOAD_VARIANTS, Rig, check_loaded, load_name, make_caches
 from kvxfer.bench.limits import Limit, limit_figures
 from kvxfer.bench.timing import Progress, interleaved, now, stats
 from kvxfer.engine import bucket
@@ -29,7 +30,8 @@ __all__ = ["StepKind", "ordered_cells", "plan", "throughput_cell", "prefix_sweep
            "cache_size_section"]
 
 #: The kinds of step a run's progress counts (each timed alike, for the estimate).
-StepKind = Literal["throughput", "concurrency", "overhead", "sweep", "cache size"]
+StepKind = Literal["throughput", "concurrency", "overhead", "sweep", "cache size",
+                   "first call", "queued steps"]
 
 _Held = dict[IntegrityMode, list[PageRef]]
 
@@ -56,6 +58,7 @@ def plan(cfg: BenchConfig) -> list[StepKind]:
     if not cfg.sweep_on_reference:
         steps += sweep
     steps.append("cache size")
+    steps += ["first call"] * len(CALL_CASES) + ["queued steps"] * len(CALL_CASES)
     return steps
 
 
@@ -177,13 +180,6 @@ def prefix_sweep(cfg: BenchConfig, limit: Limit, progress: Progress, rig: Rig | 
     return rows
 
 
-def _load_or_raise(handle: Any, k: int) -> None:
-    r = handle.result()
-    if r.verified_prefix != k:
-        raise RuntimeError(f"bench: a load verified {r.verified_prefix} of {k} pages: "
-                           f"{r.reasons}")
-
-
 def _concurrency_section(cfg: BenchConfig, rig: Rig, held: _Held, block_bytes: int,
                          progress: Progress) -> list[dict[str, Any]]:
     k = cfg.request_pages
@@ -220,7 +216,7 @@ def _concurrency_section(cfg: BenchConfig, rig: Rig, held: _Held, block_bytes: i
             issued = now() - t0
             done = []
             for h in handles:
-                _load_or_raise(h, k)
+                check_loaded(h.result(), k)
                 done.append(now() - t0)
             return {"s": now() - t0, "issue_s": issued,
                     **{f"req{j}": d for j, d in enumerate(done)}}

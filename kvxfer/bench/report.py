@@ -25,9 +25,10 @@ from kvxfer.bench._config import MiB
 __all__ = ["Targets", "evaluate_targets", "missed", "ZERO_OK", "iter_figures",
            "format_report", "Variant", "VARIANTS", "PANELS", "figure", "plot"]
 
-#: Figures that are differences and may legitimately be zero (all others are > 0).
+#: Figures that may legitimately be zero: differences, and the fraction of calls that
+#: returned after the queued steps were done (all others are > 0).
 ZERO_OK = frozenset({"host_transient_bytes", "device_persistent_bytes",
-                     "device_transient_bytes"})
+                     "device_transient_bytes", "steps_done_at_return"})
 
 
 # ---------------------------------------------------------------------------
@@ -320,6 +321,7 @@ def format_report(report: dict[str, Any]) -> str:
             for name, v in cs["variants"].items()]
     lines.append(table(rows, ["variant", "small best/p50", "large best/p50",
                               "large/small (best)"]))
+    lines += _first_call_lines(report["first_call"]) + _queued_lines(report["queued"])
 
     mem = report["memory"]
     lines += ["", "Memory",
@@ -345,6 +347,58 @@ def format_report(report: dict[str, Any]) -> str:
                  "targets met")
     lines.append(f"\n(wall time {meta['wall_s']:.0f} s)")
     return "\n".join(lines)
+
+
+def _call_case(row: dict[str, Any]) -> list[Any]:
+    """``path=auto -> raw``, dtype, pages x layers, bytes: what a caller-thread row moved."""
+    return [f"path={row['path']} -> {','.join(row['movers'])}", row["dtype"],
+            f"{row['pages']} x {row['layers']}", format_bytes(row["bytes"])]
+
+
+def _first_call_lines(rows: list[dict[str, Any]]) -> list[str]:
+    r0 = rows[0]
+    lines = ["", f"First call of a size on a fresh manager, without and after "
+             f"warmup({r0['pages']}) ({format_bytes(r0['block_bytes'])} blocks, "
+             f"integrity={r0['integrity']}; ms, one sample each; 2nd = the next call)"]
+    table_rows = []
+    for r in rows:
+        cold, warm, again = r["without_warmup"], r["with_warmup"], r["second_call"]
+        table_rows.append(_call_case(r) + [
+            f"{r['warmup_s']:.2f} ({len(r['warmup_buckets'])})",
+            *(f"{_ms(cold[op]['s'])} / {_ms(warm[op]['s'])} / {_ms(again[op]['s'])}"
+              for op in ("offload", "load")),
+            f"{_ms(cold['offload']['call_s'])} / {_ms(warm['offload']['call_s'])}",
+            f"{_ms(cold['load']['call_s'])} / {_ms(warm['load']['call_s'])}"])
+    lines.append(table(table_rows, [
+        "path -> mover", "dtype", "pages x layers", "bytes", "warm-up s (buckets)",
+        "offload+wait cold/warm/2nd", "load+result cold/warm/2nd",
+        "offload() call cold/warm", "load() call cold/warm"]))
+    return lines
+
+
+def _done(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def _queued_lines(rows: list[dict[str, Any]]) -> list[str]:
+    r0 = rows[0]
+    lines = ["", f"Caller's thread behind {r0['steps']} queued steps (donating jitted "
+             "arithmetic over every layer, dispatched and not waited for, then the call; "
+             f"warmed-up manager, integrity={r0['integrity']}; p50 ms over {r0['repeats']} "
+             "repeats; done = calls that returned after the steps were done)"]
+    table_rows = []
+    for r in rows:
+        off, load = r["offload"], r["load"]
+        table_rows.append(_call_case(r) + [
+            _ms(r["steps_alone"]["total"]["p50_s"]), _ms(r["steps_alone"]["dispatch"]["p50_s"]),
+            _ms(off["call"]["p50_s"]), _ms(off["wait"]["p50_s"]),
+            _done(off["steps_done_at_return"]), _ms(load["call"]["p50_s"]),
+            _ms(load["result"]["p50_s"]), _done(load["steps_done_at_return"])])
+    lines.append(table(table_rows, [
+        "path -> mover", "dtype", "pages x layers", "bytes",
+        f"{r0['steps']} steps alone", "their dispatch", "offload() call", "wait()", "done",
+        "load() call", "result()", "done"]))
+    return lines
 
 
 # ---------------------------------------------------------------------------
