@@ -7,7 +7,7 @@ and waits for them a few iterations later, so that up to two loads and two offlo
 are in flight at once. It uses the arrays each ``load()`` returns as its caches.
 
 A host model (``engine_rig.HostModel``) holds what every block must contain under the
-one rule (DESIGN.md, "Transfer engine"): each transfer acts at its call, each step at
+one rule of the transfer engine: each transfer acts at its call, each step at
 its call. When a transfer is waited for, the loop checks that nothing failed, that an
 offload's pages hold the blocks as they were at its call, that a load verified every
 page, that a read dispatched right after ``load()`` saw the pages (no stale read), and

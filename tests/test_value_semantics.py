@@ -1,4 +1,4 @@
-"""The one rule (DESIGN.md, "Transfer engine"), checked as value semantics.
+"""The one rule of the transfer engine, checked as value semantics.
 
 Every device program of a transfer is enqueued on the caller's thread before
 ``offload()`` / ``load()`` returns, so:
@@ -264,9 +264,8 @@ def test_wrong_key_is_a_miss_and_the_page_stays_valid(rig):
     """A load expecting another key for page 2 misses at page 2 (the reason names the
     key it expected); the page itself is intact and later loads under its own key.
 
-    Pages after it in the request are not checked here: DESIGN.md invalidates "the bad
-    page and every page after it", and whether that covers a caller's wrong key for
-    a page before them is not settled by the contract this checks.
+    Pages after it stay valid too: kvxfer frees only pages proven bad by their own
+    digest (tests/test_faults.py checks the rest of that rule).
     """
     caches = rig.caches(seed=9)
     model = HostModel(caches)
