@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -41,11 +41,20 @@ class LoadRequest:
       slots: host slot of each page, in request order.
       shared: buffer addresses backing more than one array among the caches (movers
         that write into device buffers must copy those first).
+      on_written: called as ``on_written(pos, new_array)`` once layer ``pos`` holds its
+        loaded bytes, so its digest can start while later layers are written (movers
+        that write every layer at once need not call it).
     """
 
     batch: PageBatch
     slots: np.ndarray
     shared: frozenset[int] = frozenset()
+    on_written: Callable[[int, jax.Array], None] | None = None
+
+    def written(self, pos: int, array: jax.Array) -> None:
+        """Tells the load that layer ``pos`` of the class holds its bytes (``array``)."""
+        if self.on_written is not None:
+            self.on_written(pos, array)
 
 
 def _sds(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.ShapeDtypeStruct:

@@ -170,4 +170,5 @@ class RawMover(Mover):
                 src = self.pool.data[:, lo:hi]
                 for r in reps:
                     copy(_buffer_view(r, self.cls.shard_block_bytes), src)
+            request.written(pos, a)  # its digest runs while the next layer is copied
         return new, None

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -33,7 +34,7 @@ from kvxfer.layout import Layout, shape_text
 from kvxfer.manager._handles import Gate, LoadHandle, OffloadHandle
 from kvxfer.manager._select import PATHS, PathMode, plan_path, select_movers
 from kvxfer.manager._agree import Agreement
-from kvxfer.manager._verify import DigestJob, LoadVerifier, TransferHook
+from kvxfer.manager._verify import DigestJob, DigestStarter, LoadVerifier, TransferHook
 from kvxfer.plan import LayerSpec, Plan, make_plan
 
 __all__ = ["KVCacheManager", "IntegrityMode", "Blocks"]
@@ -502,13 +503,15 @@ class KVCacheManager:
         layers = self._layers(caches)
         new = list(caches)
         states: dict[int, Any] = {}
+        digests = DigestStarter(self._verifier, batches, gate)
         if not n:
-            return new, states, self._verifier.start(new, batches, gate)
+            return new, states, digests.finish(new)
         shared: frozenset[int] = frozenset()
         if any(self._movers[c].writes_buffers for c in batches) and not all(
                 _is(p, a) for a, p in zip(caches, self._private)):
             shared = shared_buffers(caches)
-        pairs = [(self._plan.classes[c], self._movers[c], LoadRequest(b, slots, shared))
+        pairs = [(self._plan.classes[c], self._movers[c],
+                  LoadRequest(b, slots, shared, functools.partial(digests.written, c)))
                  for c, b in batches.items()]
         try:
             staged = [mover.stage_load([layers[i] for i in cls.layers], request)
@@ -532,7 +535,7 @@ class KVCacheManager:
                     "usable)", kv_caches=new) from e
             for i, a in zip(cls.layers, out):
                 new[i] = a
-        return new, states, self._verifier.start(new, batches, gate)
+        return new, states, digests.finish(new)
 
     def _finish_load(self, round_: int, handle: LoadHandle, new: list[jax.Array],
                      pages: list[PageRef],

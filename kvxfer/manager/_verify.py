@@ -21,7 +21,7 @@ from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
 from kvxfer.plan import Plan, SliceClass
 
-__all__ = ["TransferHook", "LoadVerifier", "DigestJob", "Verified"]
+__all__ = ["TransferHook", "LoadVerifier", "DigestStarter", "DigestJob", "Verified"]
 
 TransferHook = Callable[[str, int, jax.Array], None]
 """``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``."""
@@ -68,6 +68,63 @@ def _mismatch_reason(cls: SliceClass, layer: int, bad_shards: np.ndarray,
     return what
 
 
+class DigestStarter:
+    """Enqueues a load's digest programs as its layers are written (caller's thread).
+
+    The programs read the arrays the load returns, so they run before anything the
+    caller dispatches next (a donating step included), and the digest of one layer
+    runs on the device while the next layer is written. ``gate="layer"`` makes one job
+    per layer moved; ``gate="all"`` one per group of up to ``DIGEST_CHUNK`` layers of a
+    class.
+    """
+
+    def __init__(self, verifier: LoadVerifier, batches: dict[int, PageBatch], gate: Gate):
+        self._verifier = verifier
+        self._batches = batches
+        self._gate = gate
+        k = next(iter(batches.values())).k
+        self._active = bool(k) and verifier.verify_pages
+        self._layers: dict[int, ShardedLayer] = {}
+        self._jobs: list[DigestJob] = []
+        size = 1 if gate == "layer" else DIGEST_CHUNK
+        self._groups = {c: [list(range(len(verifier.plan.classes[c].layers)))[a:a + size]
+                            for a in range(0, len(verifier.plan.classes[c].layers), size)]
+                        for c in batches}
+
+    def written(self, c: int, pos: int, array: jax.Array) -> None:
+        """Layer ``pos`` of class ``c`` holds its loaded bytes: ``array`` (once each)."""
+        cls = self._verifier.plan.classes[c]
+        layer = cls.layers[pos]
+        if layer in self._layers:
+            return
+        hook = self._verifier.hook
+        if hook is not None:
+            hook("loaded_layer", layer, array)
+        self._layers[layer] = ShardedLayer.of(array)
+        if not self._active:
+            return
+        group = next(g for g in self._groups[c] if pos in g)
+        if all(cls.layers[p] in self._layers for p in group):
+            by_pos = [self._layers.get(j) for j in cls.layers]
+            # Every replica of a replicated layer received the pages: check each copy.
+            self._jobs.append(DigestJob(cls, group, [
+                self._verifier.movers[c].digests(by_pos, self._batches[c], group, replica=r)
+                for r in range(cls.replicas)]))
+
+    def finish(self, new: list[jax.Array]) -> dict[int, DigestJob] | list[DigestJob]:
+        """Starts what is left (movers that write everything at once report nothing).
+
+        Returns:
+          The jobs: by layer for ``gate="layer"``, else a list.
+        """
+        for c in self._batches:
+            for pos, i in enumerate(self._verifier.plan.classes[c].layers):
+                self.written(c, pos, new[i])
+        if self._gate == "layer":
+            return {job.cls.layers[job.positions[0]]: job for job in self._jobs}
+        return self._jobs
+
+
 @dataclasses.dataclass
 class LoadVerifier:
     """Completes and verifies the loads of one manager (runs on its transfer thread)."""
@@ -82,40 +139,6 @@ class LoadVerifier:
         self.num_layers = self.plan.num_layers
         self.layer_class = [self.plan.class_of_layer(i) for i in range(self.num_layers)]
 
-    def start(self, new: list[jax.Array], batches: dict[int, PageBatch], gate: Gate
-              ) -> dict[int, DigestJob] | list[DigestJob]:
-        """Enqueues the digest programs of a load's pages (caller's thread).
-
-        They read the arrays the load returns, so they run before anything the caller
-        dispatches next (a donating step included). ``batches`` holds the classes
-        moved. ``gate="layer"`` gets one job per layer moved (a dict by layer);
-        ``gate="all"`` one per group of up to ``DIGEST_CHUNK`` layers of a class.
-        """
-        hook = self.hook
-        if hook is not None:
-            for c in batches:
-                for i in self.plan.classes[c].layers:
-                    hook("loaded_layer", i, new[i])
-        k = next(iter(batches.values())).k
-        if not (k and self.verify_pages):
-            return []
-        layers = [ShardedLayer.of(a) for a in new]
-        moved = [self.plan.classes[c] for c in batches]
-        if gate == "layer":
-            groups = [(cls, [pos]) for cls in moved for pos in range(len(cls.layers))]
-        else:
-            groups = [(cls, list(range(len(cls.layers)))[a:a + DIGEST_CHUNK])
-                      for cls in moved for a in range(0, len(cls.layers), DIGEST_CHUNK)]
-        # Every replica of a replicated layer received the pages: check each copy.
-        jobs = [DigestJob(cls, positions, [
-                    self.movers[cls.index].digests([layers[j] for j in cls.layers],
-                                                   batches[cls.index], positions, replica=r)
-                    for r in range(cls.replicas)])
-                for cls, positions in groups]
-        if gate == "layer":
-            return {job.cls.layers[job.positions[0]]: job for job in jobs}
-        return jobs
-
     def verify(self, handle: LoadHandle, new: list[jax.Array], states: dict[int, Any],
                jobs: dict[int, DigestJob] | list[DigestJob], slots: np.ndarray,
                batches: dict[int, PageBatch], reasons: dict[int, str]) -> Verified:
@@ -128,7 +151,7 @@ class LoadVerifier:
           handle: the load's handle (layers are released on it).
           new: the arrays the load returned.
           states: the load state of each class moved.
-          jobs: the digests ``start`` enqueued.
+          jobs: the digests a ``DigestStarter`` enqueued.
           slots: host slot of each page moved.
           batches: the pages moved, per class moved.
           reasons: request index -> why that page is bad; filled in here.
