@@ -26,9 +26,9 @@ def plan_path(path: PathMode, emulated: bool) -> str:
     ``"auto"`` stores device bytes for classes proven addressable and dense blocks for
     the rest; raw XLA:CPU copies and the staged path store dense blocks.
     """
-    if not emulated:
-        return "staged"
-    return {"direct": "direct", "auto": "auto", "staged": "staged"}[path]
+    # The plan's paths are named like the manager's; without emulated layouts every
+    # mover stores dense blocks.
+    return path if emulated else "staged"
 
 
 def _refusal(cls: SliceClass, spec: LayerSpec, layer: int) -> LayoutError:

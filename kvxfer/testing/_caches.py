@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from kvxfer.layout import dtype_of
 from kvxfer.testing._bits import random_bits
