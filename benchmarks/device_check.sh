@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One device check on an accelerator machine with no network (an NVIDIA H200 here):
+# installs kvxfer from wheels placed beside the checkout, records the machine, runs the
+# tests that can use the device, one `kvxfer bench` run, the layout capture and the
+# bandwidth probe, and writes everything under OUTDIR. Each step has its own time limit
+# so the whole script ends within about 8 minutes; a failing step is recorded and the
+# next one still runs. Exit status: 0 when every step ran to its end, else 1.
+#
+# Usage (from the repository root):  bash benchmarks/device_check.sh OUTDIR
+#
+# Wheels: the machine's image already has jax (with its CUDA plugin), numpy, absl-py,
+# pytest, matplotlib, torch and cupy. kvxfer itself travels as its own wheel, built
+# here with
+#     echo /.whl/ >> .git/info/exclude
+#     python3 -m pip wheel --no-deps --wheel-dir .whl .
+# and carried as `.whl`. Without .whl/ the script uses the checkout (PYTHONPATH).
+#
+# What comes back (at most 8 files, at most two folders deep):
+#   OUTDIR/log.txt            every step's output, with its time and exit status
+#   OUTDIR/env.txt            nvidia-smi, python, jax and its devices, kvxfer version
+#   OUTDIR/tests.xml          JUnit report of the device tests (absent if cut short)
+#   OUTDIR/bench/bench.json   the bench report (and bench/bench.png with matplotlib)
+#   OUTDIR/captured.json      the layouts XLA chose on this device (a catalogue)
+#   OUTDIR/bandwidth.json     the bandwidth probe's report
+set -u
+out=${1:?usage: bash benchmarks/device_check.sh OUTDIR}
+cd "$(dirname "$0")/.."
+mkdir -p "$out/bench"
+log="$out/log.txt"
+: > "$log"
+py=${PYTHON:-python3}
+# The JAX platform to check (KVXFER_PLATFORM=cpu dry-runs the script on a CPU machine).
+platform=${KVXFER_PLATFORM:-cuda}
+status=0
+export PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...: runs one step under a time limit, logging it
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  echo "== $name (limit ${limit} s): $*" | tee -a "$log"
+  timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  echo "== $name: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$log"
+  [ "$rc" -eq 0 ] || status=1
+  return 0
+}
+
+if ls .whl/kvxfer-*.whl > /dev/null 2>&1; then
+  step "install kvxfer" 120 "$py" -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/kvxfer-site .whl/*.whl
+  export PYTHONPATH=/tmp/kvxfer-site
+else
+  echo "== no .whl/kvxfer-*.whl: using the checkout" | tee -a "$log"
+  export PYTHONPATH=$PWD
+fi
+
+{
+  date -u
+  nvidia-smi || true
+  JAX_PLATFORMS=$platform "$py" - <<'EOF'
+import sys
+import jax
+import kvxfer
+print("python", sys.version.split()[0])
+print("jax", jax.__version__, "backend", jax.default_backend())
+print("devices", jax.devices())
+print("memories", jax.devices()[0].addressable_memories())
+print("kvxfer", kvxfer.__version__, "from", kvxfer.__file__)
+EOF
+} > "$out/env.txt" 2>&1 || status=1
+cat "$out/env.txt" >> "$log"
+
+# The tests run on the device: conftest.py only sets JAX_PLATFORMS when it is unset.
+# Tests written for the CPU backend's raw path report their failures here; that list
+# is part of what the check measures.
+# -v: one line per test in the log, so a run cut short by its limit still says which
+# tests passed.
+step "device tests" 180 env JAX_PLATFORMS=$platform "$py" -m pytest -v -p no:cacheprovider \
+  --junitxml="$out/tests.xml" tests/test_integrity.py tests/test_value_semantics.py \
+  tests/test_engine_loop.py tests/test_manager.py
+
+step "kvxfer bench" 180 env JAX_PLATFORMS=$platform "$py" -m kvxfer bench --quick --no-check \
+  --out "$out/bench"
+
+step "capture layouts" 45 env JAX_PLATFORMS=$platform "$py" tpu_probes/capture_layouts.py \
+  --out "$out/captured.json"
+
+step "bandwidth probe" 60 bash -c "JAX_PLATFORMS='$platform' '$py' \
+  tpu_probes/bandwidth_probe.py --json > '$out/bandwidth.json'"
+
+echo "== done: status $status" | tee -a "$log"
+exit "$status"
