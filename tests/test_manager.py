@@ -540,3 +540,93 @@ def test_hybrid_layers_take_block_ids_per_slice_class(path):
     assert result.verified_prefix == 0 and "holds slice classes" in result.reasons[0]
     assert result.freed_pages == () and mgr.is_valid(part[0])
     mgr.close()
+
+
+# -- failure paths found in review --------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["staged", "auto"])
+def test_a_failure_while_digests_start_hands_back_caches_and_pins(path):
+    caches = [jnp.asarray(testing.random_bits((8, 4, 128), "float32", seed=i)) for i in range(2)]
+    before = [testing.bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path=path)
+    pages = mgr.offload(caches, [1, 2], keys=[1, 2]).wait()
+    threads = []
+
+    def fail_after_the_first_layer(event, layer, array):
+        if event == "loaded_layer":
+            threads.append(__import__("threading").current_thread().name)
+            if layer == 1:
+                raise OSError("injected failure as layer 1's digest starts")
+
+    mgr.set_transfer_hook(fail_after_the_first_layer)
+    with pytest.raises(kvxfer.TransferError, match="injected failure") as err:
+        mgr.load(caches, pages, [5, 6])
+    mgr.set_transfer_hook(None)
+    assert set(threads) == {"MainThread"}  # the hook runs on the caller's thread only
+    kept = err.value.kv_caches
+    assert kept is not None and not any(a.is_deleted() for a in kept)
+    for a, b in zip(kept, before):
+        assert np.array_equal(testing.bits(a)[[5, 6]], b[[1, 2]])
+    mgr.free(pages)
+    assert mgr.num_free_pages == 4  # no read pin left behind
+
+
+def test_loaded_layer_fires_once_per_layer():
+    caches = [jnp.zeros((8, 128)) for _ in range(3)]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    pages = mgr.offload(caches, [1], keys=[1]).wait()
+    seen = []
+    mgr.set_transfer_hook(lambda event, layer, array: seen.append((event, layer)))
+    caches, load = mgr.load(caches, pages, [2], gate="layer")
+    load.result()
+    assert sorted(e for e in seen if e[0] == "loaded_layer") == [("loaded_layer", i)
+                                                                 for i in range(3)]
+    mgr.close()
+
+
+def test_a_load_that_moves_nothing_keeps_the_sharing_scan():
+    """Arrays sharing one buffer stay known as shared after a load that wrote nothing."""
+    x = jax.device_put(np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024))
+    x = jax.device_put(x, x.sharding, may_alias=False)
+    twin = [x, x]
+    mgr = kvxfer.KVCacheManager(twin, num_host_blocks=2)
+    (page,) = mgr.offload(twin, [2], keys=[6]).wait()
+    mgr.free([page])
+    twin, load = mgr.load(twin, [page], [5])  # stale: nothing moves
+    assert load.result().verified_prefix == 0
+    (page,) = mgr.offload(twin, [3], keys=[7]).wait()
+    new, load = mgr.load(twin, [page], [4])
+    assert load.result().verified_prefix == 1
+    assert all(np.array_equal(np.asarray(a)[4], np.arange(3 * 1024, 4 * 1024)) for a in new)
+    mgr.close()
+
+
+def test_block_bytes_of_a_class_the_page_does_not_hold_are_refused():
+    caches = [jnp.zeros((8, 128)), jnp.zeros((8, 256))]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=1)
+    (full,) = mgr.offload(caches, [1], keys=[7]).wait()
+    mgr.free([full])
+    (part,) = mgr.offload(caches, {1: [2]}, keys=[8]).wait()  # the same slot, class 1 only
+    assert part.slot == full.slot
+    with pytest.raises(kvxfer.PoolError, match="does not hold layer 0"):
+        mgr.read_block_bytes(part, 0)
+    assert len(mgr.read_block_bytes(part, 1)) == 256 * 4
+    mgr.close()
+
+
+def test_emulated_memory_is_not_trusted_after_a_donating_step():
+    x = jnp.asarray(np.arange(16 * 8 * 256, dtype=np.float32).reshape(16, 8, 256))
+    mgr = kvxfer.KVCacheManager([x], num_host_blocks=4, layouts=["{2,1,0:T(8,128)}"])
+    assert mgr.paths == ["emulated"]
+    pages = mgr.offload([x], [1], keys=[1]).wait()
+    (y,), load = mgr.load([x], pages, [2])
+    assert load.result().verified_prefix == 1
+    held = y  # the loaded array stays referenced while a step donates it
+    (z,) = jax.jit(lambda c: [c[0].at[3].set(7.0)], donate_argnums=0)([y])
+    assert held.is_deleted()
+    (page,) = mgr.offload([z], [3], keys=[9]).wait()
+    (w,), load = mgr.load([z], [page], [4])
+    assert load.result().verified_prefix == 1
+    assert np.all(np.asarray(w)[4] == 7.0)
+    mgr.close()

@@ -61,8 +61,11 @@ class EmulatedMover(Mover):
 
     def _image(self, local: jax.Array) -> np.ndarray:
         held = self._written.get(_buffer_key(local))
-        if held is not None and held[0]() is not None:
-            return held[1]
+        if held is not None:
+            owner = held[0]()
+            # A donated owner's buffer may hold a later step's bytes by now.
+            if owner is not None and not owner.is_deleted():
+                return held[1]
         return emulate.to_image(np.asarray(local), self._layout)
 
     def _remember(self, array: jax.Array, images: list[np.ndarray]) -> None:

@@ -163,12 +163,17 @@ class RawMover(Mover):
         # the old ones may hold a cached host copy that would go stale.)
         new = list(alias(inputs))
         copy = RowCopy(request.batch.ids, request.slots, self.cls.shard_block_bytes)
-        for pos, a in enumerate(new):
-            a.block_until_ready()
-            for s, reps in enumerate(ShardedLayer.of(a).shards):
-                lo, hi = self.pool.shard_range(pos, s)
-                src = self.pool.data[:, lo:hi]
-                for r in reps:
-                    copy(_buffer_view(r, self.cls.shard_block_bytes), src)
-            request.written(pos, a)  # its digest runs while the next layer is copied
+        try:
+            for pos, a in enumerate(new):
+                a.block_until_ready()
+                for s, reps in enumerate(ShardedLayer.of(a).shards):
+                    lo, hi = self.pool.shard_range(pos, s)
+                    src = self.pool.data[:, lo:hi]
+                    for r in reps:
+                        copy(_buffer_view(r, self.cls.shard_block_bytes), src)
+                request.written(pos, a)  # its digest runs while the next layer is copied
+        except Exception as e:
+            # The inputs were donated: the layers live in ``new`` now.
+            raise TransferError(f"raw load failed after taking the buffers: {e}",
+                                kv_caches=new) from e
         return new, None

@@ -372,8 +372,13 @@ class KVCacheManager:
                 self._pool.release(s, g)
             raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
 
-        return OffloadHandle(self._worker.submit(self._finish_offload, states, slots, refs,
-                                                 keys))
+        try:
+            future = self._worker.submit(self._finish_offload, states, slots, refs, keys)
+        except RuntimeError as e:  # closed meanwhile
+            for s, g in refs:
+                self._pool.release(s, g)
+            raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
+        return OffloadHandle(future)
 
     def _finish_offload(self, states: dict[int, Any], slots: np.ndarray,
                         refs: list[tuple[int, int]], keys: list[int]) -> list[PageRef]:
@@ -475,18 +480,23 @@ class KVCacheManager:
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
         batches = self._batches({c: ids[:n] for c, ids in blocks.items()},
                                 [p.key for p in pages[:n]], [p.generation for p in pages[:n]])
+        new = caches
         try:
             new, states, jobs = self._start_load(caches, batches, slots, gate)
-        except TransferError:
+            # The arrays handed back have the registered formats, and after a raw load
+            # the buffers of the layers it wrote are their own (shared ones were copied).
+            self._validated = [weakref.ref(a) for a in new]
+            for c in states:
+                for i in self._plan.classes[c].layers:
+                    self._private[i] = weakref.ref(new[i])
+            self._worker.submit(self._finish_load, round_, handle, new, pages, slots,
+                                batches, states, jobs, reasons, pinned_slots)
+        except BaseException as e:
             self._pool.release_readers(pinned_slots)
+            if self._closed and not isinstance(e, TransferError):
+                raise TransferError("the KVCacheManager was closed during the load",
+                                    kv_caches=new) from e
             raise
-
-        # The arrays handed back have the registered formats, and after a raw load
-        # their buffers are their own (shared ones were copied).
-        self._validated = [weakref.ref(a) for a in new]
-        self._private = [weakref.ref(a) for a in new]
-        self._worker.submit(self._finish_load, round_, handle, new, pages, slots, batches,
-                            states, jobs, reasons, pinned_slots)
         return new, handle
 
     def _start_load(self, caches: list[jax.Array], batches: dict[int, PageBatch],
@@ -528,6 +538,11 @@ class KVCacheManager:
                     [caches[i] for i in cls.layers], [layers[i] for i in cls.layers],
                     request, st)
             except Exception as e:
+                # A mover that failed after consuming its inputs hands back the arrays
+                # its layers live in now.
+                if isinstance(e, TransferError) and e.kv_caches is not None:
+                    for i, a in zip(cls.layers, e.kv_caches):
+                        new[i] = a
                 usable = [a for a in new if not a.is_deleted()]
                 raise TransferError(
                     f"load of {n} pages failed in {cls.name} (layers {list(cls.layers)}): "
@@ -535,7 +550,11 @@ class KVCacheManager:
                     "usable)", kv_caches=new) from e
             for i, a in zip(cls.layers, out):
                 new[i] = a
-        return new, states, digests.finish(new)
+        try:
+            return new, states, digests.finish(new)
+        except Exception as e:
+            raise TransferError(f"load of {n} pages failed while starting its digests: {e}; "
+                                "continue with err.kv_caches", kv_caches=new) from e
 
     def _finish_load(self, round_: int, handle: LoadHandle, new: list[jax.Array],
                      pages: list[PageRef],
@@ -634,6 +653,10 @@ class KVCacheManager:
         if gen != page.generation or state != "valid":
             raise PoolError(f"{page} is not a valid page (slot generation {gen}, {state})")
         cls, pos = self._layer_class[layer]
+        if cls.index not in self._pool.classes_of(page.slot):
+            raise PoolError(f"{page} does not hold layer {layer} (it holds slice classes "
+                            f"{sorted(self._pool.classes_of(page.slot))}; layer {layer} is "
+                            f"in class {cls.index})")
         lo, hi = self._pool.pools[cls.index].layer_range(pos)
         return self._pool.pools[cls.index].data[page.slot], lo, hi
 

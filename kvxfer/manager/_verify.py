@@ -204,8 +204,6 @@ class LoadVerifier:
         if hook is not None:
             hook("load_layer", layer, new[layer])
         self.movers[cls.index].finish_load_layer(states[cls.index], pos)
-        if hook is not None:
-            hook("loaded_layer", layer, new[layer])
 
     def settle(self, handle: LoadHandle, pages: list[PageRef], first_bad: int,
                proven_bad: frozenset[int], reasons: dict[int, str],
