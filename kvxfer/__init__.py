@@ -11,6 +11,9 @@ Example:
 """
 
 from kvxfer._version import __version__ as __version__
+from kvxfer.cache import CacheHit as CacheHit
+from kvxfer.cache import CacheLoad as CacheLoad
+from kvxfer.cache import HostCache as HostCache
 from kvxfer.engine import TransferError as TransferError
 from kvxfer.hostpool import PageRef as PageRef
 from kvxfer.hostpool import PoolError as PoolError
@@ -25,12 +28,14 @@ from kvxfer.manager import KVCacheManager as KVCacheManager
 from kvxfer.manager import LoadHandle as LoadHandle
 from kvxfer.manager import LoadResult as LoadResult
 from kvxfer.manager import OffloadHandle as OffloadHandle
+from kvxfer.manager import PageFormatError as PageFormatError
 from kvxfer.plan import BudgetError as BudgetError
 from kvxfer.plan import LayerSpec as LayerSpec
 from kvxfer.plan import Plan as Plan
 from kvxfer.plan import make_plan as make_plan
 
-__all__ = ["__version__", "TransferError", "PageRef", "PoolError", "PoolExhaustedError",
-           "Layout", "LayoutError", "SliceGeometry", "inspect", "require_addressable",
-           "IntegrityError", "KVCacheManager", "LoadHandle", "LoadResult", "OffloadHandle",
-           "BudgetError", "LayerSpec", "Plan", "make_plan"]
+__all__ = ["__version__", "HostCache", "CacheHit", "CacheLoad", "TransferError", "PageRef",
+           "PoolError", "PoolExhaustedError", "Layout", "LayoutError", "SliceGeometry",
+           "inspect", "require_addressable", "IntegrityError", "KVCacheManager", "LoadHandle",
+           "LoadResult", "OffloadHandle", "PageFormatError", "BudgetError", "LayerSpec", "Plan",
+           "make_plan"]

@@ -130,6 +130,7 @@ class _Slot:
     key: int = 0
     readers: int = 0
     classes: frozenset[int] = frozenset()  # the slice classes the page holds
+    seal: int = 0  # the generation the page's digests are bound to
 
 
 class HostPool:
@@ -206,14 +207,25 @@ class HostPool:
             return out
 
     def commit(self, slot: int, generation: int, key: int,
-               classes: frozenset[int] | None = None) -> None:
-        """Marks a written slot valid under ``key``, holding ``classes`` (default all)."""
+               classes: frozenset[int] | None = None, seal: int | None = None) -> None:
+        """Marks a written slot valid under ``key``, holding ``classes`` (default all).
+
+        ``seal`` is the generation the page's digests are bound to: the slot's own
+        generation for a page offloaded here (the default), the exporting slot's
+        generation for an imported page (its digests travel unchanged).
+        """
         with self._lock:
             s = self._slot(slot)
             if s.generation == generation and s.state == "writing":
                 s.state, s.key = "valid", key
                 s.classes = frozenset(range(len(self.pools))) if classes is None else \
                     frozenset(classes)
+                s.seal = generation if seal is None else seal
+
+    def seal_of(self, slot: int) -> int:
+        """The generation the digests of the page in ``slot`` are bound to."""
+        with self._lock:
+            return self._slot(slot).seal
 
     def classes_of(self, slot: int) -> frozenset[int]:
         """The slice classes whose part of the page ``slot`` holds."""

@@ -31,9 +31,11 @@ from kvxfer.engine import LoadRequest, Mover, PageBatch, ShardedLayer, TransferE
 from kvxfer.engine._batch import abstract
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
-from kvxfer.manager._handles import Gate, LoadHandle, OffloadHandle
+from kvxfer.manager._handles import Gate, LoadHandle, LoadResult, OffloadHandle
 from kvxfer.manager._select import PATHS, PathMode, plan_path, select_movers
 from kvxfer.manager._agree import Agreement
+from kvxfer.manager._pages import PageFormatError, decode, encode, fingerprint
+from kvxfer.manager._stats import Counters, reason_kind
 from kvxfer.manager._verify import DigestJob, DigestStarter, LoadVerifier, TransferHook
 from kvxfer.plan import LayerSpec, Plan, make_plan
 
@@ -180,6 +182,11 @@ class KVCacheManager:
         self._verifier = LoadVerifier(self._plan, self._movers, self._pool,
                                       integrity == "page")
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer")
+        self._fingerprint = fingerprint(self._plan)
+        self._stats = Counters(
+            ("pages_offloaded", "bytes_offloaded", "pages_loaded", "bytes_loaded",
+             "pages_verified", "pages_freed", "transfer_errors", "pages_exported",
+             "pages_imported"), ("mismatches", "imports_refused"), ("offload", "load"))
         self._closed = False
 
     # -- introspection ----------------------------------------------------------
@@ -354,6 +361,7 @@ class KVCacheManager:
           PoolExhaustedError: not enough free host slots (nothing allocated).
         """
         self._check_open()
+        started = time.perf_counter()
         caches = self._check_caches(kv_caches)
         keys = list(keys)
         blocks = self._check_blocks(device_blocks, len(keys), "keys")
@@ -373,7 +381,8 @@ class KVCacheManager:
             raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
 
         try:
-            future = self._worker.submit(self._finish_offload, states, slots, refs, keys)
+            future = self._worker.submit(self._finish_offload, states, slots, refs, keys,
+                                         started)
         except RuntimeError as e:  # closed meanwhile
             for s, g in refs:
                 self._pool.release(s, g)
@@ -381,7 +390,8 @@ class KVCacheManager:
         return OffloadHandle(future)
 
     def _finish_offload(self, states: dict[int, Any], slots: np.ndarray,
-                        refs: list[tuple[int, int]], keys: list[int]) -> list[PageRef]:
+                        refs: list[tuple[int, int]], keys: list[int],
+                        started: float) -> list[PageRef]:
         """The transfer thread's half of an offload: host bytes in, pages committed."""
         try:
             for c, state in states.items():
@@ -389,9 +399,13 @@ class KVCacheManager:
         except Exception as e:
             for s, g in refs:
                 self._pool.release(s, g)
+            self._stats.add(transfer_errors=1)
             raise TransferError(f"offload of {len(refs)} blocks failed: {e}") from e
         for (s, g), k in zip(refs, keys):
             self._pool.commit(s, g, k, frozenset(states))
+        self._stats.add(pages_offloaded=len(refs), bytes_offloaded=len(refs) * sum(
+            self._plan.classes[c].page_bytes for c in states))
+        self._stats.time("offload", time.perf_counter() - started)
         return [PageRef(k, s, g) for (s, g), k in zip(refs, keys)]
 
     # -- load -------------------------------------------------------------------
@@ -444,6 +458,7 @@ class KVCacheManager:
               gate: Gate) -> tuple[list[jax.Array], LoadHandle]:
         if gate not in ("all", "layer"):
             raise ValueError(f"gate={gate!r}; expected 'all' or 'layer'")
+        started = time.perf_counter()
         self._check_open()
         caches = self._check_caches(kv_caches)
         pages = list(pages)
@@ -479,7 +494,8 @@ class KVCacheManager:
         pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
         batches = self._batches({c: ids[:n] for c, ids in blocks.items()},
-                                [p.key for p in pages[:n]], [p.generation for p in pages[:n]])
+                                [p.key for p in pages[:n]],
+                                [self._pool.seal_of(p.slot) for p in pages[:n]])
         new = caches
         try:
             new, states, jobs = self._start_load(caches, batches, slots, gate)
@@ -490,7 +506,7 @@ class KVCacheManager:
                 for i in self._plan.classes[c].layers:
                     self._private[i] = weakref.ref(new[i])
             self._worker.submit(self._finish_load, round_, handle, new, pages, slots,
-                                batches, states, jobs, reasons, pinned_slots)
+                                batches, states, jobs, reasons, pinned_slots, started)
         except BaseException as e:
             self._pool.release_readers(pinned_slots)
             if self._closed and not isinstance(e, TransferError):
@@ -560,7 +576,7 @@ class KVCacheManager:
                      pages: list[PageRef],
                      slots: np.ndarray, batches: dict[int, PageBatch], states: dict[int, Any],
                      jobs: list[DigestJob], reasons: dict[int, str],
-                     pinned_slots: list[int]) -> None:
+                     pinned_slots: list[int], started: float) -> None:
         """The transfer thread's half of a load: wait, verify, agree, settle."""
         try:
             prefix, proven_bad = self._verifier.verify(handle, new, states, jobs, slots,
@@ -580,11 +596,23 @@ class KVCacheManager:
             result = self._verifier.settle(handle, pages, prefix, proven_bad, reasons,
                                            set(batches))
         except Exception as e:
+            self._stats.add(transfer_errors=1)
             handle.finish(None, e)
         else:
+            self._count_load(result, len(slots), batches, started)
             handle.finish(result, None)
         finally:
             self._pool.release_readers(pinned_slots)
+
+    def _count_load(self, result: LoadResult, moved: int, batches: dict[int, PageBatch],
+                    started: float) -> None:
+        self._stats.add(pages_loaded=moved, pages_verified=result.verified_prefix,
+                        pages_freed=len(result.freed_pages),
+                        bytes_loaded=moved * sum(self._plan.classes[c].page_bytes
+                                                 for c in batches))
+        for reason in result.reasons.values():
+            self._stats.add_labelled("mismatches", reason_kind(reason))
+        self._stats.time("load", time.perf_counter() - started)
 
     # -- host pages ---------------------------------------------------------------
 
@@ -669,6 +697,11 @@ class KVCacheManager:
                           data: bytes | bytearray | memoryview) -> None:
         """Replaces the host bytes of one layer of a page and re-digests them.
 
+        A deliberate write: the new bytes become the page's truth, so a later load
+        verifies against digests made on the host here, not on a device. To bring
+        back a page from a tier below host memory use ``import_page``, which keeps
+        the device-made digests.
+
         Args:
           page: a valid page.
           layer: the layer.
@@ -690,6 +723,118 @@ class KVCacheManager:
             for s in range(cls.num_shards):
                 a, b = pool.shard_range(pos, s)
                 words = _integrity.as_words_np(row[a:b][None], batch_dims=1)
-                ident = _integrity.identity_words(page.key, layer, page.generation, s)
+                ident = _integrity.identity_words(page.key, layer,
+                                                  self._pool.seal_of(page.slot), s)
                 pool.digests[page.slot, pos, s, :_integrity.DIGEST_WORDS] = \
                     _integrity.digest_np(words, ident)[0]
+
+    # -- pages in and out of host memory --------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        """Hex name of what this manager's pages mean (KV geometry, page format).
+
+        Equal only for managers whose pages are interchangeable: a store tier puts it
+        in every key, so two models or two dtypes never share a page.
+        """
+        return self._fingerprint.hex()
+
+    def export_page(self, page: PageRef) -> bytes:
+        """One page as a blob: its bytes, the digests made on the device, its identity.
+
+        ``import_page`` (here or in another process with the same ``fingerprint``)
+        brings it back; nothing is re-digested on either side, so a load of the
+        imported page checks its bytes on the device against what left the first
+        device.
+
+        Raises:
+          PoolError: ``page`` is not a valid page.
+
+        Example:
+            >>> import jax.numpy as jnp, kvxfer
+            >>> caches = [jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)]
+            >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+            >>> (page,) = mgr.offload(caches, [3], keys=[7]).wait()
+            >>> blob = mgr.export_page(page)
+            >>> mgr.free([page])
+            >>> back = mgr.import_page(blob, key=7)
+            >>> caches, load = mgr.load(caches, [back], [5])
+            >>> load.result().verified_prefix, bool((caches[0][5] == caches[0][3]).all())
+            (1, True)
+            >>> mgr.close()
+        """
+        if not isinstance(page, PageRef):
+            raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
+        problem, = self._pool.acquire_readers([(page.slot, page.generation)])
+        if problem is not None:
+            raise PoolError(f"{page} cannot be exported: {problem}")
+        try:
+            if self._pool.key_of(page.slot) != page.key:
+                raise PoolError(f"{page}: slot {page.slot} holds key "
+                                f"{self._pool.key_of(page.slot):#x}")
+            parts = {c: (self._pool.pools[c].data[page.slot],
+                         self._pool.pools[c].digests[page.slot])
+                     for c in sorted(self._pool.classes_of(page.slot))}
+            blob = encode(self._plan, self._fingerprint, page.key,
+                          self._pool.seal_of(page.slot), self.integrity == "page", parts)
+        finally:
+            self._pool.release_readers([page.slot])
+        self._stats.add(pages_exported=1)
+        return blob
+
+    def import_page(self, blob: bytes | bytearray | memoryview,
+                    key: Any | None = None) -> PageRef:
+        """A new host page holding an exported page, digests and identity unchanged.
+
+        Args:
+          blob: what ``export_page`` made (here, or in a process whose manager has the
+            same ``fingerprint``).
+          key: the key the caller expects; a blob of another key is refused.
+
+        Returns:
+          The new page's ref. Its bytes are checked on the device when it is loaded.
+
+        Raises:
+          PageFormatError: the blob is not a whole page of this geometry (cut short,
+            another model's, another key's, ...), naming what is wrong; nothing is
+            allocated.
+          PoolExhaustedError: no free host slot.
+        """
+        self._check_open()
+        want = None if key is None else _key(key, "key")
+        try:
+            page = decode(self._plan, self._fingerprint, blob)
+            if want is not None and page.key != want:
+                raise PageFormatError(f"page blob of key {page.key:#x} where key {want:#x} "
+                                      "was expected", "wrong key")
+            if self.integrity == "page" and not page.digested:
+                raise PageFormatError("page blob carries no digests (exported with "
+                                      "integrity='off'); this manager verifies every page",
+                                      "no digests")
+        except PageFormatError as e:
+            self._stats.add_labelled("imports_refused", e.kind)
+            raise
+        (slot, generation), = self._pool.allocate(1)
+        for c, data in page.data.items():
+            pool = self._pool.pools[c]
+            pool.data[slot] = data
+            pool.digests[slot] = page.digests[c]
+        self._pool.commit(slot, generation, page.key, frozenset(page.data), seal=page.seal)
+        self._stats.add(pages_imported=1)
+        return PageRef(page.key, slot, generation)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the manager was made, as one snapshot.
+
+        ``pages_offloaded`` / ``bytes_offloaded``, ``pages_loaded`` / ``bytes_loaded``
+        (pages moved to the devices), ``pages_verified`` (in verified prefixes),
+        ``pages_freed`` (proven bad and freed), ``mismatches`` (reason kind -> count),
+        ``transfer_errors``, ``pages_exported`` / ``pages_imported``,
+        ``imports_refused`` (reason -> count), ``host_pages`` / ``host_free_pages``,
+        and ``offload_seconds`` / ``load_seconds`` (count, sum, p50, p90, p99 of the
+        time from the call to the transfer's end).
+        """
+        out = self._stats.snapshot()
+        out["host_pages"] = self._pool.num_slots
+        out["host_free_pages"] = self._pool.num_free
+        return out

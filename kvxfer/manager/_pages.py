@@ -1,0 +1,152 @@
+"""Pages as blobs: a page's bytes, device digests and identity, for tiers below host.
+
+A blob is what ``KVCacheManager.export_page`` makes and ``import_page`` takes back::
+
+    header  magic "KVXPAGE1" | format u32 | flags u32 | key u64 | seal u32 |
+            classes u32 | total length u64 | geometry fingerprint (16 bytes)
+    then, per slice class held:
+            class index u32 | page bytes u64 | page bytes | digests uint32[L, S, 4]
+
+All integers are little-endian. The digests are the ones made on the device when
+the page was first offloaded; they are bound to the page's key and *seal* (the
+generation of the slot that made them), so an imported page is checked on the
+device at load against exactly what left the first device. Nothing in a blob is
+re-digested on the way in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+
+import numpy as np
+
+from kvxfer.hostpool import DIGEST_SLOTS
+from kvxfer.plan import Plan
+
+__all__ = ["PAGE_FORMAT_VERSION", "PageFormatError", "PageBlob", "fingerprint", "encode",
+           "decode"]
+
+PAGE_FORMAT_VERSION = 1
+"""Version of the blob format and of what a page's bytes mean; in every fingerprint."""
+
+_MAGIC = b"KVXPAGE1"
+_HEADER = struct.Struct("<8sIIQIIQ16s")
+_CLASS = struct.Struct("<IQ")
+_FLAG_DIGESTS = 1
+
+
+class PageFormatError(ValueError):
+    """A blob that is not a whole page of this manager's geometry (a miss, not a crash).
+
+    Attributes:
+      kind: what is wrong, in a few words fit for a metric label: ``"truncated"``,
+        ``"not a page"``, ``"format version"``, ``"other geometry"``, ``"bad class"``,
+        ``"wrong key"``, ``"no digests"``.
+    """
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def fingerprint(plan: Plan) -> bytes:
+    """16 bytes naming what a page's bytes mean: KV geometry, host format, page format.
+
+    Two managers share pages only if their fingerprints are equal: same layers in
+    the same order (shapes of a block, dtypes, layouts, shards), the same host
+    representation (dense blocks or device bytes) and the same page format version.
+    The number of blocks per layer is left out: it sizes a deployment, not a page.
+    """
+    classes = [{
+        "layers": list(c.layers), "dtype": c.dtype, "block": list(c.block_shape),
+        "layout": str(c.layout), "shards": c.num_shards, "bytes": c.bytes_per_block,
+        "addressable": bool(c.addressable),
+    } for c in plan.classes]
+    text = json.dumps({"format": PAGE_FORMAT_VERSION, "path": plan.path,
+                       "layers": plan.num_layers, "digest_slots": DIGEST_SLOTS,
+                       "classes": classes}, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvxfer-geom").digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class PageBlob:
+    """A decoded blob: identity, and per class its page bytes and digests."""
+
+    key: int
+    seal: int
+    digested: bool
+    data: dict[int, np.ndarray]     # class index -> uint8[page_bytes]
+    digests: dict[int, np.ndarray]  # class index -> uint32[L, S, DIGEST_SLOTS]
+
+
+def encode(plan: Plan, fp: bytes, key: int, seal: int, digested: bool,
+           parts: dict[int, tuple[np.ndarray, np.ndarray]]) -> bytes:
+    """The blob of one page; ``parts[c] = (page bytes, digests)`` per class held."""
+    pieces = []
+    for c, (data, dig) in sorted(parts.items()):
+        pieces += [_CLASS.pack(c, data.nbytes), data.tobytes(),
+                   np.ascontiguousarray(dig, dtype="<u4").tobytes()]
+    total = _HEADER.size + sum(len(p) for p in pieces)
+    header = _HEADER.pack(_MAGIC, PAGE_FORMAT_VERSION, _FLAG_DIGESTS if digested else 0,
+                          key, seal, len(parts), total, fp)
+    return b"".join([header] + pieces)
+
+
+def decode(plan: Plan, fp: bytes, blob: bytes | bytearray | memoryview) -> PageBlob:
+    """Checks a blob against this plan and splits it (no copy of the page bytes).
+
+    Raises:
+      PageFormatError: naming the first thing wrong (not a page blob, another
+        format version, cut short or too long, another geometry, a class or size
+        this plan does not have).
+    """
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a page blob is bytes. Got {type(blob).__name__}")
+    buf = memoryview(blob).cast("B")
+    if len(buf) < _HEADER.size:
+        raise PageFormatError(f"truncated page blob: {len(buf)} bytes, shorter than the "
+                              f"{_HEADER.size}-byte header", "truncated")
+    magic, version, flags, key, seal, n, total, their_fp = _HEADER.unpack_from(buf)
+    if magic != _MAGIC:
+        raise PageFormatError(f"not a kvxfer page blob (starts with {bytes(magic)!r})",
+                              "not a page")
+    if version != PAGE_FORMAT_VERSION:
+        raise PageFormatError(f"page format version {version}; this kvxfer reads "
+                              f"version {PAGE_FORMAT_VERSION}", "format version")
+    if total != len(buf):
+        raise PageFormatError(f"{'truncated' if len(buf) < total else 'oversized'} page "
+                              f"blob: {len(buf)} bytes, its header says {total}", "truncated")
+    if their_fp != fp:
+        raise PageFormatError(f"page of another KV geometry (fingerprint "
+                              f"{their_fp.hex()}, this manager's is {fp.hex()}): another "
+                              "model, dtype, layout or page format", "other geometry")
+    off = _HEADER.size
+    data: dict[int, np.ndarray] = {}
+    digests: dict[int, np.ndarray] = {}
+    for _ in range(n):
+        if off + _CLASS.size > len(buf):
+            raise PageFormatError("truncated page blob: a class header is cut short",
+                                  "truncated")
+        c, nbytes = _CLASS.unpack_from(buf, off)
+        off += _CLASS.size
+        if c >= len(plan.classes) or c in data:
+            raise PageFormatError(f"page blob names slice class {c} "
+                                  f"{'twice' if c in data else 'that the plan lacks'}",
+                                  "bad class")
+        cls = plan.classes[c]
+        if nbytes != cls.page_bytes:
+            raise PageFormatError(f"page blob holds {nbytes} bytes for {cls.name}; its "
+                                  f"pages are {cls.page_bytes}", "bad class")
+        dshape = (len(cls.layers), cls.num_shards, DIGEST_SLOTS)
+        dbytes = int(np.prod(dshape)) * 4
+        if off + nbytes + dbytes > len(buf):
+            raise PageFormatError(f"truncated page blob: {cls.name} is cut short", "truncated")
+        data[c] = np.frombuffer(buf, np.uint8, nbytes, off)
+        digests[c] = np.frombuffer(buf, "<u4", dbytes // 4, off + nbytes).reshape(dshape)
+        off += nbytes + dbytes
+    if not data:
+        raise PageFormatError("page blob holds no slice class", "bad class")
+    return PageBlob(key, seal, bool(flags & _FLAG_DIGESTS), data, digests)

@@ -1,0 +1,113 @@
+"""HostCache over host memory alone: prefixes, one page per key, LRU, pins, bad pages."""
+
+import logging
+import threading
+
+import pytest
+
+import kvxfer
+from kvxfer import testing
+
+
+@pytest.fixture
+def rig():
+    caches = testing.random_caches(2, 16, (4, 32), "float32")
+    want = [testing.bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    cache = kvxfer.HostCache(mgr)
+    state = {"caches": caches}
+    yield mgr, cache, state, want
+    cache.close()
+    mgr.close()
+
+
+def _put(cache, state, blocks, keys):
+    return cache.put(state["caches"], blocks, keys, wait=True)
+
+
+def test_longest_prefix_stops_at_the_first_missing_key(rig):
+    mgr, cache, state, want = rig
+    _put(cache, state, [0, 1, 2], [10, 11, 12])
+    hit = cache.lookup([10, 11, 99, 12])
+    assert hit.keys == (10, 11) and hit.tiers == ("host", "host")
+    state["caches"], load = cache.load(state["caches"], hit, [8, 9])
+    assert load.result().verified_prefix == 2
+    for layer in range(2):
+        got = testing.bits(state["caches"][layer])
+        assert (got[8] == want[layer][0]).all() and (got[9] == want[layer][1]).all()
+    st = cache.stats()
+    assert st["host_hits"] == 2 and st["misses"] == 2 and st["pinned_pages"] == 0
+
+
+def test_one_page_per_key(rig):
+    mgr, cache, state, _ = rig
+    assert _put(cache, state, [0, 1], [10, 11]) == [10, 11]
+    assert _put(cache, state, [2, 3, 3], [11, 12, 12]) == [12]
+    assert len(cache) == 3 and mgr.num_free_pages == 1
+    assert cache.stats()["duplicates"] == 2
+
+
+def test_lru_eviction_order_follows_use(rig):
+    mgr, cache, state, _ = rig
+    _put(cache, state, [0, 1, 2, 3], [10, 11, 12, 13])
+    cache.release(cache.lookup([10]))  # 10 is now the most recently used
+    _put(cache, state, [4, 5], [14, 15])  # a full pool: two pages must go
+    assert [k in cache for k in (10, 11, 12, 13, 14, 15)] == [True, False, False, True,
+                                                             True, True]
+    assert cache.stats()["evictions"] == 2
+
+
+def test_eviction_never_takes_a_page_a_load_reads(rig):
+    mgr, cache, state, _ = rig
+    _put(cache, state, [0, 1, 2, 3], [10, 11, 12, 13])
+    hit = cache.lookup([10, 11, 12])  # pinned from here on
+    assert _put(cache, state, [4, 5, 6], [14, 15, 16]) == [14]  # only 13 could go
+    assert cache.stats()["dropped"] == 2
+    go = threading.Event()
+    mgr.set_transfer_hook(lambda event, layer, array: event == "load_layer" and go.wait(60))
+    try:
+        state["caches"], load = cache.load(state["caches"], hit, [8, 9, 10])
+        # (no wait: the one transfer thread is held inside the load)
+        assert cache.put(state["caches"], [5, 6], [15, 16]) == [15]  # 14 goes, not 10..12
+        assert all(k in cache for k in (10, 11, 12))
+    finally:
+        go.set()
+    assert load.result().verified_prefix == 3
+    assert cache.stats()["pinned_pages"] == 0  # settled: evictable again
+    assert _put(cache, state, [6, 7, 8], [16, 17, 18]) == [16, 17, 18]
+
+
+def test_a_page_found_bad_leaves_the_index(rig, caplog):
+    mgr, cache, state, _ = rig
+    _put(cache, state, [0, 1, 2], [10, 11, 12])
+    hit = cache.lookup([10, 11, 12])
+    testing.flip_bit(mgr, hit.pages[1], layer=1)
+    state["caches"], load = cache.load(state["caches"], hit, [8, 9, 10])
+    with caplog.at_level(logging.WARNING, logger="kvxfer"):
+        result = load.result()
+    assert result.verified_prefix == 1
+    assert 11 not in cache and 10 in cache and 12 in cache  # 12 is intact
+    assert "page 0xb from host memory failed verification" in caplog.text
+    st = cache.stats()
+    assert st["bad_pages_by_tier"] == {"host": 1} and st["host_hits"] == 1
+    assert cache.lookup([10, 11]).keys == (10,)
+
+
+def test_a_lookup_waits_for_an_offload_in_flight(rig):
+    mgr, cache, state, _ = rig
+    assert cache.put(state["caches"], [0, 1], [10, 11]) == [10, 11]
+    hit = cache.lookup([10, 11])  # no wait above: found once the offload ends
+    assert hit.num_pages == 2
+    cache.release(hit)
+
+
+def test_bad_arguments_name_the_value(rig):
+    mgr, cache, state, _ = rig
+    with pytest.raises(ValueError, match=r"keys\[1\] = -1"):
+        cache.lookup([1, -1])
+    with pytest.raises(ValueError, match="1 device_blocks for 2 keys"):
+        cache.put(state["caches"], [0], [1, 2])
+    with pytest.raises(TypeError, match="CacheHit"):
+        cache.load(state["caches"], [1], [0])
+    with pytest.raises(ValueError, match="write_through=True needs a store"):
+        kvxfer.HostCache(mgr, write_through=True)
