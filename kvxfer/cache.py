@@ -195,7 +195,7 @@ class HostCache:
             try:
                 refs = handle.wait()
             except Exception as e:  # the manager freed the slots; nothing to index
-                log.warning("kvxfer: offload of %d cache pages failed: %s", len(keys), e)
+                log.warning("offload of %d cache pages failed: %s", len(keys), e)
                 continue
             for key, ref in zip(keys, refs):
                 self._index[key] = ref
@@ -246,7 +246,7 @@ class HostCache:
         try:
             blob = self.mgr.export_page(ref)
         except Exception as e:
-            log.warning("kvxfer: page %#x could not be exported for the %s store: %s",
+            log.warning("page %#x could not be exported for the %s store: %s",
                         key, self.store.name, e)
             self._stats.add(store_write_errors=1)
             return
@@ -257,7 +257,7 @@ class HostCache:
             if self.store.put(self.store_key(key), blob):
                 self._stats.add(store_pages_written=1)
         except (StoreError, ValueError, OSError) as e:
-            log.warning("kvxfer: page %#x was not written to the %s store: %s", key,
+            log.warning("page %#x was not written to the %s store: %s", key,
                         self.store.name, e)
             self._stats.add(store_write_errors=1)
 
@@ -270,7 +270,7 @@ class HostCache:
         try:
             blob = self.store.get(skey)
         except (StoreError, OSError) as e:
-            log.warning("kvxfer: the %s store could not be read for page %#x: %s",
+            log.warning("the %s store could not be read for page %#x: %s",
                         self.store.name, key, e)
             self._stats.add(store_read_errors=1)
             return None
@@ -281,7 +281,7 @@ class HostCache:
         try:
             return self.mgr.import_page(blob, key=key)
         except PageFormatError as e:
-            log.warning("kvxfer: page %#x in the %s store is bad (%s); dropped from the "
+            log.warning("page %#x in the %s store is bad (%s); dropped from the "
                         "store", key, self.store.name, e)
             self._stats.add(bad_pages=1)
             self._stats.add_labelled("bad_pages_by_tier", self.store.name)
@@ -435,7 +435,7 @@ class HostCache:
                 if self._index.get(key) == ref:
                     del self._index[key]
                 where = f"the {self.store.name} store" if tier == "store" else "host memory"
-                log.warning("kvxfer: page %#x from %s failed verification on the device "
+                log.warning("page %#x from %s failed verification on the device "
                             "(%s); dropped", key, where, result.reasons.get(j, "bad"))
                 if self.store is not None:
                     self.store.delete(self.store_key(key))

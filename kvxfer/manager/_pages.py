@@ -27,7 +27,7 @@ from kvxfer.hostpool import DIGEST_SLOTS
 from kvxfer.plan import Plan
 
 __all__ = ["PAGE_FORMAT_VERSION", "PageFormatError", "PageBlob", "fingerprint", "encode",
-           "decode"]
+           "decode", "first_span"]
 
 PAGE_FORMAT_VERSION = 1
 """Version of the blob format and of what a page's bytes mean; in every fingerprint."""
@@ -150,3 +150,16 @@ def decode(plan: Plan, fp: bytes, blob: bytes | bytearray | memoryview) -> PageB
     if not data:
         raise PageFormatError("page blob holds no slice class", "bad class")
     return PageBlob(key, seal, bool(flags & _FLAG_DIGESTS), data, digests)
+
+
+
+def first_span(blob: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """``(start, end)`` of the first slice class's page bytes inside a blob.
+
+    Reads only the blob's own framing (no plan needed): what a fault that damages a
+    page's bytes at rest, past every header, needs.
+    """
+    buf = memoryview(blob).cast("B")
+    _, nbytes = _CLASS.unpack_from(buf, _HEADER.size)
+    start = _HEADER.size + _CLASS.size
+    return start, start + nbytes
