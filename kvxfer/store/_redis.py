@@ -185,11 +185,11 @@ class RedisStore(Store):
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvxfer:",
                  capacity_bytes: int | None = None, *, timeout_s: float = 30.0):
+        self.url = check_url(url)
         try:
             import redis
         except ImportError as e:
             raise ImportError(f"RedisStore needs the redis package: {INSTALL_HINT}") from e
-        self.url = check_url(url)
         if not isinstance(prefix, str):
             raise TypeError(f"Expected a str prefix. Got {prefix!r} of type "
                             f"{type(prefix).__name__}")
