@@ -1,6 +1,24 @@
-"""Store tiers below host memory: page blobs under keys, shared or persistent."""
+"""Store tiers below host memory: page blobs under keys, shared or persistent.
+
+* ``DiskStore(path, capacity_bytes=None)``: one file per blob in a local directory,
+  each visible only once whole; reopens after a restart with its blobs and their LRU
+  order; several processes may share the directory. The embedded default.
+* ``RedisStore(url, prefix="kvxfer:", capacity_bytes=None)``: a Redis or Valkey server
+  shared by serving processes on several hosts (needs ``pip install 'kvxfer[redis]'``).
+* ``open_store(spec)``: either, from ``DIR``, ``file://DIR`` or ``redis://HOST:PORT[/DB]``.
+
+Example:
+    >>> import tempfile
+    >>> from kvxfer import store
+    >>> with tempfile.TemporaryDirectory() as d, store.open_store("file://" + d) as s:
+    ...     s.name, s.put("k", b"page"), s.get("k"), s.contains("nope")
+    ('disk', True, b'page', False)
+"""
 
 from kvxfer.store._base import Store as Store
 from kvxfer.store._base import StoreError as StoreError
+from kvxfer.store._disk import DiskStore as DiskStore
+from kvxfer.store._open import open_store as open_store
+from kvxfer.store._redis import RedisStore as RedisStore
 
-__all__ = ["Store", "StoreError"]
+__all__ = ["Store", "StoreError", "DiskStore", "RedisStore", "open_store"]

@@ -1,0 +1,561 @@
+"""``DiskStore``: page blobs as files in one directory, each visible only once whole.
+
+One file per blob. A put writes a temporary file in the same directory, stamps it,
+fsyncs it and links (or renames) it into place, then fsyncs the directory: a reader
+sees either no file or a whole one. Every file is a small frame around the blob,
+
+    magic "KVXBLOB1" | key length u32 | blob length u64 | crc32 | key | blob | crc32 | "KVXBEND1"
+
+(little-endian; the crc32 covers the head and the key), so a file that lost its tail
+(a crash the file system did not protect, a copy cut short) is a miss, never a
+partial blob. The blob itself is not checksummed here: the device digests inside it
+are checked when the page is loaded.
+
+Recency is the file's modification time, set on put and on every hit, so the LRU
+order survives a restart; capacity is kept by evicting the least recently used
+files. Several processes may share a directory: links and renames are atomic,
+evictions are serialised by a lock file, a temporary file is removed on open only
+when its writer no longer holds its lock (a writer killed mid-put), and a reader of
+a file another process evicts reads the whole blob or misses.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import os
+import struct
+import threading
+import time
+import uuid
+import zlib
+from typing import Any
+
+from kvxfer._check import check_int
+from kvxfer.store._base import Store, StoreError
+
+__all__ = ["DiskStore", "file_name", "FRAME_BYTES"]
+
+_MAGIC, _END = b"KVXBLOB1", b"KVXBEND1"
+_HEAD = struct.Struct("<8sIQI")  # magic, key bytes, blob bytes, crc32 of head + key
+_TAIL = struct.Struct("<I8s")  # the same crc32, end magic
+#: Bytes a file holds beyond its blob and its UTF-8 key (the frame's head and tail).
+FRAME_BYTES = _HEAD.size + _TAIL.size
+_SUFFIX = ".kvb"
+_TMP = ".kvxfer-tmp-"
+_LOCK = ".kvxfer-lock"
+_SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
+_MAX_NAME = 200  # below every common file system's 255-byte limit, suffix included
+_RESCAN_S = 1.0  # at most one directory rescan a second for changes other processes made
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV}
+
+
+def file_name(key: str) -> str:
+    """The file that holds ``key``'s blob: any string key gives a safe, unique name.
+
+    Lower-case letters, digits, ``_`` and ``-`` are kept, every other UTF-8 byte is
+    written ``%XX`` (so names differ on case-insensitive file systems too); a name
+    that would be longer than 200 characters is ``=`` and the key's SHA-256 instead.
+    The key itself is also stored in the file and checked on every read.
+
+    Example:
+        >>> file_name("geo-3fa2/page:00ff")
+        'geo-3fa2%2Fpage%3A00ff.kvb'
+        >>> file_name("x" * 300)[:9], len(file_name("x" * 300))
+        ('=0d4e2ca9', 69)
+    """
+    raw = _key_bytes(key)
+    name = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
+    if len(name) > _MAX_NAME:
+        name = "=" + hashlib.sha256(raw).hexdigest()
+    return name + _SUFFIX
+
+
+def _key_bytes(key: str) -> bytes:
+    if not isinstance(key, str):
+        raise TypeError(f"Expected a str key. Got {key!r} of type {type(key).__name__}")
+    if not key:
+        raise ValueError("Expected a non-empty key. Got ''")
+    return key.encode("utf-8")
+
+
+def _blob_view(blob: Any) -> memoryview:
+    try:
+        view = memoryview(blob)
+    except TypeError:
+        raise TypeError(f"Expected a bytes-like blob. Got {type(blob).__name__}") from None
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def _frame(kb: bytes, blob_len: int) -> tuple[bytes, bytes]:
+    """The head (with the key) and the tail of a file holding a blob of ``blob_len``."""
+    head = struct.pack("<8sIQ", _MAGIC, len(kb), blob_len)
+    crc = zlib.crc32(head + kb)
+    return head + struct.pack("<I", crc) + kb, _TAIL.pack(crc, _END)
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes | None:
+    data = os.pread(fd, n, offset)
+    if len(data) == n:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        more = os.pread(fd, n - got, offset + got)
+        if not more:
+            return None
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+class _Frame:
+    """What a whole file holds: its key, the blob's size and place, its file size."""
+
+    __slots__ = ("key", "blob_len", "blob_offset", "size")
+
+    def __init__(self, key: bytes, blob_len: int, blob_offset: int, size: int):
+        self.key, self.blob_len, self.blob_offset, self.size = key, blob_len, blob_offset, size
+
+
+def _read_frame(fd: int) -> _Frame | None:
+    """The frame of the open file ``fd``, or None when it is not one whole file."""
+    size = os.fstat(fd).st_size
+    first = os.pread(fd, _HEAD.size + 256, 0)
+    if len(first) < _HEAD.size:
+        return None
+    magic, klen, blen, crc = _HEAD.unpack_from(first)
+    if magic != _MAGIC or size != _HEAD.size + klen + blen + _TAIL.size:
+        return None
+    kb = first[_HEAD.size:_HEAD.size + klen]
+    if len(kb) < klen:
+        kb = _pread_all(fd, klen, _HEAD.size)
+        if kb is None:
+            return None
+    if zlib.crc32(first[:_HEAD.size - 4] + kb) != crc or \
+            os.pread(fd, _TAIL.size, size - _TAIL.size) != _TAIL.pack(crc, _END):
+        return None
+    return _Frame(kb, blen, _HEAD.size + klen, size)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+    size: int  # bytes of the file
+    stamp: int  # its modification time (ns): the recency
+
+
+class DiskStore(Store):
+    """Page blobs as files in one directory, with a capacity and LRU eviction.
+
+    Reopening a directory finds its blobs again (in their LRU order). Opening removes
+    what a crash left behind: temporary files no live writer holds, and files that
+    are not whole. Thread-safe; several processes may share one directory (on a local
+    file system: the lock files rely on ``flock``).
+
+    Capacity counts the bytes of the files (blob, key and a 36-byte frame). Each
+    process keeps it from its view of the directory: its own puts and deletes, and
+    rescans (at most once a second) when the directory changed under it; several
+    writers may exceed it by what the others wrote since a writer's last rescan.
+
+    Args:
+      path: the directory (created if missing).
+      capacity_bytes: the most bytes the files may hold; None for no limit.
+
+    Raises:
+      StoreError: the directory cannot be created, opened or read.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     with DiskStore(d, capacity_bytes=1 << 20) as store:
+        ...         store.put("geo/page-1", b"abc"), store.put("geo/page-1", b"xyz")
+        ...     with DiskStore(d) as store:  # after a restart
+        ...         store.get("geo/page-1"), store.get("geo/page-2")
+        (True, False)
+        (b'abc', None)
+    """
+
+    name = "disk"
+
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int | None = None):
+        try:
+            self.path = os.fspath(path)
+        except TypeError:
+            raise TypeError(f"Expected a directory path. Got {path!r} of type "
+                            f"{type(path).__name__}") from None
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"Expected a non-empty directory path. Got {path!r}")
+        self.capacity_bytes = None if capacity_bytes is None else \
+            check_int(capacity_bytes, "capacity_bytes", minimum=1)
+        self._lock = threading.RLock()
+        self._index: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._used = 0
+        self._counts = dict.fromkeys(("puts", "gets", "hits", "evictions", "incomplete",
+                                      "cleaned"), 0)
+        self._last_stamp = 0
+        self._hard_links = True
+        self._dir_fd = self._lock_fd = -1
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            self._lock_fd = os.open(os.path.join(self.path, _LOCK), os.O_RDWR | os.O_CREAT,
+                                    0o644)
+            with self._dir_locked():
+                self._clean()
+                self._rescan()
+                self._evict(keep=None)
+        except OSError as e:
+            self.close()
+            raise StoreError(f"disk store {self.path!r}: cannot open: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"DiskStore({self.path!r}, capacity_bytes={self.capacity_bytes!r})"
+
+    # -- the Store interface ------------------------------------------------------
+
+    def put(self, key: str, blob: bytes, *, replace: bool = False) -> bool:
+        """Stores ``blob`` under ``key`` (see ``Store.put``), durable once it returns."""
+        kb = _key_bytes(key)
+        view = _blob_view(blob)
+        name = file_name(key)
+        final = os.path.join(self.path, name)
+        size = FRAME_BYTES + len(kb) + view.nbytes
+        if self.capacity_bytes is not None and size > self.capacity_bytes:
+            raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} takes a file of "
+                             f"{size} bytes, more than capacity_bytes={self.capacity_bytes}")
+        self._check_open()
+        with self._lock:
+            self._counts["puts"] += 1
+        try:
+            if not replace and self._whole(final, kb):
+                return False
+            dir_before = os.fstat(self._dir_fd).st_mtime_ns
+            for attempt in range(3):
+                try:
+                    stamp = self._write(final, kb, view, replace)
+                    break
+                except FileNotFoundError:
+                    # Another process's open took our temporary file for a dead
+                    # writer's between its creation and our lock: write it again.
+                    if attempt == 2 or not os.path.isdir(self.path):
+                        raise
+            if stamp is None:
+                return False
+            os.fsync(self._dir_fd)
+            with self._lock:
+                self._note_own_change(dir_before)
+                self._remember(name, size, stamp)
+                self._maybe_rescan()
+                if self.capacity_bytes is not None and self._used > self.capacity_bytes:
+                    with self._dir_locked():
+                        self._evict(keep=name)
+            return True
+        except OSError as e:
+            raise StoreError(f"disk store {self.path!r}: cannot write key {key!r}: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        """The whole blob under ``key`` (and marks it recently used), or None."""
+        kb = _key_bytes(key)
+        name = file_name(key)
+        self._check_open()
+        with self._lock:
+            self._counts["gets"] += 1
+        try:
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(name)
+            return None
+        except OSError as e:
+            raise StoreError(f"disk store {self.path!r}: cannot read key {key!r}: {e}") from e
+        try:
+            frame = _read_frame(fd)
+            blob = None
+            if frame is not None and frame.key == kb:
+                blob = _pread_all(fd, frame.blob_len, frame.blob_offset)
+            if blob is None:
+                if frame is None or frame.key == kb:  # not another key's (same hashed name)
+                    with self._lock:
+                        self._counts["incomplete"] += 1
+                self._forget(name)
+                return None
+            stamp = self._stamp()
+            try:
+                os.utime(fd, ns=(stamp, stamp))
+            except PermissionError:  # another user's file: readable, recency not ours to set
+                pass
+        except OSError as e:
+            raise StoreError(f"disk store {self.path!r}: cannot read key {key!r}: {e}") from e
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._counts["hits"] += 1
+            self._remember(name, frame.size, stamp)
+        return blob
+
+    def contains(self, key: str) -> bool:
+        """Whether a whole blob is stored under ``key`` (not marking it used)."""
+        kb = _key_bytes(key)
+        self._check_open()
+        try:
+            return self._whole(os.path.join(self.path, file_name(key)), kb)
+        except OSError as e:
+            raise StoreError(f"disk store {self.path!r}: cannot read key {key!r}: {e}") from e
+
+    def delete(self, key: str) -> bool:
+        """Removes ``key``; returns whether it was there."""
+        name = file_name(key)
+        self._check_open()
+        try:
+            os.unlink(os.path.join(self.path, name))
+        except FileNotFoundError:
+            self._forget(name)
+            return False
+        except OSError as e:
+            raise StoreError(f"disk store {self.path!r}: cannot delete key {key!r}: {e}") from e
+        self._forget(name)
+        return True
+
+    def keys(self) -> list[str]:
+        """The keys of the whole blobs in the directory, least recently used first."""
+        self._check_open()
+        out = []
+        try:
+            with self._lock:
+                self._rescan()
+                names = list(self._index)
+            for name in names:
+                try:
+                    fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    frame = _read_frame(fd)
+                finally:
+                    os.close(fd)
+                if frame is not None and file_name(frame.key.decode("utf-8")) == name:
+                    out.append(frame.key.decode("utf-8"))
+        except OSError as e:
+            raise StoreError(f"disk store {self.path!r}: cannot list keys: {e}") from e
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (see ``Store.stats``) with ``blobs`` and ``bytes`` read from the
+        directory now; also ``incomplete`` (files found not whole on a read), ``cleaned``
+        (leftovers removed on open) and ``path``."""
+        self._check_open()
+        with self._lock:
+            try:
+                self._rescan()
+            except OSError as e:
+                raise StoreError(f"disk store {self.path!r}: cannot list: {e}") from e
+            return {"name": self.name, "path": self.path, "blobs": len(self._index),
+                    "bytes": self._used, "capacity_bytes": self.capacity_bytes,
+                    **self._counts}
+
+    def close(self) -> None:
+        """Closes the directory's handles (the blobs stay)."""
+        with self._lock:
+            for fd in (self._dir_fd, self._lock_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self._dir_fd = self._lock_fd = -1
+
+    # -- files --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._dir_fd < 0:
+            raise StoreError(f"disk store {self.path!r} is closed")
+
+    def _whole(self, path: str, kb: bytes) -> bool:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            frame = _read_frame(fd)
+        finally:
+            os.close(fd)
+        return frame is not None and frame.key == kb
+
+    def _write(self, final: str, kb: bytes, view: memoryview, replace: bool) -> int | None:
+        """Writes a temporary file and puts it in place; returns its modification time,
+        or None (nothing written) when a whole file was there and ``replace`` is False.
+
+        Raises:
+          FileNotFoundError: the temporary file was taken away before it was in place.
+        """
+        tmp = os.path.join(self.path, f"{_TMP}{os.getpid()}-{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            # Held until the file is in place: an open in another process removes
+            # only temporary files nobody holds (a writer killed mid-put).
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            head, tail = _frame(kb, view.nbytes)
+            _write_all(fd, head)
+            _write_all(fd, view)
+            _write_all(fd, tail)
+            stamp = self._stamp()
+            os.utime(fd, ns=(stamp, stamp))
+            os.fsync(fd)
+            if replace:
+                os.replace(tmp, final)
+                return stamp
+            return stamp if self._place_new(tmp, final, kb) else None
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    def _place_new(self, tmp: str, final: str, kb: bytes) -> bool:
+        if self._hard_links:
+            try:
+                os.link(tmp, final)  # fails if the name exists: an atomic put-if-absent
+                return True
+            except FileExistsError:
+                pass
+            except OSError as e:
+                if e.errno not in _NO_HARD_LINKS:
+                    raise
+                self._hard_links = False  # then check and rename: a race may replace
+        if self._whole(final, kb):
+            return False
+        # Absent, or a file a crash cut short: take its place.
+        os.replace(tmp, final)
+        return True
+
+    def _clean(self) -> None:
+        """Removes dead writers' temporary files and files that are not whole."""
+        for entry in os.scandir(self.path):
+            name = entry.name
+            if name.startswith(_TMP):
+                try:
+                    fd = os.open(entry.path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live writer holds it
+                else:
+                    self._unlink_quietly(entry.path)
+                finally:
+                    os.close(fd)
+            elif name.endswith(_SUFFIX) and not name.startswith("."):
+                try:
+                    fd = os.open(entry.path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    frame = _read_frame(fd)
+                finally:
+                    os.close(fd)
+                if frame is None:
+                    self._unlink_quietly(entry.path)
+
+    def _unlink_quietly(self, path: str) -> None:
+        try:
+            os.unlink(path)
+            self._counts["cleaned"] += 1
+        except FileNotFoundError:
+            pass
+
+    # -- the index: sizes and recency of the files, least recent first ------------
+
+    def _stamp(self) -> int:
+        """A modification time for a put or a hit: now, and later than the last one."""
+        with self._lock:
+            self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+            return self._last_stamp
+
+    def _remember(self, name: str, size: int, stamp: int) -> None:
+        with self._lock:
+            old = self._index.pop(name, None)
+            self._used += size - (old.size if old else 0)
+            self._index[name] = _Entry(size, stamp)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            old = self._index.pop(name, None)
+            if old:
+                self._used -= old.size
+
+    def _rescan(self) -> None:
+        """Rebuilds the index from the directory (the truth) in modification-time order."""
+        found = []
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(_SUFFIX) and not entry.name.startswith("."):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                found.append((st.st_mtime_ns, entry.name, st.st_size))
+        found.sort()
+        self._index = collections.OrderedDict((n, _Entry(s, t)) for t, n, s in found)
+        self._used = sum(s for _, _, s in found)
+        self._scanned_at = time.monotonic()
+        self._dir_seen = os.fstat(self._dir_fd).st_mtime_ns
+
+    def _note_own_change(self, before: int) -> None:
+        # A directory that changed only by our own put needs no rescan; one that
+        # had changed before it (another process) keeps its stale mark.
+        if before == self._dir_seen:
+            self._dir_seen = os.fstat(self._dir_fd).st_mtime_ns
+
+    def _maybe_rescan(self) -> None:
+        if time.monotonic() - self._scanned_at >= _RESCAN_S and \
+                os.fstat(self._dir_fd).st_mtime_ns != self._dir_seen:
+            self._rescan()
+
+    def _dir_locked(self):
+        return _Flock(self._lock_fd)
+
+    def _evict(self, keep: str | None) -> None:
+        """Removes least recently used files until the bytes fit (caller holds the locks)."""
+        if self.capacity_bytes is None:
+            return
+        skipped = set()
+        while self._used > self.capacity_bytes and len(skipped) < len(self._index):
+            name, entry = next((n, e) for n, e in self._index.items() if n not in skipped)
+            if name == keep:
+                skipped.add(name)
+                continue
+            path = os.path.join(self.path, name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                self._forget(name)
+                continue
+            if st.st_mtime_ns > entry.stamp:  # another process used it since we looked
+                self._remember(name, st.st_size, st.st_mtime_ns)
+                continue
+            try:
+                os.unlink(path)
+                self._counts["evictions"] += 1
+            except FileNotFoundError:
+                pass
+            self._forget(name)
+
+
+class _Flock:
+    """The directory's lock file held exclusively (serialises evictions and cleaning)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+

@@ -1,0 +1,59 @@
+"""``open_store``: a store from the one-string spec the command line takes."""
+
+from __future__ import annotations
+
+import os
+
+from kvxfer.store._base import Store
+from kvxfer.store._disk import DiskStore
+from kvxfer.store._redis import URL_SCHEMES, RedisStore
+
+__all__ = ["open_store", "SPEC_FORMS"]
+
+#: The spec forms ``open_store`` takes, as error messages and ``--help`` print them.
+SPEC_FORMS = "DIR, file://DIR or redis://HOST:PORT[/DB]"
+
+
+def open_store(spec: str | os.PathLike[str], *, capacity_bytes: int | None = None,
+               prefix: str = "kvxfer:") -> Store:
+    """The store that ``spec`` names.
+
+    Args:
+      spec: a directory (``DIR`` or ``file://DIR``) for a ``DiskStore``; a Redis URL
+        (``redis://HOST:PORT[/DB]``, ``rediss://...``, ``unix://PATH``) for a
+        ``RedisStore``.
+      capacity_bytes: the store's capacity (None: no limit of its own).
+      prefix: the key namespace of a ``RedisStore`` (a ``DiskStore`` has its directory).
+
+    Raises:
+      ValueError: an empty spec, an unknown scheme, a malformed Redis URL.
+      StoreError: the store cannot be opened or reached.
+      ImportError: a Redis URL without redis-py installed.
+
+    Example:
+        >>> open_store("s3://bucket/pages")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected a store spec DIR, file://DIR or redis://HOST:PORT[/DB]. Got 's3://bucket/pages': unknown scheme 's3://'
+    """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):
+        raise TypeError(f"Expected a store spec ({SPEC_FORMS}) as a str. Got {spec!r} of "
+                        f"type {type(spec).__name__}")
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"Expected a store spec {SPEC_FORMS}. Got {spec!r}: {why}")
+
+    if not spec.strip():
+        raise bad("it is empty")
+    scheme, sep, rest = spec.partition("://")
+    if not sep:
+        return DiskStore(spec, capacity_bytes=capacity_bytes)
+    if scheme == "file":
+        if not rest:
+            raise bad("no directory after file://")
+        return DiskStore(rest, capacity_bytes=capacity_bytes)
+    if scheme in URL_SCHEMES:
+        return RedisStore(spec, prefix=prefix, capacity_bytes=capacity_bytes)
+    raise bad(f"unknown scheme {scheme + '://'!r}")
