@@ -42,6 +42,7 @@ from typing import Any
 
 import jax
 
+from kvxfer._check import check_int
 from kvxfer.hostpool import PageRef, PoolExhaustedError
 from kvxfer.manager import Gate, KVCacheManager, LoadHandle, LoadResult
 from kvxfer.manager._pages import PageFormatError
@@ -154,6 +155,7 @@ class HostCache:
         self._offloads: list[tuple[Any, list[int]]] = []
         self._loads: list[CacheLoad] = []
         self._writes: dict[int, concurrent.futures.Future] = {}
+        self._stored: set[int] = set()  # keys this cache knows the store holds
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvxfer-store") if store is not None else None
         self._stats = Counters(
@@ -178,6 +180,31 @@ class HostCache:
         with self._lock:
             self._collect()
             return key in self._index or key in self._pending
+
+    def keys(self) -> list[int]:
+        """The keys of the cache's host pages, least recently used first."""
+        with self._lock:
+            self._collect()
+            return list(self._index)
+
+    def page_of(self, key: int) -> PageRef | None:
+        """The host page cached under ``key`` (not pinned, not marked used), or None."""
+        with self._lock:
+            self._collect()
+            return self._index.get(key)
+
+    def find(self, key: int) -> str | None:
+        """Where page ``key`` is: ``"host"``, ``"store"`` or None (not marking it used)."""
+        with self._lock:
+            self._collect()
+            self._wait_pending(key)
+            ref = self._index.get(key)
+            if ref is not None and self.mgr.is_valid(ref):
+                return "host"
+            if self.store is not None and (key in self._writes or
+                                           self.store.contains(self.store_key(key))):
+                return "store"
+            return None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -229,7 +256,7 @@ class HostCache:
             return False
         ref = self._index.pop(key)
         if self.mgr.is_valid(ref):
-            if self.store is not None and not self.write_through:
+            if self.store is not None and not self.write_through and key not in self._stored:
                 self._write(key, ref)
             self.mgr.free([ref])
         self._stats.add(evictions=1)
@@ -240,6 +267,19 @@ class HostCache:
         while self.mgr.num_free_pages < n and self._evict_one():
             pass
         return min(n, self.mgr.num_free_pages)
+
+    def make_room(self, n: int) -> int:
+        """Evicts least recently used unpinned pages until ``n`` host slots are free.
+
+        Returns:
+          How many of the ``n`` pages fit now (fewer when the rest is pinned or held
+          outside the cache): a caller that must choose which pages to ``put`` picks
+          that many.
+        """
+        with self._lock:
+            self._check_open()
+            self._collect()
+            return self._make_room(check_int(n, "n", minimum=0))
 
     def _write(self, key: int, ref: PageRef) -> None:
         """Exports a page now and stores it on the writer thread."""
@@ -256,6 +296,7 @@ class HostCache:
         try:
             if self.store.put(self.store_key(key), blob):
                 self._stats.add(store_pages_written=1)
+            self._stored.add(key)
         except (StoreError, ValueError, OSError) as e:
             log.warning("page %#x was not written to the %s store: %s", key,
                         self.store.name, e)
@@ -279,13 +320,16 @@ class HostCache:
         if self._make_room(1) < 1:
             return None
         try:
-            return self.mgr.import_page(blob, key=key)
+            ref = self.mgr.import_page(blob, key=key)
+            self._stored.add(key)
+            return ref
         except PageFormatError as e:
             log.warning("page %#x in the %s store is bad (%s); dropped from the "
                         "store", key, self.store.name, e)
             self._stats.add(bad_pages=1)
             self._stats.add_labelled("bad_pages_by_tier", self.store.name)
             self.store.delete(skey)
+            self._stored.discard(key)
             return None
         except PoolExhaustedError:
             return None
@@ -439,6 +483,7 @@ class HostCache:
                             "(%s); dropped", key, where, result.reasons.get(j, "bad"))
                 if self.store is not None:
                     self.store.delete(self.store_key(key))
+                    self._stored.discard(key)
 
     def flush(self) -> int:
         """Writes every host page the store lacks, and waits for all store writes.
@@ -458,7 +503,8 @@ class HostCache:
             self._collect()
             before = self._stats.snapshot()["store_pages_written"]
             for key, ref in list(self._index.items()):
-                if key not in self._writes and not self.store.contains(self.store_key(key)):
+                if key not in self._writes and key not in self._stored and \
+                        not self.store.contains(self.store_key(key)):
                     self._write(key, ref)
             futures = list(self._writes.values())
         concurrent.futures.wait(futures)

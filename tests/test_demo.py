@@ -73,18 +73,6 @@ def test_device_blocks_refcounts_lru_and_eviction():
         blocks.release(b1)
 
 
-def test_host_index_pins_and_swaps():
-    idx = demo.HostIndex()
-    idx.put(1, PageRef(1, 0, 1))
-    idx.put(2, PageRef(2, 1, 1))
-    idx.pin(1)
-    assert idx.coldest_unpinned() == 2
-    idx.swap(1, 2)
-    assert idx.get(1).key == 2 and idx.get(2).key == 1
-    idx.pop(2)
-    assert idx.coldest_unpinned() is None and len(idx) == 1
-
-
 # -- serving runs ------------------------------------------------------------------------
 
 
@@ -207,7 +195,7 @@ def test_inject_suggestion_only_without_injection():
                       "recomputed, restarts 1")
     # Both host hits were damaged: the line says why there is nothing to compare.
     assert ttft == ("time to first token: no comparison, the run had 0 host hits and 2 "
-                    "misses (2 hits recovered from damaged host pages)")
+                    "misses (2 hits recovered from damaged cached pages)")
     assert tokens.startswith("tokens: identical to a run with no cache")
 
 
@@ -240,7 +228,7 @@ def _host_then_device(srv: demo.PrefixCacheServer, prompt: tuple[int, ...]) -> N
     for block, _ in cold[:2]:
         srv.blocks.acquire(block)  # keep pages 2 and 1 on device
     taken = srv.allocate_blocks(srv.blocks.num_free + 1)  # evicts page 0 to host
-    assert len(srv.host) == 1
+    assert len(srv.cache) == 1
     for block in taken + [b for b, _ in cold[:2]]:
         srv.blocks.release(block)
 
@@ -292,7 +280,8 @@ def test_a_transfer_failure_is_an_error_and_leaks_nothing(tiny_model, monkeypatc
         # Every block is free or cached-and-unreferenced again, nothing was published,
         # and the host page is evictable again.
         assert srv.blocks.num_free + srv.blocks.num_cold == srv.blocks.num_blocks
-        assert srv.stats.requests == 1 and srv.host.coldest_unpinned() is not None
+        assert srv.stats.requests == 1 and len(srv.cache) == 1
+        assert srv.cache.stats()["pinned_pages"] == 0
         monkeypatch.setattr(srv.mgr, "load", real_load)
         out = srv.serve(demo.Request(2, system + (5,), 4))
     _, want = tiny_model.generate(tiny_model.make_kv_caches(10), system + (5,),
@@ -310,7 +299,7 @@ def _three_pages_on_host(srv: demo.PrefixCacheServer, prompt: tuple[int, ...]) -
     assert len(keys) == 3
     for block in srv.allocate_blocks(srv.blocks.num_free + len(keys)):
         srv.blocks.release(block)
-    assert sorted(srv.host.keys()) == sorted(keys)
+    assert sorted(srv.cache.keys()) == sorted(keys)
     return demo.page_keys(prompt)
 
 
@@ -327,14 +316,14 @@ def test_stale_slot_reuses_the_slot_even_when_a_lower_slot_is_free(tiny_model):
         k0, k1, k2 = _three_pages_on_host(srv, system + (7, 8, 9))
         # Free the deepest page's slot, below page 1's: the pool hands out its lowest
         # free slot, so page 1's slot comes back only after that one is taken.
-        low = srv.host.pop(k2)
-        assert low.slot < srv.host.get(k1).slot
+        low = srv.cache.page_of(k2)
+        assert low.slot < srv.cache.page_of(k1).slot
         srv.mgr.free([low])
         out = srv.serve(demo.Request(1, system + (5,), 4))  # hits pages 0, 1 from host
         (inj,) = injector.injections
         stale, new = inj.page, inj.reused_by
         assert stale.key == k1 and new is not None
-        assert str(inj) == (f"stale-slot: {stale} freed while the host index still holds it; "
+        assert str(inj) == (f"stale-slot: {stale} freed while the hit still holds it; "
                             f"its slot {stale.slot} reused by {new}")
         # What the log says happened did: the slot holds a newer generation, the load
         # saw the stale ref, and the lower slot is free again.
@@ -360,7 +349,7 @@ def test_stale_slot_log_says_when_the_slot_was_not_reused(tiny_model, monkeypatc
         out = srv.serve(demo.Request(1, system + (5,), 4))
         (inj,) = injector.injections
         assert inj.reused_by is None
-        assert str(inj) == (f"stale-slot: {inj.page} freed while the host index still holds "
+        assert str(inj) == (f"stale-slot: {inj.page} freed while the hit still holds "
                             f"it; its slot {inj.page.slot} was not reused")
         assert srv.mgr.host_pool.state(inj.page.slot)[:2] == (inj.page.generation, "free")
         assert srv.stats.detection_reasons == [f"freed ({inj.page})"]

@@ -2,11 +2,12 @@
 
 A tiny paged-attention decoder (``kvxfer.demo.model``, bit-reproducible per page)
 serves requests that share long system prompts. Their prompt pages are cached in
-device blocks and, when those run short, on the host through
-``kvxfer.KVCacheManager``; every request's tokens are checked against a run with
-no cache. Modules, one idea each:
+device blocks, when those run short in host memory through ``kvxfer.HostCache``
+over a ``kvxfer.KVCacheManager``, and below it in an optional store tier (a local
+directory or Redis); every request's tokens are checked against a run with no
+cache. Modules, one idea each:
 
-* ``tiers``: page keys, the device tier (``DeviceBlocks``), the host index.
+* ``tiers``: page keys and the device tier (``DeviceBlocks``).
 * ``inject``: the demo's fault injector, on ``kvxfer.testing``'s injectors.
 * ``server``: ``PrefixCacheServer``, which serves one request at a time.
 * ``workload``: the requests, their caches' placement, the no-cache reference.
@@ -35,7 +36,6 @@ from kvxfer.demo.server import RequestKind as RequestKind
 from kvxfer.demo.server import RequestOutcome as RequestOutcome
 from kvxfer.demo.server import ServeStats as ServeStats
 from kvxfer.demo.tiers import DeviceBlocks as DeviceBlocks
-from kvxfer.demo.tiers import HostIndex as HostIndex
 from kvxfer.demo.tiers import page_keys as page_keys
 from kvxfer.demo.workload import make_workload as make_workload
 from kvxfer.demo.workload import reference_tokens as reference_tokens
@@ -44,5 +44,5 @@ from kvxfer.demo.workload import shard_caches as shard_caches
 __all__ = ["DemoOptions", "run_demo", "format_summary", "add_arguments", "build_parser",
            "register_cli", "main", "InjectMode", "INJECT_MODES", "FaultInjector", "Injection",
            "PrefixCacheServer", "Request", "RequestKind", "RequestOutcome", "ServeStats",
-           "DeviceBlocks", "HostIndex", "page_keys", "make_workload", "shard_caches",
+           "DeviceBlocks", "page_keys", "make_workload", "shard_caches",
            "reference_tokens"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import sys
@@ -34,6 +35,7 @@ from kvxfer.demo.inject import INJECT_MODES, FaultInjector, InjectMode
 from kvxfer.demo.server import PrefixCacheServer, RequestKind, RequestOutcome
 from kvxfer.demo.workload import make_workload, reference_tokens, shard_caches
 from kvxfer.manager import Gate, IntegrityMode
+from kvxfer.store import open_store
 
 __all__ = ["ModelPreset", "MODEL_PRESETS", "CacheDtype", "CACHE_DTYPES", "DemoOptions",
            "run_demo", "format_summary", "add_arguments", "build_parser", "register_cli",
@@ -62,7 +64,7 @@ class DemoOptions:
         device_blocks: Device KV blocks per layer (small, so the device tier fills).
         host_blocks: Host pages of the host tier.
         integrity: ``page`` (digests verified on load) or ``off``.
-        inject: A fault to inject into the host tier, or None.
+        inject: A fault to inject into the host or store tier, or None.
         injections: How many times to inject it.
         gate: ``layer`` (layer i starts once verified) or ``all``.
         system_pages: Pages of each shared system prompt.
@@ -70,6 +72,9 @@ class DemoOptions:
         dtype: Cache dtype, ``float32`` or ``bfloat16``.
         seed: Seed of the weights and the workload.
         progress: Progress lines on stderr for runs longer than a few seconds.
+        store: A store tier below host memory: a directory, ``file://DIR`` or
+            ``redis://HOST:PORT[/DB]`` (None: no store). Host pages are written to it
+            when evicted and at the end, so a later run on the same store gets hits.
 
     Example:
         >>> DemoOptions(requests=0).check()
@@ -94,6 +99,7 @@ class DemoOptions:
     dtype: CacheDtype = "float32"
     seed: int = 0
     progress: bool = True
+    store: str | None = None
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> DemoOptions:
@@ -120,6 +126,12 @@ class DemoOptions:
             raise ValueError(f"injections={self.injections} must be >= 0")
         if not self.system_pages or min(self.system_pages) < 1:
             raise ValueError(f"system_pages={self.system_pages} must be positive page counts")
+        if self.inject == "store-bitflip" and not self.store:
+            raise ValueError("inject='store-bitflip' damages pages at rest in the store: "
+                             "give --store DIR or --store redis://HOST:PORT")
+        if self.store is not None and (not isinstance(self.store, str) or not self.store):
+            raise ValueError(f"store={self.store!r}; expected a directory, file://DIR or "
+                             "redis://HOST:PORT[/DB]")
 
 
 class _Progress:
@@ -182,7 +194,8 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
         (pages served from each tier), ``bytes_offloaded, bytes_loaded,
         pages_verified, corruptions_detected, pages_recomputed, ttft_miss_ms,
         ttft_host_hit_ms, ttft_host_hit_speedup`` (median miss TTFT over median
-        host-hit TTFT), ``tokens_match`` and more (see ``format_summary``).
+        host-hit TTFT), ``tokens_match``, ``store_hits`` (pages promoted from the
+        store and used), ``store_pages_written`` and more (see ``format_summary``).
 
     Raises:
         ValueError: a bad option (e.g. too few device blocks for a request).
@@ -231,8 +244,18 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
 
     injector = FaultInjector(opts.inject, opts.injections) if opts.inject else None
     outcomes: list[RequestOutcome] = []
-    with PrefixCacheServer(model, fresh_caches(), num_host_blocks=opts.host_blocks,
-                           integrity=opts.integrity, gate=opts.gate, injector=injector) as srv:
+    store = open_store(opts.store) if opts.store else None
+    # The geometry is in every store key already; the weights are not: pages are
+    # shared only between runs of the same model and seed.
+    namespace = (f"demo-{opts.model}-s{opts.scale}-l{cfg.num_layers}-{opts.dtype}-"
+                 f"seed{opts.seed}:")
+    with contextlib.ExitStack() as stack:
+        if store is not None:
+            stack.enter_context(store)
+        srv = stack.enter_context(PrefixCacheServer(
+            model, fresh_caches(), num_host_blocks=opts.host_blocks,
+            integrity=opts.integrity, gate=opts.gate, injector=injector, store=store,
+            namespace=namespace))
         progress("warm-up: compiling the transfer programs", force=True)
         t0 = time.perf_counter()
         srv.warm_up(max(opts.system_pages))
@@ -247,6 +270,8 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
         serve_s = time.perf_counter() - t0
         stats, plan = srv.stats, srv.mgr.plan
         paths = sorted(set(srv.mgr.paths))
+        srv.close()  # writes the host pages the store lacks
+        cache_stats = srv.cache.stats()
     sharded = sum(len(c.layers) for c in plan.classes if c.num_shards > 1)
 
     mismatched = [o.rid for o, ref in zip(outcomes, reference) if list(o.tokens) != ref]
@@ -270,7 +295,12 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
         "pages_recomputed": stats.pages_recomputed,
         "restarts": stats.restarts,
         "device_evictions": stats.device_evictions,
-        "host_evictions": stats.host_evictions,
+        "host_evictions": cache_stats["evictions"],
+        "store": opts.store,
+        "store_hits": cache_stats["store_hits"],
+        "store_pages_written": cache_stats["store_pages_written"],
+        "store_bad_pages": cache_stats["bad_pages_by_tier"].get(
+            store.name if store is not None else "", 0),
         "ttft_miss_ms": ttft_miss,
         "ttft_device_hit_ms": _median_ms(by_kind["device_hit"]),
         "ttft_host_hit_ms": ttft_host,
@@ -339,7 +369,7 @@ def _shown(summary: dict) -> list[str]:
     if miss is None or host is None:
         had = f"{kinds['host_hit']} host hits and {kinds['miss']} misses"
         if kinds["recovered"]:
-            had += f" ({kinds['recovered']} hits recovered from damaged host pages)"
+            had += f" ({kinds['recovered']} hits recovered from damaged cached pages)"
         hint = "" if kinds["recovered"] else \
             " (raise --requests, or lower --device-blocks so pages go to host)"
         lines.append(f"time to first token: no comparison, the run had {had}{hint}")
@@ -383,13 +413,16 @@ def format_summary(summary: dict) -> str:
         ["requests", summary["requests"],
          ", ".join(f"{k} {v}" for k, v in kinds.items())],
         ["device_hits", summary["device_hits"], "prompt pages served from device blocks"],
-        ["host_hits", summary["host_hits"], "prompt pages promoted from host and used"],
+        ["host_hits", summary["host_hits"], "prompt pages loaded from host memory and used"],
         ["computed_pages", summary["computed_pages"], "prompt pages computed"],
         ["bytes_offloaded", format_bytes(summary["bytes_offloaded"]),
          f"{summary['pages_offloaded']} pages of {format_bytes(summary['page_bytes'])}"],
         ["bytes_loaded", format_bytes(summary["bytes_loaded"]),
          f"{summary['pages_loaded']} pages"],
         ["pages_verified", summary["pages_verified"], f"integrity={summary['integrity']}"],
+        *([["store_hits", summary["store_hits"], "of them promoted from the store"],
+           ["store_pages_written", summary["store_pages_written"],
+            f"store {summary['store']}"]] if summary["store"] else []),
         ["corruptions_detected", summary["corruptions_detected"],
          f"inject={summary['inject'] or 'none'}"],
         ["pages_recomputed", summary["pages_recomputed"],
@@ -411,7 +444,8 @@ def format_summary(summary: dict) -> str:
         f"slice_classes={summary['slice_classes']} devices={summary['devices']} "
         f"(KV heads split in {summary['sharded_layers']} layers)",
         f"tiers: device_blocks={summary['device_blocks']} "
-        f"host_blocks={summary['host_blocks']} paths={','.join(summary['transfer_paths'])} "
+        f"host_blocks={summary['host_blocks']} store={summary['store'] or 'none'} "
+        f"paths={','.join(summary['transfer_paths'])} "
         f"gate={summary['gate']} integrity={summary['integrity']} "
         f"inject={summary['inject'] or 'none'}",
     ]
@@ -450,8 +484,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--integrity", choices=_INTEGRITY_MODES, default=d.integrity,
                         help="page: verify page digests on load (default); off: skip")
     parser.add_argument("--inject", choices=INJECT_MODES, default=None,
-                        help="damage host pages after offload: "
-                        f"{', '.join(INJECT_MODES)} (one-shard forces --devices >= 2)")
+                        help="damage cached pages after offload: "
+                        f"{', '.join(INJECT_MODES)} (one-shard forces --devices >= 2; "
+                        "store-bitflip needs --store)")
+    parser.add_argument("--store", default=None, metavar="DIR|redis://HOST:PORT",
+                        help="a store tier below host memory: evicted host pages (and all "
+                        "of them at the end) go there, and a later run on the same store "
+                        "starts with its pages")
     parser.add_argument("--injections", type=int, default=d.injections,
                         help=f"how many times to inject (default {d.injections})")
     parser.add_argument("--gate", choices=_GATES, default=d.gate,

@@ -1,4 +1,4 @@
-"""The demo's fault injector: damages host pages just before a prefix hit loads them.
+"""The demo's fault injector: damages cached pages just before a prefix hit uses them.
 
 Each fault means what it means in ``kvxfer.testing`` (``FAULTS``) and is made
 with its injectors, after the pages' digests were made, so that only
@@ -6,13 +6,16 @@ verification can catch it:
 
 * ``bitflip``: one host bit of one layer of the page flips (``flip_bit``).
 * ``wrong-key``: the caller asks for key K and is handed a page stored under
-  another key. Here the cause is an index bug: the host index entries of two
-  keys are swapped (``HostIndex.swap``), so the load asks for K and gets the
+  another key. Here the cause is an index bug: the hit handed to the load holds
+  another cached key's page in K's place, so the load asks for K and gets the
   other key's page; no byte is touched, the key check catches it.
 * ``stale-slot``: the page is freed and its slot reused by another page while
-  the host index still holds the old ref (``reuse_slot``).
+  the hit still holds the old ref (``reuse_slot``).
 * ``one-shard``: one bit flips in one shard of a sharded layer only
   (``flip_bit`` on that shard's bytes).
+* ``store-bitflip``: one bit of a page at rest in the store tier flips
+  (``flip_stored_bit``) before a lookup promotes it; the page imports whole and
+  its digest, made on the device at its first offload, catches the flip at load.
 
 The target is the middle host page of a prefix hit, so the verified prefix is
 non-empty and recovery keeps part of the hit.
@@ -24,7 +27,7 @@ Example:
     >>> FaultInjector("flood")
     Traceback (most recent call last):
     ...
-    ValueError: inject='flood'; expected one of bitflip, wrong-key, stale-slot, one-shard
+    ValueError: inject='flood'; expected one of bitflip, wrong-key, stale-slot, one-shard, store-bitflip
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, get_args
 
 from kvxfer import testing
+from kvxfer.cache import CacheHit
 from kvxfer.demo.tiers import SCRATCH_KEY
 from kvxfer.hostpool import PageRef, PoolExhaustedError
 
@@ -42,9 +46,10 @@ if TYPE_CHECKING:
 
 __all__ = ["InjectMode", "INJECT_MODES", "Injection", "FaultInjector"]
 
-InjectMode = Literal["bitflip", "wrong-key", "stale-slot", "one-shard"]
+InjectMode = Literal["bitflip", "wrong-key", "stale-slot", "one-shard", "store-bitflip"]
 INJECT_MODES: tuple[str, ...] = get_args(InjectMode)
-"""The faults ``kvxfer demo --inject`` knows (a subset of ``kvxfer.testing.FAULTS``)."""
+"""The faults ``kvxfer demo --inject`` knows (``kvxfer.testing.FAULTS`` of the host tier,
+and ``store-bitflip`` at rest in the store tier)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,7 +59,8 @@ class Injection:
     Attributes:
         fault: Which fault.
         page: The page it damaged (``wrong-key``: the page the caller is handed;
-            ``stale-slot``: the freed page whose ref the index still holds).
+            ``stale-slot``: the freed page whose ref the hit still holds;
+            ``store-bitflip``: None, the page is in the store under ``key``).
         text: What was done, in words.
         reused_by: ``stale-slot`` only: the page now in ``page``'s slot, or None
             when no offload reached that slot.
@@ -65,9 +71,10 @@ class Injection:
     """
 
     fault: InjectMode
-    page: PageRef
+    page: PageRef | None
     text: str
     reused_by: PageRef | None = None
+    key: int | None = None
 
     def __str__(self) -> str:
         return f"{self.fault}: {self.text}"
@@ -104,38 +111,57 @@ class FaultInjector:
         """One line per injection, in order."""
         return [str(i) for i in self.injections]
 
-    def before_load(self, server: PrefixCacheServer,
-                    host_keys: Sequence[int]) -> Callable[[], None] | None:
-        """Injects into one of ``host_keys`` (pinned, about to be loaded) if due.
+    def before_lookup(self, server: PrefixCacheServer, keys: Sequence[int]) -> None:
+        """``store-bitflip``: flips a bit of one of ``keys`` held only in the store, if due."""
+        if self.mode != "store-bitflip" or self.count >= self.limit:
+            return
+        cache = server.cache
+        stored = [k for k in keys if cache.find(k) == "store"]
+        if not stored:
+            return
+        key = stored[len(stored) // 2]
+        bit = testing.flip_stored_bit(cache.store, cache.store_key(key), seed=self.count)
+        self.injections.append(Injection(
+            "store-bitflip", None, f"flipped bit {bit} of page {key:#x} at rest in the "
+            f"{cache.store.name} store", key=key))
+
+    def before_load(self, server: PrefixCacheServer, hit: CacheHit
+                    ) -> tuple[CacheHit, Callable[[], None] | None]:
+        """Injects into one page of ``hit`` (pinned, about to be loaded) if due.
 
         Returns:
-            A cleanup to call once the load has been issued, or None.
+            The hit to load (another one for ``wrong-key``) and a cleanup to call once
+            the load has been issued, or None.
         """
-        if self.count >= self.limit or not host_keys:
-            return None
-        target = len(host_keys) // 2
-        key = host_keys[target]
+        if self.mode == "store-bitflip" or self.count >= self.limit or not hit.num_pages:
+            return hit, None
+        target = hit.num_pages // 2
+        key = hit.keys[target]
         if self.mode in ("bitflip", "one-shard"):
-            self._flip(server, key, late=self.count % 2 == 1)
-            return None
+            self._flip(server, hit.pages[target], late=self.count % 2 == 1)
+            return hit, None
         if self.mode == "wrong-key":
             # Prefer a partner outside this request, so only the target is misnamed here.
-            others = [k for k in server.host.keys() if k not in host_keys] or \
-                list(host_keys[target + 1:])
+            cached = server.cache.keys()
+            others = [k for k in cached if k not in hit.keys] or list(hit.keys[target + 1:])
             if not others:
-                return None
+                return hit, None
             other = others[-1]
-            server.host.swap(key, other)
+            handed = server.cache.page_of(other) if other not in hit.keys else \
+                hit.pages[hit.keys.index(other)]
+            if handed is None:
+                return hit, None
+            pages = list(hit.pages)
+            pages[target] = handed
             self.injections.append(Injection(
-                "wrong-key", server.host.get(key),
+                "wrong-key", handed,
                 f"the caller asks for key {key:#x} and is handed the page stored under key "
-                f"{other:#x} (their host index entries were swapped)"))
-            return None
-        return self._stale(server, key)
+                f"{other:#x} (an index bug)"))
+            return dataclasses.replace(hit, pages=tuple(pages)), None
+        return hit, self._stale(server, hit.pages[target])
 
-    def _flip(self, server: PrefixCacheServer, key: int, late: bool) -> None:
+    def _flip(self, server: PrefixCacheServer, ref: PageRef, late: bool) -> None:
         mgr = server.mgr
-        ref = server.host.get(key)
         layers = list(range(mgr.num_layers))
         if self.mode == "one-shard":
             layers = [i for i in layers if mgr.plan.class_of_layer(i)[0].num_shards > 1]
@@ -158,21 +184,20 @@ class FaultInjector:
         self.injections.append(Injection(self.mode, ref,
                                          f"flipped a bit of {where} of {ref} on host"))
 
-    def _stale(self, server: PrefixCacheServer, key: int) -> Callable[[], None] | None:
+    def _stale(self, server: PrefixCacheServer, ref: PageRef) -> Callable[[], None] | None:
         mgr = server.mgr
-        ref = server.host.get(key)
-        # Refill the slot with a real write-back of a cold device page that has no
-        # host copy yet, if one is waiting; else with a scratch page.
-        cold = [(b, k) for b, k in server.blocks.cold_pages() if k not in server.host]
-        block, new_key = cold[0] if cold else (0, SCRATCH_KEY)
+        # Refill the slot with a page of a cold device block (its real bytes, under a
+        # scratch key: the page exists only to take the slot).
+        cold = server.blocks.cold_pages()
+        block = cold[0][0] if cold else 0
         # The pool hands out its lowest free slot, so the freed slot comes back only
         # once every lower free slot is taken: reuse_slot offloads until it does.
-        # The index is (wrongly) not told of the free: it keeps the stale ref.
+        # The hit is (wrongly) not told of the free: it keeps the stale ref.
         try:
-            new = testing.reuse_slot(mgr, server.kv, ref, block, new_key)
+            new = testing.reuse_slot(mgr, server.kv, ref, block, SCRATCH_KEY)
         except PoolExhaustedError:  # the slot is still being read: it never came back
             self.injections.append(Injection(
-                "stale-slot", ref, f"{ref} freed while the host index still holds it; "
+                "stale-slot", ref, f"{ref} freed while the hit still holds it; "
                 f"its slot {ref.slot} was not reused"))
             return None
         # Pages reuse_slot offloaded only to reach the slot were freed at once: the
@@ -181,11 +206,8 @@ class FaultInjector:
         server.stats.bytes_offloaded += mgr.plan.page_bytes
         reused = new.slot == ref.slot
         self.injections.append(Injection(
-            "stale-slot", ref, f"{ref} freed while the host index still holds it; "
+            "stale-slot", ref, f"{ref} freed while the hit still holds it; "
             + (f"its slot {ref.slot} reused by {new}" if reused else
                f"its slot {ref.slot} was not reused ({new} went elsewhere)"),
             reused_by=new if reused else None))
-        if cold:
-            server.host.put(new_key, new)
-            return None
         return lambda: mgr.free([new])

@@ -1,14 +1,20 @@
-"""The demo's server: requests served one at a time through a two-tier prefix cache.
+"""The demo's server: requests served one at a time through a tiered prefix cache.
 
 Requests share long system prompts. Their full prompt pages are cached under a
 chained hash of their tokens (``page_keys``), first in device blocks (the device
-tier, ``DeviceBlocks``) and, once device blocks run short, in host memory (the
-host tier) through :class:`kvxfer.KVCacheManager`:
+tier, ``DeviceBlocks``), once device blocks run short in host memory (the host
+tier, :class:`kvxfer.HostCache` over a :class:`kvxfer.KVCacheManager`) and,
+given a store, below host memory (a local disk or Redis store tier):
 
-* **Host tier**: cold pages are offloaded with ``mgr.offload(...).wait()`` before
-  their device blocks are reused. A later prefix hit promotes them back with
-  ``mgr.load(..., keys=..., gate="layer")``; the forward pass of layer ``i`` waits
-  in the model's ``before_layer`` hook until ``load.layer_ready(i)`` releases it.
+* **Host tier**: cold pages are offloaded with ``cache.put(..., wait=True)`` before
+  their device blocks are reused. A later prefix hit pins them with
+  ``cache.lookup(keys)`` and promotes them back with ``cache.load(...)``; the
+  forward pass of layer ``i`` waits in the model's ``before_layer`` hook until
+  ``load.layer_ready(i)`` releases it.
+* **Store tier**: pages evicted from host memory are written to the store (and every
+  host page at ``close()``); a lookup imports store pages into host memory, and
+  the load checks them on the device against the digests made at their first
+  offload, in this process or another one.
 * **Recovery**: a page that fails verification is a cache miss. The request keeps
   the verified prefix and recomputes the rest; if a layer was already consumed with
   a longer prefix than the final one, the request restarts from the verified
@@ -38,8 +44,10 @@ import numpy as np
 
 from kvxfer.demo import model as _model
 from kvxfer.demo.inject import FaultInjector
-from kvxfer.demo.tiers import SCRATCH_KEY, DeviceBlocks, HostIndex, page_keys
-from kvxfer.manager import Gate, IntegrityError, IntegrityMode, KVCacheManager, LoadHandle
+from kvxfer.cache import CacheHit, CacheLoad, HostCache
+from kvxfer.demo.tiers import SCRATCH_KEY, DeviceBlocks, page_keys
+from kvxfer.manager import Gate, IntegrityError, IntegrityMode, KVCacheManager
+from kvxfer.store import Store
 
 __all__ = ["Request", "RequestKind", "RequestOutcome", "ServeStats", "PrefixCacheServer"]
 
@@ -75,7 +83,8 @@ class RequestOutcome:
         kind: ``miss``, ``device_hit``, ``host_hit`` (host pages used), or
             ``recovered`` (a host page failed verification and was recomputed).
         device_pages: Prompt pages served from device blocks.
-        host_pages: Prompt pages loaded from host and used.
+        host_pages: Prompt pages loaded from host memory and used (promoted from the
+            store or not).
         computed_pages: Prompt pages computed.
         recomputed_pages: Cache hits dropped because a host page failed.
         restarted: A layer had been consumed with a longer prefix than the
@@ -110,7 +119,6 @@ class ServeStats:
     pages_recomputed: int = 0
     restarts: int = 0
     device_evictions: int = 0
-    host_evictions: int = 0
     detection_reasons: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -128,23 +136,47 @@ class PrefixCacheServer:
         num_host_blocks: Host pages of the host tier.
         integrity: ``page`` or ``off`` (passed to the manager).
         gate: ``layer`` or ``all`` (how loads release layers).
-        injector: Optional fault injector, called before each load from host.
+        injector: Optional fault injector, called before each lookup and load.
+        store: Optional store tier below host memory (the server does not close it).
+        namespace: Prefixes the store keys: pages are shared only between servers of
+            the same model (its geometry is in the keys already; its weights are not).
     """
 
     def __init__(self, model: _model.Model, kv_caches: Sequence[jax.Array], *,
                  num_host_blocks: int, integrity: IntegrityMode = "page",
-                 gate: Gate = "layer", injector: FaultInjector | None = None):
+                 gate: Gate = "layer", injector: FaultInjector | None = None,
+                 store: Store | None = None, namespace: str = ""):
         self.model = model
         self.kv = list(kv_caches)
         self.mgr = KVCacheManager(self.kv, num_host_blocks=num_host_blocks, integrity=integrity)
+        self.cache = HostCache(self.mgr, store, namespace=namespace)
         self.blocks = DeviceBlocks(self.kv[0].shape[0])
-        self.host = HostIndex()
         self.gate = gate
         self.injector = injector
         self.stats = ServeStats()
+        self._closed = False
 
     def close(self) -> None:
-        self.mgr.close()
+        """With a store, writes every cached page it lacks (so a later run finds them)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.cache.store is not None:
+                self._spill_device_pages()
+                self.cache.flush()
+        finally:
+            self.cache.close()
+            self.mgr.close()
+
+    def _spill_device_pages(self) -> None:
+        """Device-cached pages go through host memory into the store, a poolful a time."""
+        todo = [(b, k) for b, k in self.blocks.cached_pages() if self.cache.find(k) is None]
+        step = self.mgr.host_pool.num_slots
+        for i in range(0, len(todo), step):
+            chunk = todo[i:i + step]
+            self.cache.put(self.kv, [b for b, _ in chunk], [k for _, k in chunk], wait=True)
+            self.cache.flush()
 
     def __enter__(self) -> PrefixCacheServer:
         return self
@@ -176,36 +208,17 @@ class PrefixCacheServer:
 
     # -- tiers --------------------------------------------------------------------
 
-    def _make_host_room(self, n: int) -> int:
-        """Frees least recently used unpinned host pages until ``n`` slots are free."""
-        while self.mgr.num_free_pages < n:
-            key = self.host.coldest_unpinned()
-            if key is None:
-                break
-            self.mgr.free([self.host.pop(key)])
-            self.stats.host_evictions += 1
-        return min(n, self.mgr.num_free_pages)
-
     def _write_back(self, victims: Sequence[tuple[int, int]]) -> None:
-        """Copies evicted device pages to host (unless host already holds them)."""
-        todo = []
-        for block, key in victims:
-            if key in self.host:  # inclusive tiers: a promoted page kept its host copy
-                self.host.touch(key)
-            else:
-                todo.append((block, key))
+        """Copies evicted device pages to host (the cache skips pages it holds)."""
         # Victims come least recently used first, a prompt's deepest page before its
         # shallower ones; when host is short keep the later ones, which more requests
         # of that prompt can use.
-        room = self._make_host_room(len(todo))
-        todo = todo[len(todo) - room:]
-        if not todo:
-            return
-        refs = self.mgr.offload(self.kv, [b for b, _ in todo], [k for _, k in todo]).wait()
-        for (_, key), ref in zip(todo, refs):
-            self.host.put(key, ref)
-        self.stats.pages_offloaded += len(refs)
-        self.stats.bytes_offloaded += len(refs) * self.mgr.plan.page_bytes
+        fresh = [(b, k) for b, k in victims if k not in self.cache]
+        room = self.cache.make_room(len(fresh))
+        todo = [(b, k) for b, k in victims if k in self.cache] + fresh[len(fresh) - room:]
+        new = self.cache.put(self.kv, [b for b, _ in todo], [k for _, k in todo], wait=True)
+        self.stats.pages_offloaded += len(new)
+        self.stats.bytes_offloaded += len(new) * self.mgr.plan.page_bytes
 
     def allocate_blocks(self, n: int) -> list[int]:
         """Takes ``n`` free device blocks, offloading cold cached pages to host if short.
@@ -270,59 +283,77 @@ class PrefixCacheServer:
         # gives the first token, and a block being written is then never shared.
         cacheable = keys[:(len(prompt) - 1) // bs]
 
-        # tiers[j]: the shared device block of hit page j, or None for a host page.
+        # tiers[j]: the shared device block of hit page j, or None for a page in host
+        # memory or the store.
         tiers: list[int | None] = []
         for key in cacheable:
             block = self.blocks.lookup(key)
             if block is not None:
                 self.blocks.acquire(block)
                 tiers.append(block)
-            elif key in self.host:
-                self.host.pin(key)  # not evictable while this request loads it
+            elif self.cache.find(key) is not None:
                 tiers.append(None)
             else:
                 break
+        host_keys = [keys[j] for j, t in enumerate(tiers) if t is None]
+        if host_keys and self.injector is not None:
+            self.injector.before_lookup(self, host_keys)
+        # Pins the host pages (not evictable while this request loads them) and imports
+        # store pages into host memory; a store page found damaged is a miss there.
+        hit_pages = self.cache.lookup(host_keys) if host_keys else CacheHit((), (), ())
+        host_pos = [j for j, t in enumerate(tiers) if t is None][:hit_pages.num_pages]
+        if hit_pages.num_pages < len(host_keys):
+            cut = [j for j, t in enumerate(tiers) if t is None][hit_pages.num_pages]
+            for block in tiers[cut:]:
+                if block is not None:
+                    self.blocks.release(block)
+            del tiers[cut:]
         hit = len(tiers)
-        host_pos = [j for j, t in enumerate(tiers) if t is None]
-        host_keys = [keys[j] for j in host_pos]
         try:
             fresh = iter(self.allocate_blocks(need - (hit - len(host_pos))))
         except BaseException:
-            self._abandon([t for t in tiers if t is not None], host_keys)
+            self._abandon([t for t in tiers if t is not None], hit_pages)
             raise
         table_ids = [tiers[j] if j < hit and tiers[j] is not None else next(fresh)
                      for j in range(need)]
+        held = [hit_pages]  # the pins, until a load takes them over
         try:
-            return self._serve_held(request, t0, prompt, keys, tiers, host_pos, host_keys,
+            return self._serve_held(request, t0, prompt, keys, tiers, host_pos, held,
                                     table_ids)
         except BaseException:
             # A transfer or device failure is an error, not a miss: publish nothing,
             # give back every block this request holds, and let it propagate.
-            self._abandon(table_ids, host_keys)
+            self._abandon(table_ids, held[0])
             raise
 
-    def _abandon(self, blocks: Sequence[int], host_keys: Sequence[int]) -> None:
+    def _abandon(self, blocks: Sequence[int], hit: CacheHit | None) -> None:
         for block in blocks:
             self.blocks.release(block)
-        for key in host_keys:
-            self.host.unpin(key)
+        if hit is not None:
+            self.cache.release(hit)
 
     def _serve_held(self, request: Request, t0: float, prompt: np.ndarray,
                     keys: list[int], tiers: list[int | None], host_pos: list[int],
-                    host_keys: list[int], table_ids: list[int]) -> RequestOutcome:
-        """``serve`` once the request holds its blocks (``table_ids``)."""
+                    held: list[CacheHit | None], table_ids: list[int]) -> RequestOutcome:
+        """``serve`` once the request holds its blocks (``table_ids``) and host pins."""
         hit = len(tiers)
         bs = self.model.cfg.block_size
-        handle: LoadHandle | None = None
+        handle: CacheLoad | None = None
+        pages = held[0]
         if host_pos:
-            cleanup = self.injector.before_load(self, host_keys) if self.injector else None
-            refs = [self.host.get(k) for k in host_keys]
-            self.kv, handle = self.mgr.load(self.kv, refs, [table_ids[j] for j in host_pos],
-                                            keys=host_keys, gate=self.gate)
+            cleanup = None
+            if self.injector is not None:
+                pages, cleanup = self.injector.before_load(self, pages)
+            self.kv, handle = self.cache.load(self.kv, pages, [table_ids[j] for j in host_pos],
+                                              gate=self.gate)
+            held[0] = None  # the load releases the pins when it settles
             if cleanup is not None:
                 cleanup()
-            self.stats.pages_loaded += len(refs)
-            self.stats.bytes_loaded += len(refs) * self.mgr.plan.page_bytes
+            self.stats.pages_loaded += pages.num_pages
+            self.stats.bytes_loaded += pages.num_pages * self.mgr.plan.page_bytes
+        else:
+            self.cache.release(pages)
+            held[0] = None
 
         def wait_layer(i: int) -> None:
             # Layer i may run only once its host pages are verified, and only if all
@@ -357,15 +388,8 @@ class PrefixCacheServer:
         if shrunk:
             restarted = result.consumed_before_failure
             usable = host_pos[result.verified_prefix]
-            # Pages past the verified prefix leave the index: those proven bad were
-            # freed by the manager (forget them); the rest are intact pages whose place
-            # in this index is in doubt (a wrong key, say), so the demo frees them.
-            intact = []
-            for idx in result.invalid_pages:
-                ref = self.host.pop(host_keys[idx])
-                if idx not in result.freed_pages and self.mgr.is_valid(ref):
-                    intact.append(ref)
-            self.mgr.free(intact)
+            # The cache dropped the pages proven bad from every tier; intact pages past
+            # the verified prefix stay cached.
             # Shared device pages past the verified prefix are swapped for private
             # blocks, so the recomputation never writes a block other requests read.
             for j in range(usable, hit):
@@ -390,7 +414,7 @@ class PrefixCacheServer:
         st.computed_pages += computed
         outcome = RequestOutcome(request.rid, tuple(tokens), ttft, kind, device_pages,
                                  host_pages, computed, hit - usable, restarted)
-        self._finish(keys, tiers, table_ids, usable, host_keys)  # last: it drops the blocks
+        self._finish(keys, tiers, table_ids, usable)  # last: it drops the blocks
         return outcome
 
     def _account_load(self, verified: int, reasons: dict[int, str]) -> None:
@@ -400,7 +424,7 @@ class PrefixCacheServer:
         self.stats.detection_reasons.extend(reasons.values())
 
     def _finish(self, keys: Sequence[int], tiers: Sequence[int | None],
-                table_ids: Sequence[int], usable: int, host_keys: Sequence[int]) -> None:
+                table_ids: Sequence[int], usable: int) -> None:
         """Publishes the request's full prompt pages and drops its block references."""
         for j in range(len(keys)):
             if not (j < usable and tiers[j] is not None):
@@ -410,7 +434,3 @@ class PrefixCacheServer:
         # Deepest pages go cold first, so the LRU evicts them before their prefixes.
         for block in reversed(table_ids):
             self.blocks.release(block)
-        for key in host_keys:
-            if key in self.host:
-                self.host.unpin(key)
-                self.host.touch(key)

@@ -1,4 +1,4 @@
-"""The two tiers of the demo's prefix cache: page keys, device blocks, the host index.
+"""The demo's device tier: page keys and device blocks (the host tier is ``HostCache``).
 
 A *page* is one block index across every layer: the KV of ``block_size`` prompt
 tokens in all layers, what one device block id addresses in every layer's cache
@@ -8,9 +8,6 @@ and what one host slot holds. Pages are named by a chained hash of their tokens
 * ``DeviceBlocks``: the device tier, a block allocator with a prefix index.
   Blocks of cached pages are reference counted; unreferenced ones wait in an LRU
   list and are the first to go when a request needs blocks.
-* ``HostIndex``: the host tier's index, key -> ``PageRef`` of a page the
-  ``KVCacheManager`` holds on the host, in LRU order, with pins for pages a
-  request is about to load.
 
 Example:
     >>> keys = page_keys(list(range(40)))  # two full pages; the partial third has no key
@@ -28,9 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvxfer.hostpool import PageRef
-
-__all__ = ["page_keys", "DeviceBlocks", "HostIndex", "SCRATCH_KEY"]
+__all__ = ["page_keys", "DeviceBlocks", "SCRATCH_KEY"]
 
 SCRATCH_KEY = 0xFFFF_FFFF_0000_0000
 """Key of pages written only to compile transfers or to refill a slot, never indexed."""
@@ -119,6 +114,10 @@ class DeviceBlocks:
         """The block caching ``key``, or None."""
         return self._index.get(key)
 
+    def cached_pages(self) -> list[tuple[int, int]]:
+        """``(block, key)`` of every cached block, held or cold."""
+        return [(b, k) for k, b in self._index.items()]
+
     def cold_pages(self) -> list[tuple[int, int]]:
         """``(block, key)`` of cold cached blocks, least recently used first."""
         return [(b, self._key_of[b]) for b in self._lru]
@@ -178,70 +177,3 @@ class DeviceBlocks:
     def reclaim(self, blocks: Sequence[int]) -> None:
         """Returns evicted blocks to the free list."""
         self._free.extend(blocks)
-
-
-class HostIndex:
-    """Host-tier prefix index: key -> ``PageRef``, in LRU order, with pins.
-
-    Pinned keys (pages a request is about to load) are never chosen for eviction.
-
-    Example:
-        >>> idx = HostIndex()
-        >>> idx.put(5, PageRef(5, 0, 1)); idx.put(6, PageRef(6, 1, 1))
-        >>> idx.pin(5)
-        >>> idx.coldest_unpinned()
-        6
-    """
-
-    def __init__(self) -> None:
-        self._refs: collections.OrderedDict[int, PageRef] = collections.OrderedDict()
-        self._pinned: set[int] = set()
-
-    def __len__(self) -> int:
-        return len(self._refs)
-
-    def __contains__(self, key: int) -> bool:
-        return key in self._refs
-
-    def keys(self) -> list[int]:
-        """Keys, least recently used first."""
-        return list(self._refs)
-
-    def get(self, key: int) -> PageRef:
-        """The ref stored under ``key`` (KeyError if none)."""
-        return self._refs[key]
-
-    def put(self, key: int, ref: PageRef) -> None:
-        self._refs[key] = ref
-        self._refs.move_to_end(key)
-
-    def touch(self, key: int) -> None:
-        self._refs.move_to_end(key)
-
-    def pop(self, key: int) -> PageRef:
-        self._pinned.discard(key)
-        return self._refs.pop(key)
-
-    def pin(self, key: int) -> None:
-        self._pinned.add(key)
-
-    def unpin(self, key: int) -> None:
-        self._pinned.discard(key)
-
-    def swap(self, a: int, b: int) -> None:
-        """Exchanges the refs of two keys: a simulated index bug.
-
-        A caller then asks for key ``a`` and is handed the page stored under key
-        ``b`` (and the other way round): the ``wrong-key`` fault.
-
-        Example:
-            >>> idx = HostIndex()
-            >>> idx.put(1, PageRef(1, 0, 1)); idx.put(2, PageRef(2, 1, 1))
-            >>> idx.swap(1, 2)
-            >>> idx.get(1).key, idx.get(2).key
-            (2, 1)
-        """
-        self._refs[a], self._refs[b] = self._refs[b], self._refs[a]
-
-    def coldest_unpinned(self) -> int | None:
-        return next((k for k in self._refs if k not in self._pinned), None)
