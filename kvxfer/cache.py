@@ -281,7 +281,7 @@ class HostCache:
             self._collect()
             return self._make_room(check_int(n, "n", minimum=0))
 
-    def _write(self, key: int, ref: PageRef) -> None:
+    def _write(self, key: int, ref: PageRef) -> concurrent.futures.Future | None:
         """Exports a page now and stores it on the writer thread."""
         try:
             blob = self.mgr.export_page(ref)
@@ -289,18 +289,23 @@ class HostCache:
             log.warning("page %#x could not be exported for the %s store: %s",
                         key, self.store.name, e)
             self._stats.add(store_write_errors=1)
-            return
-        self._writes[key] = self._writer.submit(self._store_put, key, blob)
+            return None
+        future = self._writes[key] = self._writer.submit(self._store_put, key, blob)
+        return future
 
-    def _store_put(self, key: int, blob: bytes) -> None:
+    def _store_put(self, key: int, blob: bytes) -> bool:
+        """Stores one blob (writer thread); whether it was written (not there before)."""
         try:
-            if self.store.put(self.store_key(key), blob):
-                self._stats.add(store_pages_written=1)
-            self._stored.add(key)
+            written = self.store.put(self.store_key(key), blob)
         except (StoreError, ValueError, OSError) as e:
             log.warning("page %#x was not written to the %s store: %s", key,
                         self.store.name, e)
             self._stats.add(store_write_errors=1)
+            return False
+        self._stored.add(key)
+        if written:
+            self._stats.add(store_pages_written=1)
+        return written
 
     def _promote(self, key: int) -> PageRef | None:
         """The store's page ``key`` imported into host memory, or None (a miss)."""
@@ -489,7 +494,8 @@ class HostCache:
         """Writes every host page the store lacks, and waits for all store writes.
 
         Returns:
-          The pages written by this call.
+          The pages this call wrote (spills already in flight are waited for, not
+          counted).
         """
         if self.store is None:
             return 0
@@ -501,14 +507,14 @@ class HostCache:
                 except Exception:
                     pass
             self._collect()
-            before = self._stats.snapshot()["store_pages_written"]
+            mine = []
             for key, ref in list(self._index.items()):
                 if key not in self._writes and key not in self._stored and \
                         not self.store.contains(self.store_key(key)):
-                    self._write(key, ref)
+                    mine.append(self._write(key, ref))
             futures = list(self._writes.values())
         concurrent.futures.wait(futures)
-        return self._stats.snapshot()["store_pages_written"] - before
+        return sum(1 for f in mine if f is not None and f.result())
 
     def stats(self) -> dict[str, Any]:
         """Lookups, hits per tier, misses, evictions, store writes, bad pages by tier.

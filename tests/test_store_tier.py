@@ -1,0 +1,206 @@
+"""HostCache over real store tiers (files, a redis-server), and the demo on them.
+
+Integrity end to end: the digest made on the device at the first offload travels
+with the page through the store and is checked on the device at load; a page
+damaged at rest is a miss at that page, named in a warning with its tier.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import pytest
+
+import kvxfer
+from kvxfer import store, testing
+
+
+def _caches(seed=0):
+    return testing.random_caches(2, 8, (4, 32), "bfloat16", seed=seed)
+
+
+def _blank(caches):
+    return [jnp.zeros_like(c) for c in caches]
+
+
+def _spill(tmp_path, keys=(10, 11, 12, 13), capacity=None):
+    """A first 'process': offloads pages, evicts them all into a disk store, closes."""
+    caches = _caches()
+    want = [testing.bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    disk = store.DiskStore(tmp_path / "pages", capacity_bytes=capacity)
+    cache = kvxfer.HostCache(mgr, disk)
+    for j, key in enumerate(keys):  # two slots: each put evicts (and spills) the oldest
+        cache.put(caches, [j], [key], wait=True)
+    assert cache.flush() == 2  # the last two were still only on host
+    st = cache.stats()
+    assert st["evictions"] == len(keys) - 2 and st["store_pages_written"] == len(keys)
+    cache.close(), mgr.close(), disk.close()
+    return want
+
+
+def _reopen(tmp_path, num_host_blocks=4):
+    caches = _blank(_caches())
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=num_host_blocks)
+    disk = store.DiskStore(tmp_path / "pages")
+    return caches, mgr, disk, kvxfer.HostCache(mgr, disk)
+
+
+def test_pages_come_back_from_disk_after_a_restart_verified_and_exact(tmp_path):
+    want = _spill(tmp_path)
+    caches, mgr, disk, cache = _reopen(tmp_path)
+    hit = cache.lookup([10, 11, 12, 13, 14])
+    assert hit.tiers == ("store",) * 4
+    caches, load = cache.load(caches, hit, [4, 5, 6, 7], gate="layer")
+    assert load.result().verified_prefix == 4
+    for layer in range(2):
+        got = testing.bits(caches[layer])
+        assert all((got[4 + j] == want[layer][j]).all() for j in range(4))
+    st = cache.stats()
+    assert st["store_hits"] == 4 and st["host_hits"] == 0 and st["misses"] == 1
+    # Promoted pages stay in host memory: the next hit is a host hit.
+    assert cache.lookup([10]).tiers == ("host",)
+    assert mgr.stats()["pages_imported"] == 4
+    cache.close(), mgr.close(), disk.close()
+
+
+def test_a_bit_flipped_at_rest_is_a_miss_at_that_page_named_with_its_tier(tmp_path, caplog):
+    _spill(tmp_path)
+    caches, mgr, disk, cache = _reopen(tmp_path)
+    testing.flip_stored_bit(disk, cache.store_key(12))
+    hit = cache.lookup([10, 11, 12, 13])  # the blob's framing is intact: it imports
+    assert hit.num_pages == 4
+    caches, load = cache.load(caches, hit, [4, 5, 6, 7])
+    with caplog.at_level(logging.WARNING, logger="kvxfer"):
+        result = load.result()
+    assert result.verified_prefix == 2 and result.freed_pages == (2,)
+    assert f"page {12:#x} from the disk store failed verification on the device" in caplog.text
+    assert not disk.contains(cache.store_key(12))  # gone from every tier
+    assert 12 not in cache and 13 in cache
+    assert cache.stats()["bad_pages_by_tier"] == {"disk": 1}
+    cache.close(), mgr.close(), disk.close()
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("truncate", "truncated page blob"),
+    ("other-key", "page blob of key 0xa where key 0xb was expected"),
+    ("other-model", "page of another KV geometry"),
+])
+def test_a_damaged_or_misfiled_blob_is_a_miss_and_leaves_the_store(tmp_path, caplog, damage,
+                                                                   words):
+    _spill(tmp_path)
+    caches, mgr, disk, cache = _reopen(tmp_path)
+    victim = cache.store_key(11)
+    if damage == "truncate":  # a file cut short after it became visible
+        disk.put(victim, disk.get(victim)[:-100], replace=True)
+    elif damage == "other-key":
+        disk.put(victim, disk.get(cache.store_key(10)), replace=True)
+    else:  # another model's page, misfiled under this model's key
+        other = testing.random_caches(2, 8, (4, 32), "float32")
+        omgr = kvxfer.KVCacheManager(other, num_host_blocks=1)
+        (page,) = omgr.offload(other, [0], keys=[11]).wait()
+        disk.put(victim, omgr.export_page(page), replace=True)
+        omgr.close()
+    with caplog.at_level(logging.WARNING, logger="kvxfer"):
+        hit = cache.lookup([10, 11, 12])
+    assert hit.keys == (10,)
+    assert f"page {11:#x} in the disk store is bad" in caplog.text and words in caplog.text
+    assert not disk.contains(victim)
+    cache.release(hit)
+    cache.close(), mgr.close(), disk.close()
+
+
+def test_write_through_stores_every_page_once_it_is_on_host(tmp_path):
+    caches = _caches()
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    disk = store.DiskStore(tmp_path / "pages")
+    cache = kvxfer.HostCache(mgr, disk, write_through=True)
+    cache.put(caches, [0, 1], [1, 2], wait=True)
+    cache.lookup([])  # any call indexes finished offloads, which starts their writes
+    cache.flush()
+    assert all(disk.contains(cache.store_key(k)) for k in (1, 2))
+    assert cache.stats()["store_pages_written"] == 2 and cache.flush() == 0
+    cache.close(), mgr.close(), disk.close()
+
+
+def test_namespaces_and_geometries_never_share_store_keys(tmp_path):
+    a = kvxfer.KVCacheManager(_caches(), num_host_blocks=1)
+    b = kvxfer.KVCacheManager(testing.random_caches(2, 8, (4, 32), "float16"),
+                              num_host_blocks=1)
+    disk = store.DiskStore(tmp_path / "pages")
+    keys = {kvxfer.HostCache(a, disk).store_key(5), kvxfer.HostCache(b, disk).store_key(5),
+            kvxfer.HostCache(a, disk, namespace="m2:").store_key(5)}
+    assert len(keys) == 3
+    a.close(), b.close(), disk.close()
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    import kvxfer
+    from kvxfer import store, testing
+
+    caches = testing.random_caches(2, 8, (4, 32), "bfloat16")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    with store.RedisStore(sys.argv[1]) as redis_store:
+        cache = kvxfer.HostCache(mgr, redis_store, write_through=True)
+        cache.put(caches, [0, 1, 2], [10, 11, 12], wait=True)
+        cache.flush()
+        print(cache.stats()["store_pages_written"])
+        cache.close()
+    mgr.close()
+""")
+
+
+def test_two_processes_share_pages_through_redis(redis_server):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _WRITER, redis_server], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "3"
+    want = [testing.bits(c) for c in _caches()]
+    caches = _blank(_caches())
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    with store.RedisStore(redis_server) as redis_store:
+        cache = kvxfer.HostCache(mgr, redis_store)
+        hit = cache.lookup([10, 11, 12])
+        assert hit.tiers == ("store",) * 3
+        caches, load = cache.load(caches, hit, [5, 6, 7])
+        assert load.result().verified_prefix == 3
+        for layer in range(2):
+            got = testing.bits(caches[layer])
+            assert all((got[5 + j] == want[layer][j]).all() for j in range(3))
+        cache.close()
+    mgr.close()
+
+
+# -- the demo, from the command line ----------------------------------------------------
+
+_DEMO = ["--requests", "12", "--system-pages", "2", "3", "--new-tokens", "2",
+         "--device-blocks", "5", "--host-blocks", "3", "--quiet", "--json"]
+
+
+def _demo(*args):
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "demo", *_DEMO, *args],
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout), out.stderr
+
+
+@pytest.mark.parametrize("where", ["disk", "redis"])
+def test_demo_restarts_on_its_store_and_survives_a_flip_at_rest(tmp_path, request, where):
+    spec = str(tmp_path / "store") if where == "disk" else \
+        request.getfixturevalue("redis_server")
+    first, _ = _demo("--store", spec)
+    assert first["store_pages_written"] > 0 and first["tokens_match"]
+    second, _ = _demo("--store", spec)  # cold device and host tiers, a warm store
+    assert second["store_hits"] > 0 and second["requests_by_kind"]["miss"] == 0
+    assert second["tokens_match"]
+    third, err = _demo("--store", spec, "--inject", "store-bitflip", "--injections", "1")
+    assert len(third["injections"]) == 1 and third["corruptions_detected"] == 1
+    assert third["store_bad_pages"] == 1 and third["tokens_match"]
+    assert "failed verification on the device" in err and where in err
