@@ -300,6 +300,26 @@ class RedisStore(Store):
         except self._errors as e:
             raise self._fail("cannot list keys", e) from e
 
+    def clear(self) -> int:
+        """Removes every key under the prefix (blobs and bookkeeping); returns the
+        number of blobs removed. Not atomic: clear a store nobody else is using."""
+        self._check_open()
+        glob = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "*"
+        blobs = 0
+        try:
+            batch: list[bytes] = []
+            for k in self._client.scan_iter(match=glob, count=1000):
+                batch.append(k)
+                if len(batch) == 1000:
+                    self._client.delete(*batch)
+                    batch.clear()
+                blobs += k.startswith((self.prefix + "b:").encode())
+            if batch:
+                self._client.delete(*batch)
+        except self._errors as e:
+            raise self._fail("cannot clear", e) from e
+        return blobs
+
     def stats(self) -> dict[str, Any]:
         """Counters (see ``Store.stats``): ``blobs`` and ``bytes`` of the whole shared
         store; ``puts``, ``gets``, ``hits`` and ``evictions`` of this client."""
