@@ -240,7 +240,8 @@ class DiskStore(Store):
     # -- the Store interface ------------------------------------------------------
 
     def put(self, key: str, blob: bytes, *, replace: bool = False) -> bool:
-        """Stores ``blob`` under ``key`` (see ``Store.put``), durable once it returns."""
+        """Stores ``blob`` under ``key`` (see ``Store.put``); whole on disk once it
+        returns, and (``durable``) its name too."""
         kb = _key_bytes(key)
         view = _blob_view(blob)
         name = _name(key, kb)

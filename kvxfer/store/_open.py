@@ -35,10 +35,11 @@ def open_store(spec: str | os.PathLike[str], *, capacity_bytes: int | None = Non
       ImportError: a Redis URL without redis-py installed.
 
     Example:
-        >>> open_store("s3://bucket/pages")
-        Traceback (most recent call last):
-        ...
-        ValueError: Expected a store spec DIR, file://DIR or redis://HOST:PORT[/DB]. Got 's3://bucket/pages': unknown scheme 's3://'
+        >>> try:
+        ...     open_store("s3://bucket/pages")
+        ... except ValueError as e:
+        ...     print(str(e).split(". Got ")[1])
+        's3://bucket/pages': unknown scheme 's3://'
     """
     kind, where = parse_spec(spec)
     if kind == "disk":

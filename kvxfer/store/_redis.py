@@ -127,10 +127,11 @@ def check_url(url: str) -> str:
     Example:
         >>> check_url("redis://127.0.0.1:6379/0")
         'redis://127.0.0.1:6379/0'
-        >>> check_url("redis://host:port")
-        Traceback (most recent call last):
-        ...
-        ValueError: Expected a Redis URL redis://HOST:PORT[/DB]. Got 'redis://host:port': the port is not a number
+        >>> try:
+        ...     check_url("redis://host:port")
+        ... except ValueError as e:
+        ...     print(str(e).split(". Got ")[1])
+        'redis://host:port': the port is not a number
     """
     if not isinstance(url, str):
         raise TypeError(f"Expected a Redis URL str. Got {url!r} of type {type(url).__name__}")
