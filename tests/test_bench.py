@@ -213,6 +213,9 @@ def test_only_store_runs_the_store_section_on_the_stores_given(tmp_path, redis_s
 def test_bad_store_specs_are_refused_by_name():
     with pytest.raises(ValueError, match="unknown scheme 's3://'"):
         bench.run_bench(config=bench.BenchConfig.smoke(), only="store", stores=["s3://x"])
+    # Refused before the transfer sections run, not after them.
+    with pytest.raises(ValueError, match="the port is not a number"):
+        bench.run_bench(config=bench.BenchConfig.smoke(), stores=["redis://host:x"])
     with pytest.raises(StoreError, match="store directory '/nonexistent/dir' does not exist"):
         bench.run_bench(config=bench.BenchConfig.smoke(), only="store",
                         stores=["/nonexistent/dir"])

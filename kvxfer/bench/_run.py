@@ -22,6 +22,7 @@ from kvxfer.bench._sections import (cache_size_section, ordered_cells, plan, pre
 from kvxfer.bench._store import DEFAULT_STORE, store_section, store_steps
 from kvxfer.bench.limits import make_limit
 from kvxfer.bench.timing import Progress, now
+from kvxfer.store import parse_spec
 
 __all__ = ["run_bench", "SCHEMA", "Only"]
 
@@ -78,10 +79,8 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         raise ValueError(f"Expected only in {typing.get_args(Only)} or None. Got {only!r} "
                          f"of type {type(only).__name__}")
     stores = list(stores)
-    for spec in stores:
-        if not isinstance(spec, str) or not spec:
-            raise ValueError(f"Expected store specs as non-empty str. Got {spec!r} of type "
-                             f"{type(spec).__name__}")
+    for spec in stores:  # before any section runs: a typo must not cost a whole run
+        parse_spec(spec)
     steps = Progress(([] if only else plan(cfg)) + ["store"] * store_steps(cfg, stores),
                      progress or (lambda line: None))
     started = now()

@@ -32,8 +32,8 @@ from kvxfer.store import DiskStore, RedisStore, Store, StoreError, parse_spec
 
 __all__ = ["store_section", "store_steps", "OPS", "DEFAULT_STORE"]
 
-#: The spec the section measures when given none: a disk store in a new temporary
-#: directory (removed afterwards).
+#: How the report names the store the section measures when given none: a disk store
+#: in a new temporary directory of the system's (removed afterwards).
 DEFAULT_STORE = "temporary directory"
 #: What each store kind measures, per blob size.
 OPS = {"disk": ("write", "write_not_durable", "read", "read_cold"),
@@ -44,7 +44,7 @@ _LIMIT_OF = {"write_not_durable": "write"}
 
 def store_steps(cfg: BenchConfig, stores: Sequence[str]) -> int:
     """How many steps the section takes (one per store and blob size)."""
-    return len(stores or [DEFAULT_STORE]) * len(cfg.store_blob_bytes)
+    return max(1, len(stores)) * len(cfg.store_blob_bytes)
 
 
 def _filesystem(path: str) -> str | None:
@@ -222,15 +222,15 @@ def _redis_variants(store: RedisStore, blob: bytes, n: int, tag: str
 
 
 @contextlib.contextmanager
-def _opened(spec: str) -> Iterator[tuple[Store, dict[str, Any]]]:
-    """The store ``spec`` names, with what the report says about it.
+def _opened(spec: str | None) -> Iterator[tuple[Store, dict[str, Any]]]:
+    """The store ``spec`` names (None: the default), with what the report says about it.
 
     The bench never touches what a store held before: a disk store is opened in a new
-    temporary directory (under the spec's directory; for ``DEFAULT_STORE`` under the
-    system's), a Redis store under a prefix of its own; neither has a capacity (so
+    temporary directory (under the spec's directory; by default under the system's),
+    a Redis store under a prefix of its own; neither has a capacity (so
     nothing is evicted), and both are emptied of the bench's blobs afterwards.
     """
-    kind, where = ("disk", None) if spec == DEFAULT_STORE else parse_spec(spec)
+    kind, where = ("disk", None) if spec is None else parse_spec(spec)
     tmp = None
     if kind == "disk":  # never opened as a store itself: that would clean it
         if where is not None and not os.path.isdir(where):
@@ -240,13 +240,14 @@ def _opened(spec: str) -> Iterator[tuple[Store, dict[str, Any]]]:
     else:
         store = RedisStore(where, prefix=f"kvxfer-bench-{uuid.uuid4().hex[:8]}:")
     try:
-        where: dict[str, Any] = {"store": store.name, "spec": spec}
+        info: dict[str, Any] = {"store": store.name,
+                                "spec": DEFAULT_STORE if spec is None else spec}
         if isinstance(store, DiskStore):
-            where["path"] = store.path
-            where["filesystem"] = _filesystem(store.path)
+            info["path"] = store.path
+            info["filesystem"] = _filesystem(store.path)
         else:
-            where["spec"] = store.stats()["url"]  # the password hidden
-        yield store, where
+            info["spec"] = store.stats()["url"]  # the password hidden
+        yield store, info
     finally:
         if isinstance(store, RedisStore):
             store.clear()
@@ -270,7 +271,7 @@ def store_section(cfg: BenchConfig, stores: Sequence[str], progress: Progress
     """
     rng = np.random.default_rng(0)
     rows = []
-    for spec in stores or [DEFAULT_STORE]:
+    for spec in stores or [None]:
         with _opened(spec) as (store, where):
             for size in cfg.store_blob_bytes:
                 n = max(1, min(cfg.store_bytes // size, cfg.store_max_blobs))
