@@ -379,14 +379,17 @@ def _mb(s: dict[str, Any] | None, limit: bool = False) -> str:
 
 def _store_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The store section's table: MB/s of each store and of its limit, per blob size."""
+    kinds = {r["store"] for r in rows}
     lines = ["", "Store tiers: page blobs written and read one by one, MB/s = 1e6 bytes/s "
-             "from the best repeat; (x) = fraction of the limit in the same run",
-             "  disk limit: one file on the same file system, blob-sized writes each "
-             "followed by fsync, then blob-sized reads (cold: after posix_fadvise "
-             "DONTNEED, both sides)",
-             "  redis limit: redis-py SET / GET of the same bytes on the same server",
-             "  put durable=False: a DiskStore that does not fsync the directory after "
-             "each put (against the same write limit)"]
+             "from the best repeat; (x) = fraction of the limit in the same run"]
+    if "disk" in kinds:
+        lines += ["  disk limit: one file on the same file system, blob-sized writes each "
+                  "followed by fsync, then blob-sized reads (cold: after posix_fadvise "
+                  "DONTNEED, both sides)",
+                  "  put durable=False: a DiskStore that does not fsync the directory after "
+                  "each put (against the same write limit)"]
+    if "redis" in kinds:
+        lines.append("  redis limit: redis-py SET / GET of the same bytes on the same server")
     table_rows = []
     for r in rows:
         where = r["spec"] if r["store"] != "disk" else \
