@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import re
 
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from kvxfer import bench
 from kvxfer._text import format_bytes
 from kvxfer.bench import limits, report as bench_report, timing
+from kvxfer.store import DiskStore, StoreError
 
 LOAD_METHODS = {"load_off_all", "load_off_layer", "load_page_all", "load_page_layer"}
 KVXFER_METHODS = {"offload_off", "offload_page"} | LOAD_METHODS
@@ -24,8 +26,8 @@ USER_OFFLOADS = {"user_device_get", "user_gather_pinned", "user_batched_gather_p
 USER_LOADS = {"user_put_scatter", "user_batched_put_scatter"}
 D2H_METHODS = {"offload_off", "offload_page"} | USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
-            "integrity_traffic", "cache_size", "memory", "first_call", "queued", "targets",
-            "not_measured", "files"}
+            "integrity_traffic", "cache_size", "memory", "first_call", "queued", "store",
+            "targets", "not_measured", "files"}
 # The caller-thread sections' cases on XLA:CPU: (path asked for, dtype, movers taken).
 CALL_CASES = [("staged", "bfloat16", ["staged"]), ("auto", "float32", ["raw"])]
 CALL_GEOMETRY = {"case", "dtype", "path", "movers", "integrity", "layers", "block_bytes",
@@ -91,7 +93,7 @@ def test_report_has_every_section(run):
     assert report["memory"]["pool_bytes"] == report["memory"]["plan_bytes"]
     said = [PROGRESS.match(line).group(4) for line in lines if PROGRESS.match(line)]
     for section in ("throughput", "memory", "concurrency", "host overhead", "prefix sweep",
-                    "cache size", "first call", "queued steps"):
+                    "cache size", "first call", "queued steps", "store"):
         assert any(line.startswith(section) for line in said), section
 
 
@@ -143,6 +145,82 @@ def test_queued_section_times_the_call_apart_from_the_wait(run):
             for part in ("call", rest, "total"):
                 assert set(timing[part]) == STATS and timing[part]["n"] == cfg.call_repeats
             assert 0 <= timing["steps_done_at_return"] <= 1
+
+
+def check_store_rows(rows, cfg, stores):
+    """Each store measured at each blob size, every operation against its own limit."""
+    assert [(r["spec"], r["blob_bytes"]) for r in rows] == \
+        [(spec, size) for spec in stores for size in cfg.store_blob_bytes]
+    for r in rows:
+        assert r["blobs"] == max(1, min(cfg.store_bytes // r["blob_bytes"], cfg.store_max_blobs))
+        assert r["bytes"] == r["blobs"] * r["blob_bytes"]
+        ops = {"disk": {"write", "write_not_durable", "read", "read_cold"},
+               "redis": {"write", "read"}}[r["store"]]
+        assert set(r["methods"]) == ops and set(r["limit"]) == ops - {"write_not_durable"}
+        for op, m in r["methods"].items():
+            limit = r["limit"]["write" if op == "write_not_durable" else op]
+            assert m["n"] == limit["n"] == cfg.store_repeats
+            assert m["fraction_of_limit"] == pytest.approx(m["gbps"] / limit["gbps"])
+            assert m["best_s"] <= m["p50_s"] <= m["p99_s"]
+
+
+def test_store_section_measures_a_temporary_disk_store_by_default(run):
+    report, _, _ = run
+    cfg = bench.BenchConfig.smoke()
+    assert report["meta"]["stores"] == ["temporary directory"]
+    check_store_rows(report["store"], cfg, ["temporary directory"])
+    for r in report["store"]:
+        assert r["store"] == "disk" and not os.path.exists(r["path"])  # removed after
+    block = bench.format_report(report).split("\nStore tiers", 1)[1].split("\n\n", 1)[0]
+    lines = block.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("-----"))
+    rows = lines[rule + 1:]
+    assert len(rows) == len(report["store"])
+    for line, r in zip(rows, report["store"]):
+        assert line.split()[:3] == ["disk", "temporary", "directory"]
+        mbps = f"{r['methods']['write']['gbps'] * 1e3:.0f} " \
+            f"({r['methods']['write']['fraction_of_limit']:.2f}x)"
+        assert mbps in line
+
+
+def test_only_store_runs_the_store_section_on_the_stores_given(tmp_path, redis_server):
+    own = tmp_path / "pages"
+    with DiskStore(own) as theirs:
+        theirs.put("theirs", b"a page of theirs")
+    (own / "odd.kvb").write_bytes(b"not a whole blob: an open would remove it")
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in own.iterdir()}
+    rc, stdout, stderr = run_cli("bench", "--smoke", "--json", "--only", "store",
+                                 "--store", str(own), "--store", redis_server)
+    report = json.loads(stdout)
+    assert rc == 0 and set(report) == {"schema", "meta", "store", "targets", "not_measured"}
+    assert report["meta"]["only"] == "store" and report["targets"] == []
+    cfg = bench.BenchConfig.smoke()
+    check_store_rows(report["store"], cfg, [str(own), redis_server])
+    assert [r["store"] for r in report["store"]] == ["disk"] * 2 + ["redis"] * 2
+    # What the directory and the server held before is all they hold after.
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in own.iterdir()} == before
+    import redis
+
+    with redis.Redis.from_url(redis_server) as raw:
+        assert not list(raw.scan_iter(match="kvxfer-bench-*"))
+    text = bench.format_report(report)
+    assert "--only store" in text and "Offload throughput" not in text
+    assert "0 of 0 targets met" in text
+    lines = [line for line in stderr.splitlines() if PROGRESS.match(line)]
+    assert len(lines) == 4 and all("store: " in line for line in lines)
+
+
+def test_bad_store_specs_are_refused_by_name():
+    with pytest.raises(ValueError, match="unknown scheme 's3://'"):
+        bench.run_bench(config=bench.BenchConfig.smoke(), only="store", stores=["s3://x"])
+    # Refused before the transfer sections run, not after them.
+    with pytest.raises(ValueError, match="the port is not a number"):
+        bench.run_bench(config=bench.BenchConfig.smoke(), stores=["redis://host:x"])
+    with pytest.raises(StoreError, match="store directory '/nonexistent/dir' does not exist"):
+        bench.run_bench(config=bench.BenchConfig.smoke(), only="store",
+                        stores=["/nonexistent/dir"])
+    with pytest.raises(ValueError, match="Expected only in \\('store',\\) or None. Got 'all'"):
+        bench.run_bench(config=bench.BenchConfig.smoke(), only="all")
 
 
 def test_every_figure_is_positive_and_finite(run):
@@ -331,8 +409,13 @@ def test_register_cli_adds_bench_with_its_options():
         (True, "d", True, False, True)
     assert callable(args.func)
     args = parser.parse_args(["bench"])
-    assert (args.json, args.out, args.quick, args.smoke, args.no_check) == \
-        (False, None, False, False, False)
+    assert (args.json, args.out, args.quick, args.smoke, args.no_check, args.store,
+            args.only) == (False, None, False, False, False, None, None)
+    args = parser.parse_args(["bench", "--store", "d", "--store", "redis://h:1", "--only",
+                              "store"])
+    assert (args.store, args.only) == (["d", "redis://h:1"], "store")
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        parser.parse_args(["bench", "--only", "sweep"])
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
         parser.parse_args(["bench", "--quick", "--smoke"])
 

@@ -122,6 +122,14 @@ def test_closed_store_says_so(any_store: Store):
 # -- disk ---------------------------------------------------------------------------
 
 
+def test_disk_store_without_directory_sync_shares_the_directory(tmp_path):
+    with DiskStore(tmp_path) as durable, DiskStore(tmp_path, durable=False) as fast:
+        assert fast.put("k", b"fast") and not durable.put("k", b"slow")
+        assert durable.get("k") == b"fast" and repr(fast).endswith("durable=False)")
+    with pytest.raises(TypeError, match="bool for durable. Got 1 of type int"):
+        DiskStore(tmp_path, durable=1)
+
+
 def test_disk_files_stay_inside_the_directory_under_safe_names(tmp_path):
     with DiskStore(tmp_path / "d") as store:
         for key in ODD_KEYS:
@@ -379,6 +387,21 @@ def test_redis_bookkeeping_follows_blobs_the_server_dropped(redis_spec):
         s = store.stats()
         assert (s["blobs"], s["bytes"]) == (1, 50) and store.keys() == ["j"]
         assert store.put("k", b"z") and store.stats()["bytes"] == 51
+
+
+def test_redis_clear_removes_its_prefix_only(redis_spec):
+    import redis
+
+    url, prefix = redis_spec
+    with RedisStore(url, prefix=prefix + "a*[x]:") as a, RedisStore(url, prefix=prefix) as b, \
+            redis.Redis.from_url(url) as raw:
+        for k in ("1", "2"):
+            a.put(k, b"v")
+        b.put("1", b"w")
+        assert a.clear() == 2
+        assert not list(raw.scan_iter(match=prefix + "a*"))
+        assert a.get("1") is None and a.stats()["blobs"] == 0
+        assert b.get("1") == b"w" and b.stats()["blobs"] == 1
 
 
 def test_redis_one_process_puts_another_gets(redis_spec):

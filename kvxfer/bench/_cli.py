@@ -6,11 +6,13 @@ import argparse
 import functools
 import json
 import sys
+import typing
 from typing import Any
 
 from kvxfer.bench import report as _report
 from kvxfer.bench._config import BenchConfig
-from kvxfer.bench._run import run_bench
+from kvxfer.bench._run import Only, run_bench
+from kvxfer.store._open import SPEC_FORMS
 
 __all__ = ["register_cli"]
 
@@ -22,7 +24,7 @@ def _progress(line: str) -> None:
 def _cmd_bench(args: argparse.Namespace, targets: _report.Targets) -> int:
     config = BenchConfig.smoke() if args.smoke else None
     report = run_bench(quick=args.quick, out_dir=args.out, config=config, progress=_progress,
-                       targets=targets)
+                       targets=targets, stores=args.store or (), only=args.only)
     if args.json:
         print(json.dumps(report))
     else:
@@ -54,17 +56,22 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
         >>> parser = argparse.ArgumentParser(prog="kvxfer")
         >>> p = register_cli(parser.add_subparsers(dest="command"))
         >>> args = parser.parse_args(["bench", "--quick", "--no-check"])
-        >>> args.quick, args.smoke, args.no_check, args.json, args.out
-        (True, False, True, False, None)
+        >>> args.quick, args.smoke, args.no_check, args.json, args.out, args.store, args.only
+        (True, False, True, False, None, None, None)
+        >>> args = parser.parse_args(["bench", "--only", "store", "--store", "/tmp",
+        ...                           "--store", "redis://127.0.0.1:6379"])
+        >>> args.only, args.store
+        ('store', ['/tmp', 'redis://127.0.0.1:6379'])
     """
     p = subparsers.add_parser(
         "bench", help="measure kvxfer against the physical limit and user baselines",
         description="Measures, side by side in one run: the physical limit (memcpy on "
         "CPU, pinned host<->device copy on GPU), what users write today (per-page "
         "device_get, jitted gather -> pinned_host, device_put + donated scatter) and "
-        "KVCacheManager offload/load with integrity off/page and gate all/layer; prints "
-        "tables and PASS/MISS target lines. Exits 1 when a target is missed (2 on an "
-        "error), unless --no-check.")
+        "KVCacheManager offload/load with integrity off/page and gate all/layer, and the "
+        "store tiers' put/get against the same disk or Redis server; prints tables and "
+        "PASS/MISS target lines. Exits 1 when a target is missed (2 on an error), unless "
+        "--no-check.")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--out", metavar="DIR",
                    help="write bench.json (and bench.png when matplotlib is importable) here")
@@ -74,6 +81,14 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
     size.add_argument("--smoke", action="store_true",
                       help="tiny sizes: checks that every section runs, in seconds (its "
                       "figures, and so its targets, mean little)")
+    p.add_argument("--store", action="append", metavar="SPEC",
+                   help=f"a store the store section measures ({SPEC_FORMS}); repeat for "
+                   "several. Default: a disk store in a temporary directory. The bench "
+                   "writes only in a new temporary directory inside DIR, or under a key "
+                   "prefix of its own, and removes what it wrote")
+    p.add_argument("--only", choices=typing.get_args(Only),
+                   help="run only this section (--only store: the store tiers, in "
+                   "seconds with --quick)")
     p.add_argument("--no-check", action="store_true",
                    help="only report: exit 0 even when a target is missed")
     p.set_defaults(func=functools.partial(_cmd_bench, targets=targets))

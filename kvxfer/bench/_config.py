@@ -56,6 +56,11 @@ class BenchConfig:
         timed call of the queued-steps section.
       step_ms: the arithmetic each step aims at (passes over every layer, calibrated).
       call_repeats: timed repeats of the queued-steps section.
+      store_blob_bytes: blob sizes of the store section (a blob is one exported page).
+      store_bytes: bytes each store variant writes or reads per repeat, per blob size
+        (at most ``store_max_blobs`` blobs: small blobs cost an fsync each).
+      store_max_blobs: the most blobs a store variant writes or reads per repeat.
+      store_repeats: timed repeats of the store section.
 
     Example:
         >>> cfg = BenchConfig.smoke()
@@ -92,6 +97,10 @@ class BenchConfig:
     queued_steps: int = 10
     step_ms: float = 5.0
     call_repeats: int = 9
+    store_blob_bytes: tuple[int, ...] = (64 * KiB, 1 * MiB, 8 * MiB)
+    store_bytes: int = 64 * MiB
+    store_max_blobs: int = 128
+    store_repeats: int = 5
 
     def __post_init__(self) -> None:
         choices = typing.get_args(BatchedBaseline)
@@ -125,6 +134,13 @@ class BenchConfig:
         if self.queued_steps < 1 or not self.step_ms > 0 or self.call_repeats < 1:
             raise ValueError(f"queued_steps={self.queued_steps}, step_ms={self.step_ms} and "
                              f"call_repeats={self.call_repeats} must be positive")
+        if not self.store_blob_bytes or min(self.store_blob_bytes) < 1 or \
+                self.store_bytes < max(self.store_blob_bytes) or self.store_repeats < 1 or \
+                self.store_max_blobs < 1:
+            raise ValueError(f"store_blob_bytes={self.store_blob_bytes!r} must be positive "
+                             f"sizes up to store_bytes={self.store_bytes}, and "
+                             f"store_repeats={self.store_repeats} and store_max_blobs="
+                             f"{self.store_max_blobs} positive")
         ours = {(self.call_block_bytes, d, n) for d in ("bfloat16", "float32")
                 for n in (self.call_blocks, self.cold_call_blocks)}
         clash = sorted(ours & self._other_caches())
@@ -178,7 +194,8 @@ class BenchConfig:
                    prefix_block_bytes=64 * KiB, prefix_pages=(1, 4, 32, 128), request_pages=4,
                    repeats=5, overhead_repeats=20, baseline_budget_s=0.2,
                    cache_size_extras=False, batched_baseline="none", call_pages=8,
-                   call_repeats=5)
+                   call_repeats=5, store_bytes=16 * MiB, store_max_blobs=64,
+                   store_repeats=3)
 
     @classmethod
     def smoke(cls) -> BenchConfig:
@@ -190,13 +207,15 @@ class BenchConfig:
                    overhead_pages=2, cache_small_bytes=128 * KiB, cache_large_bytes=512 * KiB,
                    cache_load_pages=2, repeats=2, overhead_repeats=3,
                    baseline_budget_s=0.02, cache_size_extras=True, call_block_bytes=4 * KiB,
-                   call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2)
+                   call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2,
+                   store_blob_bytes=(4 * KiB, 64 * KiB), store_bytes=256 * KiB,
+                   store_repeats=2)
 
     def as_dict(self) -> dict[str, Any]:
         """The config as JSON-ready lists and numbers."""
         d = dataclasses.asdict(self)
         d["cells"] = [list(c) for c in self.cells]
         d["reference"] = list(self.reference)
-        for k in ("prefix_pages", "concurrency"):
+        for k in ("prefix_pages", "concurrency", "store_blob_bytes"):
             d[k] = list(d[k])
         return d

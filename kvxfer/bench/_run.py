@@ -8,8 +8,9 @@ import json
 import os
 import platform
 import subprocess
-from collections.abc import Callable
-from typing import Any
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 
@@ -18,14 +19,19 @@ from kvxfer.bench._caller import first_call_section, queued_section
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._sections import (cache_size_section, ordered_cells, plan, prefix_sweep,
                                     throughput_cell)
+from kvxfer.bench._store import DEFAULT_STORE, store_section, store_steps
 from kvxfer.bench.limits import make_limit
 from kvxfer.bench.timing import Progress, now
+from kvxfer.store import parse_spec
 
-__all__ = ["run_bench", "SCHEMA"]
+__all__ = ["run_bench", "SCHEMA", "Only"]
 
 #: The report's schema (2: ``block_bytes`` per layer, user load baselines, ``direction``;
-#: 3: the ``first_call`` and ``queued`` sections).
-SCHEMA = "kvxfer-bench/3"
+#: 3: the ``first_call`` and ``queued`` sections; 4: the ``store`` section).
+SCHEMA = "kvxfer-bench/4"
+
+#: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
+Only = Literal["store"]
 
 
 def _preset(config: BenchConfig) -> str:
@@ -38,7 +44,8 @@ def _preset(config: BenchConfig) -> str:
 def run_bench(quick: bool = False, out_dir: str | None = None, *,
               config: BenchConfig | None = None,
               progress: Callable[[str], None] | None = None,
-              targets: _report.Targets = _report.Targets()) -> dict[str, Any]:
+              targets: _report.Targets = _report.Targets(),
+              stores: Sequence[str] = (), only: Only | None = None) -> dict[str, Any]:
     """Runs the benchmark; returns the report (also written to ``out_dir``).
 
     Args:
@@ -49,12 +56,18 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
       progress: called with a line per step as the run goes, each with the time
         elapsed and, after the first step, an estimate of the time left.
       targets: the thresholds the run is checked against (default: kvxfer's).
+      stores: the stores the store section measures, as ``kvxfer.store.open_store``
+        specs (``DIR``, ``file://DIR``, ``redis://HOST:PORT[/DB]``); none: a disk store
+        in a temporary directory. The bench writes only under a temporary directory
+        (inside ``DIR``) or a prefix of its own, and removes what it wrote.
+      only: ``"store"`` runs the store section alone (no JAX work).
 
     Returns:
       A JSON-ready dict: ``schema``, ``meta``, ``throughput``, ``sweep``,
       ``concurrency``, ``overhead``, ``integrity_traffic``, ``cache_size``, ``memory``,
-      ``first_call``, ``queued``, ``targets``, ``not_measured`` (and ``files`` when
-      written).
+      ``first_call``, ``queued``, ``store``, ``targets``, ``not_measured`` (and
+      ``files`` when written); with ``only="store"``: ``schema``, ``meta``, ``store``,
+      ``targets``, ``not_measured`` (and ``files``).
 
     Example:
         >>> report = run_bench(config=BenchConfig.smoke())
@@ -62,7 +75,14 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         ('smoke', True)
     """
     cfg = config or (BenchConfig.quick() if quick else BenchConfig.full())
-    steps = Progress(plan(cfg), progress or (lambda line: None))
+    if only is not None and only not in typing.get_args(Only):
+        raise ValueError(f"Expected only in {typing.get_args(Only)} or None. Got {only!r} "
+                         f"of type {type(only).__name__}")
+    stores = list(stores)
+    for spec in stores:  # before any section runs: a typo must not cost a whole run
+        parse_spec(spec)
+    steps = Progress(([] if only else plan(cfg)) + ["store"] * store_steps(cfg, stores),
+                     progress or (lambda line: None))
     started = now()
     dev = jax.devices()[0]
     report: dict[str, Any] = {
@@ -71,9 +91,36 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
                  "device": getattr(dev, "device_kind", str(dev)),
                  "jax_version": jax.__version__, "python": platform.python_version(),
                  "source": _source(), "cpu_count": os.cpu_count() or 1,
-                 "preset": _preset(cfg), "config": cfg.as_dict(),
+                 "preset": _preset(cfg), "config": cfg.as_dict(), "only": only,
+                 "stores": stores or [DEFAULT_STORE],
                  "stat_note": "throughput from the best repeat; p50/p99 over repeats; "
                               "variants interleaved repeat by repeat"}}
+    if only is None:
+        _transfer_sections(cfg, report, steps)
+    else:
+        report["not_measured"] = []
+    report["store"] = store_section(cfg, stores, steps)
+    report["targets"] = _report.evaluate_targets(report, targets)
+    report["meta"]["wall_s"] = now() - started
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        files = {"json": os.path.join(out_dir, "bench.json")}
+        # The plot draws the prefix sweep: not in a run of the store section alone.
+        png = _report.plot(report, os.path.join(out_dir, "bench.png")) if only is None \
+            else None
+        if png:
+            files["plot"] = png
+        elif only is None:
+            report["not_measured"].append("plot: matplotlib is not importable "
+                                          "(pip install 'kvxfer[plot]')")
+        report["files"] = files
+        with open(files["json"], "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress) -> None:
+    """Every section but the store's, into ``report``."""
     capacity = max([cfg.batch_bytes] + [n * cfg.layers * cfg.prefix_block_bytes
                                          for n in cfg.prefix_pages])
     with make_limit(capacity) as limit:
@@ -91,21 +138,6 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     report["first_call"] = first_call_section(cfg, steps)
     report["queued"] = queued_section(cfg, steps)
     report["not_measured"] = report["memory"].pop("not_measured")
-    report["targets"] = _report.evaluate_targets(report, targets)
-    report["meta"]["wall_s"] = now() - started
-    if out_dir is not None:
-        os.makedirs(out_dir, exist_ok=True)
-        files = {"json": os.path.join(out_dir, "bench.json")}
-        png = _report.plot(report, os.path.join(out_dir, "bench.png"))
-        if png:
-            files["plot"] = png
-        else:
-            report["not_measured"].append("plot: matplotlib is not importable "
-                                          "(pip install 'kvxfer[plot]')")
-        report["files"] = files
-        with open(files["json"], "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
-    return report
 
 
 def _source() -> str:

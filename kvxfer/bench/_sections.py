@@ -31,7 +31,7 @@ __all__ = ["StepKind", "ordered_cells", "plan", "throughput_cell", "prefix_sweep
 
 #: The kinds of step a run's progress counts (each timed alike, for the estimate).
 StepKind = Literal["throughput", "concurrency", "overhead", "sweep", "cache size",
-                   "first call", "queued steps"]
+                   "first call", "queued steps", "store"]
 
 _Held = dict[IntegrityMode, list[PageRef]]
 
@@ -46,7 +46,8 @@ def ordered_cells(cfg: BenchConfig) -> list[tuple[int, str]]:
 
 
 def plan(cfg: BenchConfig) -> list[StepKind]:
-    """The kind of every step of a run of ``cfg``, in order (for ``timing.Progress``)."""
+    """The kind of every step of a run of ``cfg`` before the store section, in order
+    (for ``timing.Progress``)."""
     sweep: list[StepKind] = ["sweep"] * len(cfg.prefix_pages)
     steps: list[StepKind] = []
     for cell in ordered_cells(cfg):

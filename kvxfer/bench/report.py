@@ -106,6 +106,13 @@ def evaluate_targets(report: dict[str, Any], targets: Targets = Targets()
       One dict per target: ``name``, ``value``, ``op``, ``threshold``, ``status``,
       ``where`` (the case the value was read from).
     """
+    out: list[dict[str, Any]] = []
+    if "throughput" in report:
+        out += _transfer_targets(report, targets)
+    return out
+
+
+def _transfer_targets(report: dict[str, Any], targets: Targets) -> list[dict[str, Any]]:
     cfg = report["meta"]["config"]
     gpu = report["meta"]["platform"] == "gpu"
     cells = report["throughput"]
@@ -215,27 +222,51 @@ _CACHE_SIZE_LABELS = {"off_auto": "kvxfer integrity=off, path=auto",
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The human-readable report: tables, then the PASS/MISS target lines.
+    """The human-readable report: tables, then the PASS/MISS target lines (a report of
+    the store section alone has its table only).
 
     A *block* is one layer's block; a *page* is one block index across every
     layer (what one host slot holds). ``integrity`` and ``gate`` name
     ``KVCacheManager``'s options.
     """
     meta = report["meta"]
+    preset = f", {meta['preset']}" if meta.get("preset") not in (None, "full") else ""
+    only = f", --only {meta['only']}" if meta.get("only") else ""
+    lines = [f"kvxfer bench — {meta['date']}, {meta['platform']} ({meta['device']}), "
+             f"jax {meta['jax_version']}, {meta['cpu_count']} CPUs{preset}{only}"]
+    if "throughput" in report:
+        lines += [f"source: {meta['source']}; limit: {meta['limit_method']}",
+                  "GB/s = 1e9 bytes/s from the best repeat; (x) = fraction of the limit "
+                  "measured in the same case; times in ms.",
+                  "A block is one layer's block; a page is one block index across every "
+                  "layer. kvxfer columns name KVCacheManager's options integrity=off|page "
+                  "and gate=all|layer; page/off is integrity=page over integrity=off "
+                  "throughput.", ""]
+        lines += _transfer_lines(report)
+        for note in report["not_measured"]:
+            lines.append(f"  not measured: {note}")
+    else:
+        lines.append(f"source: {meta['source']}")
+    if "store" in report:
+        lines += _store_lines(report["store"])
+
+    lines += ["", "Targets"]
+    for t in report["targets"]:
+        lines.append(f"{t['status']}  {t['name']}: {t['value']:.3g} ({t['where']})")
+    misses = missed(report)
+    lines.append(f"{len(report['targets']) - len(misses)} of {len(report['targets'])} "
+                 "targets met")
+    lines.append(f"\n(wall time {meta['wall_s']:.0f} s)")
+    return "\n".join(lines)
+
+
+def _transfer_lines(report: dict[str, Any]) -> list[str]:
+    """The tables of the transfer sections (every section but the store's)."""
+    meta = report["meta"]
     cfg = meta["config"]
     gpu = meta["platform"] == "gpu"
     d2h, h2d = ("pinned d2h", "pinned h2d") if gpu else ("memcpy", "memcpy")
-    lines = [f"kvxfer bench — {meta['date']}, {meta['platform']} ({meta['device']}), "
-             f"jax {meta['jax_version']}, {meta['cpu_count']} CPUs"
-             f"{', ' + meta['preset'] if meta.get('preset') not in (None, 'full') else ''}",
-             f"source: {meta['source']}; limit: {meta['limit_method']}",
-             "GB/s = 1e9 bytes/s from the best repeat; (x) = fraction of the limit measured "
-             "in the same case; times in ms.",
-             "A block is one layer's block; a page is one block index across every layer. "
-             "kvxfer columns name KVCacheManager's options integrity=off|page and "
-             "gate=all|layer; page/off is integrity=page over integrity=off throughput.",
-             ""]
-
+    lines: list[str] = []
     lines.append(f"Offload throughput, {format_bytes(cfg['batch_bytes'])} per call, "
                  f"{cfg['layers']} layers")
     rows = []
@@ -336,17 +367,43 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  device memory beyond caches: "
                      f"{format_bytes(mem['device_persistent_bytes'])} held, peak "
                      f"{format_bytes(mem.get('device_transient_bytes'))}")
-    for note in report["not_measured"]:
-        lines.append(f"  not measured: {note}")
+    return lines
 
-    lines += ["", "Targets"]
-    for t in report["targets"]:
-        lines.append(f"{t['status']}  {t['name']}: {t['value']:.3g} ({t['where']})")
-    misses = missed(report)
-    lines.append(f"{len(report['targets']) - len(misses)} of {len(report['targets'])} "
-                 "targets met")
-    lines.append(f"\n(wall time {meta['wall_s']:.0f} s)")
-    return "\n".join(lines)
+
+def _mb(s: dict[str, Any] | None, limit: bool = False) -> str:
+    if s is None:
+        return "-"
+    mb = f"{s['gbps'] * 1e3:.0f}"
+    return mb if limit else f"{mb} ({s['fraction_of_limit']:.2f}x)"
+
+
+def _store_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The store section's table: MB/s of each store and of its limit, per blob size."""
+    kinds = {r["store"] for r in rows}
+    lines = ["", "Store tiers: page blobs written and read one by one, MB/s = 1e6 bytes/s "
+             "from the best repeat; (x) = fraction of the limit in the same run"]
+    if "disk" in kinds:
+        lines += ["  disk limit: one file on the same file system, blob-sized writes each "
+                  "followed by fsync, then blob-sized reads (cold: after posix_fadvise "
+                  "DONTNEED, both sides)",
+                  "  put durable=False: a DiskStore that does not fsync the directory after "
+                  "each put (against the same write limit)"]
+    if "redis" in kinds:
+        lines.append("  redis limit: redis-py SET / GET of the same bytes on the same server")
+    table_rows = []
+    for r in rows:
+        where = r["spec"] if r["store"] != "disk" else \
+            f"{r['spec']} ({r.get('filesystem') or 'file system ?'})"
+        lim, m = r["limit"], r["methods"]
+        table_rows.append([r["store"], where, format_bytes(r["blob_bytes"]), r["blobs"],
+                           _mb(lim["write"], True), _mb(m["write"]),
+                           _mb(m.get("write_not_durable")),
+                           _mb(lim["read"], True), _mb(m["read"]),
+                           _mb(lim.get("read_cold"), True), _mb(m.get("read_cold"))])
+    lines.append(table(table_rows, ["store", "where", "blob", "blobs", "limit write",
+                                    "store put", "put durable=False", "limit read",
+                                    "store get", "limit read cold", "store get cold"]))
+    return lines
 
 
 def _call_case(row: dict[str, Any]) -> list[Any]:

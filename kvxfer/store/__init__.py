@@ -5,7 +5,8 @@
   order; several processes may share the directory. The embedded default.
 * ``RedisStore(url, prefix="kvxfer:", capacity_bytes=None)``: a Redis or Valkey server
   shared by serving processes on several hosts (needs ``pip install 'kvxfer[redis]'``).
-* ``open_store(spec)``: either, from ``DIR``, ``file://DIR`` or ``redis://HOST:PORT[/DB]``.
+* ``open_store(spec)``: either, from ``DIR``, ``file://DIR`` or ``redis://HOST:PORT[/DB]``
+  (``parse_spec(spec)`` checks one and says which, opening nothing).
 
 Example:
     >>> import tempfile
@@ -19,6 +20,7 @@ from kvxfer.store._base import Store as Store
 from kvxfer.store._base import StoreError as StoreError
 from kvxfer.store._disk import DiskStore as DiskStore
 from kvxfer.store._open import open_store as open_store
+from kvxfer.store._open import parse_spec as parse_spec
 from kvxfer.store._redis import RedisStore as RedisStore
 
-__all__ = ["Store", "StoreError", "DiskStore", "RedisStore", "open_store"]
+__all__ = ["Store", "StoreError", "DiskStore", "RedisStore", "open_store", "parse_spec"]

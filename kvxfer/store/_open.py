@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from kvxfer.store._base import Store
 from kvxfer.store._disk import DiskStore
-from kvxfer.store._redis import URL_SCHEMES, RedisStore
+from kvxfer.store._redis import URL_SCHEMES, RedisStore, check_url
 
-__all__ = ["open_store", "SPEC_FORMS"]
+__all__ = ["open_store", "parse_spec", "SPEC_FORMS", "StoreKind"]
+
+#: The kinds of store a spec names.
+StoreKind = Literal["disk", "redis"]
 
 #: The spec forms ``open_store`` takes, as error messages and ``--help`` print them.
 SPEC_FORMS = "DIR, file://DIR or redis://HOST:PORT[/DB]"
@@ -31,10 +35,27 @@ def open_store(spec: str | os.PathLike[str], *, capacity_bytes: int | None = Non
       ImportError: a Redis URL without redis-py installed.
 
     Example:
-        >>> open_store("s3://bucket/pages")
-        Traceback (most recent call last):
-        ...
-        ValueError: Expected a store spec DIR, file://DIR or redis://HOST:PORT[/DB]. Got 's3://bucket/pages': unknown scheme 's3://'
+        >>> try:
+        ...     open_store("s3://bucket/pages")
+        ... except ValueError as e:
+        ...     print(str(e).split(". Got ")[1])
+        's3://bucket/pages': unknown scheme 's3://'
+    """
+    kind, where = parse_spec(spec)
+    if kind == "disk":
+        return DiskStore(where, capacity_bytes=capacity_bytes)
+    return RedisStore(where, prefix=prefix, capacity_bytes=capacity_bytes)
+
+
+def parse_spec(spec: str | os.PathLike[str]) -> tuple[StoreKind, str]:
+    """The kind of store ``spec`` names and its directory or URL, opening nothing.
+
+    Raises:
+      ValueError: an empty spec, an unknown scheme, a malformed Redis URL.
+
+    Example:
+        >>> parse_spec("file:///var/cache/kvxfer"), parse_spec("redis://10.0.0.5:6379/2")
+        (('disk', '/var/cache/kvxfer'), ('redis', 'redis://10.0.0.5:6379/2'))
     """
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
@@ -49,11 +70,11 @@ def open_store(spec: str | os.PathLike[str], *, capacity_bytes: int | None = Non
         raise bad("it is empty")
     scheme, sep, rest = spec.partition("://")
     if not sep:
-        return DiskStore(spec, capacity_bytes=capacity_bytes)
+        return "disk", spec
     if scheme == "file":
         if not rest:
             raise bad("no directory after file://")
-        return DiskStore(rest, capacity_bytes=capacity_bytes)
+        return "disk", rest
     if scheme in URL_SCHEMES:
-        return RedisStore(spec, prefix=prefix, capacity_bytes=capacity_bytes)
+        return "redis", check_url(spec)
     raise bad(f"unknown scheme {scheme + '://'!r}")

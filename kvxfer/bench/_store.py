@@ -1,0 +1,299 @@
+"""The store section: page blobs written to and read from a store tier, against the
+limit of the same medium measured in the same run.
+
+* **disk** (``DiskStore``): the limit is one file on the same file system written
+  sequentially in blob-sized writes, each followed by an fsync (the store makes every
+  put durable before it returns), and read back in blob-sized reads: from the page
+  cache (``read``), and after asking the kernel to drop the files' cached pages
+  (``read_cold``, both sides alike: ``posix_fadvise(DONTNEED)``).
+* **redis** (``RedisStore``): the limit is redis-py's plain ``SET`` / ``GET`` of the
+  same bytes against the same server, from a client of its own.
+
+Every put goes to a new key (the previous round's are deleted before the timer
+starts); every variant of a size runs interleaved, round by round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvxfer._text import format_bytes
+from kvxfer.bench._config import BenchConfig
+from kvxfer.bench.timing import Progress, interleaved, now, stats
+from kvxfer.store import DiskStore, RedisStore, Store, StoreError, parse_spec
+
+__all__ = ["store_section", "store_steps", "OPS", "DEFAULT_STORE"]
+
+#: How the report names the store the section measures when given none: a disk store
+#: in a new temporary directory of the system's (removed afterwards).
+DEFAULT_STORE = "temporary directory"
+#: What each store kind measures, per blob size.
+OPS = {"disk": ("write", "write_not_durable", "read", "read_cold"),
+       "redis": ("write", "read")}
+#: The limit each operation is measured against (when not its own).
+_LIMIT_OF = {"write_not_durable": "write"}
+
+
+def store_steps(cfg: BenchConfig, stores: Sequence[str]) -> int:
+    """How many steps the section takes (one per store and blob size)."""
+    return max(1, len(stores)) * len(cfg.store_blob_bytes)
+
+
+def _filesystem(path: str) -> str | None:
+    """The file system type ``path`` lives on (Linux ``/proc/self/mounts``), or None."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best[1] if best else None
+
+
+def _drop_cached(paths: Sequence[str]) -> None:
+    """Asks the kernel to drop the cached pages of ``paths`` (written back already)."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _sync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(directory: str) -> list[str]:
+    return [e.path for e in os.scandir(directory) if e.is_file() and not e.name.startswith(".")]
+
+
+class _Keys:
+    """Fresh keys per round for a writer, and the deletion of the previous round's."""
+
+    def __init__(self, tag: str, n: int):
+        self.tag, self.n, self.round = tag, n, 0
+
+    def next(self) -> list[str]:
+        self.round += 1
+        return [f"{self.tag}-{self.round}-{i}" for i in range(self.n)]
+
+    def previous(self) -> list[str]:
+        return [f"{self.tag}-{self.round}-{i}" for i in range(self.n)] if self.round else []
+
+
+def _disk_variants(store: DiskStore, blob: bytes, n: int, tag: str
+                   ) -> tuple[dict[str, Callable[[], float]], Callable[[], None]]:
+    size = len(blob)
+    limit_path = os.path.join(store.path, f"limit-{tag}.bin")
+    fd = os.open(limit_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fast = DiskStore(store.path, durable=False)  # the same directory, no directory fsync
+    writes, fast_writes = _Keys(f"{tag}-w", n), _Keys(f"{tag}-f", n)
+    reads = [f"{tag}-r-{i}" for i in range(n)]
+    for k in reads:
+        store.put(k, blob, replace=True)
+    os.ftruncate(fd, 0)
+    for i in range(n):  # the limit's read file, with the same bytes
+        os.pwrite(fd, blob, i * size)
+    os.fsync(fd)
+
+    def limit_write() -> float:
+        os.ftruncate(fd, 0)  # new blocks each round, as the store's new files get
+        os.fsync(fd)
+        t0 = now()
+        for i in range(n):
+            os.pwrite(fd, blob, i * size)
+            os.fsync(fd)
+        return now() - t0
+
+    def put_all(target: DiskStore, keys: _Keys) -> float:
+        for k in keys.previous():
+            target.delete(k)
+        _sync_dir(store.path)  # the deletions' journal commit (and discards) not timed
+        new = keys.next()
+        t0 = now()
+        for k in new:
+            target.put(k, blob)
+        return now() - t0
+
+    def limit_read() -> float:
+        t0 = now()
+        for i in range(n):
+            os.pread(fd, size, i * size)
+        return now() - t0
+
+    def store_read() -> float:
+        t0 = now()
+        for k in reads:
+            if store.get(k) is None:
+                raise RuntimeError(f"bench: the disk store lost key {k!r}")
+        return now() - t0
+
+    def limit_read_cold() -> float:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return limit_read()
+
+    def store_read_cold() -> float:
+        _drop_cached(_files(store.path))
+        return store_read()
+
+    def close() -> None:
+        os.close(fd)
+        os.unlink(limit_path)
+        for k in writes.previous() + fast_writes.previous() + reads:
+            store.delete(k)
+        fast.close()
+
+    return ({"limit_write": limit_write, "store_write": lambda: put_all(store, writes),
+             "store_write_not_durable": lambda: put_all(fast, fast_writes),
+             "limit_read": limit_read, "store_read": store_read,
+             "limit_read_cold": limit_read_cold, "store_read_cold": store_read_cold}, close)
+
+
+def _redis_variants(store: RedisStore, blob: bytes, n: int, tag: str
+                    ) -> tuple[dict[str, Callable[[], float]], Callable[[], None]]:
+    import redis
+
+    raw = redis.Redis.from_url(store.url)
+    raw_prefix = f"{store.prefix}limit:{tag}:"
+    writes, raw_writes = _Keys(f"{tag}-w", n), _Keys(raw_prefix + "w", n)
+    reads = [f"{tag}-r-{i}" for i in range(n)]
+    raw_reads = [f"{raw_prefix}r-{i}" for i in range(n)]
+    for k, rk in zip(reads, raw_reads):
+        store.put(k, blob, replace=True)
+        raw.set(rk, blob)
+
+    def limit_write() -> float:
+        if raw_writes.round:
+            raw.delete(*raw_writes.previous())
+        keys = raw_writes.next()
+        t0 = now()
+        for k in keys:
+            raw.set(k, blob)
+        return now() - t0
+
+    def store_write() -> float:
+        for k in writes.previous():
+            store.delete(k)
+        keys = writes.next()
+        t0 = now()
+        for k in keys:
+            store.put(k, blob)
+        return now() - t0
+
+    def limit_read() -> float:
+        t0 = now()
+        for k in raw_reads:
+            raw.get(k)
+        return now() - t0
+
+    def store_read() -> float:
+        t0 = now()
+        for k in reads:
+            if store.get(k) is None:
+                raise RuntimeError(f"bench: the redis store lost key {k!r}")
+        return now() - t0
+
+    def close() -> None:
+        raw.delete(*raw_reads, *raw_writes.previous())
+        raw.close()
+        for k in writes.previous() + reads:
+            store.delete(k)
+
+    return ({"limit_write": limit_write, "store_write": store_write,
+             "limit_read": limit_read, "store_read": store_read}, close)
+
+
+@contextlib.contextmanager
+def _opened(spec: str | None) -> Iterator[tuple[Store, dict[str, Any]]]:
+    """The store ``spec`` names (None: the default), with what the report says about it.
+
+    The bench never touches what a store held before: a disk store is opened in a new
+    temporary directory (under the spec's directory; by default under the system's),
+    a Redis store under a prefix of its own; neither has a capacity (so
+    nothing is evicted), and both are emptied of the bench's blobs afterwards.
+    """
+    kind, where = ("disk", None) if spec is None else parse_spec(spec)
+    tmp = None
+    if kind == "disk":  # never opened as a store itself: that would clean it
+        if where is not None and not os.path.isdir(where):
+            raise StoreError(f"bench: store directory {where!r} does not exist")
+        tmp = tempfile.mkdtemp(prefix="kvxfer-bench-store-", dir=where)
+        store: Store = DiskStore(tmp)
+    else:
+        store = RedisStore(where, prefix=f"kvxfer-bench-{uuid.uuid4().hex[:8]}:")
+    try:
+        info: dict[str, Any] = {"store": store.name,
+                                "spec": DEFAULT_STORE if spec is None else spec}
+        if isinstance(store, DiskStore):
+            info["path"] = store.path
+            info["filesystem"] = _filesystem(store.path)
+        else:
+            info["spec"] = store.stats()["url"]  # the password hidden
+        yield store, info
+    finally:
+        if isinstance(store, RedisStore):
+            store.clear()
+        store.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def store_section(cfg: BenchConfig, stores: Sequence[str], progress: Progress
+                  ) -> list[dict[str, Any]]:
+    """Write and read throughput of each store in ``stores`` (specs ``open_store`` takes;
+    none: a disk store in a temporary directory), per blob size, against its limit.
+
+    Returns:
+      One row per store and blob size: ``store``, ``spec`` (``path`` and
+      ``filesystem`` for a disk store), ``blob_bytes``, ``blobs``, ``bytes``, and
+      ``limit`` and ``methods``, each per operation (``write``, ``read``, and for
+      disk ``read_cold``; disk ``methods`` add ``write_not_durable``, a store opened
+      with ``durable=False``, against the ``write`` limit) the stats of the best
+      repeat; ``methods`` add ``fraction_of_limit``.
+    """
+    rng = np.random.default_rng(0)
+    rows = []
+    for spec in stores or [None]:
+        with _opened(spec) as (store, where):
+            for size in cfg.store_blob_bytes:
+                n = max(1, min(cfg.store_bytes // size, cfg.store_max_blobs))
+                progress.step("store", f"store: {store.name} ({where['spec']}), "
+                              f"{n} x {format_bytes(size)} blobs = {format_bytes(n * size)}")
+                blob = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+                tag = f"bench-{size}"
+                make = _disk_variants if isinstance(store, DiskStore) else _redis_variants
+                variants, close = make(store, blob, n, tag)
+                try:
+                    t = interleaved(variants, cfg.store_repeats)
+                finally:
+                    close()
+                nbytes = n * size
+                ops = OPS[store.name]
+                limit = {op: stats(t[f"limit_{op}"]["s"], nbytes) for op in ops
+                         if op not in _LIMIT_OF}
+                methods = {}
+                for op in ops:
+                    s = stats(t[f"store_{op}"]["s"], nbytes)
+                    s["fraction_of_limit"] = s["gbps"] / limit[_LIMIT_OF.get(op, op)]["gbps"]
+                    methods[op] = s
+                rows.append({**where, "blob_bytes": size, "blobs": n, "bytes": nbytes,
+                             "limit": limit, "methods": methods})
+    return rows
