@@ -114,6 +114,10 @@ _DONE = jax.ShapeDtypeStruct((1,), np.int32)
 def offload_program(formats: tuple, pool_format: Any, device: Any):
     """``f(n, ids, slots, caches, host) -> (host, done)`` on ``device``.
 
+    ``n`` (``int32[1]``, pages to move) and ``slots`` are host arrays and ``ids`` the
+    batch's device copy, as every caller passes them (a compiled-ahead program is
+    found again only for the same argument placement).
+
     ``formats``: the caches' formats (pinned, so no cache is relaid out on the way in).
     ``pool_format``: the pool's format when ``host`` is the pool, written in place
     (donated, and handed back in the same format so it stays the same buffer); None
@@ -124,7 +128,7 @@ def offload_program(formats: tuple, pool_format: Any, device: Any):
     space = _host_space(on_tpu)
     num_layers, aliased = len(formats), pool_format is not None
 
-    def run(n, ids, slots, caches, host):
+    def kvxfer_offload(n, ids, slots, caches, host):
         shape = jax.ShapeDtypeStruct(host.shape, host.dtype)
         if on_tpu and not aliased:
             shape = pl.HOST(host.shape, host.dtype)
@@ -147,10 +151,10 @@ def offload_program(formats: tuple, pool_format: Any, device: Any):
 
     token = jax.sharding.SingleDeviceSharding(device)
     if aliased:
-        return jax.jit(run, donate_argnums=(4,), in_shardings=(None, None, None, formats,
+        return jax.jit(kvxfer_offload, donate_argnums=(4,), in_shardings=(None, None, None, formats,
                                                                pool_format),
                        out_shardings=(pool_format, token))
-    return jax.jit(run, static_argnums=(4,), in_shardings=(None, None, None, formats),
+    return jax.jit(kvxfer_offload, static_argnums=(4,), in_shardings=(None, None, None, formats),
                    out_shardings=(host_sharding(device), token))
 
 
@@ -163,7 +167,7 @@ def load_program(cache_format: Any, device: Any):
     on_tpu = compiled(device)
     space = _host_space(on_tpu)
 
-    def run(meta, ids, slots, cache, host):
+    def kvxfer_load(meta, ids, slots, cache, host):
         return pl.pallas_call(
             _load_kernel,
             out_shape=(jax.ShapeDtypeStruct(cache.shape, cache.dtype), _DONE),
@@ -179,6 +183,6 @@ def load_program(cache_format: Any, device: Any):
         )(meta, ids, slots, cache, host)
 
     token = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(run, donate_argnums=(3,),
+    return jax.jit(kvxfer_load, donate_argnums=(3,),
                    in_shardings=(None, None, None, cache_format, None),
                    out_shardings=(cache_format, token))

@@ -328,7 +328,7 @@ class PallasMover(Mover):
                 owner = self.pool.owner
                 pool = jax.ShapeDtypeStruct(owner.shape, owner.dtype, sharding=owner.format)
             if self._direct_here(s, 0):
-                program = _dma.offload_program(formats, pool.sharding, device)
+                program = _dma.offload_program(formats, self.pool.owner.format, device)
                 host: Any = pool
             else:
                 program = _dma.offload_program(formats, None, device)
@@ -343,7 +343,9 @@ class PallasMover(Mover):
 
 
 def _scalars(device: Any, meta: int, b: int) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Abstract scalar-prefetch operands: ``int32[meta]``, ids and slots ``int32[b]``."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return tuple(jax.ShapeDtypeStruct((size,), np.int32, sharding=sharding)
-                 for size in (meta, b, b))
+    """Abstract scalar-prefetch operands as transfers pass them: ``int32[meta]`` and
+    the slots from the host, the ids ``int32[b]`` already on ``device``."""
+    ids = jax.ShapeDtypeStruct((b,), np.int32,
+                               sharding=jax.sharding.SingleDeviceSharding(device))
+    return (jax.ShapeDtypeStruct((meta,), np.int32), ids,
+            jax.ShapeDtypeStruct((b,), np.int32))
