@@ -89,7 +89,7 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
                 f"Direct path refused for layer {bad}: "
                 f"{shape_text(a.shape, a.dtype, specs[bad].layout)} is addressable, but "
                 "this backend has no direct path for it (raw copies need XLA:CPU "
-                "row-major buffers of whole-byte elements; on TPU the Pallas DMA path "
-                "is not built yet; pass layouts= to use emulated TPU memory)")
+                "row-major buffers of whole-byte elements; on TPU use path='pallas' "
+                "for the Pallas DMA kernels; pass layouts= to use emulated TPU memory)")
         out.append(RawMover if path != "staged" and all(raw_ok) else StagedMover)
     return out
