@@ -27,7 +27,10 @@ kernels would be a second implementation of the digest to keep bit-identical, fo
 program that costs a fiftieth of the transfer.
 
 Off TPU the same kernels run in Pallas TPU interpret mode, so the CPU backend tests
-everything but the HOST memory space itself (see ``kvxfer.engine._dma``).
+everything but the HOST memory space itself (see ``kvxfer.engine._dma``). The
+interpreter copies each operand in and each output out whole, the pool included, so
+there a transfer costs what the pool holds (tests keep pools small), and it runs each
+kernel to the end before its call returns.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from kvxfer.engine import _dma
 from kvxfer.engine._batch import ShardedLayer, assemble, device_of
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
 from kvxfer.hostpool import ClassPool, HostBacking
-from kvxfer.layout import Layout, natural_bits, shape_text
+from kvxfer.layout import Layout, dtype_of, natural_bits, shape_text
 from kvxfer.plan import LayerSpec, SliceClass
 
 __all__ = ["PallasMover", "pallas_refusal"]
@@ -175,8 +178,12 @@ class PallasMover(Mover):
     def __init__(self, cls: SliceClass, pool: ClassPool):
         super().__init__(cls, pool)
         # Whether shard 0's first replica moves straight between the caches and the
-        # pool (the pool is a JAX array on its device), or through page buffers.
-        self._direct = cls.num_shards == 1 and pool.owner is not None
+        # pool (the pool is the array ``host_backing`` made), or through page buffers
+        # (the backend gave no row-major host array, or the class is sharded).
+        owner = pool.owner
+        self._direct = cls.num_shards == 1 and owner is not None and \
+            owner.shape[1:] == (len(cls.layers), *cls.block_shape) and \
+            np.dtype(owner.dtype) == dtype_of(cls.dtype)
         # Held from taking the pool's owner to handing the next one over, so a
         # program never receives an owner another thread has donated meanwhile.
         self._lock = threading.Lock()
