@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ import numpy as np
 from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["HostPool", "PageRef", "PoolError", "PoolExhaustedError", "ClassPool",
-           "DIGEST_SLOTS"]
+           "HostBacking", "DIGEST_SLOTS"]
 
 # uint32 words reserved per (layer, shard) digest; integrity uses up to this many.
 DIGEST_SLOTS = 4
@@ -72,20 +72,37 @@ class PageRef:
         return f"page(key={self.key:#x}, slot={self.slot}, gen={self.generation})"
 
 
+HostBacking = Callable[[int], Any]
+"""``make(num_slots) -> owner``: allocates a class pool as a JAX array in host memory.
+
+For movers whose device programs write the pool in place (the Pallas DMAs): the
+owner is a host-memory ``jax.Array`` stored row-major whose buffer is exactly the
+pool's ``num_slots * page_bytes`` bytes, page-first; ``ClassPool.data`` is a view of
+that buffer. ``make`` may return None for the default allocation.
+"""
+
+
+def _host_view(owner: Any, nbytes: int) -> np.ndarray:
+    """A writable ``uint8[nbytes]`` view of a host-memory JAX array's buffer."""
+    import ctypes
+
+    if owner.nbytes != nbytes:
+        raise PoolError(f"a host backing of {owner.nbytes} bytes ({owner.dtype}"
+                        f"{list(owner.shape)}) cannot hold a pool of {nbytes} bytes")
+    owner.block_until_ready()
+    return np.ctypeslib.as_array(
+        (ctypes.c_uint8 * nbytes).from_address(owner.unsafe_buffer_pointer()))
+
+
 def _allocate_bytes(nbytes: int, pinned: bool, device: Any) -> tuple[np.ndarray, Any]:
     """Zeroed host bytes; pinned through JAX's ``pinned_host`` memory when asked."""
     if pinned and nbytes:
-        import ctypes
-
         import jax
         import jax.numpy as jnp
 
         sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
         owner = jax.jit(lambda: jnp.zeros((nbytes,), jnp.uint8), out_shardings=sharding)()
-        owner.block_until_ready()
-        view = np.ctypeslib.as_array(
-            (ctypes.c_uint8 * nbytes).from_address(owner.unsafe_buffer_pointer()))
-        return view, owner
+        return _host_view(owner, nbytes), owner
     return np.zeros(nbytes, dtype=np.uint8), None
 
 
@@ -99,10 +116,16 @@ class ClassPool:
     """
 
     def __init__(self, cls: SliceClass, num_slots: int, *, pinned: bool = False,
-                 device: Any = None):
+                 device: Any = None, backing: HostBacking | None = None):
         self.cls = cls
-        flat, self._owner = _allocate_bytes(num_slots * cls.page_bytes, pinned, device)
-        self.pinned = self._owner is not None
+        nbytes = num_slots * cls.page_bytes
+        owner = backing(num_slots) if backing is not None and nbytes else None
+        if owner is not None:
+            flat, self._owner = _host_view(owner, nbytes), owner
+            self.pinned = getattr(owner.sharding, "memory_kind", None) == "pinned_host"
+        else:
+            flat, self._owner = _allocate_bytes(nbytes, pinned, device)
+            self.pinned = self._owner is not None
         self.data = flat.reshape(num_slots, cls.page_bytes)
         self.digests = np.zeros((num_slots, len(cls.layers), cls.num_shards, DIGEST_SLOTS),
                                 dtype=np.uint32)
@@ -121,6 +144,39 @@ class ClassPool:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+    @property
+    def owner(self) -> Any:
+        """The JAX array whose buffer ``data`` views (None for a numpy pool)."""
+        return self._owner
+
+    def hand_over(self, owner: Any) -> None:
+        """Records the array that owns the pool's buffer now.
+
+        A program that writes the pool in place takes the owner (donated) and returns
+        a new array over the same buffer; the pool keeps that one, so the buffer lives
+        as long as the pool. Call it on the thread that dispatched the program.
+        """
+        if self._owner is None:
+            raise PoolError(f"class pool {self.cls.name} is numpy memory, not a JAX array")
+        self._owner = owner
+
+    def check_owner(self) -> None:
+        """Checks that the recorded owner is still the buffer ``data`` views.
+
+        Raises:
+          PoolError: it is another buffer (a program that should have written the pool
+            in place wrote a copy), naming both addresses.
+        """
+        owner = self._owner
+        if owner is None:
+            return
+        ptr = owner.unsafe_buffer_pointer()
+        if ptr != self.data.ctypes.data or owner.nbytes != self.data.nbytes:
+            raise PoolError(f"class pool {self.cls.name}: its owner array is at {ptr:#x} "
+                            f"({owner.nbytes} bytes), the pool's bytes at "
+                            f"{self.data.ctypes.data:#x} ({self.data.nbytes} bytes): a "
+                            "program wrote a copy of the pool instead of the pool")
 
 
 @dataclasses.dataclass
@@ -143,9 +199,11 @@ class HostPool:
       pinned: allocate through JAX ``pinned_host`` memory (default: when the
         backend is not CPU, where host memory is already what the device uses).
       device: the device whose ``pinned_host`` memory to use.
+      backings: ``{class index: HostBacking}`` for classes allocated as a mover asks.
     """
 
-    def __init__(self, plan: Plan, *, pinned: bool | None = None, device: Any = None):
+    def __init__(self, plan: Plan, *, pinned: bool | None = None, device: Any = None,
+                 backings: Mapping[int, HostBacking | None] | None = None):
         if pinned is None or device is None:
             import jax
 
@@ -155,7 +213,9 @@ class HostPool:
                     m.kind == "pinned_host" for m in device.addressable_memories())
         self.plan = plan
         self.num_slots = plan.num_host_blocks
-        self.pools = tuple(ClassPool(c, self.num_slots, pinned=pinned, device=device)
+        backings = backings or {}
+        self.pools = tuple(ClassPool(c, self.num_slots, pinned=pinned, device=device,
+                                     backing=backings.get(c.index))
                            for c in plan.classes)
         self._slots = [_Slot() for _ in range(self.num_slots)]
         # A min-heap: requests get the lowest free slots, so a request's slots tend to

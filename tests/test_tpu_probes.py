@@ -250,3 +250,50 @@ def test_bandwidth_probe_reports_positive_finite_numbers():
     assert lim["d2h_how"] == "numpy memcpy"
     assert all(math.isfinite(m[k]) and m[k] > 0 for m in lim["measurements"]
                for k in ("d2h_gbps", "h2d_gbps"))
+
+
+# ---------------------------------------------------------------------------
+# mover_probe.py
+# ---------------------------------------------------------------------------
+
+
+def test_mover_probe_reports_per_layer_throughput_of_each_path():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    r = subprocess.run([sys.executable, "tpu_probes/mover_probe.py", "--platform", "cpu",
+                        "--config", "tiny", "--pages", "3", "--num_blocks", "8",
+                        "--devices", "2", "--iters", "1", "--warmup", "0", "--json"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json_out(r)
+    assert report["ok"] and report["failures"] == []
+    assert (report["backend"], report["config"], report["devices"]) == ("cpu", "tiny", 2)
+    assert report["integrity"] == "page" and set(report["paths"]) == {"pallas", "pinned"}
+    spec = config.load_builtin("tiny")
+    plan = kvxfer.make_plan([kvxfer.plan.LayerSpec(f"L{i}", (8, *g.block_shape), g.dtype)
+                             for g in spec.groups for i in range(g.count)], 3)
+    pallas = report["paths"]["pallas"]
+    assert pallas["status"] == "measured" and pallas["movers"] == ["pallas"]
+    assert "interpret mode" in pallas["note"]
+    layers = pallas["layers"]
+    assert [x["layer"] for x in layers] == list(range(spec.num_layers))
+    for x in layers:  # every shard of the layer: the bytes of its dense blocks
+        assert x["bytes"] == 3 * plan.class_of_layer(x["layer"])[0].bytes_per_block
+        for key in ("offload_gbps", "load_gbps", "ready_gbps", "ready_step_gbps"):
+            assert math.isfinite(x[key]) and x[key] > 0, (key, x)
+    assert [x["ready_s"] for x in layers] == sorted(x["ready_s"] for x in layers)
+    total = pallas["total"]
+    assert total["bytes"] == sum(x["bytes"] for x in layers)
+    assert total["offload_gbps"] > 0 and total["load_gbps"] > 0
+    pinned = report["paths"]["pinned"]
+    if pinned["status"] == "refused":  # a kvxfer without the pinned mover says so
+        assert "pinned" in pinned["reason"]
+    else:
+        assert pinned["status"] == "measured" and pinned["movers"] == ["pinned"]
+
+
+def test_mover_probe_refuses_bad_flags():
+    r = run_probe("mover_probe.py", "--pages", "0")
+    assert r.returncode == 2 and "--pages" in r.stderr
+    r = run_probe("mover_probe.py", "--config", "no-such-model")
+    assert r.returncode == 2 and "no-such-model" in r.stderr

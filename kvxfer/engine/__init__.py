@@ -8,6 +8,8 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
   the device buffers and the host pool.
 * ``EmulatedMover`` (emulated TPU memory): raw byte-range copies over emulated device
   images, for layouts the inspector has proven addressable.
+* ``PallasMover`` (TPU; Pallas interpret mode on CPU): per-block DMA kernels between
+  the caches and the host pool, for layouts the inspector has proven addressable.
 
 Movers work shard by shard on the devices that own the shards; replicas of a
 replicated layer are stored once and loaded into every replica.
@@ -22,6 +24,8 @@ from kvxfer.engine._mover import LoadRequest as LoadRequest
 from kvxfer.engine._mover import Mover as Mover
 from kvxfer.engine._mover import Pending as Pending
 from kvxfer.engine._mover import TransferError as TransferError
+from kvxfer.engine._pallas import PallasMover as PallasMover
+from kvxfer.engine._pallas import pallas_refusal as pallas_refusal
 from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
 from kvxfer.engine._programs import needs_raw_bits as needs_raw_bits
 from kvxfer.engine._raw import RawMover as RawMover
@@ -32,4 +36,5 @@ from kvxfer.engine._staged import StagedMover as StagedMover
 
 __all__ = ["PageBatch", "ShardedLayer", "assemble", "bucket", "Mover", "LoadRequest",
            "Pending", "TransferError", "DIGEST_CHUNK", "needs_raw_bits", "StagedMover",
-           "RawMover", "EmulatedMover", "RowCopy", "raw_capable", "shared_buffers"]
+           "RawMover", "EmulatedMover", "PallasMover", "pallas_refusal", "RowCopy",
+           "raw_capable", "shared_buffers"]

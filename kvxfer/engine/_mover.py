@@ -13,7 +13,7 @@ import numpy as np
 from kvxfer import integrity
 from kvxfer.engine._batch import PageBatch, ShardedLayer, device_of, layer_nums
 from kvxfer.engine._programs import DIGEST_CHUNK, compile_ahead, digest_blocks
-from kvxfer.hostpool import ClassPool
+from kvxfer.hostpool import ClassPool, HostBacking
 from kvxfer.plan import SliceClass
 
 __all__ = ["TransferError", "Mover", "LoadRequest", "Pending"]
@@ -98,6 +98,16 @@ class Mover(abc.ABC):
     def __init__(self, cls: SliceClass, pool: ClassPool):
         self.cls = cls
         self.pool = pool
+
+    @classmethod
+    def host_backing(cls, slice_class: SliceClass,
+                     layers: Sequence[ShardedLayer]) -> HostBacking | None:
+        """How this mover wants the class's host pool allocated (None: as ``HostPool`` does).
+
+        Called once per class before the pool exists; ``layers`` are abstract
+        (``ShardedLayer.abstract``).
+        """
+        return None
 
     @abc.abstractmethod
     def start_offload(self, layers: Sequence[ShardedLayer], batch: PageBatch,

@@ -119,8 +119,10 @@ class KVCacheManager:
       host_memory_budget: bytes; default ``kvxfer.plan.default_host_memory_budget()``.
       path: ``"auto"`` (raw copies where XLA:CPU buffers allow, else staged; with
         ``layouts=``, emulated copies for classes proven addressable under them, else
-        staged), ``"staged"`` (compiled gather/scatter, any backend and layout), or
-        ``"direct"`` (byte-range copies only; refuses layouts not proven addressable).
+        staged), ``"staged"`` (compiled gather/scatter, any backend and layout),
+        ``"direct"`` (byte-range copies only; refuses layouts not proven addressable),
+        or ``"pallas"`` (Pallas TPU DMA kernels, in interpret mode on CPU; refuses
+        layouts not proven addressable, and emulated ones).
       ready_timeout: seconds to wait for caches still being computed.
       pinned: host pools in ``pinned_host`` memory (default: off on CPU).
       agreement_timeout: seconds a multi-process load waits for every process's
@@ -128,7 +130,8 @@ class KVCacheManager:
 
     Raises:
       BudgetError: the plan exceeds the budget (before any allocation).
-      LayoutError: ``path="direct"`` over a layout that is not addressable.
+      LayoutError: ``path="direct"`` or ``"pallas"`` over a layout that is not
+        addressable.
       ValueError, TypeError: bad caches (deleted, block dim sharded, ...), naming
         the layer.
       TimeoutError: a cache is still being computed after ``ready_timeout``.
@@ -175,7 +178,9 @@ class KVCacheManager:
         self._private: list[weakref.ref | None] = [None] * len(caches)
         # Abstract values of every layer: enough to compile ahead, holding no buffer.
         self._abstract = [(abstract(a), ShardedLayer.of(a).abstract()) for a in caches]
-        self._pool = HostPool(self._plan, pinned=pinned)
+        self._pool = HostPool(self._plan, pinned=pinned, backings={
+            c.index: m.host_backing(c, [self._abstract[i][1] for i in c.layers])
+            for m, c in zip(mover_types, self._plan.classes)})
         self._movers: list[Mover] = [m(cls, pool) for m, cls, pool in
                                      zip(mover_types, self._plan.classes, self._pool.pools)]
         self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]
@@ -202,7 +207,7 @@ class KVCacheManager:
 
     @property
     def paths(self) -> list[str]:
-        """The mover used for each layer: ``raw``, ``staged`` or ``emulated``."""
+        """The mover used for each layer: ``raw``, ``staged``, ``emulated`` or ``pallas``."""
         return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
 
     def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:

@@ -7,15 +7,17 @@ from typing import Literal, get_args
 
 import jax
 
-from kvxfer.engine import EmulatedMover, Mover, RawMover, StagedMover, raw_capable
+from kvxfer.engine import (EmulatedMover, Mover, PallasMover, RawMover, StagedMover,
+                           pallas_refusal, raw_capable)
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
 __all__ = ["PathMode", "PATHS", "plan_path", "select_movers"]
 
-PathMode = Literal["auto", "staged", "direct"]
+PathMode = Literal["auto", "staged", "direct", "pallas"]
 """``"auto"``: the fastest proven mover per class; ``"staged"``: compiled programs for
-every class; ``"direct"``: byte-range copies only, refusing what is not proven."""
+every class; ``"direct"``: byte-range copies only, refusing what is not proven;
+``"pallas"``: Pallas TPU DMA kernels for every class, refusing what is not proven."""
 PATHS: tuple[str, ...] = get_args(PathMode)
 
 
@@ -27,8 +29,9 @@ def plan_path(path: PathMode, emulated: bool) -> str:
     the rest; raw XLA:CPU copies and the staged path store dense blocks.
     """
     # The plan's paths are named like the manager's; without emulated layouts every
-    # mover stores dense blocks.
-    return path if emulated else "staged"
+    # mover stores dense blocks, and so do the Pallas kernels (their pages hold each
+    # block's logical bytes; they refuse emulated layouts).
+    return path if emulated and path != "pallas" else "staged"
 
 
 def _refusal(cls: SliceClass, spec: LayerSpec, layer: int) -> LayoutError:
@@ -52,12 +55,22 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
       emulated: the layouts are emulated TPU layouts (``layouts=`` on CPU).
 
     Raises:
-      LayoutError: ``path="direct"`` over a class with no proven direct copy,
-        naming the class, the layer, its shard geometry and the rule that failed.
+      LayoutError: ``path="direct"`` over a class with no proven direct copy, or
+        ``path="pallas"`` over a class the Pallas kernels may not move, naming the
+        class, the layer, its shard geometry and the rule that failed.
     """
     out: list[type[Mover]] = []
     for cls in plan.classes:
         first = cls.layers[0]
+        if path == "pallas":
+            refused = pallas_refusal(cls, specs, caches, emulated)
+            if refused is not None:
+                layer, reason = refused
+                shard = "" if cls.num_shards == 1 else f" (one shard of {cls.num_shards})"
+                raise LayoutError(f"Pallas path refused for {cls.name} (layers "
+                                  f"{list(cls.layers)}), layer {layer}{shard}: {reason}")
+            out.append(PallasMover)
+            continue
         if emulated:
             # The bytes live in emulated TPU memory under the given layouts: only the
             # emulated mover reads them as such, and only where they are proven.
@@ -76,7 +89,7 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
                 f"Direct path refused for layer {bad}: "
                 f"{shape_text(a.shape, a.dtype, specs[bad].layout)} is addressable, but "
                 "this backend has no direct path for it (raw copies need XLA:CPU "
-                "row-major buffers of whole-byte elements; on TPU the Pallas DMA path "
-                "is not built yet; pass layouts= to use emulated TPU memory)")
+                "row-major buffers of whole-byte elements; on TPU use path='pallas' "
+                "for the Pallas DMA kernels; pass layouts= to use emulated TPU memory)")
         out.append(RawMover if path != "staged" and all(raw_ok) else StagedMover)
     return out
