@@ -37,7 +37,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -54,6 +54,13 @@ __all__ = ["HostCache", "CacheHit", "CacheLoad"]
 log = logging.getLogger("kvxfer")
 
 
+@dataclasses.dataclass
+class _Pin:
+    """Whether a hit still holds its pins (each hit releases them once)."""
+
+    held: bool = True
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheHit:
     """The longest cached prefix of a request, pinned until loaded or released.
@@ -68,6 +75,7 @@ class CacheHit:
     keys: tuple[int, ...]
     pages: tuple[PageRef, ...]
     tiers: tuple[str, ...]
+    _pin: _Pin = dataclasses.field(default_factory=_Pin, compare=False, repr=False)
 
     @property
     def num_pages(self) -> int:
@@ -78,8 +86,8 @@ class CacheLoad:
     """A load of a ``CacheHit`` in flight (see ``LoadHandle``).
 
     ``result()`` settles the cache once: verified pages become most recently used,
-    pages proven bad leave the index (and the store, if they came from it), and the
-    pins are released.
+    pages proven bad leave the index (and the store, if it holds them), and the
+    pins are released. A load that ends unread is settled by the cache's next call.
     """
 
     def __init__(self, cache: HostCache, hit: CacheHit, handle: LoadHandle):
@@ -159,7 +167,7 @@ class HostCache:
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvxfer-store") if store is not None else None
         self._stats = Counters(
-            ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
+            ("lookups", "pages_requested", "host_hits", "store_hits", "misses", "unused_pages",
              "pages_put", "duplicates", "dropped", "evictions", "store_pages_written",
              "store_write_errors", "store_read_errors", "bad_pages"),
             ("bad_pages_by_tier",))
@@ -168,8 +176,13 @@ class HostCache:
     # -- keys and index -------------------------------------------------------------
 
     def store_key(self, key: int) -> str:
-        """The store key of page ``key``: namespace, geometry fingerprint, page key."""
-        return f"{self.namespace}{self.mgr.fingerprint}:{key:016x}"
+        """The store key of page ``key``: namespace, geometry fingerprint, page key.
+
+        Pages of a manager with ``integrity="off"`` carry no digests: they get keys of
+        their own, so a verifying cache never finds them.
+        """
+        mode = "" if self.mgr.integrity == "page" else "-nodigest"
+        return f"{self.namespace}{self.mgr.fingerprint}{mode}:{key:016x}"
 
     def __len__(self) -> int:
         with self._lock:
@@ -256,7 +269,9 @@ class HostCache:
             return False
         ref = self._index.pop(key)
         if self.mgr.is_valid(ref):
-            if self.store is not None and not self.write_through and key not in self._stored:
+            # Written back even if this cache wrote it before: the store may have
+            # evicted it since (the put is put-if-absent).
+            if self.store is not None and key not in self._writes:
                 self._write(key, ref)
             self.mgr.free([ref])
         self._stats.add(evictions=1)
@@ -283,6 +298,8 @@ class HostCache:
 
     def _write(self, key: int, ref: PageRef) -> concurrent.futures.Future | None:
         """Exports a page now and stores it on the writer thread."""
+        if self._closed:
+            return None
         try:
             blob = self.mgr.export_page(ref)
         except Exception as e:
@@ -326,18 +343,34 @@ class HostCache:
             return None
         try:
             ref = self.mgr.import_page(blob, key=key)
-            self._stored.add(key)
-            return ref
-        except PageFormatError as e:
-            log.warning("page %#x in the %s store is bad (%s); dropped from the "
-                        "store", key, self.store.name, e)
-            self._stats.add(bad_pages=1)
-            self._stats.add_labelled("bad_pages_by_tier", self.store.name)
-            self.store.delete(skey)
-            self._stored.discard(key)
-            return None
         except PoolExhaustedError:
             return None
+        except PageFormatError as e:
+            self._drop_stored(key, str(e))
+            return None
+        held = self.mgr.host_pool.classes_of(ref.slot)
+        if len(held) < len(self.mgr.plan.classes):
+            # A page of some slice classes only (put there by another writer): a
+            # lookup of this cache loads every class, so it could never be used.
+            self.mgr.free([ref])
+            self._drop_stored(key, f"it holds slice classes {sorted(held)} of "
+                              f"{len(self.mgr.plan.classes)}")
+            return None
+        self._stored.add(key)
+        return ref
+
+    def _drop_stored(self, key: int, why: str) -> None:
+        """A store page that is not a whole page of this cache: a miss, deleted."""
+        log.warning("page %#x in the %s store is bad (%s); dropped from the store", key,
+                    self.store.name, why)
+        self._stats.add(bad_pages=1)
+        self._stats.add_labelled("bad_pages_by_tier", self.store.name)
+        self._stored.discard(key)
+        try:
+            self.store.delete(self.store_key(key))
+        except (StoreError, OSError) as e:
+            log.warning("page %#x could not be deleted from the %s store: %s", key,
+                        self.store.name, e)
 
     # -- the engine's calls --------------------------------------------------------
 
@@ -360,17 +393,25 @@ class HostCache:
             self._check_open()
             self._collect()
             keys = _keys(keys, "keys")
+            if isinstance(device_blocks, Mapping):
+                raise TypeError("HostCache.put takes one list of device block ids (a "
+                                "cached page holds every slice class), not a mapping")
             blocks = list(device_blocks)
             if len(blocks) != len(keys):
                 raise ValueError(f"{len(blocks)} device_blocks for {len(keys)} keys")
             todo: dict[int, int] = {}
             for key, block in zip(keys, blocks):
+                ref = self._index.get(key)
+                if ref is not None and not self.mgr.is_valid(ref):
+                    del self._index[key]  # freed behind the cache's back: put it again
                 if key in self._index or key in self._pending or key in todo:
                     self._stats.add(duplicates=1)
                     if key in self._index:
                         self._index.move_to_end(key)
                     continue
                 todo[key] = block
+            if todo:  # checked before anything is evicted: in range, distinct
+                self.mgr._check_blocks(list(todo.values()), len(todo), "keys")
             room = self._make_room(len(todo))
             if room < len(todo):
                 self._stats.add(dropped=len(todo) - room)
@@ -402,30 +443,41 @@ class HostCache:
             self._collect()
             keys = _keys(keys, "keys")
             found: list[tuple[int, PageRef, str]] = []
-            for key in keys:
-                self._wait_pending(key)
-                ref = self._index.get(key)
-                tier = "host"
-                if ref is not None and not self.mgr.is_valid(ref):
-                    del self._index[key]  # freed by someone else
-                    ref = None
-                if ref is None and self.store is not None:
-                    ref, tier = self._promote(key), "store"
-                    if ref is not None:
-                        self._index[key] = ref
-                if ref is None:
-                    break
-                self._index.move_to_end(key)
-                self._pins[key] += 1
-                found.append((key, ref, tier))
+            try:
+                for key in keys:
+                    self._wait_pending(key)
+                    ref = self._index.get(key)
+                    tier = "host"
+                    if ref is not None and not self.mgr.is_valid(ref):
+                        del self._index[key]  # freed by someone else
+                        ref = None
+                    if ref is None and self.store is not None:
+                        ref, tier = self._promote(key), "store"
+                        if ref is not None:
+                            self._index[key] = ref
+                    if ref is None:
+                        break
+                    self._index.move_to_end(key)
+                    self._pins[key] += 1
+                    found.append((key, ref, tier))
+            except BaseException:
+                self._unpin([k for k, _, _ in found])
+                raise
             self._stats.add(lookups=1, pages_requested=len(keys),
                             misses=len(keys) - len(found))
             return CacheHit(tuple(k for k, _, _ in found), tuple(r for _, r, _ in found),
                             tuple(t for _, _, t in found))
 
     def release(self, hit: CacheHit) -> None:
-        """Unpins a hit that will not be loaded."""
+        """Unpins a hit that will not be loaded (a no-op once released or settled)."""
+        if not isinstance(hit, CacheHit):
+            raise TypeError(f"hit must be a CacheHit from lookup(). Got {type(hit).__name__}")
         with self._lock:
+            self._release_hit(hit)
+
+    def _release_hit(self, hit: CacheHit) -> None:
+        if hit._pin.held:
+            hit._pin.held = False
             self._unpin(hit.keys)
 
     def _unpin(self, keys: Sequence[int]) -> None:
@@ -435,23 +487,27 @@ class HostCache:
                 del self._pins[key]
 
     def load(self, kv_caches: Sequence[jax.Array], hit: CacheHit,
-             device_blocks: Sequence[int], *, gate: Gate = "layer"
+             device_blocks: Sequence[int], *, gate: Gate = "all"
              ) -> tuple[list[jax.Array], CacheLoad]:
         """Loads a hit's pages into ``device_blocks`` (see ``KVCacheManager.load``).
 
         Returns:
-          ``(new caches, CacheLoad)``; its ``result()`` gives the verified prefix.
+          ``(new caches, CacheLoad)``; its ``result()`` gives the verified prefix and
+          releases the hit's pins.
+
+        Raises:
+          What ``KVCacheManager.load`` raises; the hit then stays pinned (load it
+          again or ``release`` it).
         """
         if not isinstance(hit, CacheHit):
             raise TypeError(f"hit must be a CacheHit from lookup(). Got {type(hit).__name__}")
         with self._lock:
             self._check_open()
-            try:
-                new, handle = self.mgr.load(kv_caches, list(hit.pages), device_blocks,
-                                            keys=list(hit.keys), gate=gate)
-            except BaseException:
-                self._unpin(hit.keys)
-                raise
+            if not hit._pin.held:
+                raise ValueError("this hit was released or loaded already; look up again")
+            new, handle = self.mgr.load(kv_caches, list(hit.pages), device_blocks,
+                                        keys=list(hit.keys), gate=gate)
+            hit._pin.held = False  # the load holds the pins now, until it settles
             load = CacheLoad(self, hit, handle)
             self._loads.append(load)
             return new, load
@@ -474,6 +530,9 @@ class HostCache:
             for j in result.invalid_pages:
                 key, ref, tier = hit.keys[j], hit.pages[j], hit.tiers[j]
                 if j not in result.freed_pages:
+                    # Not used by this request but not proven bad (after the first bad
+                    # page, or refused for its key): cached as before unless gone.
+                    self._stats.add(unused_pages=1)
                     if not self.mgr.is_valid(ref) and self._index.get(key) == ref:
                         del self._index[key]
                     continue
@@ -486,9 +545,13 @@ class HostCache:
                 where = f"the {self.store.name} store" if tier == "store" else "host memory"
                 log.warning("page %#x from %s failed verification on the device "
                             "(%s); dropped", key, where, result.reasons.get(j, "bad"))
-                if self.store is not None:
-                    self.store.delete(self.store_key(key))
+                if self.store is not None and (tier == "store" or key in self._stored):
                     self._stored.discard(key)
+                    try:
+                        self.store.delete(self.store_key(key))
+                    except (StoreError, OSError) as e:
+                        log.warning("page %#x could not be deleted from the %s store: %s",
+                                    key, self.store.name, e)
 
     def flush(self) -> int:
         """Writes every host page the store lacks, and waits for all store writes.
@@ -509,8 +572,7 @@ class HostCache:
             self._collect()
             mine = []
             for key, ref in list(self._index.items()):
-                if key not in self._writes and key not in self._stored and \
-                        not self.store.contains(self.store_key(key)):
+                if key not in self._writes and not self.store.contains(self.store_key(key)):
                     mine.append(self._write(key, ref))
             futures = list(self._writes.values())
         concurrent.futures.wait(futures)
@@ -519,23 +581,38 @@ class HostCache:
     def stats(self) -> dict[str, Any]:
         """Lookups, hits per tier, misses, evictions, store writes, bad pages by tier.
 
-        ``host_pages`` is the cache's pages in host memory; ``store`` holds the store's
-        own counters (when there is a store).
+        ``pages_requested`` = ``host_hits + store_hits + misses + unused_pages`` over
+        settled loads (``unused_pages``: found but not used, after a bad page or
+        refused for their key); ``host_pages`` is the cache's pages in host memory,
+        ``pinned_pages`` those pinned by a hit or a load; ``store`` holds the store's
+        own counters (when there is a store). Reads counters only: cheap enough for
+        every scrape, and it never blocks on a transfer.
         """
         with self._lock:
-            self._collect()
             out = self._stats.snapshot()
             out["host_pages"] = len(self._index)
             out["pinned_pages"] = len(self._pins)
-            if self.store is not None:
+        if self.store is not None:
+            try:
                 out["store"] = self.store.stats()
-            return out
+            except Exception as e:  # a closed or unreachable store: its counters only
+                out["store"] = {}
+                log.warning("the %s store's counters could not be read: %s",
+                            self.store.name, e)
+        return out
 
     def close(self) -> None:
-        """Waits for store writes in flight; the manager and the store stay open."""
+        """Indexes offloads in flight, waits for store writes; the manager and the
+        store stay open."""
         if self._closed:
             return
         with self._lock:
+            for handle, _ in list(self._offloads):
+                try:
+                    handle.wait()
+                except Exception:
+                    pass
+            self._collect()  # write-through pages of those offloads start their writes
             self._closed = True
         if self._writer is not None:
             self._writer.shutdown(wait=True)

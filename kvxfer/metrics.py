@@ -9,8 +9,8 @@ pool and store sizes as gauges, and transfer times as a summary (count and sum) 
 Example (with ``pip install 'kvxfer[prometheus]'``)::
 
     import prometheus_client, kvxfer.metrics
-    kvxfer.metrics.register(mgr, prefix="kvxfer")
-    kvxfer.metrics.register(cache, prefix="kvxfer_cache")
+    kvxfer.metrics.register(mgr)     # kvxfer_*
+    kvxfer.metrics.register(cache)   # kvxfer_cache_*, its store as kvxfer_cache_store_tier_*
     prometheus_client.start_http_server(9400)
 """
 
@@ -63,7 +63,7 @@ def families(stats: dict[str, Any], prefix: str) -> Iterator[Any]:
                 c.add_metric([str(label)], n)
             yield c
         elif isinstance(value, dict):  # a nested source (a cache's store)
-            yield from families(value, full)
+            yield from families(value, f"{full}_tier")
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             if name in _GAUGES:
                 yield core.GaugeMetricFamily(full, f"kvxfer {name}", value=value)
@@ -79,12 +79,14 @@ class _Collector:
         yield from families(self._source.stats(), self._prefix)
 
 
-def register(source: _HasStats, *, prefix: str = "kvxfer", registry: Any = None) -> Any:
+def register(source: _HasStats, *, prefix: str | None = None, registry: Any = None) -> Any:
     """Exports ``source.stats()`` to Prometheus at every scrape.
 
     Args:
       source: a ``KVCacheManager`` or ``HostCache`` (anything with ``stats()``).
-      prefix: metric name prefix; give each source its own.
+      prefix: metric name prefix, one per source (default ``kvxfer`` for a manager,
+        ``kvxfer_cache`` for a ``HostCache``; a cache's store counters follow as
+        ``<prefix>_store_tier_*``).
       registry: a ``prometheus_client.CollectorRegistry`` (default: the global one).
 
     Returns:
@@ -95,6 +97,10 @@ def register(source: _HasStats, *, prefix: str = "kvxfer", registry: Any = None)
     """
     if not callable(getattr(source, "stats", None)):
         raise TypeError(f"source must have a stats() method. Got {type(source).__name__}")
+    if prefix is None:
+        from kvxfer.cache import HostCache
+
+        prefix = "kvxfer_cache" if isinstance(source, HostCache) else "kvxfer"
     if not isinstance(prefix, str) or not prefix.replace("_", "").isalnum():
         raise ValueError(f"prefix={prefix!r}: use letters, digits and underscores")
     core = _client()

@@ -111,3 +111,45 @@ def test_bad_arguments_name_the_value(rig):
         cache.load(state["caches"], [1], [0])
     with pytest.raises(ValueError, match="write_through=True needs a store"):
         kvxfer.HostCache(mgr, write_through=True)
+
+
+def test_a_mapping_of_blocks_is_refused_not_misread(rig):
+    mgr, cache, state, _ = rig
+    with pytest.raises(TypeError, match="not a mapping"):
+        cache.put(state["caches"], {0: [5, 6]}, [50, 60])
+    assert len(cache) == 0
+
+
+def test_bad_block_ids_evict_nothing(rig):
+    mgr, cache, state, _ = rig
+    _put(cache, state, [0, 1, 2, 3], [10, 11, 12, 13])
+    with pytest.raises(ValueError, match="out of range"):
+        cache.put(state["caches"], [99], [14])
+    assert len(cache) == 4 and cache.stats()["evictions"] == 0
+
+
+def test_pins_are_released_once_per_hit(rig):
+    mgr, cache, state, _ = rig
+    _put(cache, state, [0, 1, 2, 3], [10, 11, 12, 13])
+    first, second = cache.lookup([10]), cache.lookup([10])
+    with pytest.raises(ValueError):  # nothing moved: the hit keeps its pins
+        cache.load(state["caches"], first, [99])
+    cache.release(first)
+    cache.release(first)  # a second release of the same hit is a no-op
+    with pytest.raises(ValueError, match="released or loaded already"):
+        cache.load(state["caches"], first, [8])
+    assert cache.stats()["pinned_pages"] == 1  # the second hit still holds page 10
+    assert _put(cache, state, [4, 5, 6, 7], [14, 15, 16, 17]) == [14, 15, 16]
+    assert 10 in cache
+    state["caches"], load = cache.load(state["caches"], second, [8])
+    assert load.result().verified_prefix == 1
+    cache.release(second)  # settled already: a no-op
+    assert cache.stats()["pinned_pages"] == 0
+
+
+def test_a_page_freed_behind_the_cache_is_put_again(rig):
+    mgr, cache, state, _ = rig
+    _put(cache, state, [0], [10])
+    mgr.free([cache.page_of(10)])
+    assert _put(cache, state, [0], [10]) == [10]
+    assert mgr.is_valid(cache.page_of(10))

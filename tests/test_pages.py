@@ -183,3 +183,19 @@ def test_stats_count_what_moved():
     assert 0 < st["load_seconds"]["p50"] <= st["load_seconds"]["p99"]
     assert st["host_free_pages"] == 2  # the bad page was freed
     mgr.close()
+
+
+def test_layers_sharded_along_other_axes_never_share_a_page():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    P = jax.sharding.PartitionSpec
+    heads = jax.sharding.NamedSharding(mesh, P(None, "tp", None))
+    dims = jax.sharding.NamedSharding(mesh, P(None, None, "tp"))
+    a = testing.random_caches(1, 4, (4, 8), "float32", sharding=heads)
+    b = testing.random_caches(1, 4, (4, 8), "float32", sharding=dims)
+    ma = kvxfer.KVCacheManager(a, num_host_blocks=1)
+    mb = kvxfer.KVCacheManager(b, num_host_blocks=1)
+    assert ma.fingerprint != mb.fingerprint  # same bytes per shard, other meaning
+    (page,) = ma.offload(a, [3], keys=[7]).wait()
+    with pytest.raises(kvxfer.PageFormatError, match="another KV geometry"):
+        mb.import_page(ma.export_page(page))
+    ma.close(), mb.close()

@@ -17,6 +17,7 @@ import pytest
 
 import kvxfer
 from kvxfer import store, testing
+from kvxfer.store._disk import file_name
 
 
 def _caches(seed=0):
@@ -204,3 +205,129 @@ def test_demo_restarts_on_its_store_and_survives_a_flip_at_rest(tmp_path, reques
     assert len(third["injections"]) == 1 and third["corruptions_detected"] == 1
     assert third["store_bad_pages"] == 1 and third["tokens_match"]
     assert "failed verification on the device" in err and where in err
+
+
+# -- failure paths found in review -------------------------------------------------------
+
+
+class _DeleteFails(store.DiskStore):
+    """A real disk store whose deletes fail, as a Redis timeout would."""
+
+    def delete(self, key):
+        raise store.StoreError(f"delete of {key!r} timed out")
+
+
+def test_a_file_truncated_at_rest_is_a_miss_with_a_warning(tmp_path, caplog):
+    _spill(tmp_path)
+    caches, mgr, disk, cache = _reopen(tmp_path)
+    path = tmp_path / "pages" / file_name(cache.store_key(11))
+    os.truncate(path, path.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING, logger="kvxfer"):
+        hit = cache.lookup([10, 11, 12])
+    assert hit.keys == (10,)
+    assert "is damaged" in caplog.text and f"{11:016x}" in caplog.text
+    assert "disk store" in caplog.text
+    cache.release(hit)
+    cache.close(), mgr.close(), disk.close()
+
+
+def test_store_errors_neither_leak_pins_nor_lose_a_load_result(tmp_path, caplog):
+    _spill(tmp_path)
+    caches = _blank(_caches())
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    disk = _DeleteFails(tmp_path / "pages")
+    cache = kvxfer.HostCache(mgr, disk)
+    disk.put(cache.store_key(11), b"not a page", replace=True)
+    with caplog.at_level(logging.WARNING, logger="kvxfer"):
+        hit = cache.lookup([10, 11])  # 11 is bad and cannot be deleted: still a miss
+    assert hit.keys == (10,) and "could not be deleted" in caplog.text
+    cache.release(hit)
+    assert cache.stats()["pinned_pages"] == 0
+    hit = cache.lookup([10, 12])
+    testing.flip_bit(mgr, hit.pages[1], layer=0)
+    caches, load = cache.load(caches, hit, [4, 5])
+    assert load.result().verified_prefix == 1  # the failed delete is logged, not raised
+    assert cache.stats()["pinned_pages"] == 0
+    cache.close(), mgr.close(), disk.close()
+
+
+def test_a_page_the_store_evicted_is_written_back_again(tmp_path):
+    caches = _caches()
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    disk = store.DiskStore(tmp_path / "pages")
+    cache = kvxfer.HostCache(mgr, disk, write_through=True)
+    cache.put(caches, [0, 1], [10, 11], wait=True)
+    cache.flush()
+    assert disk.delete(cache.store_key(10))  # the store's own LRU (another writer, say)
+    cache.put(caches, [2, 3], [12, 13], wait=True)  # evicts 10 and 11 from host
+    cache.flush()
+    assert disk.contains(cache.store_key(10)) and disk.contains(cache.store_key(11))
+    cache.close(), mgr.close(), disk.close()
+
+
+def test_pages_without_digests_live_under_keys_of_their_own(tmp_path, caplog):
+    caches = _caches()
+    off = kvxfer.KVCacheManager(caches, num_host_blocks=2, integrity="off")
+    disk = store.DiskStore(tmp_path / "pages")
+    off_cache = kvxfer.HostCache(off, disk, write_through=True)
+    off_cache.put(caches, [0], [10], wait=True)
+    off_cache.close()
+    on = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    on_cache = kvxfer.HostCache(on, disk)
+    assert on_cache.store_key(10) != off_cache.store_key(10)
+    with caplog.at_level(logging.WARNING, logger="kvxfer"):
+        assert on_cache.lookup([10]).num_pages == 0  # a plain miss: nothing to warn of
+    assert caplog.text == "" and disk.contains(off_cache.store_key(10))
+    on_cache.close(), on.close(), off.close(), disk.close()
+
+
+def test_a_store_page_of_some_slice_classes_only_is_a_miss(tmp_path, caplog):
+    mixed = testing.random_caches(1, 8, (4, 32), "float32") + \
+        testing.random_caches(1, 8, (2, 32), "bfloat16")
+    mgr = kvxfer.KVCacheManager(mixed, num_host_blocks=2)
+    disk = store.DiskStore(tmp_path / "pages")
+    cache = kvxfer.HostCache(mgr, disk)
+    (page,) = mgr.offload(mixed, {0: [3]}, keys=[10]).wait()  # class 0 only
+    disk.put(cache.store_key(10), mgr.export_page(page))
+    mgr.free([page])
+    with caplog.at_level(logging.WARNING, logger="kvxfer"):
+        assert cache.lookup([10]).num_pages == 0
+    assert "holds slice classes [0] of 2" in caplog.text
+    assert not disk.contains(cache.store_key(10)) and mgr.num_free_pages == 2
+    cache.close(), mgr.close(), disk.close()
+
+
+def test_close_writes_through_offloads_in_flight_and_stats_still_read(tmp_path):
+    caches = _caches()
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    disk = store.DiskStore(tmp_path / "pages")
+    cache = kvxfer.HostCache(mgr, disk, write_through=True)
+    cache.put(caches, [0], [10])  # no wait
+    cache.close()
+    assert disk.contains(cache.store_key(10))
+    disk.close()
+    assert cache.stats()["store_pages_written"] == 1  # the closed store: counters only
+    mgr.close()
+
+
+def test_metrics_of_a_cache_with_a_store_have_no_clashing_names(tmp_path):
+    import prometheus_client
+    from prometheus_client.openmetrics import exposition, parser
+
+    import kvxfer.metrics
+
+    want = _spill(tmp_path)
+    caches, mgr, disk, cache = _reopen(tmp_path)
+    registry = prometheus_client.CollectorRegistry()
+    kvxfer.metrics.register(mgr, registry=registry)
+    kvxfer.metrics.register(cache, registry=registry)
+    hit = cache.lookup([10, 11])
+    caches, load = cache.load(caches, hit, [4, 5])
+    load.result()
+    text = exposition.generate_latest(registry).decode()
+    names = [f.name for f in parser.text_string_to_metric_families(text)]  # rejects clashes
+    assert len(names) == len(set(names))
+    assert registry.get_sample_value("kvxfer_cache_store_hits_total") == 2
+    assert registry.get_sample_value("kvxfer_cache_store_tier_hits_total") == 2
+    assert want is not None
+    cache.close(), mgr.close(), disk.close()

@@ -187,7 +187,9 @@ class KVCacheManager:
         self._verifier = LoadVerifier(self._plan, self._movers, self._pool,
                                       integrity == "page")
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer")
-        self._fingerprint = fingerprint(self._plan)
+        # A shard's block shape (dim 0, the block count, sizes a deployment only).
+        self._fingerprint = fingerprint(self._plan, [specs[c.layers[0]].shard_shape[1:]
+                                                     for c in self._plan.classes])
         self._stats = Counters(
             ("pages_offloaded", "bytes_offloaded", "pages_loaded", "bytes_loaded",
              "pages_verified", "pages_freed", "transfer_errors", "pages_exported",
@@ -601,13 +603,15 @@ class KVCacheManager:
             result = self._verifier.settle(handle, pages, prefix, proven_bad, reasons,
                                            set(batches))
         except Exception as e:
+            result, error = None, e
             self._stats.add(transfer_errors=1)
-            handle.finish(None, e)
         else:
             self._count_load(result, len(slots), batches, started)
-            handle.finish(result, None)
         finally:
+            # Before the handle says done: a caller returning from result() finds the
+            # pages it read free to evict (and freed ones free) at once.
             self._pool.release_readers(pinned_slots)
+        handle.finish(result, error)
 
     def _count_load(self, result: LoadResult, moved: int, batches: dict[int, PageBatch],
                     started: float) -> None:
@@ -739,8 +743,10 @@ class KVCacheManager:
     def fingerprint(self) -> str:
         """Hex name of what this manager's pages mean (KV geometry, page format).
 
-        Equal only for managers whose pages are interchangeable: a store tier puts it
-        in every key, so two models or two dtypes never share a page.
+        Equal only for managers whose pages are interchangeable byte for byte: a store
+        tier puts it in every key, so two geometries (another dtype, another sharding,
+        another page size) never share a page. Weights are not geometry: give each
+        model its own ``HostCache(namespace=)``.
         """
         return self._fingerprint.hex()
 

@@ -21,8 +21,12 @@ import hashlib
 import json
 import struct
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
+from kvxfer import integrity
 from kvxfer.hostpool import DIGEST_SLOTS
 from kvxfer.plan import Plan
 
@@ -52,21 +56,43 @@ class PageFormatError(ValueError):
         self.kind = kind
 
 
-def fingerprint(plan: Plan) -> bytes:
+def _host_format(plan: Plan, c: Any) -> str:
+    """``"dense"`` (logical blocks, any layout) or ``"device"`` (device bytes)."""
+    return "dense" if plan.path == "staged" or not c.addressable else "device"
+
+
+def _digest_check() -> list[int]:
+    """The digest of a fixed page: changes exactly when the digest algorithm does."""
+    words = np.arange(8, dtype=np.uint32)[None]
+    return integrity.digest_np(words, integrity.identity_words(1, 2, 3, 4)[None])[0].tolist()
+
+
+def fingerprint(plan: Plan, shard_shapes: Sequence[tuple[int, ...]]) -> bytes:
     """16 bytes naming what a page's bytes mean: KV geometry, host format, page format.
 
-    Two managers share pages only if their fingerprints are equal: same layers in
-    the same order (shapes of a block, dtypes, layouts, shards), the same host
-    representation (dense blocks or device bytes) and the same page format version.
+    Two managers share pages only if their fingerprints are equal: the same layers
+    in the same order (block shape, dtype, shards and the shape of one shard, so
+    what the shard-major host bytes hold), the same host representation (dense
+    logical blocks, for which the device layout does not matter, or device bytes
+    under a layout), the same page format version and the same digest algorithm.
     The number of blocks per layer is left out: it sizes a deployment, not a page.
+    So is everything that is not geometry: two models of one geometry have equal
+    fingerprints (a store tier keys pages by a namespace too).
+
+    Args:
+      plan: the manager's plan.
+      shard_shapes: the shape of one block of one shard of each slice class.
     """
-    classes = [{
-        "layers": list(c.layers), "dtype": c.dtype, "block": list(c.block_shape),
-        "layout": str(c.layout), "shards": c.num_shards, "bytes": c.bytes_per_block,
-        "addressable": bool(c.addressable),
-    } for c in plan.classes]
-    text = json.dumps({"format": PAGE_FORMAT_VERSION, "path": plan.path,
-                       "layers": plan.num_layers, "digest_slots": DIGEST_SLOTS,
+    classes = []
+    for c, shard in zip(plan.classes, shard_shapes, strict=True):
+        fmt = _host_format(plan, c)
+        classes.append({
+            "layers": list(c.layers), "dtype": c.dtype, "block": list(c.block_shape),
+            "shards": c.num_shards, "shard": list(shard), "bytes": c.bytes_per_block,
+            "format": fmt, "layout": str(c.layout) if fmt == "device" else None,
+        })
+    text = json.dumps({"format": PAGE_FORMAT_VERSION, "layers": plan.num_layers,
+                       "digest_slots": DIGEST_SLOTS, "digest": _digest_check(),
                        "classes": classes}, sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvxfer-geom").digest()
 

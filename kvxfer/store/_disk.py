@@ -26,6 +26,7 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import struct
@@ -37,6 +38,8 @@ from typing import Any
 
 from kvxfer._check import check_int
 from kvxfer.store._base import Store, StoreError
+
+log = logging.getLogger("kvxfer")
 
 __all__ = ["DiskStore", "file_name", "FRAME_BYTES"]
 
@@ -300,7 +303,13 @@ class DiskStore(Store):
                 blob = _pread_all(fd, frame.blob_len, frame.blob_offset)
             if blob is None:
                 # (A whole file of another key with the same hashed name is a plain miss.)
-                self._forget(name, gets=1, incomplete=int(frame is None or frame.key == kb))
+                damaged = frame is None or frame.key == kb
+                if damaged:
+                    # Visible files are whole when placed: this one was damaged at rest
+                    # (cut short, overwritten). A put of the key replaces it.
+                    log.warning("blob under key %r in the disk store %s is damaged (not a "
+                                "whole frame): a miss", key, self.path)
+                self._forget(name, gets=1, incomplete=int(damaged))
                 return None
             stamp = self._stamp()
             try:
