@@ -1,4 +1,5 @@
-"""The compiled programs movers run: gathers with digests, digests alone, scatters.
+"""The compiled programs movers run: gathers with digests, digests alone, scatters,
+and the pinned mover's programs between the caches and ``pinned_host`` memory.
 
 One program per (kind, input formats, options), in a bounded cache; ``jax.jit`` then
 caches per shapes. The caches' formats are pinned so that a cache in a non-default
@@ -14,10 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from kvxfer import integrity
-from kvxfer.layout import natural_bits
+from kvxfer.layout import dtype_of, natural_bits
 
 __all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "alias", "compile_ahead",
-           "DIGEST_CHUNK"]
+           "DIGEST_CHUNK", "unit_count", "pinned_write", "pinned_gather", "pinned_load",
+           "zeros", "compile_zeros"]
 
 # Layers per digest program: compile time grows with the layers in a program, so a
 # class of 61 layers compiles two programs of 8 (and one of 5), not one of 61.
@@ -74,8 +76,111 @@ def _scatter_impl(arrays, ids, pages, *, raw: bool):
     return tuple(out)
 
 
+def _units(x: jax.Array, unit: int) -> jax.Array:
+    """``[b, *block]`` -> ``uint{8 * unit}[b, n]``: each block's bytes as numpy holds them.
+
+    Sub-byte types and bool are one byte an element (the bits in the low bits), as
+    numpy (ml_dtypes) stores them; whole-byte types are their raw bits.
+    """
+    b = x.shape[0]
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    elif natural_bits(x.dtype) < 8:
+        x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{natural_bits(x.dtype)}"))
+        x = x.astype(jnp.uint8)
+    elif x.dtype != _UINT[x.dtype.itemsize]:
+        x = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+    x = x.reshape(b, -1)
+    size = x.dtype.itemsize
+    if size < unit:
+        return jax.lax.bitcast_convert_type(x.reshape(b, -1, unit // size), _UINT[unit])
+    if size > unit:
+        return jax.lax.bitcast_convert_type(x, _UINT[unit]).reshape(b, -1)
+    return x
+
+
+def _from_units(w: jax.Array, dtype, block: tuple[int, ...]) -> jax.Array:
+    """The inverse of ``_units``: ``uint{8 * unit}[b, n]`` -> ``dtype[b, *block]``."""
+    b, unit = w.shape[0], w.dtype.itemsize
+    dtype = jnp.dtype(dtype)
+    small = dtype == jnp.bool_ or natural_bits(dtype) < 8
+    target = jnp.uint8 if small else _UINT[dtype.itemsize]
+    size = jnp.dtype(target).itemsize
+    if unit > size:
+        w = jax.lax.bitcast_convert_type(w, target).reshape(b, -1)
+    elif unit < size:
+        w = jax.lax.bitcast_convert_type(w.reshape(b, -1, size // unit), target)
+    x = w.reshape((b,) + tuple(block))
+    if dtype == jnp.bool_:
+        return x != 0
+    if small:
+        return jax.lax.bitcast_convert_type(
+            x.astype(jnp.dtype(f"uint{natural_bits(dtype)}")), dtype)
+    return x if dtype == target else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def unit_count(shape: tuple[int, ...], dtype, unit: int) -> int:
+    """Words of ``unit`` bytes one block of an array of ``shape`` is stored in."""
+    n = 1
+    for d in shape[1:]:
+        n *= int(d)
+    return n * dtype_of(dtype).itemsize // unit
+
+
+def _pinned_write_impl(arrays, pool, ids, slots, base, layer_nums, *, raw: bool,
+                       with_digest: bool, offsets: tuple[int, ...]):
+    # The pool is donated: each block is written into its slot's words in place, so
+    # the pages reach the pinned pool with no copy beside this one.
+    unit = pool.dtype.itemsize
+    xs = [_bits(a, raw) for a in arrays]
+
+    def body(j, p):
+        for x, off in zip(xs, offsets):
+            block = _units(jax.lax.dynamic_slice_in_dim(x, ids[j], 1), unit)
+            p = jax.lax.dynamic_update_slice(p, block, (slots[j], off))
+        return p
+
+    pool = jax.lax.fori_loop(0, ids.shape[0], body, pool)
+    if not with_digest:
+        return pool, None
+    return pool, _digest_impl(arrays, ids, base, layer_nums, raw=raw)
+
+
+def _pinned_gather_impl(arrays, ids, base, layer_nums, *, raw: bool, with_digest: bool,
+                        unit: int):
+    pages = jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
+    if not with_digest:
+        return pages, None
+    return pages, _digest_impl(arrays, ids, base, layer_nums, raw=raw)
+
+
+def _pinned_load_impl(arrays, src, ids, rows, *, raw: bool, offsets: tuple[int, ...],
+                      stream: jax.sharding.Sharding | None):
+    # ``src`` is pinned host memory: the pool itself, or the request's pages. Each
+    # block is read from its row and written into the donated cache in place.
+    if stream is not None:
+        src = jax.device_put(src, stream)  # the documented way to read host memory
+    unit = src.dtype.itemsize
+    xs = [_bits(a, raw) for a in arrays]
+    sizes = [unit_count(x.shape, x.dtype, unit) for x in xs]
+
+    def body(j, xs):
+        out = []
+        for x, off, n in zip(xs, offsets, sizes):
+            w = jax.lax.dynamic_slice(src, (rows[j], off), (1, n))
+            start = (ids[j],) + (0,) * (x.ndim - 1)
+            out.append(jax.lax.dynamic_update_slice(x, _from_units(w, x.dtype, x.shape[1:]),
+                                                    start))
+        return out
+
+    xs = jax.lax.fori_loop(0, ids.shape[0], body, xs)
+    return tuple(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x
+                 for x, a in zip(xs, arrays))
+
+
 @functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
-def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False):
+def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
+             options: tuple = ()):
     if kind == "gather":
         fn = functools.partial(_gather_impl, raw=raw, with_digest=with_digest)
         return jax.jit(fn, in_shardings=(formats, None, None, None))
@@ -85,23 +190,44 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False):
     if kind == "alias":
         return jax.jit(tuple, donate_argnums=(0,), in_shardings=(formats,),
                        out_shardings=formats)
+    if kind == "pinned_write":
+        pool, offsets = options
+        fn = functools.partial(_pinned_write_impl, raw=raw, with_digest=with_digest,
+                               offsets=offsets)
+        return jax.jit(fn, donate_argnums=(1,),
+                       in_shardings=(formats, pool, None, None, None, None),
+                       out_shardings=(pool, None))
+    if kind == "pinned_gather":
+        out, unit = options
+        fn = functools.partial(_pinned_gather_impl, raw=raw, with_digest=with_digest,
+                               unit=unit)
+        return jax.jit(fn, in_shardings=(formats, None, None, None),
+                       out_shardings=(out, None))
+    if kind == "pinned_load":
+        src, offsets, stream = options
+        fn = functools.partial(_pinned_load_impl, raw=raw, offsets=offsets, stream=stream)
+        return jax.jit(fn, donate_argnums=(0,), in_shardings=(formats, src, None, None),
+                       out_shardings=formats)
     return jax.jit(functools.partial(_scatter_impl, raw=raw), donate_argnums=(0,),
                    in_shardings=(formats, None, None), out_shardings=formats)
 
 
-def _run(kind: str, arrays: tuple[jax.Array, ...], *args, with_digest: bool = False):
+def _run(kind: str, arrays: tuple[jax.Array, ...], *args, with_digest: bool = False,
+         options: tuple = ()):
     formats = tuple(a.format for a in arrays)
-    return _program(kind, formats, needs_raw_bits(arrays[0]), with_digest)(arrays, *args)
+    return _program(kind, formats, needs_raw_bits(arrays[0]), with_digest, options)(
+        arrays, *args)
 
 
-def compile_ahead(kind: str, arrays: tuple, *args, with_digest: bool = False) -> None:
+def compile_ahead(kind: str, arrays: tuple, *args, with_digest: bool = False,
+                  options: tuple = ()) -> None:
     """Compiles the program ``kind`` for these (abstract) arguments, running nothing.
 
     A later call with arrays of the same shapes, dtypes, shardings and layouts finds
     the program compiled.
     """
     formats = tuple(a.format for a in arrays)
-    _program(kind, formats, needs_raw_bits(arrays[0]), with_digest).lower(
+    _program(kind, formats, needs_raw_bits(arrays[0]), with_digest, options).lower(
         arrays, *args).compile()
 
 
@@ -132,3 +258,46 @@ def scatter(arrays, ids, pages):
     return _run("scatter", arrays, ids, pages)
 
 
+
+
+def pinned_write(arrays, pool, ids, slots, base, layer_nums, with_digest: bool,
+                 offsets: tuple[int, ...]):
+    """Writes blocks ``ids[j]`` of every layer into row ``slots[j]`` of ``pool`` in place.
+
+    ``pool`` (pinned host words, donated) gets layer ``l``'s block at word
+    ``offsets[l]`` of the row. Returns ``(new pool, digests uint32[L, b, D] or None)``.
+    """
+    return _run("pinned_write", arrays, pool, ids, slots, base, layer_nums,
+                with_digest=with_digest, options=(pool.sharding, tuple(offsets)))
+
+
+def pinned_gather(arrays, ids, base, layer_nums, with_digest: bool, out, unit: int):
+    """Pages ``uint{8 * unit}[b, L * n]`` of blocks ``ids`` in the memory of ``out``."""
+    return _run("pinned_gather", arrays, ids, base, layer_nums, with_digest=with_digest,
+                options=(out, unit))
+
+
+def pinned_load(arrays, src, ids, rows, offsets: tuple[int, ...], stream=None):
+    """Writes row ``rows[j]`` of ``src`` (pinned host words) into block ``ids[j]``.
+
+    Layer ``l``'s block is read at word ``offsets[l]`` of the row; the caches are
+    donated and written in place. ``stream``: a device sharding to move ``src`` to
+    first (when the backend reads host memory only that way).
+    """
+    return _run("pinned_load", arrays, src, ids, rows, options=(src.sharding,
+                                                                 tuple(offsets), stream))
+
+
+@functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
+def _zeros_program(shape: tuple[int, ...], dtype: str, sharding: jax.sharding.Sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding).lower().compile()
+
+
+def zeros(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A new zeroed array placed by ``sharding`` (a compiled program, made once per shape)."""
+    return _zeros_program(tuple(shape), jnp.dtype(dtype).name, sharding)()
+
+
+def compile_zeros(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> None:
+    """Compiles what ``zeros`` runs for this shape, running nothing."""
+    _zeros_program(tuple(shape), jnp.dtype(dtype).name, sharding)

@@ -115,18 +115,33 @@ class KVCacheManager:
       integrity: ``"page"`` digests every page on the device before it leaves and
         verifies it after it returns; ``"off"`` skips digests.
       host_memory_budget: bytes; default ``kvxfer.plan.default_host_memory_budget()``.
-      path: ``"auto"`` (raw copies where XLA:CPU buffers allow, else staged; with
-        ``layouts=``, emulated copies for classes proven addressable under them, else
-        staged), ``"staged"`` (compiled gather/scatter, any backend and layout), or
-        ``"direct"`` (byte-range copies only; refuses layouts not proven addressable).
+      path: the mover of each slice class (``mgr.paths`` reports the choice):
+
+        * ``"auto"``: per class, the fastest mover that can move it: on GPU and TPU
+          ``pinned``; on CPU ``raw`` copies where XLA:CPU buffers allow (row-major,
+          whole-byte elements), else ``pinned``; ``staged`` on a backend without a
+          ``pinned_host`` memory kind (or with ``pinned=False``). With ``layouts=``:
+          emulated copies for classes proven addressable under them, else staged.
+        * ``"pinned"``: compiled programs that gather pages (and their digests) into a
+          pinned host pool and scatter them from it into the donated caches, for
+          every class; needs a ``pinned_host`` memory kind (CPU and GPU have one).
+        * ``"staged"``: compiled gather/scatter through pageable host buffers, any
+          backend and layout (the portable fallback).
+        * ``"direct"``: byte-range copies only; refuses layouts not proven
+          addressable.
+        * ``"pallas"``: Pallas DMA kernels (TPU); not part of this build.
       ready_timeout: seconds to wait for caches still being computed.
-      pinned: host pools in ``pinned_host`` memory (default: off on CPU).
+      pinned: host pools in ``pinned_host`` memory (default: off on CPU, except for
+        classes the pinned mover moves, which always get pinned pools; ``False``
+        keeps ``"auto"`` off the pinned mover).
       agreement_timeout: seconds a multi-process load waits for every process's
         verified prefix before failing with ``TransferError`` (a crashed rank).
 
     Raises:
       BudgetError: the plan exceeds the budget (before any allocation).
       LayoutError: ``path="direct"`` over a layout that is not addressable.
+      ValueError: ``path="pinned"`` on a backend without a ``pinned_host`` memory kind
+        (naming the backend) or with ``pinned=False``.
       ValueError, TypeError: bad caches (deleted, block dim sharded, ...), naming
         the layer.
       TimeoutError: a cache is still being computed after ``ready_timeout``.
@@ -162,7 +177,7 @@ class KVCacheManager:
         emulated = layouts is not None
         self._plan = make_plan(specs, num_host_blocks, path=plan_path(path, emulated),
                                host_memory_budget=host_memory_budget)
-        mover_types = select_movers(self._plan, specs, caches, path, emulated)
+        mover_types = select_movers(self._plan, specs, caches, path, emulated, pinned)
         self._specs = specs
         # What each layer's movers were chosen for: later caches must match it. The
         # arrays last checked (or returned by a load) skip the check, and those whose
@@ -173,7 +188,12 @@ class KVCacheManager:
         self._private: list[weakref.ref | None] = [None] * len(caches)
         # Abstract values of every layer: enough to compile ahead, holding no buffer.
         self._abstract = [(abstract(a), ShardedLayer.of(a).abstract()) for a in caches]
-        self._pool = HostPool(self._plan, pinned=pinned)
+        # A class whose mover reads and writes pinned memory gets its pool in the
+        # pinned memory of the device holding its first shard.
+        firsts = [ShardedLayer.of(caches[c.layers[0]]).shards[0][0] for c in self._plan.classes]
+        self._pool = HostPool(self._plan, pinned=[True if m.pinned_pool else pinned
+                                                  for m in mover_types],
+                              device=[next(iter(a.devices())) for a in firsts])
         self._movers: list[Mover] = [m(cls, pool) for m, cls, pool in
                                      zip(mover_types, self._plan.classes, self._pool.pools)]
         self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]
@@ -195,7 +215,7 @@ class KVCacheManager:
 
     @property
     def paths(self) -> list[str]:
-        """The mover used for each layer: ``raw``, ``staged`` or ``emulated``."""
+        """The mover used for each layer: ``raw``, ``pinned``, ``staged`` or ``emulated``."""
         return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
 
     def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:
