@@ -227,8 +227,13 @@ class KVCacheManager:
           class whose first layer is ``layer`` starts (raising there is a failure in
           that class, after earlier classes were loaded);
         * ``"loaded_layer"``, on the caller's thread once ``layer``'s bytes are
-          written (raw, emulated) or their programs enqueued (staged), before its
-          digests are enqueued; ``array`` is what the load returns for that layer;
+          written (raw, emulated) or their programs enqueued (staged, pinned), before
+          its digests are enqueued; ``array`` is what the load wrote into that layer.
+          The hook may return a ``jax.Array`` of the same shape, dtype and sharding
+          to stand for it: the load then digests and returns that array instead
+          (``kvxfer.testing``'s ``zero-dma`` fault returns one whose loaded blocks
+          are zeros, as a DMA that silently delivered nothing would leave them);
+          ``None`` keeps ``array``;
         * ``"load_layer"``, on the transfer thread before the load waits for
           ``layer`` (raising there is a device failure reported by ``result()``).
 
@@ -569,7 +574,7 @@ class KVCacheManager:
                     f"{e}; continue with err.kv_caches ({len(usable)} of {len(new)} layers "
                     "usable)", kv_caches=new) from e
             for i, a in zip(cls.layers, out):
-                new[i] = a
+                new[i] = digests.returned(i, a)
         try:
             return new, states, digests.finish(new)
         except Exception as e:
