@@ -94,12 +94,13 @@ class PinnedOffload(NamedTuple):
       digests: per shard ``[L, bucket, D]`` (None with integrity off).
       copies: ``(shard, pages)`` for shards off the pool device: ``pages`` lives in
         that device's pinned memory, ``[bucket, L * shard words]``.
-      written: the pool array the in-place programs returned (waited for).
+      written: an output of each in-place program, ready once it wrote the pool (the
+        pool array itself may be donated by the next program before anyone waits).
     """
 
     digests: Pending | None
     copies: list[tuple[int, jax.Array]]
-    written: jax.Array | None
+    written: list[jax.Array]
 
 
 class PinnedInputs(NamedTuple):
@@ -165,7 +166,7 @@ class PinnedMover(Mover):
     def start_offload(self, layers, batch, slots, with_digest):
         b = len(batch.padded)
         slots_pad = self._padded(np.asarray(slots), b)
-        parts, copies, written = [], [], None
+        parts, copies, written = [], [], []
         for s in range(self.cls.num_shards):
             arrays = tuple(layer.primary[s] for layer in layers)
             device = device_of(arrays[0])
@@ -177,7 +178,7 @@ class PinnedMover(Mover):
                     new, d = pinned_write(arrays, self.pool.array, ids_d, rows_d, base_d,
                                           nums, with_digest, self._pool_offsets(s))
                     self._swap(new)
-                written = new
+                written.append(d)
             else:
                 pages, d = pinned_gather(arrays, ids_d, base_d, nums, with_digest,
                                          _pinned(device), self._unit)
@@ -203,8 +204,8 @@ class PinnedMover(Mover):
             for pos in range(len(self.cls.layers)):
                 lo, hi = self.pool.shard_range(pos, s)
                 self.pool.data[slots, lo:hi] = view[:, pos * size:(pos + 1) * size]
-        if state.written is not None:
-            state.written.block_until_ready()
+        for done in state.written:
+            done.block_until_ready()
         if state.digests is not None:
             d = state.digests.get()
             for s in range(self.cls.num_shards):

@@ -134,15 +134,18 @@ def _pinned_write_impl(arrays, pool, ids, slots, base, layer_nums, *, raw: bool,
     unit = pool.dtype.itemsize
     xs = [_bits(a, raw) for a in arrays]
 
-    def body(j, p):
+    def body(j, carry):
+        p, n = carry
         for x, off in zip(xs, offsets):
             block = _units(jax.lax.dynamic_slice_in_dim(x, ids[j], 1), unit)
             p = jax.lax.dynamic_update_slice(p, block, (slots[j], off))
-        return p
+        return p, n + 1
 
-    pool = jax.lax.fori_loop(0, ids.shape[0], body, pool)
+    pool, n = jax.lax.fori_loop(0, ids.shape[0], body, (pool, jnp.int32(0)))
+    # The second output is what a waiter waits for: the pool array itself may be
+    # donated by the next program before anyone waits.
     if not with_digest:
-        return pool, None
+        return pool, n
     return pool, _digest_impl(arrays, ids, base, layer_nums, raw=raw)
 
 
@@ -265,7 +268,9 @@ def pinned_write(arrays, pool, ids, slots, base, layer_nums, with_digest: bool,
     """Writes blocks ``ids[j]`` of every layer into row ``slots[j]`` of ``pool`` in place.
 
     ``pool`` (pinned host words, donated) gets layer ``l``'s block at word
-    ``offsets[l]`` of the row. Returns ``(new pool, digests uint32[L, b, D] or None)``.
+    ``offsets[l]`` of the row. Returns ``(new pool, digests uint32[L, b, D])``, or with
+    ``with_digest`` off ``(new pool, a scalar)``: either second output is ready once
+    the pages are written.
     """
     return _run("pinned_write", arrays, pool, ids, slots, base, layer_nums,
                 with_digest=with_digest, options=(pool.sharding, tuple(offsets)))

@@ -233,7 +233,7 @@ class KVCacheManager:
           to stand for it: the load then digests and returns that array instead
           (``kvxfer.testing``'s ``zero-dma`` fault returns one whose loaded blocks
           are zeros, as a DMA that silently delivered nothing would leave them);
-          ``None`` keeps ``array``;
+          any other return value (``None``, say) keeps ``array``;
         * ``"load_layer"``, on the transfer thread before the load waits for
           ``layer`` (raising there is a device failure reported by ``result()``).
 

@@ -23,16 +23,14 @@ from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["TransferHook", "LoadVerifier", "DigestStarter", "DigestJob", "Verified"]
 
-TransferHook = Callable[[str, int, jax.Array], "jax.Array | None"]
+TransferHook = Callable[[str, int, jax.Array], Any]
 """``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``. A
-``"loaded_layer"`` hook may return an array to stand for what the load wrote."""
+``"loaded_layer"`` hook may return a ``jax.Array`` to stand for what the load wrote
+(any other return value is ignored)."""
 
 
-def _replacement(layer: int, array: jax.Array, new: Any) -> jax.Array:
-    """Checks what a ``"loaded_layer"`` hook returned in place of ``array``."""
-    if not isinstance(new, jax.Array):
-        raise TypeError(f"the loaded_layer hook returned {new!r} of type {type(new)} for "
-                        f"layer {layer}; expected None or a jax.Array")
+def _replacement(layer: int, array: jax.Array, new: jax.Array) -> jax.Array:
+    """Checks the array a ``"loaded_layer"`` hook returned in place of ``array``."""
     if new.shape != array.shape or new.dtype != array.dtype or \
             not new.sharding.is_equivalent_to(array.sharding, array.ndim):
         raise ValueError(f"the loaded_layer hook returned {new.dtype}{list(new.shape)} on "
@@ -120,7 +118,7 @@ class DigestStarter:
         hook = self._verifier.hook
         if hook is not None:
             new = hook("loaded_layer", layer, array)
-            if new is not None:
+            if isinstance(new, jax.Array):  # anything else (None, say) keeps ``array``
                 array = _replacement(layer, array, new)
         self._arrays[layer] = array
         self._layers[layer] = ShardedLayer.of(array)
