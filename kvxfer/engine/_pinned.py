@@ -117,6 +117,16 @@ class PinnedInputs(NamedTuple):
     rows: jax.Array
 
 
+class PinnedLoad(NamedTuple):
+    """Outputs of a load's programs that the caller never holds: ready once they ran.
+
+    The transfer thread waits for them before the load's host slots are released,
+    since the programs read the pinned pool (or buffers filled from it) as they run.
+    """
+
+    done: list[jax.Array]
+
+
 class PinnedMover(Mover):
     """Compiled programs between the caches and a pinned host pool, in place."""
 
@@ -245,21 +255,28 @@ class PinnedMover(Mover):
     def start_load(self, arrays, layers, request: LoadRequest, staged: list[PinnedInputs]):
         new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
                                                     for _ in layers]
+        done = []
         for shard, replica, src, rows in staged:
             local = tuple(layer.shards[shard][replica] for layer in layers)
             device = device_of(local[0])
             ids_d, _ = request.batch.on(device, shard)
             if src is None:
                 with self.pool.lock:  # the pool array of the moment, before any donation
-                    out = pinned_load(local, self.pool.array, ids_d, rows,
-                                      self._pool_offsets(shard))
+                    out, d = pinned_load(local, self.pool.array, ids_d, rows,
+                                         self._pool_offsets(shard))
             else:
-                out = pinned_load(local, src, ids_d, rows, self._packed_offsets(),
-                                  self._stream(device))
+                out, d = pinned_load(local, src, ids_d, rows, self._packed_offsets(),
+                                     self._stream(device))
+            done.append(d)
             for pos, a in enumerate(out):
                 new_shards[pos][shard].append(a)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
-        return new, None
+        return new, PinnedLoad(done)
+
+    def finish_load_layer(self, state: PinnedLoad, pos: int) -> None:
+        # One program writes every layer of a shard replica: the first wait covers all.
+        for d in state.done:
+            d.block_until_ready()
 
     def _stream(self, device: Any) -> jax.sharding.Sharding | None:
         # Off XLA:CPU a program reads a pinned buffer once it is moved to the device

@@ -132,12 +132,17 @@ def _pinned_write_impl(arrays, pool, ids, slots, base, layer_nums, *, raw: bool,
     # The pool is donated: each block is written into its slot's words in place, so
     # the pages reach the pinned pool with no copy beside this one.
     unit = pool.dtype.itemsize
-    xs = [_bits(a, raw) for a in arrays]
+    if raw:
+        # Gathered first: XLA would hoist a bitcast of the whole cache out of the loop
+        # (a copy of every block); fused into the gather it reads the blocks moved.
+        xs, rows = [_bits(a, raw)[ids] for a in arrays], jnp.arange(ids.shape[0])
+    else:
+        xs, rows = list(arrays), ids
 
     def body(j, carry):
         p, n = carry
         for x, off in zip(xs, offsets):
-            block = _units(jax.lax.dynamic_slice_in_dim(x, ids[j], 1), unit)
+            block = _units(jax.lax.dynamic_slice_in_dim(x, rows[j], 1), unit)
             p = jax.lax.dynamic_update_slice(p, block, (slots[j], off))
         return p, n + 1
 
@@ -167,18 +172,21 @@ def _pinned_load_impl(arrays, src, ids, rows, *, raw: bool, offsets: tuple[int, 
     xs = [_bits(a, raw) for a in arrays]
     sizes = [unit_count(x.shape, x.dtype, unit) for x in xs]
 
-    def body(j, xs):
+    def body(j, carry):
+        xs, count = carry
         out = []
         for x, off, n in zip(xs, offsets, sizes):
             w = jax.lax.dynamic_slice(src, (rows[j], off), (1, n))
             start = (ids[j],) + (0,) * (x.ndim - 1)
             out.append(jax.lax.dynamic_update_slice(x, _from_units(w, x.dtype, x.shape[1:]),
                                                     start))
-        return out
+        return out, count + 1
 
-    xs = jax.lax.fori_loop(0, ids.shape[0], body, xs)
+    xs, count = jax.lax.fori_loop(0, ids.shape[0], body, (xs, jnp.int32(0)))
+    # ``count`` is the load's own output: ready once ``src`` was read, and never handed
+    # to the caller (who may donate the caches right away).
     return tuple(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x
-                 for x, a in zip(xs, arrays))
+                 for x, a in zip(xs, arrays)), count
 
 
 @functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
@@ -210,7 +218,7 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
         src, offsets, stream = options
         fn = functools.partial(_pinned_load_impl, raw=raw, offsets=offsets, stream=stream)
         return jax.jit(fn, donate_argnums=(0,), in_shardings=(formats, src, None, None),
-                       out_shardings=formats)
+                       out_shardings=(formats, None))
     return jax.jit(functools.partial(_scatter_impl, raw=raw), donate_argnums=(0,),
                    in_shardings=(formats, None, None), out_shardings=formats)
 
@@ -288,6 +296,9 @@ def pinned_load(arrays, src, ids, rows, offsets: tuple[int, ...], stream=None):
     Layer ``l``'s block is read at word ``offsets[l]`` of the row; the caches are
     donated and written in place. ``stream``: a device sharding to move ``src`` to
     first (when the backend reads host memory only that way).
+
+    Returns:
+      ``(new arrays, done)``: ``done`` is ready once the program has run.
     """
     return _run("pinned_load", arrays, src, ids, rows, options=(src.sharding,
                                                                  tuple(offsets), stream))
