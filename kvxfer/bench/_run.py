@@ -24,8 +24,9 @@ from kvxfer.bench.timing import Progress, now
 __all__ = ["run_bench", "SCHEMA"]
 
 #: The report's schema (2: ``block_bytes`` per layer, user load baselines, ``direction``;
-#: 3: the ``first_call`` and ``queued`` sections).
-SCHEMA = "kvxfer-bench/3"
+#: 3: the ``first_call`` and ``queued`` sections; 4: the pinned mover's methods and
+#: ``pinned_methods`` in throughput and sweep rows, and its caller-thread case).
+SCHEMA = "kvxfer-bench/4"
 
 
 def _preset(config: BenchConfig) -> str:
