@@ -1,8 +1,10 @@
 """The pinned mover: byte-exact round trips through a pinned host pool, chosen by auto.
 
-Caches mix slice classes (bf16 and fp8 with NaN payloads, a layer sharded over 2 CPU
-devices, a layer replicated over 2, odd block sizes, a permuted layout); every moved
-block must come back bit for bit and every other block must stay as it was.
+Caches mix slice classes (bf16 and fp8 with NaN payloads, a layer sharded over 2
+devices, a layer replicated over 2, odd block sizes, on CPU a permuted layout); every
+moved block must come back bit for bit and every other block must stay as it was.
+On a backend with one device (one GPU, say) the sharded and replicated layers have
+one shard and one replica.
 """
 
 import threading
@@ -20,14 +22,16 @@ from kvxfer.engine import IN_PLACE_PLATFORMS, pinned_mode
 
 SRC, DST = [5, 1, 6, 2], [0, 7, 3, 4]
 NUM_BLOCKS = 8
+PLATFORM = jax.devices()[0].platform
+N = min(2, len(jax.devices()))  # devices a layer is sharded or replicated over
 
 
 def _mesh():
-    return Mesh(np.array(jax.devices()[:2]), ("kv",))
+    return Mesh(np.array(jax.devices()[:N]), ("kv",))
 
 
 def mixed_caches(seed=0):
-    """Six layers in five slice classes, random bits everywhere (NaNs included)."""
+    """Six layers in five slice classes (five in four off CPU), random bits (NaNs too)."""
     sharded = NamedSharding(_mesh(), P(None, None, "kv"))
     replicated = NamedSharding(_mesh(), P())
     caches = (testing.random_caches(2, NUM_BLOCKS, (4, 128), "bfloat16", seed=seed)
@@ -36,10 +40,11 @@ def mixed_caches(seed=0):
               + testing.random_caches(1, NUM_BLOCKS, (16, 8), "float8_e4m3fn",
                                       sharding=replicated, seed=seed + 2)
               + testing.random_caches(1, NUM_BLOCKS, (3, 5), "int8", seed=seed + 3))
-    # A layout raw copies refuse (block dim most minor): auto moves it pinned.
-    permuted = testing.random_caches(1, NUM_BLOCKS, (2, 64), "bfloat16", seed=seed + 4)[0]
-    layout = kvxfer.Layout((0, 2, 1))
-    caches.append(jax.device_put(permuted, Format(layout.to_jax(), permuted.sharding)))
+    if PLATFORM == "cpu":
+        # A layout raw copies refuse (block dim most minor): auto moves it pinned.
+        permuted = testing.random_caches(1, NUM_BLOCKS, (2, 64), "bfloat16", seed=seed + 4)[0]
+        layout = kvxfer.Layout((0, 2, 1))
+        caches.append(jax.device_put(permuted, Format(layout.to_jax(), permuted.sharding)))
     return caches
 
 
@@ -73,7 +78,7 @@ def test_pinned_round_trips_mixed_classes_byte_exact(gate):
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pinned")
     assert mgr.paths == ["pinned"] * len(caches)
     assert [(c.num_shards, c.replicas) for c in mgr.plan.classes] == \
-        [(1, 1), (2, 1), (1, 2), (1, 1), (1, 1)]
+        [(1, 1), (N, 1), (1, N), (1, 1), (1, 1)][:len(mgr.plan.classes)]
     assert all(p.pinned for p in mgr.host_pool.pools)
     pages = mgr.offload(caches, SRC, keys=[11, 12, 13, 14]).wait()
     for j, b in enumerate(SRC):  # the pool holds each block's bytes, shard-major
@@ -86,7 +91,8 @@ def test_pinned_round_trips_mixed_classes_byte_exact(gate):
     result = load.result()
     assert result.verified_prefix == len(SRC) and not result.reasons, result
     check_moved(new, before, SRC, DST)
-    assert kvxfer.Layout.of(new[-1]) == kvxfer.Layout((0, 2, 1))  # the layout is kept
+    if PLATFORM == "cpu":
+        assert kvxfer.Layout.of(new[-1]) == kvxfer.Layout((0, 2, 1))  # the layout is kept
     # The loaded caches move on: a second round trip from them.
     again = [testing.bits(c) for c in new]
     pages2 = mgr.offload(new, [0, 7], keys=[21, 22]).wait()
@@ -102,15 +108,17 @@ def test_a_corrupt_pinned_page_is_a_miss_at_that_page():
     caches = mixed_caches(seed=2)
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pinned")
     pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
-    testing.corrupt_shard(mgr, pages[1], layer=2, shard=1)  # the sharded layer, shard 1
+    testing.corrupt_shard(mgr, pages[1], layer=2, shard=N - 1)  # the sharded layer
     _, load = mgr.load(caches, pages, DST, gate="layer")
     result = load.result()
     assert result.verified_prefix == 1
-    assert "shard disagreement: digest mismatch in layer 2 on shard(s) [1] of 2" in \
-        result.reasons[1]
+    assert result.reasons[1] == ("digest mismatch in layer 2" if N == 1 else
+                                 "shard disagreement: digest mismatch in layer 2 on "
+                                 "shard(s) [1] of 2")
     mgr.close()
 
 
+@pytest.mark.skipif(PLATFORM != "cpu", reason="the CPU rule (raw where proven)")
 def test_auto_picks_raw_where_proven_and_pinned_for_the_rest():
     caches = mixed_caches(seed=3)
     with kvxfer.KVCacheManager(caches, num_host_blocks=2) as mgr:
@@ -127,6 +135,16 @@ def test_auto_picks_raw_where_proven_and_pinned_for_the_rest():
     with kvxfer.KVCacheManager(caches[:2], num_host_blocks=2, layouts=layouts[:2],
                                path="pinned") as mgr:
         assert mgr.paths == ["pinned"] * 2
+
+
+@pytest.mark.skipif(PLATFORM not in ("gpu", "tpu"), reason="auto on GPU and TPU")
+def test_auto_is_the_pinned_mover_on_gpu_and_tpu():
+    caches = mixed_caches(seed=3)
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2) as mgr:
+        assert mgr.paths == ["pinned"] * len(caches)
+        assert all(p.pinned for p in mgr.host_pool.pools)
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2, pinned=False) as mgr:
+        assert mgr.paths == ["staged"] * len(caches)
 
 
 def test_pinned_path_refusals_name_what_is_wrong():

@@ -127,8 +127,7 @@ def unit_count(shape: tuple[int, ...], dtype, unit: int) -> int:
     return n * dtype_of(dtype).itemsize // unit
 
 
-def _pinned_write_impl(arrays, pool, ids, slots, base, layer_nums, *, raw: bool,
-                       with_digest: bool, offsets: tuple[int, ...]):
+def _pinned_write_impl(arrays, pool, ids, slots, *, raw: bool, offsets: tuple[int, ...]):
     # The pool is donated: each block is written into its slot's words in place, so
     # the pages reach the pinned pool with no copy beside this one.
     unit = pool.dtype.itemsize
@@ -146,20 +145,13 @@ def _pinned_write_impl(arrays, pool, ids, slots, base, layer_nums, *, raw: bool,
             p = jax.lax.dynamic_update_slice(p, block, (slots[j], off))
         return p, n + 1
 
-    pool, n = jax.lax.fori_loop(0, ids.shape[0], body, (pool, jnp.int32(0)))
     # The second output is what a waiter waits for: the pool array itself may be
     # donated by the next program before anyone waits.
-    if not with_digest:
-        return pool, n
-    return pool, _digest_impl(arrays, ids, base, layer_nums, raw=raw)
+    return jax.lax.fori_loop(0, ids.shape[0], body, (pool, jnp.int32(0)))
 
 
-def _pinned_gather_impl(arrays, ids, base, layer_nums, *, raw: bool, with_digest: bool,
-                        unit: int):
-    pages = jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
-    if not with_digest:
-        return pages, None
-    return pages, _digest_impl(arrays, ids, base, layer_nums, raw=raw)
+def _pinned_gather_impl(arrays, ids, *, raw: bool, unit: int):
+    return jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
 
 
 def _pinned_load_impl(arrays, src, ids, rows, *, raw: bool, offsets: tuple[int, ...],
@@ -203,17 +195,13 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
                        out_shardings=formats)
     if kind == "pinned_write":
         pool, offsets = options
-        fn = functools.partial(_pinned_write_impl, raw=raw, with_digest=with_digest,
-                               offsets=offsets)
-        return jax.jit(fn, donate_argnums=(1,),
-                       in_shardings=(formats, pool, None, None, None, None),
+        fn = functools.partial(_pinned_write_impl, raw=raw, offsets=offsets)
+        return jax.jit(fn, donate_argnums=(1,), in_shardings=(formats, pool, None, None),
                        out_shardings=(pool, None))
     if kind == "pinned_gather":
         out, unit = options
-        fn = functools.partial(_pinned_gather_impl, raw=raw, with_digest=with_digest,
-                               unit=unit)
-        return jax.jit(fn, in_shardings=(formats, None, None, None),
-                       out_shardings=(out, None))
+        fn = functools.partial(_pinned_gather_impl, raw=raw, unit=unit)
+        return jax.jit(fn, in_shardings=(formats, None), out_shardings=out)
     if kind == "pinned_load":
         src, offsets, stream = options
         fn = functools.partial(_pinned_load_impl, raw=raw, offsets=offsets, stream=stream)
@@ -271,23 +259,20 @@ def scatter(arrays, ids, pages):
 
 
 
-def pinned_write(arrays, pool, ids, slots, base, layer_nums, with_digest: bool,
-                 offsets: tuple[int, ...]):
+def pinned_write(arrays, pool, ids, slots, offsets: tuple[int, ...]):
     """Writes blocks ``ids[j]`` of every layer into row ``slots[j]`` of ``pool`` in place.
 
     ``pool`` (pinned host words, donated) gets layer ``l``'s block at word
-    ``offsets[l]`` of the row. Returns ``(new pool, digests uint32[L, b, D])``, or with
-    ``with_digest`` off ``(new pool, a scalar)``: either second output is ready once
-    the pages are written.
+    ``offsets[l]`` of the row. Returns ``(new pool, done)``: ``done`` (a scalar) is
+    ready once the pages are written.
     """
-    return _run("pinned_write", arrays, pool, ids, slots, base, layer_nums,
-                with_digest=with_digest, options=(pool.sharding, tuple(offsets)))
+    return _run("pinned_write", arrays, pool, ids, slots,
+                options=(pool.sharding, tuple(offsets)))
 
 
-def pinned_gather(arrays, ids, base, layer_nums, with_digest: bool, out, unit: int):
+def pinned_gather(arrays, ids, out, unit: int):
     """Pages ``uint{8 * unit}[b, L * n]`` of blocks ``ids`` in the memory of ``out``."""
-    return _run("pinned_gather", arrays, ids, base, layer_nums, with_digest=with_digest,
-                options=(out, unit))
+    return _run("pinned_gather", arrays, ids, options=(out, unit))
 
 
 def pinned_load(arrays, src, ids, rows, offsets: tuple[int, ...], stream=None):
