@@ -26,9 +26,13 @@ NaN payloads (``needs_raw_bits``); on XLA:CPU a bfloat16 or fp8 load then costs 
 copy of the whole cache (a bitcast breaks buffer aliasing), as on the staged path.
 
 Which backends update the pool in place is ``IN_PLACE_PLATFORMS`` (measured on
-XLA:CPU); elsewhere every shard takes the one-host-copy route. The environment
-variable ``KVXFER_PINNED_MODE`` (``in-place`` or ``copy``) overrides it, so that a
-device check can measure both.
+XLA:CPU); elsewhere every shard takes the one-host-copy route. The two modes also
+write blocks differently: in place, a loop of dynamic-update-slices (on XLA:CPU 4-5x
+as fast as a scatter from gathered pages); through a copy, one gather and one
+scatter per layer (one kernel each on a GPU, not one per block). The environment
+variable ``KVXFER_PINNED_MODE`` (``in-place`` or ``copy``) overrides the choice, so
+that a device check can measure both (``benchmarks/pinned_modes.py``) and CPU tests
+can run what a GPU runs.
 """
 
 from __future__ import annotations
@@ -267,7 +271,7 @@ class PinnedMover(Mover):
                                          self._pool_offsets(shard))
             else:
                 out, d = pinned_load(local, src, ids_d, rows, self._packed_offsets(),
-                                     self._stream(device))
+                                     self._stream(device), loop=self._in_place)
             done.append(d)
             for pos, a in enumerate(out):
                 new_shards[pos][shard].append(a)
@@ -280,9 +284,10 @@ class PinnedMover(Mover):
             d.block_until_ready()
 
     def _stream(self, device: Any) -> jax.sharding.Sharding | None:
-        # Off XLA:CPU a program reads a pinned buffer once it is moved to the device
-        # (parameter streaming); on CPU both are the same memory.
-        return None if device.platform == "cpu" else jax.sharding.SingleDeviceSharding(device)
+        # Through a copy, a program reads its pinned buffer once it is moved to the
+        # device (parameter streaming: the documented way off XLA:CPU, and what CPU
+        # tests of this mode then run); in place, XLA:CPU reads the pool where it is.
+        return None if self._in_place else jax.sharding.SingleDeviceSharding(device)
 
     # -- warm-up ------------------------------------------------------------------
 
@@ -305,11 +310,11 @@ class PinnedMover(Mover):
                 if self._direct(device):
                     pool = self._pool_abstract()
                     compile_ahead("pinned_load", local, pool, rows, rows,
-                                  options=(pool.sharding, self._pool_offsets(s), None))
+                                  options=(pool.sharding, self._pool_offsets(s), None, True))
                     continue
                 shape, dtype = self._packed_shape(b), self.pool.array.dtype
                 compile_zeros(shape, dtype, _pinned(device))
                 src = jax.ShapeDtypeStruct(shape, dtype, sharding=_pinned(device))
                 compile_ahead("pinned_load", local, src, rows, rows,
                               options=(src.sharding, self._packed_offsets(),
-                                       self._stream(device)))
+                                       self._stream(device), self._in_place))

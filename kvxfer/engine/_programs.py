@@ -155,7 +155,7 @@ def _pinned_gather_impl(arrays, ids, *, raw: bool, unit: int):
 
 
 def _pinned_load_impl(arrays, src, ids, rows, *, raw: bool, offsets: tuple[int, ...],
-                      stream: jax.sharding.Sharding | None):
+                      stream: jax.sharding.Sharding | None, loop: bool):
     # ``src`` is pinned host memory: the pool itself, or the request's pages. Each
     # block is read from its row and written into the donated cache in place.
     if stream is not None:
@@ -163,6 +163,17 @@ def _pinned_load_impl(arrays, src, ids, rows, *, raw: bool, offsets: tuple[int, 
     unit = src.dtype.itemsize
     xs = [_bits(a, raw) for a in arrays]
     sizes = [unit_count(x.shape, x.dtype, unit) for x in xs]
+    if not loop:
+        # One scatter per layer (what a GPU runs at the speed of the bytes moved);
+        # padding entries repeat the first page, so indices may repeat.
+        pages = src[rows]
+        out = tuple(x.at[ids].set(_from_units(pages[:, off:off + n], x.dtype, x.shape[1:]))
+                    for x, off, n in zip(xs, offsets, sizes))
+        out, done = jax.lax.optimization_barrier((out, rows[0]))  # done after every write
+        return tuple(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x
+                     for x, a in zip(out, arrays)), done
+    # A loop of dynamic-update-slices: on XLA:CPU it writes in place at 4-5x the
+    # speed of a scatter from a gathered copy of the pages.
 
     def body(j, carry):
         xs, count = carry
@@ -203,8 +214,9 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
         fn = functools.partial(_pinned_gather_impl, raw=raw, unit=unit)
         return jax.jit(fn, in_shardings=(formats, None), out_shardings=out)
     if kind == "pinned_load":
-        src, offsets, stream = options
-        fn = functools.partial(_pinned_load_impl, raw=raw, offsets=offsets, stream=stream)
+        src, offsets, stream, loop = options
+        fn = functools.partial(_pinned_load_impl, raw=raw, offsets=offsets, stream=stream,
+                               loop=loop)
         return jax.jit(fn, donate_argnums=(0,), in_shardings=(formats, src, None, None),
                        out_shardings=(formats, None))
     return jax.jit(functools.partial(_scatter_impl, raw=raw), donate_argnums=(0,),
@@ -275,18 +287,20 @@ def pinned_gather(arrays, ids, out, unit: int):
     return _run("pinned_gather", arrays, ids, options=(out, unit))
 
 
-def pinned_load(arrays, src, ids, rows, offsets: tuple[int, ...], stream=None):
+def pinned_load(arrays, src, ids, rows, offsets: tuple[int, ...], stream=None,
+                loop: bool = True):
     """Writes row ``rows[j]`` of ``src`` (pinned host words) into block ``ids[j]``.
 
     Layer ``l``'s block is read at word ``offsets[l]`` of the row; the caches are
     donated and written in place. ``stream``: a device sharding to move ``src`` to
-    first (when the backend reads host memory only that way).
+    first (when the backend reads host memory only that way). ``loop``: one
+    dynamic-update-slice per block (XLA:CPU) rather than one scatter per layer.
 
     Returns:
       ``(new arrays, done)``: ``done`` is ready once the program has run.
     """
-    return _run("pinned_load", arrays, src, ids, rows, options=(src.sharding,
-                                                                 tuple(offsets), stream))
+    return _run("pinned_load", arrays, src, ids, rows,
+                options=(src.sharding, tuple(offsets), stream, loop))
 
 
 @functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
