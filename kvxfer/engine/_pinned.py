@@ -98,8 +98,9 @@ class PinnedOffload(NamedTuple):
 
     Attributes:
       digests: the digests being computed (None with integrity off).
-      copies: ``(shard, pages)`` for shards off the pool device: ``pages`` lives in
-        that device's pinned memory, ``[bucket, L * shard words]``.
+      copies: ``(shard, pages)`` for shards not written in place (off the pool device,
+        or every shard in the copy mode): ``pages`` lives in the pinned memory of the
+        shard's device, ``[bucket, L * shard words]``.
       written: an output of each in-place program, ready once it wrote the pool (the
         pool array itself may be donated by the next program before anyone waits).
     """
@@ -112,9 +113,10 @@ class PinnedOffload(NamedTuple):
 class PinnedInputs(NamedTuple):
     """One shard replica's load inputs, on its device.
 
-    ``src`` is None for a replica on the pool device (its program reads the pool,
-    taken when the program is enqueued); otherwise a pinned buffer of the
-    request's pages of that shard, ``[bucket, L * shard words]``.
+    ``src`` is None where the program reads the pool itself (a replica on the pool
+    device, in place mode; the pool array is taken when the program is enqueued);
+    otherwise a pinned buffer of the request's pages of that shard on the replica's
+    device, ``[bucket, L * shard words]``.
     """
 
     shard: int
