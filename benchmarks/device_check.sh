@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device check on an accelerator machine with no network (an NVIDIA H200 here):
 # installs kvxfer from wheels placed beside the checkout, records the machine, runs the
-# tests that can use the device, one `kvxfer bench` run, the layout capture and the
-# bandwidth probe, and writes everything under OUTDIR. Each step has its own time limit
-# so the whole script ends within about 8 minutes; a failing step is recorded and the
-# next one still runs. Exit status: 0 when every step ran to its end, else 1.
+# tests that can use the device (the pinned mover's first), the pinned mover's two
+# modes side by side, one `kvxfer bench` run (on GPU path=auto is the pinned mover),
+# the layout capture and the bandwidth probe, and writes everything under OUTDIR. Each
+# step has its own time limit and the limits add up to 8 minutes; a failing step is
+# recorded and the next one still runs. Exit status: 0 when every step ran to its end,
+# else 1.
 #
 # Usage (from the repository root):  bash benchmarks/device_check.sh OUTDIR
 #
@@ -19,6 +21,9 @@
 #   OUTDIR/log.txt            every step's output, with its time and exit status
 #   OUTDIR/env.txt            nvidia-smi, python, jax and its devices, kvxfer version
 #   OUTDIR/tests.xml          JUnit report of the device tests (absent if cut short)
+#   OUTDIR/pinned_modes.json  the pinned mover in place vs through a host copy: one
+#                             byte-exact round trip and offload/load GB/s for each
+#                             (decides kvxfer.engine.IN_PLACE_PLATFORMS for the backend)
 #   OUTDIR/bench/bench.json   the bench report (and bench/bench.png with matplotlib)
 #   OUTDIR/captured.json      the layouts XLA chose on this device (a catalogue)
 #   OUTDIR/bandwidth.json     the bandwidth probe's report
@@ -47,7 +52,7 @@ step() {  # step NAME SECONDS COMMAND...: runs one step under a time limit, logg
 }
 
 if ls .whl/kvxfer-*.whl > /dev/null 2>&1; then
-  step "install kvxfer" 120 "$py" -m pip install -q --no-index --no-deps --no-compile \
+  step "install kvxfer" 60 "$py" -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/kvxfer-site .whl/*.whl
   export PYTHONPATH=/tmp/kvxfer-site
 else
@@ -76,17 +81,23 @@ cat "$out/env.txt" >> "$log"
 # is part of what the check measures.
 # -v: one line per test in the log, so a run cut short by its limit still says which
 # tests passed.
-step "device tests" 180 env JAX_PLATFORMS=$platform "$py" -m pytest -v -p no:cacheprovider \
-  --junitxml="$out/tests.xml" tests/test_integrity.py tests/test_value_semantics.py \
-  tests/test_engine_loop.py tests/test_manager.py
+# The pinned mover's tests first (auto takes it on GPU), then the zero-dma fault on
+# every mover, then the rest.
+step "device tests" 150 env JAX_PLATFORMS=$platform "$py" -m pytest -v -p no:cacheprovider \
+  --junitxml="$out/tests.xml" tests/test_pinned.py tests/test_faults.py::test_zero_dma_is_caught_on_every_mover \
+  tests/test_value_semantics.py tests/test_engine_loop.py tests/test_integrity.py \
+  tests/test_manager.py
 
-step "kvxfer bench" 180 env JAX_PLATFORMS=$platform "$py" -m kvxfer bench --quick --no-check \
+step "pinned modes" 45 bash -c "JAX_PLATFORMS='$platform' '$py' benchmarks/pinned_modes.py \
+  --sizes-mib 8,256 --repeats 3 > '$out/pinned_modes.json'"
+
+step "kvxfer bench" 150 env JAX_PLATFORMS=$platform "$py" -m kvxfer bench --quick --no-check \
   --out "$out/bench"
 
-step "capture layouts" 45 env JAX_PLATFORMS=$platform "$py" tpu_probes/capture_layouts.py \
+step "capture layouts" 30 env JAX_PLATFORMS=$platform "$py" tpu_probes/capture_layouts.py \
   --out "$out/captured.json"
 
-step "bandwidth probe" 60 bash -c "JAX_PLATFORMS='$platform' '$py' \
+step "bandwidth probe" 45 bash -c "JAX_PLATFORMS='$platform' '$py' \
   tpu_probes/bandwidth_probe.py --json > '$out/bandwidth.json'"
 
 echo "== done: status $status" | tee -a "$log"

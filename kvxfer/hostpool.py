@@ -29,7 +29,7 @@ import numpy as np
 from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["HostPool", "PageRef", "PoolError", "PoolExhaustedError", "ClassPool",
-           "HostBacking", "DIGEST_SLOTS"]
+           "HostBacking", "DIGEST_SLOTS", "word_bytes", "has_pinned_host"]
 
 # uint32 words reserved per (layer, shard) digest; integrity uses up to this many.
 DIGEST_SLOTS = 4
@@ -94,41 +94,113 @@ def _host_view(owner: Any, nbytes: int) -> np.ndarray:
         (ctypes.c_uint8 * nbytes).from_address(owner.unsafe_buffer_pointer()))
 
 
-def _allocate_bytes(nbytes: int, pinned: bool, device: Any) -> tuple[np.ndarray, Any]:
-    """Zeroed host bytes; pinned through JAX's ``pinned_host`` memory when asked."""
+def word_bytes(cls: SliceClass) -> int:
+    """The widest unsigned word (4, 2 or 1 bytes) every shard's bytes of a page split into.
+
+    A pinned pool is held as words of this size, so programs move whole words.
+
+    Example:
+        >>> from kvxfer.plan import LayerSpec, make_plan
+        >>> plan = make_plan([LayerSpec("L0", (8, 3, 2), "int8")], num_host_blocks=2)
+        >>> word_bytes(plan.classes[0])
+        2
+    """
+    return next(w for w in (4, 2, 1) if cls.shard_block_bytes % w == 0)
+
+
+def _allocate_bytes(nbytes: int, pinned: bool, device: Any, word: int = 1,
+                    rows: int = 1) -> tuple[np.ndarray, Any]:
+    """Zeroed host bytes; pinned through JAX's ``pinned_host`` memory when asked.
+
+    A pinned allocation is owned by a ``uint{8 * word}[rows, nbytes // word // rows]``
+    JAX array on ``device``'s ``pinned_host`` memory; the bytes returned view its
+    buffer.
+    """
     if pinned and nbytes:
         import jax
         import jax.numpy as jnp
 
+        if nbytes % (word * rows):
+            raise ValueError(f"{nbytes} bytes are not {rows} rows of {word}-byte words")
         sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        owner = jax.jit(lambda: jnp.zeros((nbytes,), jnp.uint8), out_shardings=sharding)()
+        dtype = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[word]
+        owner = jax.jit(lambda: jnp.zeros((rows, nbytes // word // rows), dtype),
+                        out_shardings=sharding)()
         return _host_view(owner, nbytes), owner
     return np.zeros(nbytes, dtype=np.uint8), None
+
+
+def has_pinned_host(device: Any) -> bool:
+    """Whether ``device`` offers a ``pinned_host`` memory kind."""
+    return any(m.kind == "pinned_host" for m in device.addressable_memories())
 
 
 class ClassPool:
     """The host buffer of one slice class: ``data[slot]`` is one page's bytes.
 
+    A pinned pool lives in one device's ``pinned_host`` memory, held by a JAX array
+    (``array``, ``uint{8 * word_bytes}[num_slots, page_bytes // word_bytes]``) whose
+    buffer ``data`` views. Programs may update it in place: a program that donates
+    ``array`` and returns the same buffer hands its result to ``swap``. A mover may
+    allocate the pool itself instead (``HostBacking``; the array is then ``owner``,
+    in the mover's own shape, handed over with ``hand_over``).
+
     Attributes:
       cls: the slice class.
       data: ``uint8[num_slots, page_bytes]``.
       digests: ``uint32[num_slots, layers, shards, DIGEST_SLOTS]``.
+      pinned: whether ``data`` is pinned (``pinned_host`` memory of ``device``).
+      device: the device whose pinned memory holds the pool (None when not pinned).
+      word_bytes: the size of the words ``array`` holds (see ``word_bytes``).
+      lock: held while a program reads or donates ``array`` (so it is enqueued with
+        the array of the moment, and no two programs donate the same one).
     """
 
     def __init__(self, cls: SliceClass, num_slots: int, *, pinned: bool = False,
                  device: Any = None, backing: HostBacking | None = None):
         self.cls = cls
+        self.word_bytes = word_bytes(cls)
         nbytes = num_slots * cls.page_bytes
         owner = backing(num_slots) if backing is not None and nbytes else None
-        if owner is not None:
-            flat, self._owner = _host_view(owner, nbytes), owner
+        if owner is not None:  # the mover's own allocation (see HostBacking)
+            flat, self._array = _host_view(owner, nbytes), owner
             self.pinned = getattr(owner.sharding, "memory_kind", None) == "pinned_host"
         else:
-            flat, self._owner = _allocate_bytes(nbytes, pinned, device)
-            self.pinned = self._owner is not None
+            flat, self._array = _allocate_bytes(nbytes, pinned, device, self.word_bytes,
+                                                num_slots)
+            self.pinned = self._array is not None
+        self.device = device if self.pinned else None
+        self.lock = threading.Lock()
         self.data = flat.reshape(num_slots, cls.page_bytes)
         self.digests = np.zeros((num_slots, len(cls.layers), cls.num_shards, DIGEST_SLOTS),
                                 dtype=np.uint32)
+
+    @property
+    def array(self) -> Any:
+        """The JAX array holding a pinned pool's bytes now (None when not pinned)."""
+        return self._array
+
+    def swap(self, new: Any) -> None:
+        """Takes ``new`` (returned by a program that donated ``array``) as the pool.
+
+        Call with ``lock`` held.
+
+        Raises:
+          PoolError: ``new`` does not live in the pool's buffer (the program did not
+            update it in place), so ``data`` would not show what it wrote. The pool
+            keeps its array (or ``new``, if the old one was consumed anyway).
+        """
+        if new.shape != self._array.shape or new.dtype != self._array.dtype:
+            raise PoolError(f"pool array {new.dtype}{list(new.shape)} replaces "
+                            f"{self._array.dtype}{list(self._array.shape)}")
+        address = self.data.__array_interface__["data"][0]
+        if new.unsafe_buffer_pointer() != address:
+            if self._array.is_deleted():
+                self._array = new
+            raise PoolError(f"the program did not update the pinned pool of {self.cls.name} "
+                            f"in place (buffer {new.unsafe_buffer_pointer():#x}, pool "
+                            f"{address:#x}); its pages would not reach the host pool")
+        self._array = new
 
     def layer_range(self, pos: int) -> tuple[int, int]:
         """Byte range of layer ``pos`` (all shards) inside a page."""
@@ -148,7 +220,7 @@ class ClassPool:
     @property
     def owner(self) -> Any:
         """The JAX array whose buffer ``data`` views (None for a numpy pool)."""
-        return self._owner
+        return self._array
 
     def hand_over(self, owner: Any) -> None:
         """Records the array that owns the pool's buffer now.
@@ -157,9 +229,9 @@ class ClassPool:
         a new array over the same buffer; the pool keeps that one, so the buffer lives
         as long as the pool. Call it on the thread that dispatched the program.
         """
-        if self._owner is None:
+        if self._array is None:
             raise PoolError(f"class pool {self.cls.name} is numpy memory, not a JAX array")
-        self._owner = owner
+        self._array = owner
 
     def check_owner(self) -> None:
         """Checks that the recorded owner is still the buffer ``data`` views.
@@ -168,7 +240,7 @@ class ClassPool:
           PoolError: it is another buffer (a program that should have written the pool
             in place wrote a copy), naming both addresses.
         """
-        owner = self._owner
+        owner = self._array
         if owner is None:
             return
         ptr = owner.unsafe_buffer_pointer()
@@ -196,27 +268,34 @@ class HostPool:
 
     Args:
       plan: the plan (already checked against the budget).
-      pinned: allocate through JAX ``pinned_host`` memory (default: when the
-        backend is not CPU, where host memory is already what the device uses).
-      device: the device whose ``pinned_host`` memory to use.
+      pinned: allocate through JAX ``pinned_host`` memory: one flag for every class or
+        one per class (default: when the backend is not CPU, where host memory is
+        already what the device uses, and offers ``pinned_host``).
+      device: the device whose ``pinned_host`` memory to use: one for every class or
+        one per class (default: the first device).
       backings: ``{class index: HostBacking}`` for classes allocated as a mover asks.
     """
 
-    def __init__(self, plan: Plan, *, pinned: bool | None = None, device: Any = None,
-                 backings: Mapping[int, HostBacking | None] | None = None):
-        if pinned is None or device is None:
+    def __init__(self, plan: Plan, *, pinned: bool | Sequence[bool] | None = None,
+                 device: Any = None, backings: Mapping[int, HostBacking | None] | None = None):
+        n = len(plan.classes)
+        devices = list(device) if isinstance(device, (list, tuple)) else [device] * n
+        flags = list(pinned) if isinstance(pinned, (list, tuple)) else [pinned] * n
+        if len(devices) != n or len(flags) != n:
+            raise ValueError(f"{len(devices)} devices and {len(flags)} pinned flags for "
+                             f"{n} slice classes")
+        if any(d is None for d in devices) or any(f is None for f in flags):
             import jax
 
-            device = device or jax.devices()[0]
-            if pinned is None:
-                pinned = device.platform != "cpu" and any(
-                    m.kind == "pinned_host" for m in device.addressable_memories())
+            devices = [d or jax.devices()[0] for d in devices]
+            flags = [d.platform != "cpu" and has_pinned_host(d) if f is None else bool(f)
+                     for f, d in zip(flags, devices)]
         self.plan = plan
         self.num_slots = plan.num_host_blocks
         backings = backings or {}
-        self.pools = tuple(ClassPool(c, self.num_slots, pinned=pinned, device=device,
+        self.pools = tuple(ClassPool(c, self.num_slots, pinned=f, device=d,
                                      backing=backings.get(c.index))
-                           for c in plan.classes)
+                           for c, f, d in zip(plan.classes, flags, devices))
         self._slots = [_Slot() for _ in range(self.num_slots)]
         # A min-heap: requests get the lowest free slots, so a request's slots tend to
         # be consecutive and its copies run as single slices.

@@ -30,7 +30,7 @@ from kvxfer.engine import TransferError
 from kvxfer import testing
 from kvxfer.testing import FAULTS
 from kvxfer.layout import LayoutError
-from kvxfer.manager import KVCacheManager
+from kvxfer.manager import PATHS, KVCacheManager
 
 __all__ = ["run_probe", "register_cli", "round_trip"]
 
@@ -80,7 +80,8 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
             if layer is None:
                 raise ValueError("--inject one-shard needs a sharded layer (use --devices 2+)")
         injected = {"fault": inject, "page": bad, "layer": layer}
-        pages, keys = testing.inject(inject, mgr, clobbered, pages, bad, layer, seed=seed)
+        pages, keys = testing.inject(inject, mgr, clobbered, pages, bad, layer, seed=seed,
+                                     device_blocks=dst)
     t0 = time.perf_counter()
     if inject == "transfer":
         new, handle = mgr.load(clobbered, pages, dst, keys=keys, gate=gate)
@@ -235,12 +236,14 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--pages", type=positive_int, default=16, help="pages to move (default 16)")
     p.add_argument("--num-blocks", type=positive_int, help="device blocks per layer (default: config)")
     p.add_argument("--devices", type=positive_int, default=1, help="shard over N devices")
-    p.add_argument("--path", choices=["auto", "staged", "direct"], default="auto")
+    p.add_argument("--path", choices=list(PATHS), default="auto",
+                   help="the manager's path= (default: auto)")
     p.add_argument("--integrity", choices=["off", "page"],
                    help="default: off, or page with --inject")
     p.add_argument("--inject", choices=list(FAULTS),
-                   help="damage the middle page on the host before loading; exit 0 only "
-                   "if it is detected at that page and the pages before it load exact")
+                   help="damage the middle page before loading (on the host; zero-dma: "
+                   "the load delivers zeros into its blocks of the middle layer); exit 0 "
+                   "only if it is detected at that page and the pages before it load exact")
     p.add_argument("--gate", choices=["all", "layer"], default="all")
     p.add_argument("--no-tpu-layouts", action="store_true",
                    help="ignore the configs' emulated TPU layouts")

@@ -1,9 +1,10 @@
 """Rigs for the engine-loop and value-semantics tests: caches, steps, reads, a host model.
 
 A *rig* is one way an engine holds its caches: ``raw`` (single-device float32, moved
-by raw byte copies on XLA:CPU), ``staged`` (bfloat16, ``path="staged"``) and
-``sharded`` (KV heads split over 4 devices, ``path="auto"``). Each builds small caches
-(4 layers x 32 blocks x 16 KiB) and the manager over them.
+by raw byte copies on XLA:CPU), ``staged`` (bfloat16, ``path="staged"``), ``sharded``
+(KV heads split over 4 devices, ``path="auto"``), ``pinned`` (bfloat16,
+``path="pinned"``) and ``pinned-sharded`` (the sharded caches on ``path="pinned"``).
+Each builds small caches (4 layers x 32 blocks x 16 KiB) and the manager over them.
 
 The jitted programs here are what a serving engine dispatches around kvxfer's calls:
 
@@ -27,7 +28,7 @@ pending computation reads, a wrong key freeing a page).
 bfloat16 note (measured, jax 0.10.2): XLA:CPU's bf16 scatter goes through f32 over
 the whole buffer and canonicalizes every NaN in it (0x7ff6 -> 0x7fc0), so a donated
 ``c.at[w].set(v)`` on a bf16 cache changes NaN bits in blocks it never wrote. The
-staged rig's caches and patterns therefore keep exponent bit 14 clear (no NaN, no
+bf16 rigs' caches and patterns therefore keep exponent bit 14 clear (no NaN, no
 Inf can arise, XOR included); float32 rigs use fully random bits, NaNs included
 (float32 scatters are exact).
 """
@@ -177,6 +178,10 @@ RIGS = {
     "staged": Rig("staged", "bfloat16", (64, 128), "staged", "staged", mask=0xBFFF),
     # [blocks, rows, kv_heads, head_dim]: the 4 KV heads split over the 4 devices.
     "sharded": Rig("sharded", "float32", (8, 4, 128), "auto", None, shard_dim=2),
+    "pinned": Rig("pinned", "bfloat16", (64, 128), "pinned", "pinned", mask=0xBFFF),
+    # Three of the four shards live off the pool's device: pinned buffers of their own.
+    "pinned-sharded": Rig("pinned-sharded", "float32", (8, 4, 128), "pinned", "pinned",
+                          shard_dim=2),
 }
 RIG_NAMES = list(RIGS)
 

@@ -21,15 +21,20 @@ from kvxfer.bench import limits, report as bench_report, timing
 from kvxfer.store import DiskStore, StoreError
 
 LOAD_METHODS = {"load_off_all", "load_off_layer", "load_page_all", "load_page_layer"}
-KVXFER_METHODS = {"offload_off", "offload_page"} | LOAD_METHODS
+# The pinned mover's variants: timed where path="auto" takes another mover (raw on CPU).
+PINNED_METHODS = {"offload_pinned_off", "offload_pinned_page", "load_pinned_off_all",
+                  "load_pinned_page_all"}
+KVXFER_METHODS = {"offload_off", "offload_page"} | LOAD_METHODS | PINNED_METHODS
 USER_OFFLOADS = {"user_device_get", "user_gather_pinned", "user_batched_gather_pinned"}
 USER_LOADS = {"user_put_scatter", "user_batched_put_scatter"}
-D2H_METHODS = {"offload_off", "offload_page"} | USER_OFFLOADS
+D2H_METHODS = {"offload_off", "offload_page", "offload_pinned_off", "offload_pinned_page"} | \
+    USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
             "integrity_traffic", "cache_size", "memory", "first_call", "queued", "store",
             "targets", "not_measured", "files"}
 # The caller-thread sections' cases on XLA:CPU: (path asked for, dtype, movers taken).
-CALL_CASES = [("staged", "bfloat16", ["staged"]), ("auto", "float32", ["raw"])]
+CALL_CASES = [("staged", "bfloat16", ["staged"]), ("auto", "float32", ["raw"]),
+              ("pinned", "float16", ["pinned"])]
 CALL_GEOMETRY = {"case", "dtype", "path", "movers", "integrity", "layers", "block_bytes",
                  "cache_blocks", "pages", "bytes"}
 STATS = {"n", "best_s", "p50_s", "p99_s"}
@@ -76,8 +81,10 @@ def test_report_has_every_section(run):
         assert set(row["methods"]) == KVXFER_METHODS | USER_OFFLOADS | USER_LOADS
         assert set(row["limit"]) == {"d2h", "h2d"}
         assert row["bytes"] == row["pages"] * row["layers"] * row["block_bytes"]
-    for row in report["throughput"]:
+    assert set(bench.PINNED_METHODS) == PINNED_METHODS
+    for row in report["throughput"] + report["sweep"]:
         assert row["paths"] == ["raw"]  # XLA:CPU row-major caches take the raw path
+        assert row["pinned_methods"] is True  # ... so the pinned mover is timed apart
     assert [r["pages"] for r in report["sweep"]] == list(cfg.prefix_pages)
     for row in report["sweep"]:
         for name in LOAD_METHODS:
@@ -276,6 +283,29 @@ def test_human_report_prints_the_caller_thread_sections(run):
         cells = line.split()  # ... offload() call, wait(), done, load() call, result(), done
         assert (cells[-4], cells[-1]) == tuple(f"{row[op]['steps_done_at_return']:.0%}"
                                                for op in ("offload", "load"))
+
+
+def test_pinned_mover_table_and_targets(run):
+    """The pinned mover's offload and load, both integrity modes, against the limit of
+    the same case, in every throughput cell and sweep size; CPU targets on the cells."""
+    report, _, _ = run
+    text = bench.format_report(report)
+    rows = table_rows(text, "Pinned mover (")
+    cases = report["throughput"] + report["sweep"]
+    assert len(rows) == len(cases)
+    for line, r in zip(rows, cases):
+        f = bench_report.pinned_figures(r)
+        assert set(f) == {"offload off", "offload page", "load off", "load page"}
+        assert f["offload page"] is r["methods"]["offload_pinned_page"]
+        assert f"{f['load page']['gbps']:.2f} ({f['load page']['fraction_of_limit']:.2f}x)" \
+            in line
+        assert line.split()[-1] == "pinned"
+    names = [t["name"] for t in report["targets"]]
+    assert sum(n.startswith("cpu: pinned mover") for n in names) == 4
+    # Where auto is the pinned mover (GPU), its own figures are the pinned mover's.
+    row = {**report["throughput"][0], "paths": ["pinned"], "pinned_methods": False}
+    assert bench_report.pinned_figures(row)["load off"] is row["methods"]["load_off_all"]
+    assert bench_report.pinned_figures({**row, "paths": ["raw"]}) is None
 
 
 def test_words_page_and_staged_keep_one_meaning(run):

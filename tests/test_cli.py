@@ -167,6 +167,23 @@ def test_probe_cli_inject_json(tmp_path):
     assert report["summary"]["injected"]["detected"] and report["integrity"] == "page"
 
 
+@pytest.mark.parametrize("path, mover", [("auto", "emulated"), ("pinned", "pinned"),
+                                         ("staged", "staged"), ("pallas", "pallas")])
+def test_probe_cli_inject_zero_dma_on_each_path(tmp_path, path, mover):
+    """A load that silently delivers zeros is caught at the page it hit, on every path."""
+    # The Pallas kernels move the arrays' real buffers: not the emulated TPU layouts.
+    extra = ["--no-tpu-layouts"] if path == "pallas" else []
+    r = kvxfer("probe", "--config", "tiny", "--num-blocks", "16", "--pages", "6", "--inject",
+               "zero-dma", "--path", path, "--gate", "layer", "--json", *extra, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    injected = report["summary"]["injected"]
+    assert injected["fault"] == "zero-dma" and injected["detected"], injected
+    assert report["summary"]["verified_prefix"] == injected["page"] == 3
+    assert injected["reason"] == f"digest mismatch in layer {injected['layer']}"
+    assert {row["path"] for row in report["layers"]} == {mover}
+
+
 def test_plan_cli_refuses_seed_direct_path_and_accepts_staged(tmp_path):
     r = kvxfer("plan", "--config", "seed-interleaved", "--path", "direct", "--json",
                "--budget", str(16 << 30), cwd=tmp_path)

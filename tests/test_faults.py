@@ -14,7 +14,10 @@ SRC, DST = [5, 1, 6, 2], [0, 7, 3, 4]
 BAD, BAD_LAYER, LAYERS = 2, 1, 3
 REASONS = {"bitflip": "digest mismatch in layer 1", "wrong-key": "wrong key",
            "misfile": "digest mismatch in layer 0", "stale-slot": "stale generation",
-           "one-shard": "shard disagreement", "torn": "digest mismatch in layer 1"}
+           "one-shard": "shard disagreement", "torn": "digest mismatch in layer 1",
+           "zero-dma": "digest mismatch in layer 1"}
+# Faults the bad page's own digest proves (the others are caught by keys or slots).
+PROVEN = ("bitflip", "misfile", "one-shard", "torn", "zero-dma")
 
 
 bits = faults.bits
@@ -42,7 +45,8 @@ def test_fault_matrix(fault, dtype, page_bytes, gate):
     pages = mgr.offload(caches, SRC, keys=[101, 102, 103, 104]).wait()
     keys = None
     if fault != "transfer":
-        pages, keys = faults.inject(fault, mgr, caches, pages, BAD, BAD_LAYER)
+        pages, keys = faults.inject(fault, mgr, caches, pages, BAD, BAD_LAYER,
+                                    device_blocks=DST)
 
     def released_blocks_are_good(new, layer, prefix):
         got = bits(new[layer])
@@ -68,13 +72,13 @@ def test_fault_matrix(fault, dtype, page_bytes, gate):
     assert result.invalid_pages == (2, 3)
     assert REASONS[fault] in result.reasons[BAD]
     # Only a page proven bad by its own digest is freed; the others stay valid.
-    proven = fault in ("bitflip", "misfile", "one-shard", "torn")
+    proven = fault in PROVEN
     assert result.freed_pages == ((BAD,) if proven else ())
     assert mgr.is_valid(pages[BAD + 1])
     assert mgr.is_valid(pages[BAD]) == (fault == "wrong-key")
     for layer in range(LAYERS):
         released_blocks_are_good(new, layer, BAD)
-    consumed = gate == "layer" and fault in ("bitflip", "torn", "one-shard")
+    consumed = gate == "layer" and fault in ("bitflip", "torn", "one-shard", "zero-dma")
     assert result.consumed_before_failure == consumed
     if consumed:
         with pytest.raises(kvxfer.IntegrityError, match="restart the request from page 2"):
@@ -124,7 +128,39 @@ def test_clean_run_has_no_false_positives():
     assert mgr.num_free_pages == 64
 
 
-@pytest.mark.parametrize("path", ["auto", "staged"])
+@pytest.mark.parametrize("gate", ["layer", "all"])
+@pytest.mark.parametrize("mover", ["raw", "staged", "emulated", "pinned", "pinned-sharded",
+                                   "pallas"])
+def test_zero_dma_is_caught_on_every_mover(mover, gate):
+    """A load that silently delivers zeros into one page's block is a digest mismatch at
+    that page, whichever mover moved it; the host page itself is intact."""
+    dtype = "float32" if mover == "pinned-sharded" else "bfloat16"
+    caches = make_caches(dtype, 16 << 10, sharded=mover == "pinned-sharded", seed=4)
+    before = [bits(c) for c in caches]
+    path = {"raw": "auto", "emulated": "auto", "pinned-sharded": "pinned"}.get(mover, mover)
+    layouts = [kvxfer.Layout.of(c) for c in caches] if mover == "emulated" else None
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path=path, layouts=layouts)
+    assert mgr.paths == [mover.split("-")[0]] * LAYERS
+    pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+    host = mgr.read_block_bytes(pages[BAD], BAD_LAYER)
+    faults.inject("zero-dma", mgr, caches, pages, BAD, BAD_LAYER, device_blocks=DST)
+    new, handle = mgr.load(caches, pages, DST, gate=gate)
+    result = handle.result()
+    assert result.verified_prefix == BAD
+    assert result.reasons[BAD] == "digest mismatch in layer 1"
+    got = bits(new[BAD_LAYER])
+    assert not got[DST[BAD]].any()  # zeros arrived, and no error was raised
+    assert before[BAD_LAYER][SRC[BAD]].any()  # where the page held random bits
+    assert np.array_equal(got[DST[BAD + 1]], before[BAD_LAYER][SRC[BAD + 1]])
+    for layer in range(LAYERS):
+        for j in range(BAD):
+            assert np.array_equal(bits(new[layer])[DST[j]], before[layer][SRC[j]])
+    assert host.count(0) < len(host)  # the host page is intact: the fault was the move
+    assert mgr.set_transfer_hook(None) is None  # the fault hooked one load only
+    mgr.close()
+
+
+@pytest.mark.parametrize("path", ["auto", "staged", "pinned"])
 def test_concurrent_threads_offload_load_and_free(path):
     """Several threads share one manager with slot reuse: no corruption, hang or leak."""
     import threading
@@ -269,7 +305,7 @@ def test_inject_knows_every_fault_it_lists_and_transfer_fails_one_load():
     for c, b in zip(caches, before):
         assert np.array_equal(bits(c)[DST], b[SRC])
     with pytest.raises(ValueError, match=r"unknown fault 'flood'; expected one of \("
-                       r"'bitflip', .*'transfer'\)"):
+                       r"'bitflip', .*'transfer', 'zero-dma'\)"):
         faults.inject("flood", mgr, caches, pages, BAD, BAD_LAYER)
 
 

@@ -38,12 +38,11 @@ def test_probe_round_trip_every_config(name, devices):
     assert len(report["layers"]) == config.load_builtin(name).num_layers
 
 
-@pytest.mark.parametrize("path", ["staged", "direct"])
+@pytest.mark.parametrize("path", ["staged", "direct", "pinned"])
 def test_probe_paths(path):
     report = run_probe("tiny", num_pages=8, num_blocks=16, path=path, integrity="off")
     assert report["ok"]
-    assert set(r["path"] for r in report["layers"]) == {"staged" if path == "staged" else
-                                                        "emulated"}
+    assert set(r["path"] for r in report["layers"]) == {{"direct": "emulated"}.get(path, path)}
 
 
 def test_direct_path_refuses_seed_layout_and_staged_still_round_trips():
@@ -461,7 +460,7 @@ def test_direct_refusal_names_the_shard_geometry_it_decided_on():
                               layouts=["{2,0,1:T(8,128)}"])
 
 
-@pytest.mark.parametrize("path", ["staged", "auto"])
+@pytest.mark.parametrize("path", ["staged", "auto", "pinned"])
 def test_a_failure_in_the_second_class_leaves_usable_caches(path):
     """Two slice classes; the load fails as the second class starts, after the first
     class's (donating) programs ran: err.kv_caches are the caches to continue with."""
@@ -497,7 +496,7 @@ def test_a_failure_in_the_second_class_leaves_usable_caches(path):
         assert np.array_equal(testing.bits(x)[[11, 12]], before[i][[1, 2]])
 
 
-@pytest.mark.parametrize("path", ["auto", "staged"])
+@pytest.mark.parametrize("path", ["auto", "staged", "pinned"])
 def test_hybrid_layers_take_block_ids_per_slice_class(path):
     """Full-attention layers with 32 blocks and sliding-window layers with 8: each class
     gets its own ids, checked against its own block count; a subset of classes moves."""
@@ -545,7 +544,7 @@ def test_hybrid_layers_take_block_ids_per_slice_class(path):
 # -- failure paths found in review --------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["staged", "auto"])
+@pytest.mark.parametrize("path", ["staged", "auto", "pinned"])
 def test_a_failure_while_digests_start_hands_back_caches_and_pins(path):
     caches = [jnp.asarray(testing.random_bits((8, 4, 128), "float32", seed=i)) for i in range(2)]
     before = [testing.bits(c) for c in caches]

@@ -11,8 +11,9 @@ Every device program of a transfer is enqueued on the caller's thread before
 (d) a page whose own bytes and digest are intact is never freed because one caller
     expected another key for it.
 
-Each test runs on three rigs (``engine_rig.RIGS``): raw float32 copies, staged bf16,
-and float32 with KV heads sharded over 4 devices. ``test_control_*`` tests do the same
+Each test runs on every rig (``engine_rig.RIGS``): raw float32 copies, staged bf16,
+float32 with KV heads sharded over 4 devices, and the pinned path on bf16 and on the
+sharded caches. ``test_control_*`` tests do the same
 moves with a wait between every call and the next: they check the rigs and the host
 model themselves, and pass on any engine that round-trips at all. With
 ``KVXFER_TEST_SERIALIZE=1`` every transfer is waited for inside its call (see

@@ -2,7 +2,8 @@
 device work, and on the first call of a size with and without ``warmup``.
 
 Both sections time each of ``CALL_CASES`` (a bfloat16 cache on ``path="staged"``, a
-float32 one on ``path="auto"``, the raw path on XLA:CPU) with ``integrity="page"``:
+float32 one on ``path="auto"``, the raw path on XLA:CPU, and a float16 one on
+``path="pinned"``) with ``integrity="page"``:
 
 * **queued steps**: ``queued_steps`` donating jitted steps (arithmetic over every
   layer, returning the new caches) are dispatched and not waited for; then the
@@ -34,7 +35,8 @@ __all__ = ["CALL_CASES", "first_call_section", "queued_section"]
 
 #: The cases of both sections: (name, dtype, the manager's ``path``).
 CALL_CASES: tuple[tuple[str, str, PathMode], ...] = (
-    ("staged", "bfloat16", "staged"), ("raw", "float32", "auto"))
+    ("staged", "bfloat16", "staged"), ("raw", "float32", "auto"),
+    ("pinned", "float16", "pinned"))
 
 # Passes of arithmetic per step at most: tiny caches on a fast device need many to
 # reach step_ms, but a step must not grow without bound.

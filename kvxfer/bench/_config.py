@@ -46,8 +46,8 @@ class BenchConfig:
         the ``"reference"`` cell only, or ``"none"`` (on CPU the batched gather runs
         below 1 GB/s, so one sample of it can cost seconds).
       call_block_bytes: block size of the queued-steps and first-call sections, which
-        time a bfloat16 cache on ``path="staged"`` and a float32 one on ``path="auto"``
-        (the raw path on XLA:CPU).
+        time a bfloat16 cache on ``path="staged"``, a float32 one on ``path="auto"``
+        (the raw path on XLA:CPU) and a float16 one on ``path="pinned"``.
       call_blocks: blocks per layer of those caches; the first call without warm-up
         gets one block more. Both must be shapes no other section builds.
       call_pages: pages per ``offload()`` / ``load()`` call in both sections (and the
@@ -141,7 +141,7 @@ class BenchConfig:
                              f"sizes up to store_bytes={self.store_bytes}, and "
                              f"store_repeats={self.store_repeats} and store_max_blobs="
                              f"{self.store_max_blobs} positive")
-        ours = {(self.call_block_bytes, d, n) for d in ("bfloat16", "float32")
+        ours = {(self.call_block_bytes, d, n) for d in ("bfloat16", "float32", "float16")
                 for n in (self.call_blocks, self.cold_call_blocks)}
         clash = sorted(ours & self._other_caches())
         if clash:  # a first call or a warm-up would find its programs compiled

@@ -8,7 +8,7 @@ import jax
 
 from kvxfer import testing
 from kvxfer.bench.timing import now
-from kvxfer.hostpool import PageRef
+from kvxfer.hostpool import PageRef, has_pinned_host
 from kvxfer.manager import Gate, IntegrityMode, KVCacheManager, LoadResult, PathMode
 
 __all__ = ["Rig", "make_caches", "load_name", "check_loaded", "LOAD_VARIANTS"]
@@ -47,9 +47,27 @@ class Rig:
                  kinds: Sequence[tuple[IntegrityMode, PathMode]] = (("off", "auto"),
                                                                     ("page", "auto"))):
         self.caches = caches
-        self.mgrs = {k: KVCacheManager(caches, num_host_blocks=num_host_blocks,
-                                       integrity=k[0], path=k[1]) for k in kinds}
+        self.num_host_blocks = num_host_blocks
+        self.mgrs: dict[tuple[IntegrityMode, PathMode], KVCacheManager] = {}
+        for k in kinds:
+            self.add(*k)
         self._key = 0
+
+    def add(self, integrity: IntegrityMode, path: PathMode) -> KVCacheManager:
+        """Adds a manager over the caches for ``(integrity, path)``."""
+        self.mgrs[(integrity, path)] = KVCacheManager(
+            self.caches, num_host_blocks=self.num_host_blocks, integrity=integrity, path=path)
+        return self.mgrs[(integrity, path)]
+
+    def add_pinned(self) -> bool:
+        """Adds pinned managers (both integrity modes) when ``path="auto"`` is not the
+        pinned mover for these caches and the backend has one; whether it added them."""
+        if set(self.mgr("page").paths) == {"pinned"} or \
+                not all(has_pinned_host(d) for d in self.caches[0].sharding.device_set):
+            return False
+        for integrity in ("off", "page"):
+            self.add(integrity, "pinned")
+        return True
 
     def mgr(self, integrity: IntegrityMode, path: PathMode = "auto") -> KVCacheManager:
         return self.mgrs[(integrity, path)]
@@ -64,9 +82,10 @@ class Rig:
         """Offloads ``ids`` and keeps the pages (sources for loads)."""
         return self.mgr(integrity, path).offload(self.caches, ids, self.keys(len(ids))).wait()
 
-    def offload(self, integrity: IntegrityMode, ids: Sequence[int]) -> dict[str, float]:
+    def offload(self, integrity: IntegrityMode, ids: Sequence[int], path: PathMode = "auto"
+                ) -> dict[str, float]:
         """One timed offload of ``ids`` (its pages are freed after): total and call seconds."""
-        mgr = self.mgr(integrity)
+        mgr = self.mgr(integrity, path)
         keys = self.keys(len(ids))
         t0 = now()
         handle = mgr.offload(self.caches, ids, keys)

@@ -27,7 +27,9 @@ from kvxfer.store import parse_spec
 __all__ = ["run_bench", "SCHEMA", "Only"]
 
 #: The report's schema (2: ``block_bytes`` per layer, user load baselines, ``direction``;
-#: 3: the ``first_call`` and ``queued`` sections; 4: the ``store`` section).
+#: 3: the ``first_call`` and ``queued`` sections; 4: the ``store`` section, the pinned
+#: mover's methods and ``pinned_methods`` in throughput and sweep rows, and its
+#: caller-thread case).
 SCHEMA = "kvxfer-bench/4"
 
 #: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).

@@ -27,13 +27,19 @@ from kvxfer.integrity import IDENTITY_WORDS
 from kvxfer.manager import IntegrityMode, PathMode
 
 __all__ = ["StepKind", "ordered_cells", "plan", "throughput_cell", "prefix_sweep",
-           "cache_size_section"]
+           "cache_size_section", "PINNED_METHODS"]
 
 #: The kinds of step a run's progress counts (each timed alike, for the estimate).
 StepKind = Literal["throughput", "concurrency", "overhead", "sweep", "cache size",
                    "first call", "queued steps", "store"]
 
-_Held = dict[IntegrityMode, list[PageRef]]
+#: Pages held as load sources, by (integrity, path) of their manager.
+_Held = dict[tuple[IntegrityMode, PathMode], list[PageRef]]
+
+#: The pinned mover's variants a case times when ``path="auto"`` is another mover
+#: here (on GPU auto is the pinned mover, so its figures are the kvxfer columns).
+PINNED_METHODS = ("offload_pinned_off", "offload_pinned_page", "load_pinned_off_all",
+                  "load_pinned_page_all")
 
 
 def _count(n: int, noun: str) -> str:
@@ -86,7 +92,15 @@ def _measure_case(cfg: BenchConfig, limit: Limit, rig: Rig, held: _Held, ids: li
         variants[f"offload_{integ}"] = lambda integ=integ: rig.offload(integ, ids)
     for integ, gate in LOAD_VARIANTS:
         variants[load_name(integ, gate)] = (
-            lambda integ=integ, gate=gate: rig.load(integ, held[integ][:len(ids)], ids, gate))
+            lambda integ=integ, gate=gate: rig.load(integ, held[(integ, "auto")][:len(ids)],
+                                                    ids, gate))
+    if ("page", "pinned") in rig.mgrs:
+        for integ in ("off", "page"):
+            variants[f"offload_pinned_{integ}"] = (
+                lambda integ=integ: rig.offload(integ, ids, "pinned"))
+            variants[f"load_pinned_{integ}_all"] = (
+                lambda integ=integ: rig.load(integ, held[(integ, "pinned")][:len(ids)], ids,
+                                             "all", "pinned"))
     t = interleaved(variants, cfg.repeats)
     lim = limit_figures({k: t[k] for k in runners}, nbytes)
     methods: dict[str, Any] = {}
@@ -124,9 +138,11 @@ def throughput_cell(cfg: BenchConfig, limit: Limit, block_bytes: int, dtype: str
         cold: dict[str, float] = {}
         for integ in ("off", "page"):  # first calls: they compile the class's programs
             t0 = now()
-            held[integ] = rig.hold(integ, ids)
+            held[(integ, "auto")] = rig.hold(integ, ids)
             cold[f"offload_{integ}"] = now() - t0
-            cold[load_name(integ, "all")] = rig.load(integ, held[integ], ids, "all")["s"]
+            cold[load_name(integ, "all")] = rig.load(integ, held[(integ, "auto")], ids,
+                                                     "all")["s"]
+        pinned = _hold_pinned(rig, held, ids)
         if reference:  # before the limit's and the user baselines' buffers exist
             progress.note("memory: host pool vs plan, transient memory of one offload + load")
             report["memory"] = _memory_section(rig, held, ids, device_before)
@@ -137,7 +153,7 @@ def throughput_cell(cfg: BenchConfig, limit: Limit, block_bytes: int, dtype: str
             methods[name]["first_call_s"] = seconds
         row = {"block_bytes": block_bytes, "dtype": dtype, "layers": layers, "pages": pages,
                "bytes": nbytes, "paths": sorted(set(rig.mgr("page").paths)),
-               "limit": lim, "methods": methods}
+               "pinned_methods": pinned, "limit": lim, "methods": methods}
         if reference:
             report["concurrency"] = _concurrency_section(cfg, rig, held, block_bytes, progress)
             report["overhead"] = _overhead_section(cfg, rig, held, block_bytes, progress)
@@ -148,6 +164,17 @@ def throughput_cell(cfg: BenchConfig, limit: Limit, block_bytes: int, dtype: str
     finally:
         rig.close()
         gc.collect()
+
+
+def _hold_pinned(rig: Rig, held: _Held, ids: list[int]) -> bool:
+    """Adds the pinned managers to ``rig`` (see ``Rig.add_pinned``) and their held pages,
+    after one load each (their programs compiled); whether they were added."""
+    if not rig.add_pinned():
+        return False
+    for integ in ("off", "page"):
+        held[(integ, "pinned")] = rig.hold(integ, ids, path="pinned")
+        rig.load(integ, held[(integ, "pinned")], ids, "all", "pinned")
+    return True
 
 
 def prefix_sweep(cfg: BenchConfig, limit: Limit, progress: Progress, rig: Rig | None = None,
@@ -163,9 +190,11 @@ def prefix_sweep(cfg: BenchConfig, limit: Limit, progress: Progress, rig: Rig | 
     if rig is None:
         rig = Rig(make_caches(layers, top, block, "bfloat16"), num_host_blocks=2 * top)
     rows = []
+    pinned = ("page", "pinned") in rig.mgrs
     try:
         if held is None:
-            held = {i: rig.hold(i, list(range(top))) for i in ("off", "page")}
+            held = {(i, "auto"): rig.hold(i, list(range(top))) for i in ("off", "page")}
+            pinned = _hold_pinned(rig, held, list(range(top)))
         for n in cfg.prefix_pages:
             nbytes = n * layers * block
             progress.step("sweep", f"prefix sweep: {_count(n, 'page')} x {layers} layers x "
@@ -173,7 +202,8 @@ def prefix_sweep(cfg: BenchConfig, limit: Limit, progress: Progress, rig: Rig | 
             lim, methods = _measure_case(cfg, limit, rig, held, list(range(n)), block,
                                          batched=cfg.batched_baseline == "all")
             rows.append({"pages": n, "block_bytes": block, "layers": layers, "bytes": nbytes,
-                         "dtype": "bfloat16", "limit": lim, "methods": methods})
+                         "dtype": "bfloat16", "paths": sorted(set(rig.mgr("page").paths)),
+                         "pinned_methods": pinned, "limit": lim, "methods": methods})
     finally:
         if own:
             rig.close()
@@ -211,8 +241,8 @@ def _concurrency_section(cfg: BenchConfig, rig: Rig, held: _Held, block_bytes: i
             t0 = now()
             handles = []
             for j, ids in enumerate(reqs):
-                rig.caches, h = mgr.load(rig.caches, held[integ][j * k:(j + 1) * k], ids,
-                                         gate="all")
+                rig.caches, h = mgr.load(rig.caches, held[(integ, "auto")][j * k:(j + 1) * k],
+                                         ids, gate="all")
                 handles.append(h)
             issued = now() - t0
             done = []
@@ -247,7 +277,8 @@ def _overhead_section(cfg: BenchConfig, rig: Rig, held: _Held, block_bytes: int,
         "offload_page": lambda: rig.offload("page", ids)}
     for integ, gate in LOAD_VARIANTS:
         variants[load_name(integ, gate)] = (
-            lambda integ=integ, gate=gate: rig.load(integ, held[integ][:k], ids, gate))
+            lambda integ=integ, gate=gate: rig.load(integ, held[(integ, "auto")][:k], ids,
+                                                    gate))
     t = interleaved(variants, cfg.overhead_repeats)
     rows = []
     for name, timing in t.items():
@@ -324,7 +355,7 @@ def _memory_section(rig: Rig, held: _Held, ids: list[int], device_before: int | 
         gc.collect()
         before = (_rss() or rss)[0]
         rig.offload("page", ids)
-        rig.load("page", held["page"], ids, "all")
+        rig.load("page", held[("page", "auto")], ids, "all")
         peak = (_rss() or rss)[1]
         out["host_rss_before_bytes"] = before
         out["host_peak_rss_bytes"] = peak

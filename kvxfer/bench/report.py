@@ -23,7 +23,8 @@ from kvxfer._text import format_bytes, table
 from kvxfer.bench._config import MiB
 
 __all__ = ["Targets", "evaluate_targets", "missed", "ZERO_OK", "iter_figures",
-           "format_report", "Variant", "VARIANTS", "PANELS", "figure", "plot"]
+           "format_report", "pinned_figures", "Variant", "VARIANTS", "PANELS", "figure",
+           "plot"]
 
 #: Figures that may legitimately be zero: differences, and the fraction of calls that
 #: returned after the queued steps were done (all others are > 0).
@@ -93,6 +94,33 @@ def _cell(row: dict[str, Any]) -> str:
     return f"{format_bytes(row['block_bytes'])} {row['dtype']}"
 
 
+#: The pinned mover's figures in a row: (name, method when auto is another mover,
+#: method when auto is the pinned mover itself).
+_PINNED = (("offload off", "offload_pinned_off", "offload_off"),
+           ("offload page", "offload_pinned_page", "offload_page"),
+           ("load off", "load_pinned_off_all", "load_off_all"),
+           ("load page", "load_pinned_page_all", "load_page_all"))
+
+
+def pinned_figures(row: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """The pinned mover's offload and load stats in a throughput or sweep row.
+
+    From its own variants where ``path="auto"`` took another mover, from auto's
+    where auto is the pinned mover; None where neither was measured.
+
+    Example:
+        >>> row = {"paths": ["pinned"], "pinned_methods": False,
+        ...        "methods": {m: {"gbps": 1.0} for _, _, m in _PINNED}}
+        >>> sorted(pinned_figures(row))
+        ['load off', 'load page', 'offload off', 'offload page']
+    """
+    if row.get("pinned_methods"):
+        return {name: row["methods"][own] for name, own, _ in _PINNED}
+    if row.get("paths") == ["pinned"]:
+        return {name: row["methods"][auto] for name, _, auto in _PINNED}
+    return None
+
+
 def evaluate_targets(report: dict[str, Any], targets: Targets = Targets()
                      ) -> list[dict[str, Any]]:
     """The target lines of a report (PASS or MISS each), for its platform.
@@ -126,6 +154,17 @@ def _transfer_targets(report: dict[str, Any], targets: Targets) -> list[dict[str
             out.append(_target(f"cpu: {op} of {batch} per call (integrity={m.split('_')[1]}) "
                                f">= {targets.cpu_fraction:g}x memcpy", v, ">=",
                                targets.cpu_fraction, f"worst cell: {_cell(row)}"))
+    pinned = [(r, pinned_figures(r)) for r in cells]
+    pinned = [(r, f) for r, f in pinned if f is not None]
+    if not gpu and pinned:
+        batch = format_bytes(cfg["batch_bytes"])
+        for name in ("offload page", "load page", "offload off", "load off"):
+            v, row = min(((f[name]["fraction_of_limit"], r) for r, f in pinned),
+                         key=lambda x: x[0])
+            op, integ = name.split()
+            out.append(_target(f"cpu: pinned mover {op} of {batch} per call "
+                               f"(integrity={integ}) >= {targets.cpu_fraction:g}x memcpy", v,
+                               ">=", targets.cpu_fraction, f"worst cell: {_cell(row)}"))
     cs = report["cache_size"]
     out.append(_target(
         f"load {cs['pages']} pages into {format_bytes(cs['large_cache_bytes'])} vs "
@@ -299,6 +338,8 @@ def _transfer_lines(report: dict[str, Any]) -> list[str]:
                               "page/all", "page/layer", "page/off", "1st call s (integrity=page)",
                               "mover"]))
 
+    lines += _pinned_lines(report, d2h, h2d)
+
     lines += ["", f"Prefix sweep ({format_bytes(cfg['prefix_block_bytes'])} bfloat16 blocks, "
               f"{cfg['layers']} layers): throughput, and hit latency (load call -> layer "
               "ready) p50/p99 ms"]
@@ -406,6 +447,30 @@ def _store_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _pinned_lines(report: dict[str, Any], d2h: str, h2d: str) -> list[str]:
+    """The pinned mover's throughput over the cells and the prefix sweep."""
+    rows = []
+    for section, label in (("throughput", "cell"), ("sweep", "sweep")):
+        for r in report[section]:
+            f = pinned_figures(r)
+            if f is None:
+                continue
+            rows.append([label, format_bytes(r["block_bytes"]), r["dtype"], r["pages"],
+                         format_bytes(r["bytes"]), f"{r['limit']['d2h']['gbps']:.2f}",
+                         _gb(f["offload off"]), _gb(f["offload page"]),
+                         f"{r['limit']['h2d']['gbps']:.2f}", _gb(f["load off"]),
+                         _gb(f["load page"]),
+                         "auto" if not r.get("pinned_methods") else "pinned"])
+    if not rows:
+        return ["", "Pinned mover: not measured (no pinned_host memory on this backend)"]
+    lines = ["", "Pinned mover (compiled gather into / scatter from a pinned host pool; "
+             "gate=all): GB/s (x limit)"]
+    lines.append(table(rows, ["case", "block", "dtype", "pages", "bytes", d2h,
+                              "offload off", "offload page", h2d, "load off", "load page",
+                              "path"]))
+    return lines
+
+
 def _call_case(row: dict[str, Any]) -> list[Any]:
     """``path=auto -> raw``, dtype, pages x layers, bytes: what a caller-thread row moved."""
     return [f"path={row['path']} -> {','.join(row['movers'])}", row["dtype"],
@@ -493,6 +558,9 @@ VARIANTS: tuple[Variant, ...] = (
         "h2d": ("load_page_all", "kvxfer integrity=page, gate=all")}),
     Variant("kvxfer integrity=page, gate=layer", "#56B4E9", "--", {
         "h2d": ("load_page_layer", "kvxfer integrity=page, gate=layer")}),
+    Variant("kvxfer path=pinned, integrity=page", "#F0E442", "-", {
+        "d2h": ("offload_pinned_page", "kvxfer path=pinned, integrity=page"),
+        "h2d": ("load_pinned_page_all", "kvxfer path=pinned, integrity=page, gate=all")}),
 )
 
 #: The panels of the plot: (title, direction).

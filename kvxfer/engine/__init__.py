@@ -6,6 +6,10 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
   programs with the page digests in the same program; the portable fallback.
 * ``RawMover`` (XLA:CPU, row-major whole-byte layouts): raw byte-range copies between
   the device buffers and the host pool.
+* ``PinnedMover`` (every backend with a ``pinned_host`` memory kind): compiled programs
+  that gather pages, with their digests, straight into a pinned host pool (in place
+  where the backend allows it, see ``IN_PLACE_PLATFORMS``) and scatter them from there
+  into the donated caches: no pageable staging, no per-page ``device_put``.
 * ``EmulatedMover`` (emulated TPU memory): raw byte-range copies over emulated device
   images, for layouts the inspector has proven addressable.
 * ``PallasMover`` (TPU; Pallas interpret mode on CPU): per-block DMA kernels between
@@ -26,6 +30,10 @@ from kvxfer.engine._mover import Pending as Pending
 from kvxfer.engine._mover import TransferError as TransferError
 from kvxfer.engine._pallas import PallasMover as PallasMover
 from kvxfer.engine._pallas import pallas_refusal as pallas_refusal
+from kvxfer.engine._pinned import IN_PLACE_PLATFORMS as IN_PLACE_PLATFORMS
+from kvxfer.engine._pinned import PinnedMover as PinnedMover
+from kvxfer.engine._pinned import pinned_capable as pinned_capable
+from kvxfer.engine._pinned import pinned_mode as pinned_mode
 from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
 from kvxfer.engine._programs import needs_raw_bits as needs_raw_bits
 from kvxfer.engine._raw import RawMover as RawMover
@@ -37,4 +45,5 @@ from kvxfer.engine._staged import StagedMover as StagedMover
 __all__ = ["PageBatch", "ShardedLayer", "assemble", "bucket", "Mover", "LoadRequest",
            "Pending", "TransferError", "DIGEST_CHUNK", "needs_raw_bits", "StagedMover",
            "RawMover", "EmulatedMover", "PallasMover", "pallas_refusal", "RowCopy",
-           "raw_capable", "shared_buffers"]
+           "raw_capable", "shared_buffers", "PinnedMover", "IN_PLACE_PLATFORMS",
+           "pinned_capable", "pinned_mode"]

@@ -94,6 +94,9 @@ class Mover(abc.ABC):
     #: Whether loads write into the caches' device buffers (so buffers shared by
     #: several arrays must be copied first; see ``LoadRequest.shared``).
     writes_buffers: ClassVar[bool] = False
+    #: Whether the mover needs its class's host pool in ``pinned_host`` memory of the
+    #: device holding the class's first shard (``ClassPool.array``).
+    pinned_pool: ClassVar[bool] = False
 
     def __init__(self, cls: SliceClass, pool: ClassPool):
         self.cls = cls

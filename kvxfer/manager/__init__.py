@@ -16,8 +16,11 @@ from kvxfer.manager._manager import Blocks as Blocks
 from kvxfer.manager._manager import IntegrityMode as IntegrityMode
 from kvxfer.manager._manager import KVCacheManager as KVCacheManager
 from kvxfer.manager._pages import PageFormatError as PageFormatError
+from kvxfer.manager._select import AUTO_RULES as AUTO_RULES
+from kvxfer.manager._select import PATHS as PATHS
 from kvxfer.manager._select import PathMode as PathMode
 from kvxfer.manager._verify import TransferHook as TransferHook
 
 __all__ = ["KVCacheManager", "OffloadHandle", "LoadHandle", "LoadResult", "IntegrityError",
-           "Gate", "IntegrityMode", "PathMode", "TransferHook", "Blocks", "PageFormatError"]
+           "Gate", "IntegrityMode", "PathMode", "PATHS", "AUTO_RULES", "TransferHook", "Blocks",
+           "PageFormatError"]

@@ -117,14 +117,28 @@ class KVCacheManager:
       integrity: ``"page"`` digests every page on the device before it leaves and
         verifies it after it returns; ``"off"`` skips digests.
       host_memory_budget: bytes; default ``kvxfer.plan.default_host_memory_budget()``.
-      path: ``"auto"`` (raw copies where XLA:CPU buffers allow, else staged; with
-        ``layouts=``, emulated copies for classes proven addressable under them, else
-        staged), ``"staged"`` (compiled gather/scatter, any backend and layout),
-        ``"direct"`` (byte-range copies only; refuses layouts not proven addressable),
-        or ``"pallas"`` (Pallas TPU DMA kernels, in interpret mode on CPU; refuses
-        layouts not proven addressable, and emulated ones).
+      path: the mover of each slice class (``mgr.paths`` reports the choice):
+
+        * ``"auto"``: per class, the fastest mover that can move it: on GPU and TPU
+          ``pinned`` (on TPU ``pallas`` first, for classes proven addressable); on
+          CPU ``raw`` copies where XLA:CPU buffers allow (row-major,
+          whole-byte elements), else ``pinned``; ``staged`` on a backend without a
+          ``pinned_host`` memory kind (or with ``pinned=False``). With ``layouts=``:
+          emulated copies for classes proven addressable under them, else staged.
+        * ``"pinned"``: compiled programs that gather pages (and their digests) into a
+          pinned host pool and scatter them from it into the donated caches, for
+          every class; needs a ``pinned_host`` memory kind (CPU and GPU have one).
+        * ``"staged"``: compiled gather/scatter through pageable host buffers, any
+          backend and layout (the portable fallback).
+        * ``"direct"``: byte-range copies only; refuses layouts not proven
+          addressable.
+        * ``"pallas"``: Pallas TPU DMA kernels for every class, for layouts the
+          inspector proves addressable (interpret mode off TPU; refuses the rest,
+          and emulated layouts).
       ready_timeout: seconds to wait for caches still being computed.
-      pinned: host pools in ``pinned_host`` memory (default: off on CPU).
+      pinned: host pools in ``pinned_host`` memory (default: off on CPU, except for
+        classes the pinned mover moves, which always get pinned pools; ``False``
+        keeps ``"auto"`` off the pinned mover).
       agreement_timeout: seconds a multi-process load waits for every process's
         verified prefix before failing with ``TransferError`` (a crashed rank).
 
@@ -132,6 +146,8 @@ class KVCacheManager:
       BudgetError: the plan exceeds the budget (before any allocation).
       LayoutError: ``path="direct"`` or ``"pallas"`` over a layout that is not
         addressable.
+      ValueError: ``path="pinned"`` on a backend without a ``pinned_host`` memory kind
+        (naming the backend) or with ``pinned=False``.
       ValueError, TypeError: bad caches (deleted, block dim sharded, ...), naming
         the layer.
       TimeoutError: a cache is still being computed after ``ready_timeout``.
@@ -167,7 +183,7 @@ class KVCacheManager:
         emulated = layouts is not None
         self._plan = make_plan(specs, num_host_blocks, path=plan_path(path, emulated),
                                host_memory_budget=host_memory_budget)
-        mover_types = select_movers(self._plan, specs, caches, path, emulated)
+        mover_types = select_movers(self._plan, specs, caches, path, emulated, pinned)
         self._specs = specs
         # What each layer's movers were chosen for: later caches must match it. The
         # arrays last checked (or returned by a load) skip the check, and those whose
@@ -178,9 +194,15 @@ class KVCacheManager:
         self._private: list[weakref.ref | None] = [None] * len(caches)
         # Abstract values of every layer: enough to compile ahead, holding no buffer.
         self._abstract = [(abstract(a), ShardedLayer.of(a).abstract()) for a in caches]
-        self._pool = HostPool(self._plan, pinned=pinned, backings={
-            c.index: m.host_backing(c, [self._abstract[i][1] for i in c.layers])
-            for m, c in zip(mover_types, self._plan.classes)})
+        # A class whose mover reads and writes pinned memory gets its pool in the
+        # pinned memory of the device holding its first shard; a mover may allocate
+        # its class's pool itself (the Pallas kernels write a typed host array).
+        firsts = [ShardedLayer.of(caches[c.layers[0]]).shards[0][0] for c in self._plan.classes]
+        self._pool = HostPool(
+            self._plan, pinned=[True if m.pinned_pool else pinned for m in mover_types],
+            device=[next(iter(a.devices())) for a in firsts],
+            backings={c.index: m.host_backing(c, [self._abstract[i][1] for i in c.layers])
+                      for m, c in zip(mover_types, self._plan.classes)})
         self._movers: list[Mover] = [m(cls, pool) for m, cls, pool in
                                      zip(mover_types, self._plan.classes, self._pool.pools)]
         self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]
@@ -209,7 +231,8 @@ class KVCacheManager:
 
     @property
     def paths(self) -> list[str]:
-        """The mover used for each layer: ``raw``, ``staged``, ``emulated`` or ``pallas``."""
+        """The mover used for each layer: ``raw``, ``pinned``, ``pallas``, ``staged`` or
+        ``emulated``."""
         return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
 
     def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:
@@ -221,8 +244,13 @@ class KVCacheManager:
           class whose first layer is ``layer`` starts (raising there is a failure in
           that class, after earlier classes were loaded);
         * ``"loaded_layer"``, on the caller's thread once ``layer``'s bytes are
-          written (raw, emulated) or their programs enqueued (staged), before its
-          digests are enqueued; ``array`` is what the load returns for that layer;
+          written (raw, emulated) or their programs enqueued (staged, pinned), before
+          its digests are enqueued; ``array`` is what the load wrote into that layer.
+          The hook may return a ``jax.Array`` of the same shape, dtype and sharding
+          to stand for it: the load then digests and returns that array instead
+          (``kvxfer.testing``'s ``zero-dma`` fault returns one whose loaded blocks
+          are zeros, as a DMA that silently delivered nothing would leave them);
+          any other return value (``None``, say) keeps ``array``;
         * ``"load_layer"``, on the transfer thread before the load waits for
           ``layer`` (raising there is a device failure reported by ``result()``).
 
@@ -572,7 +600,7 @@ class KVCacheManager:
                     f"{e}; continue with err.kv_caches ({len(usable)} of {len(new)} layers "
                     "usable)", kv_caches=new) from e
             for i, a in zip(cls.layers, out):
-                new[i] = a
+                new[i] = digests.returned(i, a)
         try:
             return new, states, digests.finish(new)
         except Exception as e:

@@ -2,23 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 import jax
 
-from kvxfer.engine import (EmulatedMover, Mover, PallasMover, RawMover, StagedMover,
-                           pallas_refusal, raw_capable)
+from kvxfer.engine import (EmulatedMover, Mover, PallasMover, PinnedMover, RawMover,
+                           StagedMover, pallas_refusal, pinned_capable, raw_capable)
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
-__all__ = ["PathMode", "PATHS", "plan_path", "select_movers"]
+__all__ = ["PathMode", "PATHS", "AUTO_RULES", "plan_path", "select_movers"]
 
-PathMode = Literal["auto", "staged", "direct", "pallas"]
-"""``"auto"``: the fastest proven mover per class; ``"staged"``: compiled programs for
-every class; ``"direct"``: byte-range copies only, refusing what is not proven;
-``"pallas"``: Pallas TPU DMA kernels for every class, refusing what is not proven."""
+PathMode = Literal["auto", "staged", "direct", "pinned", "pallas"]
+"""``"auto"``: the fastest proven mover per class (``AUTO_RULES``); ``"staged"``:
+compiled programs through pageable host buffers for every class; ``"direct"``:
+byte-range copies only, refusing what is not proven; ``"pinned"``: compiled programs
+straight to and from a pinned host pool, for every class (backends with a
+``pinned_host`` memory kind); ``"pallas"``: Pallas TPU DMA kernels for every class
+(interpret mode off TPU), refusing what is not proven."""
 PATHS: tuple[str, ...] = get_args(PathMode)
+
+#: What ``path="auto"`` tries for each class, by backend: the first mover that
+#: applies to the class wins (``staged`` applies to every class). With emulated TPU
+#: layouts (``layouts=``) the rule is: emulated for classes proven addressable, else
+#: staged.
+AUTO_RULES: dict[str, tuple[str, ...]] = {
+    "cpu": ("raw", "pinned", "staged"),
+    "gpu": ("pinned", "staged"),
+    "tpu": ("pallas", "pinned", "staged"),
+}
+_OTHER_BACKENDS = ("pinned", "staged")
+
+_MOVERS: dict[str, type[Mover]] = {"raw": RawMover, "pinned": PinnedMover,
+                                   "pallas": PallasMover, "staged": StagedMover}
 
 
 def plan_path(path: PathMode, emulated: bool) -> str:
@@ -26,12 +43,12 @@ def plan_path(path: PathMode, emulated: bool) -> str:
 
     With emulated TPU layouts (``layouts=``) the direct path stores device bytes;
     ``"auto"`` stores device bytes for classes proven addressable and dense blocks for
-    the rest; raw XLA:CPU copies and the staged path store dense blocks.
+    the rest; raw XLA:CPU copies, the pinned and the staged paths store dense blocks.
     """
     # The plan's paths are named like the manager's; without emulated layouts every
     # mover stores dense blocks, and so do the Pallas kernels (their pages hold each
     # block's logical bytes; they refuse emulated layouts).
-    return path if emulated and path != "pallas" else "staged"
+    return path if emulated and path in ("auto", "direct") else "staged"
 
 
 def _refusal(cls: SliceClass, spec: LayerSpec, layer: int) -> LayoutError:
@@ -43,8 +60,43 @@ def _refusal(cls: SliceClass, spec: LayerSpec, layer: int) -> LayoutError:
                        f"layer {layer}{shard}: {g.reason}")
 
 
+def _backend(caches: Sequence[jax.Array], cls: SliceClass) -> str:
+    return next(iter(caches[cls.layers[0]].sharding.device_set)).platform
+
+
+def _memory_kinds(a: jax.Array) -> list[str]:
+    return sorted({m.kind for d in a.sharding.device_set for m in d.addressable_memories()})
+
+
+def _applies(caches: Sequence[jax.Array], pinned: bool | None, specs: Sequence[LayerSpec],
+             emulated: bool) -> dict[str, Callable[[SliceClass], bool]]:
+    """Whether each mover can move a class (``AUTO_RULES`` names these)."""
+    return {
+        "pallas": lambda cls: pallas_refusal(cls, specs, caches, emulated) is None,
+        "raw": lambda cls: all(raw_capable(caches[i]) for i in cls.layers),
+        "pinned": lambda cls: pinned is not False and all(pinned_capable(caches[i])
+                                                          for i in cls.layers),
+        "staged": lambda cls: True,
+    }
+
+
+def _check_pinned(caches: Sequence[jax.Array], cls: SliceClass, pinned: bool | None) -> None:
+    if pinned is False:
+        raise ValueError("path='pinned' moves pages through pinned host pools; it cannot "
+                         "run with pinned=False (pass pinned=None or True, or another "
+                         "path)")
+    for i in cls.layers:
+        if not pinned_capable(caches[i]):
+            a = caches[i]
+            raise ValueError(
+                f"path='pinned' needs a 'pinned_host' memory kind; layer {i} lives on the "
+                f"{_backend(caches, cls)} backend, whose devices offer "
+                f"{_memory_kinds(a)}; use path='staged' or 'auto'")
+
+
 def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
-                  path: PathMode, emulated: bool) -> list[type[Mover]]:
+                  path: PathMode, emulated: bool, pinned: bool | None = None
+                  ) -> list[type[Mover]]:
     """The mover type of each slice class of ``plan``.
 
     Args:
@@ -53,12 +105,16 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
       caches: the caches, for what the backend's buffers allow.
       path: what was asked for.
       emulated: the layouts are emulated TPU layouts (``layouts=`` on CPU).
+      pinned: the manager's ``pinned=`` (False keeps ``auto`` off the pinned mover).
 
     Raises:
       LayoutError: ``path="direct"`` over a class with no proven direct copy, or
         ``path="pallas"`` over a class the Pallas kernels may not move, naming the
         class, the layer, its shard geometry and the rule that failed.
+      ValueError: ``path="pinned"`` on a backend without ``pinned_host`` memory (or
+        with ``pinned=False``), naming the backend.
     """
+    applies = _applies(caches, pinned, specs, emulated)
     out: list[type[Mover]] = []
     for cls in plan.classes:
         first = cls.layers[0]
@@ -71,6 +127,10 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
                                   f"{list(cls.layers)}), layer {layer}{shard}: {reason}")
             out.append(PallasMover)
             continue
+        if path == "pinned":
+            _check_pinned(caches, cls, pinned)
+            out.append(PinnedMover)
+            continue
         if emulated:
             # The bytes live in emulated TPU memory under the given layouts: only the
             # emulated mover reads them as such, and only where they are proven.
@@ -79,8 +139,15 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
             out.append(EmulatedMover if path != "staged" and cls.addressable else
                        StagedMover)
             continue
+        if path == "staged":
+            out.append(StagedMover)
+            continue
+        if path == "auto":
+            rule = AUTO_RULES.get(_backend(caches, cls), _OTHER_BACKENDS)
+            out.append(_MOVERS[next(name for name in rule if applies[name](cls))])
+            continue
         raw_ok = [raw_capable(caches[i]) for i in cls.layers]
-        if path == "direct" and not all(raw_ok):
+        if not all(raw_ok):  # path == "direct"
             bad = cls.layers[raw_ok.index(False)]
             if not specs[bad].shard_geometry.addressable:
                 raise _refusal(cls, specs[bad], bad)
@@ -91,5 +158,5 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
                 "this backend has no direct path for it (raw copies need XLA:CPU "
                 "row-major buffers of whole-byte elements; on TPU use path='pallas' "
                 "for the Pallas DMA kernels; pass layouts= to use emulated TPU memory)")
-        out.append(RawMover if path != "staged" and all(raw_ok) else StagedMover)
+        out.append(RawMover)
     return out

@@ -23,8 +23,20 @@ from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["TransferHook", "LoadVerifier", "DigestStarter", "DigestJob", "Verified"]
 
-TransferHook = Callable[[str, int, jax.Array], None]
-"""``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``."""
+TransferHook = Callable[[str, int, jax.Array], Any]
+"""``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``. A
+``"loaded_layer"`` hook may return a ``jax.Array`` to stand for what the load wrote
+(any other return value is ignored)."""
+
+
+def _replacement(layer: int, array: jax.Array, new: jax.Array) -> jax.Array:
+    """Checks the array a ``"loaded_layer"`` hook returned in place of ``array``."""
+    if new.shape != array.shape or new.dtype != array.dtype or \
+            not new.sharding.is_equivalent_to(array.sharding, array.ndim):
+        raise ValueError(f"the loaded_layer hook returned {new.dtype}{list(new.shape)} on "
+                         f"{new.sharding} for layer {layer}; expected the loaded array's "
+                         f"{array.dtype}{list(array.shape)} on {array.sharding}")
+    return new
 
 
 @dataclasses.dataclass
@@ -85,24 +97,33 @@ class DigestStarter:
         k = next(iter(batches.values())).k
         self._active = bool(k) and verifier.verify_pages
         self._layers: dict[int, ShardedLayer] = {}
+        self._arrays: dict[int, jax.Array] = {}  # what the load returns, by layer
         self._jobs: list[DigestJob] = []
         size = 1 if gate == "layer" else DIGEST_CHUNK
         self._groups = {c: [list(range(len(verifier.plan.classes[c].layers)))[a:a + size]
                             for a in range(0, len(verifier.plan.classes[c].layers), size)]
                         for c in batches}
 
-    def written(self, c: int, pos: int, array: jax.Array) -> None:
-        """Layer ``pos`` of class ``c`` holds its loaded bytes: ``array`` (once each)."""
+    def written(self, c: int, pos: int, array: jax.Array) -> jax.Array:
+        """Layer ``pos`` of class ``c`` holds its loaded bytes: ``array`` (once each).
+
+        Returns:
+          The array the load returns for that layer: ``array``, or what the
+          ``"loaded_layer"`` hook returned in its place.
+        """
         cls = self._verifier.plan.classes[c]
         layer = cls.layers[pos]
-        if layer in self._layers:
-            return
+        if layer in self._arrays:
+            return self._arrays[layer]
         hook = self._verifier.hook
         if hook is not None:
-            hook("loaded_layer", layer, array)
+            new = hook("loaded_layer", layer, array)
+            if isinstance(new, jax.Array):  # anything else (None, say) keeps ``array``
+                array = _replacement(layer, array, new)
+        self._arrays[layer] = array
         self._layers[layer] = ShardedLayer.of(array)
         if not self._active:
-            return
+            return array
         group = next(g for g in self._groups[c] if pos in g)
         if all(cls.layers[p] in self._layers for p in group):
             by_pos = [self._layers.get(j) for j in cls.layers]
@@ -110,16 +131,23 @@ class DigestStarter:
             self._jobs.append(DigestJob(cls, group, [
                 self._verifier.movers[c].digests(by_pos, self._batches[c], group, replica=r)
                 for r in range(cls.replicas)]))
+        return array
+
+    def returned(self, layer: int, array: jax.Array) -> jax.Array:
+        """What the load returns for ``layer``, whose mover handed back ``array``."""
+        return self._arrays.get(layer, array)
 
     def finish(self, new: list[jax.Array]) -> dict[int, DigestJob] | list[DigestJob]:
         """Starts what is left (movers that write everything at once report nothing).
+
+        ``new`` (the arrays the load returns) takes the arrays hooks returned.
 
         Returns:
           The jobs: by layer for ``gate="layer"``, else a list.
         """
         for c in self._batches:
             for pos, i in enumerate(self._verifier.plan.classes[c].layers):
-                self.written(c, pos, new[i])
+                new[i] = self.written(c, pos, new[i])
         if self._gate == "layer":
             return {job.cls.layers[job.positions[0]]: job for job in self._jobs}
         return self._jobs

@@ -24,9 +24,10 @@ from kvxfer.testing._faults import misfile as misfile
 from kvxfer.testing._faults import reuse_slot as reuse_slot
 from kvxfer.testing._faults import tear as tear
 from kvxfer.testing._faults import wrong_keys as wrong_keys
+from kvxfer.testing._faults import zero_dma as zero_dma
 from kvxfer.testing._store import flip_stored_bit as flip_stored_bit
 
 __all__ = ["bits", "same_bits", "random_bits", "block_shape", "random_caches", "FAULTS",
            "Fault", "InjectedTransferError", "flip_bit", "wrong_keys", "misfile",
-           "reuse_slot", "corrupt_shard", "tear", "failing_transfer", "inject",
+           "reuse_slot", "corrupt_shard", "tear", "failing_transfer", "zero_dma", "inject",
            "flip_stored_bit"]

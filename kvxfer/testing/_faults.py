@@ -15,6 +15,11 @@ verification can catch it:
 * ``torn``: half of a page's layer bytes are another page's (a torn write).
 * ``transfer``: the transfer itself fails after some layers moved: a device
   error, reported as ``TransferError``, never as a miss (``failing_transfer``).
+* ``zero-dma``: the next load delivers zeros into one page's block of one layer
+  and reports no error, as Mosaic DMAs did on some libtpu releases (jax issue
+  39744). The host page is intact; only the device-side digest of what arrived
+  catches it. It acts through the manager's public hook (``zero_dma``), so it
+  applies to every mover alike.
 
 ``one-process`` corruption in a multi-process job is ``bitflip`` applied on one
 rank only.
@@ -35,19 +40,23 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, get_args
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import KVCacheManager, TransferHook
 
 __all__ = ["FAULTS", "Fault", "flip_bit", "wrong_keys", "misfile", "reuse_slot",
-           "corrupt_shard", "tear", "failing_transfer", "inject", "InjectedTransferError"]
+           "corrupt_shard", "tear", "failing_transfer", "zero_dma", "inject",
+           "InjectedTransferError"]
 
 Fault = Literal["bitflip", "wrong-key", "misfile", "stale-slot", "one-shard", "torn",
-                "transfer"]
+                "transfer", "zero-dma"]
 FAULTS: tuple[str, ...] = get_args(Fault)
 """The faults ``inject`` and ``kvxfer probe --inject`` know."""
 
@@ -170,8 +179,55 @@ def failing_transfer(mgr: KVCacheManager, after_layers: int = 0) -> Iterator[Non
         mgr.set_transfer_hook(previous)
 
 
+@functools.lru_cache(maxsize=64)
+def _zeroing(fmt: Any):
+    def zero(a: jax.Array, block: jax.Array) -> jax.Array:
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            # Through the raw bits: XLA:CPU rewrites bf16/fp8 NaN payloads in a float
+            # scatter, which would change blocks the fault must leave alone.
+            u = jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{a.dtype.itemsize * 8}"))
+            return jax.lax.bitcast_convert_type(u.at[block].set(0), a.dtype)
+        return a.at[block].set(jnp.zeros((), a.dtype))
+
+    return jax.jit(zero, out_shardings=fmt)
+
+
+def zero_dma(mgr: KVCacheManager, layer: int, block: int) -> None:
+    """The next load that writes ``layer`` delivers zeros into its ``block``, silently.
+
+    A one-shot ``"loaded_layer"`` hook returns the loaded array with that block
+    zeroed (every replica, every shard), as a DMA that moved nothing would leave it;
+    the load reports no error, so only its digests can tell.
+
+    Example:
+        >>> import kvxfer
+        >>> from kvxfer import testing
+        >>> caches = testing.random_caches(2, 8, (4, 128), "bfloat16")
+        >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+        >>> pages = mgr.offload(caches, [0, 1, 2], keys=[1, 2, 3]).wait()
+        >>> testing.zero_dma(mgr, layer=1, block=6)
+        >>> caches, load = mgr.load(caches, pages, [5, 6, 7])
+        >>> load.result().verified_prefix, bool(testing.bits(caches[1])[6].any())
+        (1, False)
+        >>> mgr.close()
+    """
+    previous = mgr.set_transfer_hook(None)
+
+    def hook(event: str, at: int, array: Any) -> Any:
+        out = previous(event, at, array) if previous is not None else None
+        if event != "loaded_layer" or at != layer:
+            return out
+        mgr.set_transfer_hook(previous)
+        loaded = array if out is None else out
+        return _zeroing(loaded.format)(loaded, np.int32(block))
+
+    mgr.set_transfer_hook(hook)
+
+
 def inject(kind: str, mgr: KVCacheManager, caches: Sequence[Any], pages: list[PageRef],
-           index: int, layer: int, *, seed: int = 0) -> tuple[list[PageRef], list[int] | None]:
+           index: int, layer: int, *, seed: int = 0,
+           device_blocks: Sequence[int] | Mapping[int, Sequence[int]] | None = None
+           ) -> tuple[list[PageRef], list[int] | None]:
     """Applies one named fault to ``pages[index]``.
 
     Args:
@@ -183,14 +239,24 @@ def inject(kind: str, mgr: KVCacheManager, caches: Sequence[Any], pages: list[Pa
       layer: the layer to damage (``transfer``: the layer at which the next load
         fails, after ``layer`` layers moved).
       seed: picks the bit for ``bitflip`` and ``one-shard``.
+      device_blocks: the block ids the next load writes (as given to ``load``);
+        ``zero-dma`` zeroes the one page ``index`` goes to.
 
     Returns:
       ``(pages, keys)`` to pass to ``load`` (keys None unless the fault needs them).
 
     Raises:
-      ValueError: an unknown fault, or ``one-shard`` on a layer with one shard.
+      ValueError: an unknown fault, ``one-shard`` on a layer with one shard, or
+        ``zero-dma`` without ``device_blocks``.
     """
     pages = list(pages)
+    if kind == "zero-dma":
+        if device_blocks is None:
+            raise ValueError("zero-dma needs device_blocks: the ids the next load writes")
+        if isinstance(device_blocks, Mapping):
+            device_blocks = device_blocks[mgr.plan.class_of_layer(layer)[0].index]
+        zero_dma(mgr, layer, int(list(device_blocks)[index]))
+        return pages, None
     if kind == "bitflip":
         flip_bit(mgr, pages[index], layer, seed=seed)
     elif kind == "wrong-key":

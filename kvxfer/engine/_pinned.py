@@ -1,0 +1,322 @@
+"""The pinned mover: compiled programs between the caches and a pinned host pool.
+
+For every backend with a ``pinned_host`` memory kind. The class's host pool is one
+buffer in the ``pinned_host`` memory of one device (the pool device: where the
+class's first shard lives), held as a JAX array of words (``ClassPool.array``).
+
+* **Offload**: one program per (slice class, bucket) per shard gathers the blocks of
+  every layer of the class. On the pool device it writes the pages into their slots
+  *in place*: the pool array is donated and updated by dynamic-update-slices, so the
+  bytes reach the pool with no copy beside the program's own. A shard on another
+  device (pinned memory belongs to a device) gets its pages in that device's
+  ``pinned_host`` memory (``out_shardings``), and the transfer thread copies them into
+  the pool: one host copy. The page digests are the digest programs loads verify
+  with (``Mover.digests``), enqueued first: with the digests inside it, the copy
+  program took 5x as long to compile (2 s a bucket for 32 layers on XLA:CPU) and ran
+  no faster.
+* **Load**: one program per (class, bucket) per shard replica reads the request's
+  pages and writes them into the donated caches in place. On the pool device it
+  reads the pool itself; a replica on another device reads a pinned buffer of its
+  own device that the caller's thread fills from the pool (one host copy). Every
+  replica of a replicated layer is loaded; each is stored once.
+
+Every program is enqueued on the caller's thread; the transfer thread only waits
+and copies host bytes. Blocks move as their raw bits where XLA:CPU would rewrite
+NaN payloads (``needs_raw_bits``); on XLA:CPU a bfloat16 or fp8 load then costs a
+copy of the whole cache (a bitcast breaks buffer aliasing), as on the staged path.
+
+Which backends update the pool in place is ``IN_PLACE_PLATFORMS`` (measured on
+XLA:CPU); elsewhere every shard takes the one-host-copy route. The two modes also
+write blocks differently: in place, a loop of dynamic-update-slices (on XLA:CPU 4-5x
+as fast as a scatter from gathered pages); through a copy, one gather and one
+scatter per layer (one kernel each on a GPU, not one per block). The environment
+variable ``KVXFER_PINNED_MODE`` (``in-place`` or ``copy``) overrides the choice, so
+that a device check can measure both (``benchmarks/pinned_modes.py``) and CPU tests
+can run what a GPU runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from kvxfer.engine._batch import assemble, device_of
+from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _sds
+from kvxfer.engine._programs import compile_ahead, compile_zeros, pinned_gather, pinned_load, \
+    pinned_write, zeros
+from kvxfer.engine._raw import RowCopy
+from kvxfer.hostpool import ClassPool, PoolError, has_pinned_host
+from kvxfer.plan import SliceClass
+
+__all__ = ["PinnedMover", "IN_PLACE_PLATFORMS", "pinned_capable", "pinned_mode"]
+
+#: Backends whose programs update the pinned pool in place and read it directly
+#: (XLA:CPU, measured with jax 0.10.2: the donated pool keeps its buffer).
+IN_PLACE_PLATFORMS = frozenset({"cpu"})
+
+_MODES = ("in-place", "copy")
+
+
+def pinned_capable(array: jax.Array) -> bool:
+    """Whether every device holding ``array`` offers a ``pinned_host`` memory kind."""
+    return all(has_pinned_host(d) for d in array.sharding.device_set)
+
+
+def pinned_mode(platform: str) -> str:
+    """``"in-place"`` or ``"copy"``: how the pinned mover reaches the pool on ``platform``.
+
+    Example:
+        >>> import os
+        >>> pinned_mode("cpu") == ("in-place" if os.environ.get("KVXFER_PINNED_MODE",
+        ...                        "in-place") == "in-place" else "copy")
+        True
+    """
+    mode = os.environ.get("KVXFER_PINNED_MODE")
+    if mode is None:
+        return "in-place" if platform in IN_PLACE_PLATFORMS else "copy"
+    if mode not in _MODES:
+        raise ValueError(f"KVXFER_PINNED_MODE={mode!r}; expected one of {_MODES}")
+    return mode
+
+
+def _pinned(device: Any) -> jax.sharding.SingleDeviceSharding:
+    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+
+
+def _host_view(a: jax.Array) -> np.ndarray:
+    """The bytes of a ready ``pinned_host`` array, viewed in place (no copy)."""
+    raw = (ctypes.c_uint8 * a.nbytes).from_address(a.unsafe_buffer_pointer())
+    return np.ctypeslib.as_array(raw).reshape(a.shape[0], -1)
+
+
+class PinnedOffload(NamedTuple):
+    """What an offload enqueued: digests, pages to copy into the pool, the pool written.
+
+    Attributes:
+      digests: the digests being computed (None with integrity off).
+      copies: ``(shard, pages)`` for shards not written in place (off the pool device,
+        or every shard in the copy mode): ``pages`` lives in the pinned memory of the
+        shard's device, ``[bucket, L * shard words]``.
+      written: an output of each in-place program, ready once it wrote the pool (the
+        pool array itself may be donated by the next program before anyone waits).
+    """
+
+    digests: Pending | None
+    copies: list[tuple[int, jax.Array]]
+    written: list[jax.Array]
+
+
+class PinnedInputs(NamedTuple):
+    """One shard replica's load inputs, on its device.
+
+    ``src`` is None where the program reads the pool itself (a replica on the pool
+    device, in place mode; the pool array is taken when the program is enqueued);
+    otherwise a pinned buffer of the request's pages of that shard on the replica's
+    device, ``[bucket, L * shard words]``.
+    """
+
+    shard: int
+    replica: int
+    src: jax.Array | None
+    rows: jax.Array
+
+
+class PinnedLoad(NamedTuple):
+    """Outputs of a load's programs that the caller never holds: ready once they ran.
+
+    The transfer thread waits for them before the load's host slots are released,
+    since the programs read the pinned pool (or buffers filled from it) as they run.
+    """
+
+    done: list[jax.Array]
+
+
+class PinnedMover(Mover):
+    """Compiled programs between the caches and a pinned host pool, in place."""
+
+    name = "pinned"
+    pinned_pool = True
+
+    def __init__(self, cls: SliceClass, pool: ClassPool):
+        super().__init__(cls, pool)
+        if not pool.pinned:
+            raise ValueError(f"the pinned mover needs a pinned host pool for {cls.name}; "
+                             "the pool was allocated in pageable memory")
+        self._unit = pool.word_bytes
+        self._words = cls.shard_block_bytes // self._unit  # words of one shard block
+        self._in_place = pinned_mode(pool.device.platform) == "in-place"
+
+    # -- geometry -----------------------------------------------------------------
+
+    def _pool_offsets(self, shard: int) -> tuple[int, ...]:
+        """Word offset of each layer's shard ``shard`` inside a pool row."""
+        return tuple(self.pool.shard_range(pos, shard)[0] // self._unit
+                     for pos in range(len(self.cls.layers)))
+
+    def _packed_offsets(self) -> tuple[int, ...]:
+        """Word offset of each layer inside a row of one shard's pages."""
+        return tuple(pos * self._words for pos in range(len(self.cls.layers)))
+
+    def _direct(self, device: Any) -> bool:
+        """Whether programs on ``device`` reach the pool itself."""
+        return self._in_place and device == self.pool.device
+
+    def _pool_abstract(self) -> jax.ShapeDtypeStruct:
+        a = self.pool.array
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+    def _packed_shape(self, b: int) -> tuple[int, int]:
+        return (b, len(self.cls.layers) * self._words)
+
+    @staticmethod
+    def _padded(rows: np.ndarray, b: int) -> np.ndarray:
+        # Padding entries repeat the first page: they rewrite the same bytes.
+        out = np.full(b, rows[0] if len(rows) else 0, dtype=np.int32)
+        out[:len(rows)] = rows
+        return out
+
+    # -- offload ------------------------------------------------------------------
+
+    def start_offload(self, layers, batch, slots, with_digest):
+        # The digests are programs of their own (the ones loads verify with): the
+        # copy programs then compile in a fraction of the time, and run as fast.
+        digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
+        b = len(batch.padded)
+        slots_pad = self._padded(np.asarray(slots), b)
+        copies, written = [], []
+        for s in range(self.cls.num_shards):
+            arrays = tuple(layer.primary[s] for layer in layers)
+            device = device_of(arrays[0])
+            ids_d, _ = batch.on(device, s)
+            if self._direct(device):
+                rows_d = jax.device_put(slots_pad, device)
+                with self.pool.lock:
+                    new, done = pinned_write(arrays, self.pool.array, ids_d, rows_d,
+                                             self._pool_offsets(s))
+                    self._swap(new)
+                written.append(done)
+            else:
+                copies.append((s, pinned_gather(arrays, ids_d, _pinned(device), self._unit)))
+        return PinnedOffload(digests, copies, written)
+
+    def _swap(self, new: jax.Array) -> None:
+        try:
+            self.pool.swap(new)
+        except PoolError as e:
+            raise TransferError(f"pinned offload of {self.cls.name} failed: {e}") from e
+
+    def finish_offload(self, state: PinnedOffload, slots):
+        k = len(slots)
+        size = self.cls.shard_block_bytes
+        for s, pages in state.copies:
+            pages.block_until_ready()
+            view = _host_view(pages)[:k]  # [k, L * shard bytes], in pinned memory
+            if self.cls.num_shards == 1:
+                RowCopy(slots, np.arange(k), view.shape[1])(self.pool.data, view)
+                continue
+            for pos in range(len(self.cls.layers)):
+                lo, hi = self.pool.shard_range(pos, s)
+                self.pool.data[slots, lo:hi] = view[:, pos * size:(pos + 1) * size]
+        for done in state.written:
+            done.block_until_ready()
+        if state.digests is not None:
+            d = state.digests.get()
+            for s in range(self.cls.num_shards):
+                self._store_digests(slots, s, d[:, s])
+
+    # -- load ---------------------------------------------------------------------
+
+    def stage_load(self, layers, request: LoadRequest) -> list[PinnedInputs]:
+        batch, slots = request.batch, np.asarray(request.slots)
+        k, b = batch.k, len(batch.padded)
+        size = self.cls.shard_block_bytes
+        work = []
+        for s in range(self.cls.num_shards):
+            packed = None
+            for r in range(len(layers[0].shards[s])):
+                device = device_of(layers[0].shards[s][r])
+                if self._direct(device):
+                    rows = jax.device_put(self._padded(slots, b), device)
+                    work.append(PinnedInputs(s, r, None, rows))
+                    continue
+                # Pinned memory belongs to a device: this replica's pages are copied
+                # from the pool into a pinned buffer of its own device (one host copy).
+                src = zeros(self._packed_shape(b), self.pool.array.dtype, _pinned(device))
+                src.block_until_ready()
+                view = _host_view(src)
+                if packed is None:
+                    for pos in range(len(self.cls.layers)):
+                        lo, hi = self.pool.shard_range(pos, s)
+                        view[:k, pos * size:(pos + 1) * size] = self.pool.data[slots, lo:hi]
+                    packed = view
+                else:
+                    view[:k] = packed[:k]
+                rows = jax.device_put(self._padded(np.arange(k), b), device)
+                work.append(PinnedInputs(s, r, src, rows))
+        return work
+
+    def start_load(self, arrays, layers, request: LoadRequest, staged: list[PinnedInputs]):
+        new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
+                                                    for _ in layers]
+        done = []
+        for shard, replica, src, rows in staged:
+            local = tuple(layer.shards[shard][replica] for layer in layers)
+            device = device_of(local[0])
+            ids_d, _ = request.batch.on(device, shard)
+            if src is None:
+                with self.pool.lock:  # the pool array of the moment, before any donation
+                    out, d = pinned_load(local, self.pool.array, ids_d, rows,
+                                         self._pool_offsets(shard))
+            else:
+                out, d = pinned_load(local, src, ids_d, rows, self._packed_offsets(),
+                                     self._stream(device), loop=self._in_place)
+            done.append(d)
+            for pos, a in enumerate(out):
+                new_shards[pos][shard].append(a)
+        new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
+        return new, PinnedLoad(done)
+
+    def finish_load_layer(self, state: PinnedLoad, pos: int) -> None:
+        # One program writes every layer of a shard replica: the first wait covers all.
+        for d in state.done:
+            d.block_until_ready()
+
+    def _stream(self, device: Any) -> jax.sharding.Sharding | None:
+        # Through a copy, a program reads its pinned buffer once it is moved to the
+        # device (parameter streaming: the documented way off XLA:CPU, and what CPU
+        # tests of this mode then run); in place, XLA:CPU reads the pool where it is.
+        return None if self._in_place else jax.sharding.SingleDeviceSharding(device)
+
+    # -- warm-up ------------------------------------------------------------------
+
+    def warmup(self, arrays, layers, b, with_digest):
+        super().warmup(arrays, layers, b, with_digest)
+        for s in range(self.cls.num_shards):
+            primary = tuple(layer.primary[s] for layer in layers)
+            device = device_of(primary[0])
+            ids = _sds((b,), np.int32, device)
+            if self._direct(device):
+                compile_ahead("pinned_write", primary, self._pool_abstract(), ids, ids,
+                              options=(self.pool.array.sharding, self._pool_offsets(s)))
+            else:
+                compile_ahead("pinned_gather", primary, ids,
+                              options=(_pinned(device), self._unit))
+            for r in range(len(layers[0].shards[s])):
+                local = tuple(layer.shards[s][r] for layer in layers)
+                device = device_of(local[0])
+                rows = _sds((b,), np.int32, device)
+                if self._direct(device):
+                    pool = self._pool_abstract()
+                    compile_ahead("pinned_load", local, pool, rows, rows,
+                                  options=(pool.sharding, self._pool_offsets(s), None, True))
+                    continue
+                shape, dtype = self._packed_shape(b), self.pool.array.dtype
+                compile_zeros(shape, dtype, _pinned(device))
+                src = jax.ShapeDtypeStruct(shape, dtype, sharding=_pinned(device))
+                compile_ahead("pinned_load", local, src, rows, rows,
+                              options=(src.sharding, self._packed_offsets(),
+                                       self._stream(device), self._in_place))
