@@ -81,10 +81,12 @@ cat "$out/env.txt" >> "$log"
 # is part of what the check measures.
 # -v: one line per test in the log, so a run cut short by its limit still says which
 # tests passed.
-# The pinned mover's tests first (auto takes it on GPU), then the zero-dma fault on
-# every mover, then the rest.
+# The pinned mover's tests first (auto takes it on GPU), then the zero-dma fault on it
+# (one device: not the sharded case), then the rest.
 step "device tests" 150 env JAX_PLATFORMS=$platform "$py" -m pytest -v -p no:cacheprovider \
-  --junitxml="$out/tests.xml" tests/test_pinned.py tests/test_faults.py::test_zero_dma_is_caught_on_every_mover \
+  --junitxml="$out/tests.xml" tests/test_pinned.py \
+  "tests/test_faults.py::test_zero_dma_is_caught_on_every_mover[pinned-layer]" \
+  "tests/test_faults.py::test_zero_dma_is_caught_on_every_mover[pinned-all]" \
   tests/test_value_semantics.py tests/test_engine_loop.py tests/test_integrity.py \
   tests/test_manager.py
 
