@@ -212,7 +212,7 @@ def test_slots_read_by_a_load_in_flight_are_not_reused():
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
     pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
     gate = threading.Event()
-    mgr.set_transfer_hook(lambda event, layer, array: gate.wait(30))
+    mgr.set_transfer_hook(lambda event, layer, array: event == "load_layer" and gate.wait(30))
     new, handle = mgr.load(caches, pages, DST)  # consumes caches
     mgr.free(pages)  # the load still reads these slots
     assert mgr.num_free_pages == 0
