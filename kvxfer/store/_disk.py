@@ -131,6 +131,21 @@ class _Frame:
         self.key, self.blob_len, self.blob_offset, self.size = key, blob_len, blob_offset, size
 
 
+_GONE = object()  # what _frame_of says of a file that is not there (any more)
+
+
+def _frame_of(path: str) -> _Frame | None | object:
+    """The frame of the file at ``path``, None when not one whole file, or ``_GONE``."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return _GONE
+    try:
+        return _read_frame(fd)
+    finally:
+        os.close(fd)
+
+
 def _read_frame(fd: int) -> _Frame | None:
     """The frame of the open file ``fd``, or None when it is not one whole file."""
     size = os.fstat(fd).st_size
@@ -355,14 +370,9 @@ class DiskStore(Store):
                 self._rescan()
                 names = list(self._index)
             for name in names:
-                try:
-                    fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
-                except FileNotFoundError:
+                frame = _frame_of(os.path.join(self.path, name))
+                if frame is _GONE:
                     continue
-                try:
-                    frame = _read_frame(fd)
-                finally:
-                    os.close(fd)
                 if frame is not None and file_name(frame.key.decode("utf-8")) == name:
                     out.append(frame.key.decode("utf-8"))
         except OSError as e:
@@ -474,15 +484,7 @@ class DiskStore(Store):
                 finally:
                     os.close(fd)
             elif name.endswith(_SUFFIX) and not name.startswith("."):
-                try:
-                    fd = os.open(entry.path, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue
-                try:
-                    frame = _read_frame(fd)
-                finally:
-                    os.close(fd)
-                if frame is None:
+                if _frame_of(entry.path) is None:
                     self._unlink_quietly(entry.path)
 
     def _unlink_quietly(self, path: str) -> None:
