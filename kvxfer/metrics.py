@@ -33,7 +33,6 @@ class _HasStats(Protocol):
 
 def _client():
     try:
-        import prometheus_client  # noqa: F401
         from prometheus_client import core
     except ImportError as e:
         raise ImportError("kvxfer.metrics needs prometheus_client: pip install "

@@ -15,7 +15,7 @@ import pytest
 
 import kvxfer.testing
 from kvxfer import demo
-from kvxfer.hostpool import PageRef, PoolExhaustedError
+from kvxfer.hostpool import PoolExhaustedError
 
 # Prompts of 3 and 4 pages and at most 6 device blocks: every request evicts the
 # other prompt's pages to host, so the third request on is a host hit.
