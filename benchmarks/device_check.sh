@@ -15,7 +15,9 @@
 # here with
 #     echo /.whl/ >> .git/info/exclude
 #     python3 -m pip wheel --no-deps --wheel-dir .whl .
-# and carried as `.whl`. Without .whl/ the script uses the checkout (PYTHONPATH).
+# and carried as `.whl`, rebuilt for every change (a wheel whose modules differ from the
+# checkout's is not used: the log says so). Without .whl/ the script uses the checkout
+# (PYTHONPATH).
 #
 # What comes back (at most 8 files, at most two folders deep):
 #   OUTDIR/log.txt            every step's output, with its time and exit status
@@ -55,6 +57,27 @@ if ls .whl/kvxfer-*.whl > /dev/null 2>&1; then
   step "install kvxfer" 60 "$py" -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/kvxfer-site .whl/*.whl
   export PYTHONPATH=/tmp/kvxfer-site
+  # A wheel built from another tree than this checkout would test stale code: compare
+  # every module the wheel installed with the checkout's, and use the checkout if any
+  # differs (the log says which).
+  if ! "$py" - <<'EOF' >> "$log" 2>&1
+import hashlib, pathlib, sys
+site, here = pathlib.Path("/tmp/kvxfer-site/kvxfer"), pathlib.Path("kvxfer")
+def digest(p):
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+ours = {p.relative_to(here): digest(p) for p in here.rglob("*.py")}
+theirs = {p.relative_to(site): digest(p) for p in site.rglob("*.py")}
+stale = sorted(str(k) for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+if stale:
+    print("== the wheel in .whl/ differs from this checkout in", stale[:5],
+          "(and more)" if len(stale) > 5 else "", "- rebuild it; using the checkout")
+    sys.exit(1)
+print("== the wheel matches this checkout")
+EOF
+  then
+    export PYTHONPATH=$PWD
+    status=1
+  fi
 else
   echo "== no .whl/kvxfer-*.whl: using the checkout" | tee -a "$log"
   export PYTHONPATH=$PWD
