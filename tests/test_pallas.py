@@ -77,8 +77,9 @@ def test_mixed_classes_round_trip_byte_exact_with_layer_gate():
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=6, path="pallas", integrity="page")
     assert mgr.paths == ["pallas"] * 4
     assert len(mgr.plan.classes) == 3
-    # Every class sits on one device: its pool is the array the offload kernel writes.
-    assert all(p.owner is not None for p in mgr.host_pool.pools)
+    # Off TPU no pool is the kernels' array: pages go through page buffers (the
+    # interpreter copies operands in and out whole; see PallasMover.host_backing).
+    assert all(p.owner is None for p in mgr.host_pool.pools)
     before = [bits(c) for c in caches]
     src, dst = [5, 12, 0, 7], [9, 1, 15, 5]
     pages = mgr.offload(caches, src, keys=[11, 12, 13, 14]).wait()
@@ -252,8 +253,8 @@ def test_sharded_and_replicated_layers_are_byte_exact_per_shard():
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path="pallas")
     assert mgr.paths == ["pallas"] * 3
     assert [(c.num_shards, c.replicas) for c in mgr.plan.classes] == [(4, 1), (1, 4)]
-    # The sharded class moves through page buffers; the replicated one writes its pool.
-    assert [p.owner is not None for p in mgr.host_pool.pools] == [False, True]
+    # Both move through page buffers off TPU (the sharded class on TPU too).
+    assert [p.owner is not None for p in mgr.host_pool.pools] == [False, False]
     before = [bits(c) for c in caches]
     src, dst = [6, 1, 14], [2, 15, 7]
     pages = mgr.offload(caches, src, keys=[1, 2, 3]).wait()
@@ -311,16 +312,19 @@ def test_warmup_compiles_every_kernel_a_bucket_runs():
     mgr.close()
 
 
-def test_the_pool_stays_one_buffer_through_many_offloads():
+def test_offloads_in_flight_keep_host_writes_to_other_pages():
     caches = testing.random_caches(2, 16, (4, 128), "float32", seed=12)
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pallas")
     pool = mgr.host_pool.pools[0]
     address = pool.data.ctypes.data
+    (kept,) = mgr.offload(caches, [9], keys=[99]).wait()
     handles = [mgr.offload(caches, [i], keys=[i + 1]) for i in range(6)]  # in flight
+    new = np.full(4 * 128, 7.0, np.float32).tobytes()
+    mgr.write_block_bytes(kept, 0, new)  # while those offloads run
     pages = [h.wait()[0] for h in handles]
     pool.check_owner()
     assert pool.data.ctypes.data == address
-    assert pool.owner.unsafe_buffer_pointer() == address
+    assert mgr.read_block_bytes(kept, 0) == new
     before = [bits(c) for c in caches]
     for i, page in enumerate(pages):
         assert mgr.read_block_bytes(page, 1) == before[1][i].tobytes()
@@ -347,3 +351,43 @@ def test_pages_are_interchangeable_with_the_staged_path():
         assert np.array_equal(bits(c)[[13, 14]], b[[5, 5]]), f"layer {i}"
     pallas.close()
     staged.close()
+
+
+def test_two_threads_moving_their_own_classes_at_once():
+    """Interpret mode keeps one process-wide state: kernels of two classes issued from
+    two threads must not overlap in it (each class is one thread's here)."""
+    import threading
+
+    def make(seed):
+        return (testing.random_caches(1, 16, (4, 128), "bfloat16", seed=seed)
+                + testing.random_caches(1, 16, (4, 128), "float32", seed=seed + 1))
+
+    mgr = kvxfer.KVCacheManager(make(0), num_host_blocks=12, path="pallas")
+    errors = []
+
+    def worker(t):
+        try:
+            rng = np.random.default_rng(t)
+            caches = make(20 + 2 * t)
+            for r in range(6):
+                k = int(rng.integers(1, 4))
+                src, dst = rng.permutation(16)[:k], rng.permutation(16)[:k]
+                before = bits(caches[t])
+                pages = mgr.offload(caches, {t: src},
+                                    keys=[t * 100 + r * 4 + j for j in range(k)]).wait()
+                caches, load = mgr.load(caches, pages, {t: dst})
+                assert load.result(timeout=60).verified_prefix == k
+                assert np.array_equal(bits(caches[t])[dst], before[src])
+                mgr.free(pages)
+        except BaseException as e:  # reported below, with the thread
+            errors.append((t, e))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=240)
+    assert not any(th.is_alive() for th in threads)
+    assert errors == []
+    assert mgr.num_free_pages == 12
+    mgr.close()

@@ -57,6 +57,9 @@ __all__ = ["PallasMover", "pallas_refusal"]
 # device memory is host memory, so the pool's numpy view is the array's buffer).
 _PLATFORMS = ("tpu", "cpu")
 
+# Off TPU the kernels run in TPU interpret mode, whose state is process-wide.
+_INTERPRET_LOCK = threading.Lock()
+
 
 def pallas_refusal(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
                    emulated: bool) -> tuple[int, str] | None:
@@ -192,21 +195,29 @@ class PallasMover(Mover):
     @classmethod
     def host_backing(cls, slice_class: SliceClass,
                      layers: Sequence[ShardedLayer]) -> HostBacking | None:
-        if slice_class.num_shards != 1:
-            return None
         first = layers[0].shards[0][0]
+        # Off TPU the interpreter copies every operand in and out whole: a pool it
+        # wrote in place would undo host writes to other slots made meanwhile (an
+        # import, say). There the pages go through page buffers, as sharded ones do.
+        if slice_class.num_shards != 1 or not _dma.compiled(device_of(first)):
+            return None
         return functools.partial(_pool_backing, num_layers=len(layers),
                                  block=tuple(first.shape[1:]), dtype=first.dtype,
                                  device=device_of(first))
 
-    @staticmethod
-    def _call(program, device: Any, *args):
-        try:
+    def _call(self, program, device: Any, *args):
+        if _dma.compiled(device):
             return program(*args)
-        except Exception:
-            if not _dma.compiled(device):
+        # TPU interpret mode keeps its simulated memory in one process-wide state and
+        # copies every operand in and out whole (the pool included): one kernel at a
+        # time, run to its end here, and no host write to the pool meanwhile (the
+        # manager's host writers hold the pool's lock too).
+        with _INTERPRET_LOCK, self.pool.lock:
+            try:
+                return jax.block_until_ready(program(*args))
+            except Exception:
                 _dma.reset_interpreter()
-            raise
+                raise
 
     def _direct_here(self, shard: int, replica: int) -> bool:
         return self._direct and shard == 0 and replica == 0

@@ -753,7 +753,8 @@ class KVCacheManager:
         row, lo, hi = self._page_range(page, layer)
         if buf.size != hi - lo:
             raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {hi - lo}")
-        row[lo:hi] = buf
+        with self._pool.pools[self._layer_class[layer][0].index].lock:
+            row[lo:hi] = buf
         if self.integrity == "page":
             cls, pos = self._layer_class[layer]
             pool = self._pool.pools[cls.index]
@@ -856,8 +857,9 @@ class KVCacheManager:
         (slot, generation), = self._pool.allocate(1)
         for c, data in page.data.items():
             pool = self._pool.pools[c]
-            pool.data[slot] = data
-            pool.digests[slot] = page.digests[c]
+            with pool.lock:  # no program copies the pool in and out meanwhile
+                pool.data[slot] = data
+                pool.digests[slot] = page.digests[c]
         self._pool.commit(slot, generation, page.key, frozenset(page.data), seal=page.seal)
         self._stats.add(pages_imported=1)
         return PageRef(page.key, slot, generation)
