@@ -363,8 +363,12 @@ class HostPool:
 
     def seal_of(self, slot: int) -> int:
         """The generation the digests of the page in ``slot`` are bound to."""
+        return self.seals_of([slot])[0]
+
+    def seals_of(self, slots: Sequence[int]) -> list[int]:
+        """``seal_of`` for many slots, under one lock (a load's pages)."""
         with self._lock:
-            return self._slot(slot).seal
+            return [self._slot(slot).seal for slot in slots]
 
     def classes_of(self, slot: int) -> frozenset[int]:
         """The slice classes whose part of the page ``slot`` holds."""

@@ -530,7 +530,7 @@ class KVCacheManager:
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
         batches = self._batches({c: ids[:n] for c, ids in blocks.items()},
                                 [p.key for p in pages[:n]],
-                                [self._pool.seal_of(p.slot) for p in pages[:n]])
+                                self._pool.seals_of([p.slot for p in pages[:n]]))
         new = caches
         try:
             new, states, jobs = self._start_load(caches, batches, slots, gate)
