@@ -13,7 +13,7 @@ import numpy as np
 from kvxfer import integrity
 
 __all__ = ["ShardedLayer", "PageBatch", "assemble", "bucket", "device_of", "layer_nums",
-           "abstract"]
+           "abstract", "local", "own_context"]
 
 
 def bucket(k: int) -> int:
@@ -29,6 +29,38 @@ def bucket(k: int) -> int:
 def device_of(a: jax.Array | jax.ShapeDtypeStruct) -> Any:
     """The one device of a single-device array (or of its abstract value)."""
     return next(iter(a.sharding.device_set))
+
+
+def own_context(fn):
+    """Runs ``fn`` under no context mesh: kvxfer's programs never see the caller's.
+
+    Engines call kvxfer inside ``jax.set_mesh(mesh)`` (any mesh, Explicit axes or
+    Auto, even one over other devices than the caches); the programs kvxfer compiles
+    and runs work on single-device shards and must compile the same whatever that
+    context is. The caller's context is restored on return.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with jax.set_mesh(None):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def local(a: jax.Array) -> jax.Array:
+    """A single-device shard typed as a ``SingleDeviceSharding`` array, zero-copy.
+
+    A shard of a one-device array is the array itself, with the caller's sharding:
+    under a mesh with Explicit axes its type carries them (``f32[16@data,...]``), and
+    kvxfer's programs, which index blocks, must not depend on the caller's types.
+    The result shares the buffer (donating it consumes the caller's array, as
+    donating the caller's array itself would).
+    """
+    if isinstance(a.sharding, jax.sharding.SingleDeviceSharding):
+        return a
+    device = device_of(a)
+    return jax.make_array_from_single_device_arrays(
+        a.shape, jax.sharding.SingleDeviceSharding(device, memory_kind=a.sharding.memory_kind),
+        [a])
 
 
 def abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
@@ -61,7 +93,7 @@ class ShardedLayer:
     def of(cls, array: jax.Array) -> ShardedLayer:
         groups: dict[tuple[int, ...], list[jax.Array]] = {}
         for s in array.addressable_shards:
-            groups.setdefault(_index_key(s.index, array.shape), []).append(s.data)
+            groups.setdefault(_index_key(s.index, array.shape), []).append(local(s.data))
         return cls(tuple(tuple(groups[k]) for k in sorted(groups)))
 
     def abstract(self) -> ShardedLayer:
@@ -77,9 +109,9 @@ class ShardedLayer:
 def assemble(template: jax.Array, shard_arrays: Sequence[Sequence[jax.Array]]) -> jax.Array:
     """A global array like ``template`` from new per-shard (per-replica) arrays."""
     flat = [a for reps in shard_arrays for a in reps]
-    if len(flat) == 1 and template.sharding.is_fully_addressable and \
-            len(template.sharding.device_set) == 1:
+    if len(flat) == 1 and flat[0].sharding == template.sharding:
         return flat[0]
+    # Typed as the caller's array (Explicit axes included), over the same buffers.
     return jax.make_array_from_single_device_arrays(template.shape, template.sharding, flat)
 
 

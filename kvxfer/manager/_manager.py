@@ -28,7 +28,7 @@ from kvxfer import integrity as _integrity
 from kvxfer._check import check_int, check_timeout
 from kvxfer.engine import LoadRequest, Mover, PageBatch, ShardedLayer, TransferError, \
     bucket, shared_buffers
-from kvxfer.engine._batch import abstract
+from kvxfer.engine._batch import abstract, own_context
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
 from kvxfer.manager._handles import Gate, LoadHandle, LoadResult, OffloadHandle
@@ -153,6 +153,7 @@ class KVCacheManager:
       TimeoutError: a cache is still being computed after ``ready_timeout``.
     """
 
+    @own_context
     def __init__(self, kv_caches: Sequence[jax.Array], *, num_host_blocks: int,
                  layouts: Sequence[Any] | None = None, integrity: IntegrityMode = "page",
                  host_memory_budget: int | None = None, path: PathMode = "auto",
@@ -373,6 +374,7 @@ class KVCacheManager:
 
     # -- offload ----------------------------------------------------------------
 
+    @own_context
     def offload(self, kv_caches: Sequence[jax.Array], device_blocks: Blocks,
                 keys: Sequence[Any]) -> OffloadHandle:
         """Copies blocks to new host pages, asynchronously.
@@ -424,6 +426,7 @@ class KVCacheManager:
             raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
         return OffloadHandle(future)
 
+    @own_context
     def _finish_offload(self, states: dict[int, Any], slots: np.ndarray,
                         refs: list[tuple[int, int]], keys: list[int],
                         started: float) -> list[PageRef]:
@@ -445,6 +448,7 @@ class KVCacheManager:
 
     # -- load -------------------------------------------------------------------
 
+    @own_context
     def load(self, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef],
              device_blocks: Blocks, keys: Sequence[Any] | None = None,
              gate: Gate = "all") -> tuple[list[jax.Array], LoadHandle]:
@@ -607,6 +611,7 @@ class KVCacheManager:
             raise TransferError(f"load of {n} pages failed while starting its digests: {e}; "
                                 "continue with err.kv_caches", kv_caches=new) from e
 
+    @own_context
     def _finish_load(self, round_: int, handle: LoadHandle, new: list[jax.Array],
                      pages: list[PageRef],
                      slots: np.ndarray, batches: dict[int, PageBatch], states: dict[int, Any],
@@ -665,6 +670,7 @@ class KVCacheManager:
                 raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
         self._pool.release_many([(p.slot, p.generation) for p in pages])
 
+    @own_context
     def warmup(self, max_pages: int) -> list[int]:
         """Compiles every program transfers of up to ``max_pages`` pages will run.
 
@@ -822,6 +828,7 @@ class KVCacheManager:
         self._stats.add(pages_exported=1)
         return blob
 
+    @own_context
     def import_page(self, blob: bytes | bytearray | memoryview,
                     key: Any | None = None) -> PageRef:
         """A new host page holding an exported page, digests and identity unchanged.
