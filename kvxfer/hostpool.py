@@ -298,8 +298,11 @@ class HostPool:
                            for c, f, d in zip(plan.classes, flags, devices))
         self._slots = [_Slot() for _ in range(self.num_slots)]
         # A min-heap: requests get the lowest free slots, so a request's slots tend to
-        # be consecutive and its copies run as single slices.
+        # be consecutive and its copies run as single slices. A slot the caller names
+        # (``claim``) leaves its entry behind: entries of slots no longer free are
+        # skipped when popped, and ``_num_free`` is the count.
         self._free = list(range(self.num_slots))
+        self._num_free = self.num_slots
         self._invalidated: dict[int, int] = {}  # slot -> generation found bad
         self._lock = threading.Lock()
 
@@ -312,7 +315,7 @@ class HostPool:
     @property
     def num_free(self) -> int:
         with self._lock:
-            return len(self._free)
+            return self._num_free
 
     def _slot(self, slot: int) -> _Slot:
         """The slot's record; generations are compared by each caller."""
@@ -330,20 +333,55 @@ class HostPool:
           PoolExhaustedError: fewer than ``n`` slots are free.
         """
         with self._lock:
-            if n > len(self._free):
+            if n > self._num_free:
                 raise PoolExhaustedError(
-                    f"host pool exhausted: {n} pages requested, {len(self._free)} of "
+                    f"host pool exhausted: {n} pages requested, {self._num_free} of "
                     f"{self.num_slots} slots free; free pages or raise num_host_blocks")
             out = []
-            for _ in range(n):
+            while len(out) < n:
                 slot = heapq.heappop(self._free)
-                self._invalidated.pop(slot, None)  # an older ref to it is now just stale
-                s = self._slots[slot]
-                s.generation += 1
-                s.state = "writing"
-                s.key = 0
-                out.append((slot, s.generation))
+                if self._slots[slot].state == "free":
+                    out.append((slot, self._take_locked(slot)))
             return out
+
+    def claim(self, slots: Sequence[int]) -> list[tuple[int, int]]:
+        """Takes the slots the caller names (all or none) and bumps their generations.
+
+        For engines that choose host ids themselves. A named slot may be free or hold
+        a committed page: that page is overwritten, so every ref to it becomes stale
+        (its generation is older).
+
+        Raises:
+          PoolError: a slot is unknown or named twice, is being written by another
+            transfer, or holds a page a transfer is reading; naming the slot. Nothing
+            is taken then.
+        """
+        with self._lock:
+            seen: set[int] = set()
+            for j, slot in enumerate(slots):
+                s = self._slot(slot)
+                if slot in seen:
+                    raise PoolError(f"slots[{j}] = {slot} is named twice")
+                seen.add(slot)
+                if s.readers:
+                    raise PoolError(f"host slot {slot} cannot be overwritten: a load is "
+                                    f"reading its page (generation {s.generation})")
+                if s.state == "writing":
+                    raise PoolError(f"host slot {slot} cannot be overwritten: another "
+                                    f"offload is writing it (generation {s.generation})")
+            return [(int(slot), self._take_locked(int(slot))) for slot in slots]
+
+    def _take_locked(self, slot: int) -> int:
+        """Makes a free or committed slot ``writing`` under a new generation."""
+        s = self._slots[slot]
+        if s.state == "free":
+            self._num_free -= 1
+        self._invalidated.pop(slot, None)  # an older ref to it is now just stale
+        s.generation += 1
+        s.state = "writing"
+        s.key = 0
+        s.classes = frozenset()
+        return s.generation
 
     def commit(self, slot: int, generation: int, key: int,
                classes: frozenset[int] | None = None, seal: int | None = None) -> None:
@@ -426,8 +464,14 @@ class HostPool:
         if s.readers:
             s.state = "released"
         else:
-            s.state = "free"
-            heapq.heappush(self._free, slot)
+            self._free_locked(slot, s)
+
+    def _free_locked(self, slot: int, s: _Slot) -> None:
+        s.state = "free"
+        self._num_free += 1
+        heapq.heappush(self._free, slot)
+        if len(self._free) > 2 * self.num_slots:  # entries left by claims: rebuild
+            self._free = sorted({f for f in self._free if self._slots[f].state == "free"})
 
     def state(self, slot: int) -> tuple[int, str, int]:
         """(generation, state, key) of a slot."""
@@ -460,8 +504,7 @@ class HostPool:
                 s = self._slots[slot]
                 s.readers -= 1
                 if s.readers == 0 and s.state == "released":
-                    s.state = "free"
-                    heapq.heappush(self._free, slot)
+                    self._free_locked(slot, s)
 
     def key_of(self, slot: int) -> int:
         with self._lock:
