@@ -28,11 +28,10 @@ def _staging_dtype(a: jax.Array) -> np.dtype:
 
 
 class StagedInputs(NamedTuple):
-    """One shard replica's padded block ids and pages, already on its device."""
+    """One shard replica's pages, already on its device (block ids come at the load)."""
 
     shard: int
     replica: int
-    ids: jax.Array
     pages: jax.Array
 
 
@@ -88,9 +87,6 @@ class StagedMover(Mover):
     def stage_load(self, layers, request: LoadRequest) -> list[StagedInputs]:
         batch, slots = request.batch, request.slots
         k, b = batch.k, len(batch.padded)
-        # Padding entries point past the end and are dropped by the scatter.
-        ids_pad = np.full(b, np.iinfo(np.int32).max, dtype=np.int32)
-        ids_pad[:k] = batch.ids
         work = []
         for s in range(self.cls.num_shards):
             first = layers[0].primary[s]
@@ -101,16 +97,23 @@ class StagedMover(Mover):
                 flat[pos, :k] = self.pool.data[slots, lo:hi]
             for r in range(len(layers[0].shards[s])):
                 device = device_of(layers[0].shards[s][r])
-                work.append(StagedInputs(s, r, jax.device_put(ids_pad, device),
-                                         jax.device_put(staging, device)))
+                work.append(StagedInputs(s, r, jax.device_put(staging, device)))
         return work
 
     def start_load(self, arrays, layers, request: LoadRequest, staged: list[StagedInputs]):
         new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
                                                     for _ in layers]
-        for shard, replica, ids_d, pages_d in staged:
+        batch = request.batch
+        # Padding entries point past the end and are dropped by the scatter.
+        ids_pad = np.full(len(batch.padded), np.iinfo(np.int32).max, dtype=np.int32)
+        ids_pad[:batch.k] = batch.ids
+        on_device: dict[object, jax.Array] = {}
+        for shard, replica, pages_d in staged:
             local = tuple(layer.shards[shard][replica] for layer in layers)
-            for pos, a in enumerate(scatter(local, ids_d, pages_d)):
+            device = device_of(local[0])
+            if device not in on_device:
+                on_device[device] = jax.device_put(ids_pad, device)
+            for pos, a in enumerate(scatter(local, on_device[device], pages_d)):
                 new_shards[pos][shard].append(a)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
         return new, None

@@ -35,6 +35,7 @@ from kvxfer.manager._handles import Gate, LoadHandle, LoadResult, OffloadHandle
 from kvxfer.manager._select import PATHS, PathMode, plan_path, select_movers
 from kvxfer.manager._agree import Agreement
 from kvxfer.manager._pages import PageFormatError, decode, encode, fingerprint
+from kvxfer.manager._prefetch import PrefetchHandle
 from kvxfer.manager._stats import Counters, reason_kind
 from kvxfer.manager._verify import DigestJob, DigestStarter, LoadVerifier, TransferHook
 from kvxfer.plan import LayerSpec, Plan, make_plan
@@ -361,6 +362,19 @@ class KVCacheManager:
                 seen[b] = j
         return ids.astype(np.int32)
 
+    def _check_slots(self, slots: Sequence[int], n: int) -> list[int]:
+        if isinstance(slots, (str, bytes)) or not isinstance(slots, Sequence | np.ndarray):
+            raise TypeError(f"slots must be a sequence of ints, one per key. Got {slots!r}")
+        slots = list(slots)
+        if len(slots) != n:
+            raise ValueError(f"{len(slots)} slots for {n} keys")
+        for j, s in enumerate(slots):
+            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or \
+                    not 0 <= s < self._pool.num_slots:
+                raise ValueError(f"slots[{j}] = {s!r} is not a host slot; slots are "
+                                 f"0..{self._pool.num_slots - 1}")
+        return [int(s) for s in slots]
+
     @staticmethod
     def _batches(blocks: dict[int, np.ndarray], keys: Sequence[int],
                  generations: Sequence[int]) -> dict[int, PageBatch]:
@@ -376,12 +390,28 @@ class KVCacheManager:
 
     @own_context
     def offload(self, kv_caches: Sequence[jax.Array], device_blocks: Blocks,
-                keys: Sequence[Any]) -> OffloadHandle:
+                keys: Sequence[Any], *, slots: Sequence[int] | None = None) -> OffloadHandle:
         """Copies blocks to new host pages, asynchronously.
 
         Every device program is enqueued before this returns, so the caller may
         overwrite the blocks or donate the caches right away: the pages hold the
         bytes as they were at the call.
+
+        An engine that chooses its host ids (sglang-jax's ``alloc``, vLLM TPU's chunk
+        ids) names them with ``slots=``: the pages go to those host slots. A named
+        slot holding a committed page is overwritten (every ref to the old page is
+        stale from then on), unless a load is reading it: then the call raises
+        ``PoolError`` and writes nothing. A failed offload leaves the named slots free.
+
+        Example:
+            >>> import jax.numpy as jnp, kvxfer
+            >>> caches = [jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)]
+            >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+            >>> old, = mgr.offload(caches, [1], keys=[5], slots=[3]).wait()
+            >>> new, = mgr.offload(caches, [2], keys=[6], slots=[3]).wait()
+            >>> new.slot, mgr.is_valid(old), mgr.is_valid(new)
+            (3, False, True)
+            >>> mgr.close()
 
         Args:
           kv_caches: the current caches (one per layer).
@@ -389,13 +419,16 @@ class KVCacheManager:
             every slice class, or ``{class index: ids}`` to move those classes only
             (layers may hold different numbers of blocks).
           keys: one key per block (int in [0, 2**64) or bytes).
+          slots: the host slot of each block (default: free slots kvxfer picks).
 
         Returns:
           An ``OffloadHandle``; ``wait()`` gives one ``PageRef`` per block.
 
         Raises:
-          ValueError: bad caches, ids or keys (nothing allocated).
+          ValueError: bad caches, ids, keys or slots (nothing allocated).
           PoolExhaustedError: not enough free host slots (nothing allocated).
+          PoolError: a named slot is being read by a load or written by another
+            offload (nothing written).
         """
         self._check_open()
         started = time.perf_counter()
@@ -403,7 +436,10 @@ class KVCacheManager:
         keys = list(keys)
         blocks = self._check_blocks(device_blocks, len(keys), "keys")
         keys = [_key(k, f"keys[{j}]") for j, k in enumerate(keys)]
-        refs = self._pool.allocate(len(keys))
+        if slots is None:
+            refs = self._pool.allocate(len(keys))
+        else:
+            refs = self._pool.claim(self._check_slots(slots, len(keys)))
         slots = np.array([s for s, _ in refs], dtype=np.int64)
         batches = self._batches(blocks, keys, [g for _, g in refs])
         try:
@@ -451,7 +487,8 @@ class KVCacheManager:
     @own_context
     def load(self, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef],
              device_blocks: Blocks, keys: Sequence[Any] | None = None,
-             gate: Gate = "all") -> tuple[list[jax.Array], LoadHandle]:
+             gate: Gate = "all", *, prefetched: PrefetchHandle | None = None
+             ) -> tuple[list[jax.Array], LoadHandle]:
         """Copies host pages into device blocks; layers are released once verified.
 
         The input caches are consumed (as with donation): use the returned ones,
@@ -468,6 +505,9 @@ class KVCacheManager:
           keys: the keys the caller expects (a page under another key is bad).
           gate: ``"layer"`` releases each layer once its pages are verified;
             ``"all"`` releases nothing until every layer is verified.
+          prefetched: what ``prefetch(pages)`` staged for these pages: the load then
+            only enqueues the scatter and the digests (the handle's pins pass to the
+            load; a handle serves one load).
 
         Returns:
           ``(new_caches, LoadHandle)``.
@@ -483,7 +523,8 @@ class KVCacheManager:
         """
         round_ = self._agreement.next_round()
         try:
-            return self._load(round_, kv_caches, pages, device_blocks, keys, gate)
+            return self._load(round_, kv_caches, pages, device_blocks, keys, gate,
+                              prefetched)
         except BaseException:
             if self._agreement.multiprocess:
                 try:
@@ -494,19 +535,18 @@ class KVCacheManager:
 
     def _load(self, round_: int, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef],
               device_blocks: Blocks, keys: Sequence[Any] | None,
-              gate: Gate) -> tuple[list[jax.Array], LoadHandle]:
+              gate: Gate, prefetched: PrefetchHandle | None
+              ) -> tuple[list[jax.Array], LoadHandle]:
         if gate not in ("all", "layer"):
             raise ValueError(f"gate={gate!r}; expected 'all' or 'layer'")
         started = time.perf_counter()
         self._check_open()
         caches = self._check_caches(kv_caches)
-        pages = list(pages)
-        for j, p in enumerate(pages):
-            if not isinstance(p, PageRef):
-                raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
-            if not 0 <= p.slot < self._pool.num_slots:
-                raise PoolError(f"pages[{j}] ({p}): unknown host slot")
+        pages = self._check_pages(pages)
         blocks = self._check_blocks(device_blocks, len(pages), "pages")
+        if prefetched is not None and not isinstance(prefetched, PrefetchHandle):
+            raise TypeError(f"prefetched= must be what prefetch() returned. Got "
+                            f"{prefetched!r} of type {type(prefetched).__name__}")
         want = None
         if keys is not None:
             keys = list(keys)
@@ -515,7 +555,12 @@ class KVCacheManager:
             want = [_key(k, f"keys[{j}]") for j, k in enumerate(keys)]
 
         handle = LoadHandle(self.num_layers, len(pages), gate)
-        problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+        staged: dict[int, Any] = {}
+        if prefetched is None:
+            problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+        else:
+            _, staged, staged_n = prefetched.take(self, pages)
+            problems = [prefetched.problems.get(j) for j in range(len(pages))]
         reasons: dict[int, str] = {}
         for j, (p, problem) in enumerate(zip(pages, problems)):
             if problem is not None:
@@ -531,13 +576,15 @@ class KVCacheManager:
                               f"{sorted(blocks)}")
         n = min(reasons) if reasons else len(pages)
         pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
+        if prefetched is not None and staged_n != n:
+            staged = {}  # fewer pages pass the load's checks: stage them again
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
         batches = self._batches({c: ids[:n] for c, ids in blocks.items()},
                                 [p.key for p in pages[:n]],
                                 self._pool.seals_of([p.slot for p in pages[:n]]))
         new = caches
         try:
-            new, states, jobs = self._start_load(caches, batches, slots, gate)
+            new, states, jobs = self._start_load(caches, batches, slots, gate, staged)
             # The arrays handed back have the registered formats, and after a raw load
             # the buffers of the layers it wrote are their own (shared ones were copied).
             self._validated = [weakref.ref(a) for a in new]
@@ -554,8 +601,76 @@ class KVCacheManager:
             raise
         return new, handle
 
+    def _check_pages(self, pages: Sequence[PageRef]) -> list[PageRef]:
+        pages = list(pages)
+        for j, p in enumerate(pages):
+            if not isinstance(p, PageRef):
+                raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
+            if not 0 <= p.slot < self._pool.num_slots:
+                raise PoolError(f"pages[{j}] ({p}): unknown host slot")
+        return pages
+
+    @own_context
+    def prefetch(self, pages: Sequence[PageRef]) -> PrefetchHandle:
+        """Stages host pages on the devices for a later load, touching no cache.
+
+        Any thread may call it (sglang-jax stages loads off the thread that owns the
+        caches). The pages are pinned until the load that consumes the handle ends
+        (or ``handle.release()``); ``load(..., prefetched=handle)`` then only
+        enqueues the scatter into the caches and the digests. Movers that read the
+        pool inside the load's own programs (raw copies, the pinned mover reading
+        its pool in place) have nothing to stage: their loads are correct with the
+        handle and cost what they cost without it.
+
+        Args:
+          pages: the page refs the load will name, in the same order.
+
+        Returns:
+          A ``PrefetchHandle``; pages that cannot be loaded (stale, freed) are in its
+          ``problems``, and staging stops before the first one.
+
+        Raises:
+          TypeError, PoolError: a bad page ref (nothing pinned).
+          TransferError: staging failed (nothing left pinned).
+
+        Example:
+            >>> import jax.numpy as jnp, kvxfer
+            >>> caches = [jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)]
+            >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path="staged")
+            >>> pages = mgr.offload(caches, [1, 2], keys=[5, 6]).wait()
+            >>> staged = mgr.prefetch(pages)           # any thread
+            >>> caches, load = mgr.load(caches, pages, [6, 7], prefetched=staged)
+            >>> load.result().verified_prefix
+            2
+            >>> mgr.close()
+        """
+        self._check_open()
+        pages = self._check_pages(pages)
+        problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+        reasons = {j: f"{problem} ({p})" for j, (p, problem) in enumerate(zip(pages, problems))
+                   if problem is not None}
+        pinned = [p.slot for p, problem in zip(pages, problems) if problem is None]
+        n = min(reasons) if reasons else len(pages)
+        staged: dict[int, Any] = {}
+        try:
+            if n:
+                head = pages[:n]
+                held = frozenset.intersection(*(self._pool.classes_of(p.slot) for p in head))
+                slots = np.array([p.slot for p in head], dtype=np.int64)
+                # Staging reads the pool by slot; the block ids come with the load.
+                request = LoadRequest(PageBatch(np.zeros(n, np.int32), [p.key for p in head],
+                                                self._pool.seals_of(list(slots))), slots)
+                for c in sorted(held):
+                    layers = [self._abstract[i][1] for i in self._plan.classes[c].layers]
+                    staged[c] = self._movers[c].stage_load(layers, request)
+        except Exception as e:
+            self._pool.release_readers(pinned)
+            raise TransferError(f"prefetch of {len(pages)} pages failed: {e}") from e
+        return PrefetchHandle(self, pages, reasons, pinned, staged, n,
+                              self._pool.release_readers)
+
     def _start_load(self, caches: list[jax.Array], batches: dict[int, PageBatch],
-                    slots: np.ndarray, gate: Gate
+                    slots: np.ndarray, gate: Gate, prefetched: dict[int, Any]
                     ) -> tuple[list[jax.Array], dict[int, Any], list[DigestJob]]:
         """The caller's-thread half of a load: every device program enqueued.
 
@@ -579,7 +694,8 @@ class KVCacheManager:
                   LoadRequest(b, slots, shared, functools.partial(digests.written, c)))
                  for c, b in batches.items()]
         try:
-            staged = [mover.stage_load([layers[i] for i in cls.layers], request)
+            staged = [prefetched[cls.index] if cls.index in prefetched else
+                      mover.stage_load([layers[i] for i in cls.layers], request)
                       for cls, mover, request in pairs]
         except Exception as e:
             raise TransferError(f"load of {n} pages failed while staging (the caches are "
