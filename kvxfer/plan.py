@@ -74,6 +74,9 @@ class LayerSpec:
         geometry is computed per shard.
       placement: where the shards live (e.g. device ids per shard); layers placed
         differently never share a slice class, because a class moves together.
+      block_groups: ranges the block dim is split into (2+ when the page axis is
+        sharded over data parallelism); each holds ``shape[0] // block_groups``
+        blocks, split into ``num_shards`` shards like the whole array.
     """
 
     name: str
@@ -85,6 +88,7 @@ class LayerSpec:
     replicas: int = 1
     shard_shape: tuple[int, ...] | None = None
     placement: tuple = ()
+    block_groups: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -98,19 +102,22 @@ class LayerSpec:
                              "keep the block dim first (dim 0)")
         if len(self.shape) < 1 or self.shape[0] < 1:
             raise ValueError(f"layer {self.name}: shape {list(self.shape)} has no blocks")
-        if self.num_shards < 1 or self.replicas < 1:
-            raise ValueError(f"layer {self.name}: num_shards={self.num_shards} and "
-                             f"replicas={self.replicas} must be >= 1")
+        if self.num_shards < 1 or self.replicas < 1 or self.block_groups < 1:
+            raise ValueError(f"layer {self.name}: num_shards={self.num_shards}, "
+                             f"replicas={self.replicas} and block_groups="
+                             f"{self.block_groups} must be >= 1")
         if self.shard_shape is None:
-            if self.num_shards > 1:
+            if self.num_shards > 1 or self.block_groups > 1:
                 raise ValueError(f"layer {self.name}: num_shards={self.num_shards} needs "
                                  "shard_shape (the shape of one shard)")
             object.__setattr__(self, "shard_shape", self.shape)
         shard_shape = tuple(int(d) for d in self.shard_shape)
         object.__setattr__(self, "shard_shape", shard_shape)
-        if len(shard_shape) != len(self.shape) or shard_shape[0] != self.shape[0]:
+        if len(shard_shape) != len(self.shape) or \
+                shard_shape[0] * self.block_groups != self.shape[0]:
             raise ValueError(f"layer {self.name}: shard_shape {list(shard_shape)} must keep "
-                             f"every block of shape {list(self.shape)} (dim 0 unsharded)")
+                             f"1/{self.block_groups} of the blocks of shape "
+                             f"{list(self.shape)} (dim 0 split into block_groups)")
 
     @property
     def num_blocks(self) -> int:
@@ -153,7 +160,7 @@ class LayerSpec:
         g = self.shard_geometry
         return (self.dtype, self.block_shape, self.shard_shape, str(self.layout),
                 self.num_shards, self.replicas, self.placement, g.addressable,
-                g.bytes_per_block, g.group_bytes)
+                g.bytes_per_block, g.group_bytes, self.block_groups)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -230,3 +230,57 @@ def test_prefetch_checks_release_and_stale_pages():
         np.testing.assert_array_equal(np.asarray(caches[0][4]), np.asarray(caches[0][1]))
         mgr.free([pages[0], pages[2]])
         assert mgr.num_free_pages == 8
+
+
+# -- a page axis sharded over data parallelism ------------------------------------
+
+DP = {"data2_tensor2": ((2, 2), ("data", "tensor"), P("data", None, "tensor")),
+      "data4": ((4,), ("data",), P("data")),
+      "data2_replicated": ((2, 2), ("data", "tensor"), P("data"))}
+
+
+def _dp_caches(case, layers=3):
+    shape, names, spec = DP[case]
+    mesh = _mesh(shape, names, (AxisType.Explicit,) * len(names))
+    return mesh, _caches(NamedSharding(mesh, spec), layers=layers)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", list(DP))
+def test_data_parallel_page_axis_round_trip(case, path):
+    mesh, caches = _dp_caches(case)
+    with jax.set_mesh(mesh):
+        # Blocks of every group in one call, each landing in another group.
+        _round_trip(caches, path, src=(1, 9, 14), dst=(12, 0, 5))
+
+
+@pytest.mark.parametrize("path", ["auto", "staged", "pinned"])
+@pytest.mark.parametrize("case", ["data2_tensor2", "data2_replicated"])
+def test_data_parallel_bad_page_is_the_verified_prefix(case, path):
+    from kvxfer import testing
+
+    mesh, caches = _dp_caches(case)
+    with jax.set_mesh(mesh), kvxfer.KVCacheManager(caches, num_host_blocks=8,
+                                                   path=path) as mgr:
+        mgr.warmup(4)
+        pages = mgr.offload(caches, [2, 10, 3, 11], keys=[1, 2, 3, 4]).wait()
+        testing.flip_bit(mgr, pages[1], layer=1)  # a page from group 1
+        caches, load = mgr.load(caches, pages, [8, 0, 9, 1], gate="layer")
+        result = load.result()
+        assert result.verified_prefix == 1 and result.freed_pages == (1,)
+        assert "layer 1" in result.reasons[1]
+        # zero-dma: a load that silently delivers zeros into a block of group 0.
+        testing.zero_dma(mgr, layer=2, block=1)
+        caches, load = mgr.load(caches, [pages[2], pages[3]], [12, 1])
+        result = load.result()
+        assert result.verified_prefix == 1 and result.invalid_pages == (1,)
+
+
+def test_data_parallel_refusals():
+    mesh = _mesh((4,), ("data",), (AxisType.Explicit,))
+    even = jax.device_put(jnp.zeros((16, 4, 128)), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match="layer 0: .*emulated layouts"):
+        kvxfer.KVCacheManager([even], num_host_blocks=4, layouts=["{2,1,0}"])
+    with kvxfer.KVCacheManager([even], num_host_blocks=4) as mgr:
+        with pytest.raises(ValueError, match=r"device_blocks\[0\] = 16 is out of range"):
+            mgr.offload([even], [16], keys=[1])

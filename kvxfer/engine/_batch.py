@@ -135,6 +135,18 @@ class PageBatch:
         self._base = base
         self._device: dict[tuple[Any, int], tuple[jax.Array, jax.Array]] = {}
 
+    def subset(self, rows: np.ndarray, ids: np.ndarray) -> PageBatch:
+        """The pages at ``rows`` of this batch under other block ids (same identities)."""
+        out = PageBatch.__new__(PageBatch)
+        out.ids = np.asarray(ids, dtype=np.int32)
+        out.k = len(out.ids)
+        out.padded = _pad_ids(out.ids)
+        base = np.zeros((len(out.padded), integrity.IDENTITY_WORDS), dtype=np.uint32)
+        base[:out.k] = self._base[rows]
+        out._base = base
+        out._device = {}
+        return out
+
     def identity(self, layer: int, shard: int) -> np.ndarray:
         """``uint32[k, 5]`` identities of one layer and shard (host side)."""
         out = self._base[:self.k].copy()

@@ -187,6 +187,9 @@ class PallasMover(Mover):
         self._direct = cls.num_shards == 1 and owner is not None and \
             owner.shape[1:] == (len(cls.layers), *cls.block_shape) and \
             np.dtype(owner.dtype) == dtype_of(cls.dtype)
+        # Only the device whose host memory holds the pool reaches it (under a page
+        # axis sharded over data parallelism, other groups' devices use page buffers).
+        self._pool_device = device_of(owner) if self._direct else None
         # Held from taking the pool's owner to handing the next one over, so a
         # program never receives an owner another thread has donated meanwhile.
         self._lock = threading.Lock()
@@ -219,8 +222,8 @@ class PallasMover(Mover):
                 _dma.reset_interpreter()
                 raise
 
-    def _direct_here(self, shard: int, replica: int) -> bool:
-        return self._direct and shard == 0 and replica == 0
+    def _direct_here(self, shard: int, replica: int, device: Any) -> bool:
+        return self._direct and shard == 0 and replica == 0 and device == self._pool_device
 
     # -- offload ----------------------------------------------------------------
 
@@ -233,7 +236,7 @@ class PallasMover(Mover):
             device = device_of(caches[0])
             ids_d, _ = batch.on(device, s)
             formats = tuple(a.format for a in caches)
-            if self._direct_here(s, 0):
+            if self._direct_here(s, 0, device):
                 with self._lock:
                     owner = self.pool.owner
                     program = _dma.offload_program(formats, owner.format, device)
@@ -282,7 +285,7 @@ class PallasMover(Mover):
             first = layers[0].shards[s][0]
             staging = None
             for r, local in enumerate(layers[0].shards[s]):
-                if self._direct_here(s, r):
+                if self._direct_here(s, r, device_of(local)):
                     out.append(PallasInputs(s, r, None, _padded(slots, b)))
                     continue
                 if staging is None:
@@ -345,7 +348,7 @@ class PallasMover(Mover):
             if self._direct:
                 owner = self.pool.owner
                 pool = jax.ShapeDtypeStruct(owner.shape, owner.dtype, sharding=owner.format)
-            if self._direct_here(s, 0):
+            if self._direct_here(s, 0, device):
                 program = _dma.offload_program(formats, self.pool.owner.format, device)
                 host: Any = pool
             else:
@@ -354,7 +357,7 @@ class PallasMover(Mover):
             program.lower(*_scalars(device, 1, b), primary, host).compile()
             for r, local in enumerate(layers[0].shards[s]):
                 device = device_of(local)
-                host = pool if self._direct_here(s, r) else jax.ShapeDtypeStruct(
+                host = pool if self._direct_here(s, r, device) else jax.ShapeDtypeStruct(
                     block, local.dtype, sharding=_dma.host_sharding(device))
                 _dma.load_program(local.format, device).lower(
                     *_scalars(device, 2, b), local, host).compile()

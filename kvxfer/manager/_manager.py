@@ -29,6 +29,7 @@ from kvxfer._check import check_int, check_timeout
 from kvxfer.engine import LoadRequest, Mover, PageBatch, ShardedLayer, TransferError, \
     bucket, shared_buffers
 from kvxfer.engine._batch import abstract, own_context
+from kvxfer.engine._grouped import BlockGroups, GroupedMover
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
 from kvxfer.manager._handles import Gate, LoadHandle, LoadResult, OffloadHandle
@@ -87,20 +88,17 @@ def _layer_spec(i: int, a: Any, layout: Any, ready_timeout: float | None) -> Lay
         raise TypeError(f"{name}: dtype {a.dtype} is not supported; KV caches hold real "
                         "numbers (float, int or bool types)")
     _wait_ready(a, ready_timeout, name)
-    for s in a.addressable_shards:
-        if s.data.shape[0] != a.shape[0]:
-            raise ValueError(f"{name}: the block dim (dim 0) is sharded ({s.data.shape[0]} "
-                             f"of {a.shape[0]} blocks on {s.device}); shard another dim, "
-                             "e.g. KV heads")
+    groups = BlockGroups.of(a, name)  # a page axis sharded over data parallelism
+    count = 1 if groups is None else groups.count
     layer = ShardedLayer.of(a)
     if layout is None:
         layout = Layout.of(a)
     elif not isinstance(layout, Layout):
         layout = Layout.of(layout)
     placement = tuple(tuple(d.id for r in reps for d in r.devices()) for reps in layer.shards)
-    return LayerSpec(name, a.shape, a.dtype, layout, num_shards=len(layer.shards),
+    return LayerSpec(name, a.shape, a.dtype, layout, num_shards=len(layer.shards) // count,
                      replicas=len(layer.shards[0]), shard_shape=layer.shards[0][0].shape,
-                     placement=placement)
+                     placement=placement, block_groups=count)
 
 
 def _is(ref: weakref.ref | None, a: Any) -> bool:
@@ -180,6 +178,10 @@ class KVCacheManager:
             raise ValueError(f"layouts has {len(layouts)} entries for {len(caches)} layers")
         specs = [_layer_spec(i, a, None if layouts is None else layouts[i], ready_timeout)
                  for i, a in enumerate(caches)]
+        if layouts is not None and any(s.block_groups > 1 for s in specs):
+            i = next(i for i, s in enumerate(specs) if s.block_groups > 1)
+            raise ValueError(f"layer {i}: its block dim is sharded over data parallelism; "
+                             "emulated layouts (layouts=) need the block dim whole")
         self.integrity = integrity
         self.ready_timeout = ready_timeout
         emulated = layouts is not None
@@ -207,6 +209,10 @@ class KVCacheManager:
                       for m, c in zip(mover_types, self._plan.classes)})
         self._movers: list[Mover] = [m(cls, pool) for m, cls, pool in
                                      zip(mover_types, self._plan.classes, self._pool.pools)]
+        for c in self._plan.classes:  # a block dim sharded over data parallelism
+            groups = BlockGroups.of(caches[c.layers[0]], f"layer {c.layers[0]}")
+            if groups is not None:
+                self._movers[c.index] = GroupedMover(self._movers[c.index], groups)
         self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]
         self._verifier = LoadVerifier(self._plan, self._movers, self._pool,
                                       integrity == "page")
@@ -620,7 +626,9 @@ class KVCacheManager:
         enqueues the scatter into the caches and the digests. Movers that read the
         pool inside the load's own programs (raw copies, the pinned mover reading
         its pool in place) have nothing to stage: their loads are correct with the
-        handle and cost what they cost without it.
+        handle and cost what they cost without it. Neither have classes whose block
+        dim is sharded over data parallelism: which devices a page goes to is known
+        only from the load's block ids, so those classes stage at the load.
 
         Args:
           pages: the page refs the load will name, in the same order.
@@ -661,6 +669,8 @@ class KVCacheManager:
                 request = LoadRequest(PageBatch(np.zeros(n, np.int32), [p.key for p in head],
                                                 self._pool.seals_of(list(slots))), slots)
                 for c in sorted(held):
+                    if isinstance(self._movers[c], GroupedMover):
+                        continue  # its pages go to the devices of the groups named at load
                     layers = [self._abstract[i][1] for i in self._plan.classes[c].layers]
                     staged[c] = self._movers[c].stage_load(layers, request)
         except Exception as e:

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvxfer.engine._batch import local
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import KVCacheManager, TransferHook
 
@@ -192,6 +193,18 @@ def _zeroing(fmt: Any):
     return jax.jit(zero, out_shardings=fmt)
 
 
+def _zero_block(a: jax.Array, block: int) -> jax.Array:
+    """``a`` with ``block`` zeroed, shard by shard (any sharding, Explicit axes too)."""
+    parts = []
+    for s in a.addressable_shards:
+        start = s.index[0].indices(a.shape[0])[0]
+        shard = local(s.data)
+        if start <= block < start + shard.shape[0]:
+            shard = _zeroing(shard.format)(shard, np.int32(block - start))
+        parts.append(shard)
+    return jax.make_array_from_single_device_arrays(a.shape, a.sharding, parts)
+
+
 def zero_dma(mgr: KVCacheManager, layer: int, block: int) -> None:
     """The next load that writes ``layer`` delivers zeros into its ``block``, silently.
 
@@ -219,7 +232,7 @@ def zero_dma(mgr: KVCacheManager, layer: int, block: int) -> None:
             return out
         mgr.set_transfer_hook(previous)
         loaded = array if out is None else out
-        return _zeroing(loaded.format)(loaded, np.int32(block))
+        return _zero_block(loaded, block)
 
     mgr.set_transfer_hook(hook)
 
