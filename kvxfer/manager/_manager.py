@@ -389,7 +389,9 @@ class KVCacheManager:
           keys: one key per block (int in [0, 2**64) or bytes).
 
         Returns:
-          An ``OffloadHandle``; ``wait()`` gives one ``PageRef`` per block.
+          An ``OffloadHandle``, a ``concurrent.futures.Future``: ``wait()`` (or
+          ``result()``) gives one ``PageRef`` per block; ``cancel()`` before the
+          pages are committed releases their slots instead.
 
         Raises:
           ValueError: bad caches, ids or keys (nothing allocated).
@@ -415,33 +417,42 @@ class KVCacheManager:
                 self._pool.release(s, g)
             raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
 
+        handle = OffloadHandle()
         try:
-            future = self._worker.submit(self._finish_offload, states, slots, refs, keys,
-                                         started)
+            self._worker.submit(handle.run, self._finish_offload, handle, states, slots,
+                                refs, keys, started)
         except RuntimeError as e:  # closed meanwhile
             for s, g in refs:
                 self._pool.release(s, g)
             raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
-        return OffloadHandle(future)
+        return handle
 
-    def _finish_offload(self, states: dict[int, Any], slots: np.ndarray,
-                        refs: list[tuple[int, int]], keys: list[int],
-                        started: float) -> list[PageRef]:
+    def _finish_offload(self, handle: OffloadHandle, states: dict[int, Any],
+                        slots: np.ndarray, refs: list[tuple[int, int]], keys: list[int],
+                        started: float) -> None:
         """The transfer thread's half of an offload: host bytes in, pages committed."""
         try:
             for c, state in states.items():
                 self._movers[c].finish_offload(state, slots)
+            cancelled = handle.claim()  # from here on cancel() fails
         except Exception as e:
             for s, g in refs:
                 self._pool.release(s, g)
             self._stats.add(transfer_errors=1)
-            raise TransferError(f"offload of {len(refs)} blocks failed: {e}") from e
+            error = TransferError(f"offload of {len(refs)} blocks failed: {e}")
+            error.__cause__ = e
+            handle.finish(error=error, cancelled=handle.claim())
+            return
+        if cancelled:  # the copies are done: the slots are free to reuse
+            self._pool.release_many(refs)
+            handle.finish(cancelled=True)
+            return
         for (s, g), k in zip(refs, keys):
             self._pool.commit(s, g, k, frozenset(states))
         self._stats.add(pages_offloaded=len(refs), bytes_offloaded=len(refs) * sum(
             self._plan.classes[c].page_bytes for c in states))
         self._stats.time("offload", time.perf_counter() - started)
-        return [PageRef(k, s, g) for (s, g), k in zip(refs, keys)]
+        handle.finish([PageRef(k, s, g) for (s, g), k in zip(refs, keys)])
 
     # -- load -------------------------------------------------------------------
 
@@ -466,7 +477,9 @@ class KVCacheManager:
             ``"all"`` releases nothing until every layer is verified.
 
         Returns:
-          ``(new_caches, LoadHandle)``.
+          ``(new_caches, LoadHandle)``; the handle is a ``concurrent.futures.Future``
+          of the ``LoadResult``, and ``cancel()`` on it (an aborted request)
+          releases the pages' pins once the device work reading them is done.
 
         Raises:
           ValueError, TypeError: bad caches, pages, ids, keys or gate (nothing moved).
@@ -540,8 +553,8 @@ class KVCacheManager:
             for c in states:
                 for i in self._plan.classes[c].layers:
                     self._private[i] = weakref.ref(new[i])
-            self._worker.submit(self._finish_load, round_, handle, new, pages, slots,
-                                batches, states, jobs, reasons, pinned_slots, started)
+            self._worker.submit(handle.run, self._finish_load, round_, handle, new, pages,
+                                slots, batches, states, jobs, reasons, pinned_slots, started)
         except BaseException as e:
             self._pool.release_readers(pinned_slots)
             if self._closed and not isinstance(e, TransferError):
@@ -612,15 +625,22 @@ class KVCacheManager:
                      slots: np.ndarray, batches: dict[int, PageBatch], states: dict[int, Any],
                      jobs: list[DigestJob], reasons: dict[int, str],
                      pinned_slots: list[int], started: float) -> None:
-        """The transfer thread's half of a load: wait, verify, agree, settle."""
+        """The transfer thread's half of a load: wait, verify, agree, settle.
+
+        A cancelled load still waits for every program that reads the pool; on one
+        process it skips the digest checks left and the settling (nothing is
+        reported), in a multi-process job it verifies, agrees and settles as usual.
+        """
+        alone = not self._agreement.multiprocess
         try:
             prefix, proven_bad = self._verifier.verify(handle, new, states, jobs, slots,
-                                                       batches, reasons)
+                                                       batches, reasons, may_stop=alone)
             error: BaseException | None = None
         except Exception as e:  # a transfer or device failure is an error, not a miss
             prefix, proven_bad, error = -1, frozenset(), e
+        cancelled = handle.claim()  # from here on cancel() fails
         try:
-            if self._agreement.multiprocess:
+            if not alone:
                 # Every rank takes part even after a local failure, so none hangs.
                 agreed = self._agreement.agree(round_, prefix)
                 if agreed < 0 and error is None:
@@ -628,18 +648,19 @@ class KVCacheManager:
                 prefix = agreed
             if error is not None:
                 raise error
-            result = self._verifier.settle(handle, pages, prefix, proven_bad, reasons,
-                                           set(batches))
+            result = None if cancelled and alone else self._verifier.settle(
+                handle, pages, prefix, proven_bad, reasons, set(batches))
         except Exception as e:
             result, error = None, e
             self._stats.add(transfer_errors=1)
         else:
-            self._count_load(result, len(slots), batches, started)
+            if result is not None:
+                self._count_load(result, len(slots), batches, started)
         finally:
             # Before the handle says done: a caller returning from result() finds the
             # pages it read free to evict (and freed ones free) at once.
             self._pool.release_readers(pinned_slots)
-        handle.finish(result, error)
+        handle.finish(result, error, cancelled)
 
     def _count_load(self, result: LoadResult, moved: int, batches: dict[int, PageBatch],
                     started: float) -> None:
