@@ -236,9 +236,24 @@ class KVCacheManager:
         return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
 
     def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:
-        """Installs a hook called at three points of every load, for fault injection.
+        """Installs a hook called at points of every offload and load, for fault injection.
 
-        ``hook(event, layer, array)`` (``kvxfer.testing`` builds its faults on it):
+        ``hook(event, layer, array)`` (``kvxfer.testing`` builds its faults on it).
+        An offload calls it
+
+        * ``"gather_enqueued"``, on the caller's thread once the device programs
+          that read the blocks of the class whose first layer is ``layer`` are
+          enqueued; ``array`` is that layer's cache as given to ``offload`` (a test
+          may free and rewrite the blocks here: the pages must hold them as they
+          were at the call). Raising there makes ``offload`` raise
+          ``TransferError``, its slots released;
+        * ``"host_written"``, on the transfer thread once the host bytes (and
+          digests) of that class are written, before the pages are committed;
+          ``array`` is None (the caches may be donated by then). Raising there
+          fails the offload: its slots are released and the handle carries a
+          ``TransferError``.
+
+        A load calls it
 
         * ``"start_load"``, on the caller's thread before the device work of the
           class whose first layer is ``layer`` starts (raising there is a failure in
@@ -406,12 +421,16 @@ class KVCacheManager:
         refs = self._pool.allocate(len(keys))
         slots = np.array([s for s, _ in refs], dtype=np.int64)
         batches = self._batches(blocks, keys, [g for _, g in refs])
+        hook = self._verifier.hook
         try:
             layers = self._layers(caches)
-            states = {c: self._movers[c].start_offload(
-                          [layers[i] for i in self._plan.classes[c].layers], batch, slots,
-                          self.integrity == "page")
-                      for c, batch in batches.items()}
+            states = {}
+            for c, batch in batches.items():
+                cls = self._plan.classes[c]
+                states[c] = self._movers[c].start_offload(
+                    [layers[i] for i in cls.layers], batch, slots, self.integrity == "page")
+                if hook is not None:
+                    hook("gather_enqueued", cls.layers[0], caches[cls.layers[0]])
         except Exception as e:
             for s, g in refs:
                 self._pool.release(s, g)
@@ -431,9 +450,12 @@ class KVCacheManager:
                         slots: np.ndarray, refs: list[tuple[int, int]], keys: list[int],
                         started: float) -> None:
         """The transfer thread's half of an offload: host bytes in, pages committed."""
+        hook = self._verifier.hook
         try:
             for c, state in states.items():
                 self._movers[c].finish_offload(state, slots)
+                if hook is not None:
+                    hook("host_written", self._plan.classes[c].layers[0], None)
             cancelled = handle.claim()  # from here on cancel() fails
         except Exception as e:
             for s, g in refs:

@@ -23,10 +23,10 @@ from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["TransferHook", "LoadVerifier", "DigestStarter", "DigestJob", "Verified"]
 
-TransferHook = Callable[[str, int, jax.Array], Any]
+TransferHook = Callable[[str, int, jax.Array | None], Any]
 """``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``. A
 ``"loaded_layer"`` hook may return a ``jax.Array`` to stand for what the load wrote
-(any other return value is ignored)."""
+(any other return value is ignored); ``array`` is None for ``"host_written"``."""
 
 
 def _replacement(layer: int, array: jax.Array, new: jax.Array) -> jax.Array:
