@@ -96,7 +96,7 @@ class _Transfer(concurrent.futures.Future):
 
     @property
     def cancel_requested(self) -> bool:
-        """``cancel()`` succeeded and the handle has not ended yet (or ended cancelled)."""
+        """Whether a ``cancel()`` succeeded: the transfer thread stops what it can."""
         return self._cancel_requested
 
     def claim(self) -> bool:
@@ -119,11 +119,15 @@ class _Transfer(concurrent.futures.Future):
             finish(*args)
         except BaseException as e:
             if not self.done():
-                error = TransferError(f"{self._what} failed: {e}")
-                error.__cause__ = e
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    self._end(error=error, cancelled=self.claim())
+                    self._abort(e, self.claim())
             raise
+
+    def _abort(self, error: BaseException, cancelled: bool) -> None:
+        """Ends the handle after ``error`` escaped the transfer thread's half."""
+        failure = TransferError(f"{self._what} failed: {error}")
+        failure.__cause__ = error
+        self._end(error=failure, cancelled=cancelled)
 
     def _end(self, value: object = None, error: BaseException | None = None,
              cancelled: bool = False) -> None:
@@ -280,6 +284,9 @@ class LoadHandle(_Transfer):
         for e in self._events:
             e.set()
         self._end(result, failure, cancelled)
+
+    def _abort(self, error: BaseException, cancelled: bool) -> None:
+        self.finish(None, error, cancelled)
 
     # -- caller side ----------------------------------------------------------
 
