@@ -92,6 +92,17 @@ def test_load_that_raises_in_the_call_still_takes_part():
     assert a["second"]["exact"] and b["second"]["exact"]
 
 
+def test_a_load_cancelled_on_one_process_still_takes_part():
+    # Rank 0 cancels; rank 1's load is not changed by it (its own bad page 2 gives
+    # prefix 2), and the next loads pair up as usual.
+    a, b = run_pair("cancel-one")
+    assert a["cancel"] and a["first"]["cancelled"]
+    assert b["first"]["prefix"] == 2 and b["first"]["exact"]
+    assert "digest mismatch in layer 1" in b["first"]["reasons"]["2"]
+    assert a["second"]["prefix"] == b["second"]["prefix"] == 2
+    assert a["second"]["exact"] and b["second"]["exact"]
+
+
 def test_a_crashed_process_fails_the_load_instead_of_hanging():
     a, b = run_pair("crash", exit_codes=(0, 3))
     assert b is None  # rank 1 died before its load

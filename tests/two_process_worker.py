@@ -1,7 +1,7 @@
 """One rank of the two-process manager tests (run by test_multiprocess.py).
 
 Usage: python two_process_worker.py RANK PORT SCENARIO
-  SCENARIO: none | one-process | transfer | sync-then-bad-page | crash
+  SCENARIO: none | one-process | transfer | sync-then-bad-page | cancel-one | crash
 Prints one JSON line with this rank's load results.
 """
 
@@ -98,6 +98,32 @@ elif fault == "sync-then-bad-page":
         out["first"] = report(handle, caches, dst, src, before)
         faults.flip_bit(mgr, pages[2], layer=1)
     new, handle = mgr.load(caches, pages, dst, gate="layer")
+    out["second"] = report(handle, new, dst, src, before)
+    print(json.dumps(out), flush=True)
+    finish(mgr, not any(out[k].get("stuck") for k in ("first", "second")))
+elif fault == "cancel-one":
+    # Rank 0 cancels its first load (an aborted request) while rank 1, whose page 2
+    # is bad, loads as usual; the second loads then agree.
+    import concurrent.futures
+    import threading
+
+    if rank == 1:
+        faults.flip_bit(mgr, pages[2], layer=1)
+    gate, reached = threading.Event(), threading.Event()
+    if rank == 0:
+        mgr.set_transfer_hook(lambda event, layer, array: event == "load_layer" and (
+            reached.set(), gate.wait(30)))
+    new, handle = mgr.load(caches, pages, dst, gate="layer")
+    if rank == 0:
+        reached.wait(30)
+        out["cancel"] = handle.cancel()
+        gate.set()
+        concurrent.futures.wait([handle], RESULT_TIMEOUT)
+        mgr.set_transfer_hook(None)
+        out["first"] = {"cancelled": handle.cancelled(), "stuck": not handle.done()}
+    else:
+        out["first"] = report(handle, new, dst, src, before)
+    new, handle = mgr.load(new, pages, dst, gate="layer")
     out["second"] = report(handle, new, dst, src, before)
     print(json.dumps(out), flush=True)
     finish(mgr, not any(out[k].get("stuck") for k in ("first", "second")))

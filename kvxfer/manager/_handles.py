@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
-from typing import Literal
+from concurrent.futures._base import CANCELLED as _CANCELLED
+from concurrent.futures._base import CANCELLED_AND_NOTIFIED as _CANCELLED_AND_NOTIFIED
+from concurrent.futures._base import FINISHED as _FINISHED
+from collections.abc import Callable
+from typing import Any, Literal
 
 from kvxfer._check import check_timeout
 from kvxfer.engine import TransferError
@@ -64,40 +69,197 @@ class LoadResult:
                 f"request from page {self.verified_prefix}")
 
 
-class OffloadHandle:
-    """An offload in flight; ``wait()`` gives the page refs once the bytes are on host."""
+class _Transfer(concurrent.futures.Future):
+    """A transfer in flight as a ``concurrent.futures.Future``.
 
-    def __init__(self, future: concurrent.futures.Future):
-        self._future = future
+    The device work is enqueued when the handle is made, so the handle is running
+    from the start (``running()`` until ``done()``); the transfer thread ends it.
+    Done-callbacks run on the transfer thread (at once, on the caller's thread, when
+    added to a handle already done), as ``concurrent.futures`` runs them.
 
-    def done(self) -> bool:
-        return self._future.done()
+    ``cancel()`` asks the transfer thread to stop: it returns True when the handle
+    will end cancelled (or already has), False when the transfer has finished or is
+    past the point where it can stop. The handle ends cancelled once the device work
+    that reads or writes host memory has finished and the transfer's host slots are
+    released; only then are ``cancelled()`` and ``done()`` True and ``result()``
+    raises ``concurrent.futures.CancelledError``.
+    """
 
-    def wait(self, timeout: float | None = None) -> list[PageRef]:
-        """Blocks until the pages are on the host.
+    _what = "transfer"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cancel_requested = False
+        self._claimed = False
+
+    # -- transfer-thread side ----------------------------------------------------
+
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether a ``cancel()`` succeeded: the transfer thread stops what it can."""
+        return self._cancel_requested
+
+    def claim(self) -> bool:
+        """The transfer thread commits to ending the handle; later ``cancel()``s fail.
+
+        Returns:
+          Whether a cancel came first (the handle must then end cancelled).
+        """
+        with self._condition:
+            self._claimed = True
+            return self._cancel_requested
+
+    def run(self, finish: Callable[..., None], *args: Any) -> None:
+        """Runs ``finish(*args)``, the transfer thread's half, which ends the handle.
+
+        An exception it lets out ends the handle as a ``TransferError`` (if it is
+        not done yet), so no caller waits forever on a handle nothing will end.
+        """
+        try:
+            finish(*args)
+        except BaseException as e:
+            if not self.done():
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    self._abort(e, self.claim())
+            raise
+
+    def _abort(self, error: BaseException, cancelled: bool) -> None:
+        """Ends the handle after ``error`` escaped the transfer thread's half."""
+        failure = TransferError(f"{self._what} failed: {error}")
+        failure.__cause__ = error
+        self._end(error=failure, cancelled=cancelled)
+
+    def _end(self, value: object = None, error: BaseException | None = None,
+             cancelled: bool = False) -> None:
+        """Ends the handle with a value, an error, or cancelled (transfer thread)."""
+        if cancelled:
+            # Pending -> cancelled (callbacks run) -> notified (``wait`` and
+            # ``as_completed`` see it): what an executor does with a cancelled call.
+            concurrent.futures.Future.cancel(self)
+            self.set_running_or_notify_cancel()
+        elif error is not None:
+            self.set_exception(error)
+        else:
+            self.set_result(value)
+
+    # -- caller side ----------------------------------------------------------
+
+    def cancel(self) -> bool:
+        """Asks the transfer to stop; see the class docs.
+
+        Returns:
+          True if the handle ends cancelled (or already has), False if the
+          transfer finished or can no longer be stopped.
+        """
+        with self._condition:
+            if self._state in (_CANCELLED, _CANCELLED_AND_NOTIFIED):
+                return True
+            if self._state == _FINISHED or self._claimed:
+                return False
+            self._cancel_requested = True
+            return True
+
+    def running(self) -> bool:
+        """True from the call that started the transfer until the handle is done."""
+        return not self.done()
+
+    def result(self, timeout: float | None = None):
+        """The transfer's value (see the subclasses).
 
         Raises:
-          TransferError: the transfer failed (its slots were freed).
-          TimeoutError: not done within ``timeout`` seconds.
+          TransferError: the transfer failed.
+          concurrent.futures.CancelledError: the transfer was cancelled.
+          TimeoutError: not done within ``timeout`` seconds (0 polls).
         """
         timeout = check_timeout(timeout)
         try:
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"offload not done after {timeout} s") from None
+            return super().result(timeout)
+        except TimeoutError:
+            if self.done():  # done meanwhile, or it carries a TimeoutError of its own
+                return super().result(0)
+            raise TimeoutError(f"{self._what} not done after {timeout} s") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The ``TransferError`` the transfer failed with, or None.
+
+        Raises:
+          concurrent.futures.CancelledError: the transfer was cancelled.
+          TimeoutError: not done within ``timeout`` seconds (0 polls).
+        """
+        timeout = check_timeout(timeout)
+        try:
+            return super().exception(timeout)
+        except TimeoutError:
+            if self.done():  # done meanwhile
+                return super().exception(0)
+            raise TimeoutError(f"{self._what} not done after {timeout} s") from None
 
 
-class LoadHandle:
-    """A load in flight, with per-layer readiness gated on verification."""
+class OffloadHandle(_Transfer):
+    """An offload in flight: a ``Future`` of the page refs, once the bytes are on host.
+
+    ``result()`` and ``wait()`` give the ``PageRef``s. ``cancel()`` succeeds until
+    the pages are committed: the transfer thread then waits for the copies to end,
+    releases the slots and returns no pages (``result()`` raises
+    ``concurrent.futures.CancelledError``).
+
+    Example:
+        >>> import concurrent.futures, jax.numpy as jnp, kvxfer
+        >>> caches = [jnp.zeros((8, 128))]
+        >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+        >>> handle = mgr.offload(caches, [1], keys=[7])
+        >>> _ = concurrent.futures.wait([handle])
+        >>> handle.done(), handle.cancel(), [p.key for p in handle.result()]
+        (True, False, [7])
+        >>> mgr.close()
+    """
+
+    _what = "offload"
+
+    def finish(self, pages: list[PageRef] | None = None, error: BaseException | None = None,
+               cancelled: bool = False) -> None:
+        """Ends the offload with its pages, its ``TransferError``, or cancelled."""
+        self._end(pages, error, cancelled)
+
+    def result(self, timeout: float | None = None) -> list[PageRef]:
+        """The page refs, one per block, once the bytes are on the host.
+
+        Raises:
+          TransferError: the transfer failed (its slots were freed).
+          concurrent.futures.CancelledError: cancelled (its slots were freed).
+          TimeoutError: not done within ``timeout`` seconds.
+        """
+        return super().result(timeout)
+
+    def wait(self, timeout: float | None = None) -> list[PageRef]:
+        """Blocks until the pages are on the host; the same as ``result()``."""
+        return self.result(timeout)
+
+
+class LoadHandle(_Transfer):
+    """A load in flight: a ``Future`` of its ``LoadResult``, with per-layer readiness
+    gated on verification.
+
+    ``cancel()`` (an aborted request) succeeds until the load is settled: the
+    transfer thread still waits for the programs that read the host pool, skips the
+    digest checks not yet made (in a multi-process job it verifies and agrees as
+    usual, so the other processes' loads are unaffected), releases the pages' pins
+    and ends the handle cancelled. Layers not released by then never are
+    (``is_layer_ready`` stays False, ``layer_ready`` raises ``CancelledError``). The
+    caches ``load()`` returned stay valid arrays to continue with: their loaded
+    blocks hold the pages' bytes, only unverified.
+    """
+
+    _what = "load"
 
     def __init__(self, num_layers: int, num_pages: int, gate: Gate):
+        super().__init__()
         self.gate = gate
         self.num_pages = num_pages
         self._events = [threading.Event() for _ in range(num_layers)]
         self._released = [0] * num_layers
-        self._done = threading.Event()
-        self._result: LoadResult | None = None
         self._error: BaseException | None = None
+        self._ends_cancelled = False
         self._verified = [False] * num_layers
 
     # -- transfer-thread side ----------------------------------------------------
@@ -108,14 +270,38 @@ class LoadHandle:
         self._verified[layer] = True
         self._events[layer].set()
 
-    def finish(self, result: LoadResult | None, error: BaseException | None) -> None:
-        """Ends the load with its result or its error (transfer thread)."""
-        self._result, self._error = result, error
+    def finish(self, result: LoadResult | None, error: BaseException | None,
+               cancelled: bool = False) -> None:
+        """Ends the load with its result, its error, or cancelled (transfer thread).
+
+        The handle carries ``error`` as the ``TransferError`` its methods raise.
+        """
+        self._error, self._ends_cancelled = error, cancelled
+        failure = None
+        if error is not None and not cancelled:
+            failure = TransferError(f"load failed: {error}")
+            failure.__cause__ = error
         for e in self._events:
             e.set()
-        self._done.set()
+        self._end(result, failure, cancelled)
+
+    def _abort(self, error: BaseException, cancelled: bool) -> None:
+        self.finish(None, error, cancelled)
 
     # -- caller side ----------------------------------------------------------
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < len(self._events):
+            raise IndexError(f"layer {layer} out of range [0, {len(self._events)})")
+
+    def is_layer_ready(self, layer: int) -> bool:
+        """Whether layer ``layer`` is verified and released; never blocks.
+
+        False for a layer not released yet, and for one a failed or cancelled load
+        never released.
+        """
+        self._check_layer(layer)
+        return self._verified[layer]
 
     def layer_ready(self, layer: int, timeout: float | None = None) -> int:
         """Blocks until layer ``layer`` is verified and released.
@@ -127,38 +313,34 @@ class LoadHandle:
         Raises:
           TransferError: the transfer failed before this layer was released (a
             layer released earlier keeps its prefix; ``result()`` raises).
-          TimeoutError: not released within ``timeout`` seconds.
+          concurrent.futures.CancelledError: cancelled before this layer was
+            released.
+          TimeoutError: not released within ``timeout`` seconds (``timeout=0``
+            polls).
         """
-        if not 0 <= layer < len(self._events):
-            raise IndexError(f"layer {layer} out of range [0, {len(self._events)})")
+        self._check_layer(layer)
         timeout = check_timeout(timeout)
         if not self._events[layer].wait(timeout):
             raise TimeoutError(f"layer {layer} not ready after {timeout} s")
         if not self._verified[layer]:
+            if self._ends_cancelled:
+                raise concurrent.futures.CancelledError(
+                    f"load cancelled before layer {layer} was ready")
             raise TransferError(f"load failed before layer {layer} was ready: "
                                 f"{self._error}") from self._error
         return self._released[layer]
-
-    def done(self) -> bool:
-        return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> LoadResult:
         """Blocks until every layer is verified; the verified prefix and what failed.
 
         Raises:
           TransferError: a device or transfer failure (never reported as a miss).
+          concurrent.futures.CancelledError: the load was cancelled.
+          TimeoutError: not done within ``timeout`` seconds.
         """
-        timeout = check_timeout(timeout)
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"load not done after {timeout} s")
-        if self._error is not None:
-            raise TransferError(f"load failed: {self._error}") from self._error
-        assert self._result is not None
-        return self._result
+        return super().result(timeout)
 
     @property
     def released_prefixes(self) -> tuple[int, ...]:
         """The prefix each layer was released with so far (0 for layers not released)."""
         return tuple(self._released)
-
-

@@ -244,9 +244,24 @@ class KVCacheManager:
         return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
 
     def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:
-        """Installs a hook called at three points of every load, for fault injection.
+        """Installs a hook called at points of every offload and load, for fault injection.
 
-        ``hook(event, layer, array)`` (``kvxfer.testing`` builds its faults on it):
+        ``hook(event, layer, array)`` (``kvxfer.testing`` builds its faults on it).
+        An offload calls it
+
+        * ``"gather_enqueued"``, on the caller's thread once the device programs
+          that read the blocks of the class whose first layer is ``layer`` are
+          enqueued; ``array`` is that layer's cache as given to ``offload`` (a test
+          may free and rewrite the blocks here: the pages must hold them as they
+          were at the call). Raising there makes ``offload`` raise
+          ``TransferError``, its slots released;
+        * ``"host_written"``, on the transfer thread once the host bytes (and
+          digests) of that class are written, before the pages are committed;
+          ``array`` is None (the caches may be donated by then). Raising there
+          fails the offload: its slots are released and the handle carries a
+          ``TransferError``.
+
+        A load calls it
 
         * ``"start_load"``, on the caller's thread before the device work of the
           class whose first layer is ``layer`` starts (raising there is a failure in
@@ -428,7 +443,9 @@ class KVCacheManager:
           slots: the host slot of each block (default: free slots kvxfer picks).
 
         Returns:
-          An ``OffloadHandle``; ``wait()`` gives one ``PageRef`` per block.
+          An ``OffloadHandle``, a ``concurrent.futures.Future``: ``wait()`` (or
+          ``result()``) gives one ``PageRef`` per block; ``cancel()`` before the
+          pages are committed releases their slots instead.
 
         Raises:
           ValueError: bad caches, ids, keys or slots (nothing allocated).
@@ -448,45 +465,61 @@ class KVCacheManager:
             refs = self._pool.claim(self._check_slots(slots, len(keys)))
         slots = np.array([s for s, _ in refs], dtype=np.int64)
         batches = self._batches(blocks, keys, [g for _, g in refs])
+        hook = self._verifier.hook
         try:
             layers = self._layers(caches)
-            states = {c: self._movers[c].start_offload(
-                          [layers[i] for i in self._plan.classes[c].layers], batch, slots,
-                          self.integrity == "page")
-                      for c, batch in batches.items()}
+            states = {}
+            for c, batch in batches.items():
+                cls = self._plan.classes[c]
+                states[c] = self._movers[c].start_offload(
+                    [layers[i] for i in cls.layers], batch, slots, self.integrity == "page")
+                if hook is not None:
+                    hook("gather_enqueued", cls.layers[0], caches[cls.layers[0]])
         except Exception as e:
             for s, g in refs:
                 self._pool.release(s, g)
             raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
 
+        handle = OffloadHandle()
         try:
-            future = self._worker.submit(self._finish_offload, states, slots, refs, keys,
-                                         started)
+            self._worker.submit(handle.run, self._finish_offload, handle, states, slots,
+                                refs, keys, started)
         except RuntimeError as e:  # closed meanwhile
             for s, g in refs:
                 self._pool.release(s, g)
             raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
-        return OffloadHandle(future)
+        return handle
 
     @own_context
-    def _finish_offload(self, states: dict[int, Any], slots: np.ndarray,
-                        refs: list[tuple[int, int]], keys: list[int],
-                        started: float) -> list[PageRef]:
+    def _finish_offload(self, handle: OffloadHandle, states: dict[int, Any],
+                        slots: np.ndarray, refs: list[tuple[int, int]], keys: list[int],
+                        started: float) -> None:
         """The transfer thread's half of an offload: host bytes in, pages committed."""
+        hook = self._verifier.hook
         try:
             for c, state in states.items():
                 self._movers[c].finish_offload(state, slots)
+                if hook is not None:
+                    hook("host_written", self._plan.classes[c].layers[0], None)
+            cancelled = handle.claim()  # from here on cancel() fails
         except Exception as e:
             for s, g in refs:
                 self._pool.release(s, g)
             self._stats.add(transfer_errors=1)
-            raise TransferError(f"offload of {len(refs)} blocks failed: {e}") from e
+            error = TransferError(f"offload of {len(refs)} blocks failed: {e}")
+            error.__cause__ = e
+            handle.finish(error=error, cancelled=handle.claim())
+            return
+        if cancelled:  # the copies are done: the slots are free to reuse
+            self._pool.release_many(refs)
+            handle.finish(cancelled=True)
+            return
         for (s, g), k in zip(refs, keys):
             self._pool.commit(s, g, k, frozenset(states))
         self._stats.add(pages_offloaded=len(refs), bytes_offloaded=len(refs) * sum(
             self._plan.classes[c].page_bytes for c in states))
         self._stats.time("offload", time.perf_counter() - started)
-        return [PageRef(k, s, g) for (s, g), k in zip(refs, keys)]
+        handle.finish([PageRef(k, s, g) for (s, g), k in zip(refs, keys)])
 
     # -- load -------------------------------------------------------------------
 
@@ -516,7 +549,9 @@ class KVCacheManager:
             load; a handle serves one load).
 
         Returns:
-          ``(new_caches, LoadHandle)``.
+          ``(new_caches, LoadHandle)``; the handle is a ``concurrent.futures.Future``
+          of the ``LoadResult``, and ``cancel()`` on it (an aborted request)
+          releases the pages' pins once the device work reading them is done.
 
         Raises:
           ValueError, TypeError: bad caches, pages, ids, keys or gate (nothing moved).
@@ -597,8 +632,8 @@ class KVCacheManager:
             for c in states:
                 for i in self._plan.classes[c].layers:
                     self._private[i] = weakref.ref(new[i])
-            self._worker.submit(self._finish_load, round_, handle, new, pages, slots,
-                                batches, states, jobs, reasons, pinned_slots, started)
+            self._worker.submit(handle.run, self._finish_load, round_, handle, new, pages,
+                                slots, batches, states, jobs, reasons, pinned_slots, started)
         except BaseException as e:
             self._pool.release_readers(pinned_slots)
             if self._closed and not isinstance(e, TransferError):
@@ -743,15 +778,22 @@ class KVCacheManager:
                      slots: np.ndarray, batches: dict[int, PageBatch], states: dict[int, Any],
                      jobs: list[DigestJob], reasons: dict[int, str],
                      pinned_slots: list[int], started: float) -> None:
-        """The transfer thread's half of a load: wait, verify, agree, settle."""
+        """The transfer thread's half of a load: wait, verify, agree, settle.
+
+        A cancelled load still waits for every program that reads the pool; on one
+        process it skips the digest checks left and the settling (nothing is
+        reported), in a multi-process job it verifies, agrees and settles as usual.
+        """
+        alone = not self._agreement.multiprocess
         try:
             prefix, proven_bad = self._verifier.verify(handle, new, states, jobs, slots,
-                                                       batches, reasons)
+                                                       batches, reasons, may_stop=alone)
             error: BaseException | None = None
         except Exception as e:  # a transfer or device failure is an error, not a miss
             prefix, proven_bad, error = -1, frozenset(), e
+        cancelled = handle.claim()  # from here on cancel() fails
         try:
-            if self._agreement.multiprocess:
+            if not alone:
                 # Every rank takes part even after a local failure, so none hangs.
                 agreed = self._agreement.agree(round_, prefix)
                 if agreed < 0 and error is None:
@@ -759,18 +801,19 @@ class KVCacheManager:
                 prefix = agreed
             if error is not None:
                 raise error
-            result = self._verifier.settle(handle, pages, prefix, proven_bad, reasons,
-                                           set(batches))
+            result = None if cancelled and alone else self._verifier.settle(
+                handle, pages, prefix, proven_bad, reasons, set(batches))
         except Exception as e:
             result, error = None, e
             self._stats.add(transfer_errors=1)
         else:
-            self._count_load(result, len(slots), batches, started)
+            if result is not None:
+                self._count_load(result, len(slots), batches, started)
         finally:
             # Before the handle says done: a caller returning from result() finds the
             # pages it read free to evict (and freed ones free) at once.
             self._pool.release_readers(pinned_slots)
-        handle.finish(result, error)
+        handle.finish(result, error, cancelled)
 
     def _count_load(self, result: LoadResult, moved: int, batches: dict[int, PageBatch],
                     started: float) -> None:

@@ -23,10 +23,10 @@ from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["TransferHook", "LoadVerifier", "DigestStarter", "DigestJob", "Verified"]
 
-TransferHook = Callable[[str, int, jax.Array], Any]
+TransferHook = Callable[[str, int, jax.Array | None], Any]
 """``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``. A
 ``"loaded_layer"`` hook may return a ``jax.Array`` to stand for what the load wrote
-(any other return value is ignored)."""
+(any other return value is ignored); ``array`` is None for ``"host_written"``."""
 
 
 def _replacement(layer: int, array: jax.Array, new: jax.Array) -> jax.Array:
@@ -169,11 +169,14 @@ class LoadVerifier:
 
     def verify(self, handle: LoadHandle, new: list[jax.Array], states: dict[int, Any],
                jobs: dict[int, DigestJob] | list[DigestJob], slots: np.ndarray,
-               batches: dict[int, PageBatch], reasons: dict[int, str]) -> Verified:
+               batches: dict[int, PageBatch], reasons: dict[int, str], *,
+               may_stop: bool = False) -> Verified:
         """Completes a load layer by layer, checking and releasing (transfer thread).
 
         Layers of classes the load does not move are released as they come (their
-        contents did not change).
+        contents did not change). With ``may_stop``, once the handle is cancelled
+        every layer is still waited for (its programs read the pool) but nothing
+        more is checked or released; the prefix returned then means nothing.
 
         Args:
           handle: the load's handle (layers are released on it).
@@ -189,11 +192,17 @@ class LoadVerifier:
           the pages proven bad by their own digests.
         """
         check = _LoadCheck(handle, slots, reasons, len(slots))
+
+        def stopped() -> bool:
+            return may_stop and handle.cancel_requested
+
         if jobs and handle.gate == "all":
             for i in range(self.num_layers):
                 if self.layer_class[i][0].index in batches:
                     self._finish_layer(states, new, i)
             for job in jobs:
+                if stopped():
+                    break
                 gots = [part.get() for part in job.parts]
                 for j, pos in enumerate(job.positions):
                     self._check_layer(check, job.cls, pos, [g[j] for g in gots])
@@ -202,6 +211,8 @@ class LoadVerifier:
                 cls, pos = self.layer_class[i]
                 if cls.index in batches and len(slots):
                     self._finish_layer(states, new, i)
+                if stopped():
+                    continue
                 if i in jobs:
                     gots = [part.get() for part in jobs[i].parts]
                     self._check_layer(check, cls, pos, [g[0] for g in gots])
