@@ -172,6 +172,22 @@ def test_slots_bad_values_and_a_failed_offload_leaves_them_free():
         assert mgr.num_free_pages == 3 and mgr.is_valid(held)  # bad input: nothing lost
 
 
+@pytest.mark.parametrize("event", ["gather_enqueued", "host_written"])
+def test_a_failed_offload_leaves_the_named_slots_free(event):
+    caches, mgr = _mgr("staged")
+    with mgr:
+        held, = mgr.offload(caches, [1], keys=[1], slots=[2]).wait()
+
+        def hook(at, layer, array):
+            if at == event:
+                raise RuntimeError("injected")
+
+        mgr.set_transfer_hook(hook)
+        with pytest.raises(kvxfer.TransferError, match="injected"):
+            mgr.offload(caches, [3, 4], keys=[3, 4], slots=[2, 0]).wait()
+        assert mgr.num_free_pages == 4 and not mgr.is_valid(held)
+
+
 # -- prefetched loads -------------------------------------------------------------
 
 
