@@ -141,17 +141,22 @@ def test_queued_section_times_the_call_apart_from_the_wait(run):
     assert [(r["path"], r["dtype"], r["movers"]) for r in rows] == CALL_CASES
     for row in rows:
         assert set(row) == CALL_GEOMETRY | {"steps", "step_passes", "repeats", "steps_alone",
-                                            "offload", "load"}
+                                            "offload", "load", "load_layer", "idle_offload",
+                                            "idle_load", "idle_load_layer"}
         check_call_geometry(row, cfg, cfg.call_blocks)
         assert (row["steps"], row["repeats"]) == (cfg.queued_steps, cfg.call_repeats)
         assert 1 <= row["step_passes"] and isinstance(row["step_passes"], int)
         assert set(row["steps_alone"]) == {"total", "dispatch"}
-        for op, rest in (("offload", "wait"), ("load", "result")):
+        for op, rest in (("offload", "wait"), ("load", "result"), ("load_layer", "result")):
             timing = row[op]
-            assert set(timing) == {"call", rest, "total", "steps_done_at_return"}
+            assert set(timing) == {"call", rest, "total", "steps_done_at_return",
+                                   "call_fraction"}
             for part in ("call", rest, "total"):
                 assert set(timing[part]) == STATS and timing[part]["n"] == cfg.call_repeats
             assert 0 <= timing["steps_done_at_return"] <= 1
+            assert timing["call_fraction"] > 0
+            idle = row[f"idle_{op}"]
+            assert set(idle) == {"call"} and idle["call"]["n"] == cfg.call_repeats
 
 
 def check_store_rows(rows, cfg, stores):

@@ -31,12 +31,19 @@ from kvxfer.bench._rig import Rig, check_loaded, make_caches
 from kvxfer.bench.timing import Progress, interleaved, no_gc, now, stats
 from kvxfer.manager import PathMode
 
-__all__ = ["CALL_CASES", "first_call_section", "queued_section"]
+__all__ = ["CALL_CASES", "CALL_IDLE_MS_CPU", "CALL_QUEUED_FRACTION", "first_call_section",
+           "queued_section"]
 
 #: The cases of both sections: (name, dtype, the manager's ``path``).
 CALL_CASES: tuple[tuple[str, str, PathMode], ...] = (
     ("staged", "bfloat16", "staged"), ("raw", "float32", "auto"),
     ("pinned", "float16", "pinned"))
+
+#: Targets the report prints beside the call rows: host time of one call with the
+#: device idle (p50, pinned and staged on CPU, 64 pages x 32 layers) and the call
+#: behind queued steps as a fraction of their time (every path).
+CALL_IDLE_MS_CPU = 3.0
+CALL_QUEUED_FRACTION = 0.10
 
 # Passes of arithmetic per step at most: tiny caches on a fast device need many to
 # reach step_ms, but a step must not grow without bound.
@@ -121,42 +128,52 @@ def _queued_case(cfg: BenchConfig, name: str, dtype: str, path: PathMode) -> dic
         held = rig.hold("page", ids, path=path)
         steps = _Steps(rig, cfg.queued_steps, cfg.step_ms)
 
-        def offload() -> dict[str, float]:
+        def offload(queued: bool = True) -> dict[str, float]:
             keys = rig.keys(k)
-            marker = steps.dispatch()
+            marker = steps.dispatch() if queued else None
             t0 = now()
             handle = mgr.offload(rig.caches, ids, keys)
             t1 = now()
-            done = marker.is_ready()
+            done = marker is None or marker.is_ready()
             pages = handle.wait()
             t2 = now()
             mgr.free(pages)
             return {"s": t2 - t0, "call_s": t1 - t0, "wait_s": t2 - t1, "done": float(done)}
 
-        def load() -> dict[str, float]:
-            marker = steps.dispatch()
+        def load(gate: str = "all", queued: bool = True) -> dict[str, float]:
+            marker = steps.dispatch() if queued else None
             t0 = now()
-            rig.caches, handle = mgr.load(rig.caches, held, ids, gate="all")
+            rig.caches, handle = mgr.load(rig.caches, held, ids, gate=gate)
             t1 = now()
-            done = marker.is_ready()
+            done = marker is None or marker.is_ready()
             result = handle.result()
             t2 = now()
             check_loaded(result, k)
             jax.block_until_ready(rig.caches)  # the next variant starts with no work queued
             return {"s": t2 - t0, "call_s": t1 - t0, "result_s": t2 - t1, "done": float(done)}
 
-        t = interleaved({"steps": steps.alone, "offload": offload, "load": load},
+        t = interleaved({"steps": steps.alone, "offload": offload, "load": load,
+                         "load_layer": lambda: load("layer"),
+                         "idle_offload": lambda: offload(queued=False),
+                         "idle_load": lambda: load(queued=False),
+                         "idle_load_layer": lambda: load("layer", queued=False)},
                         cfg.call_repeats)
         row = _geometry(cfg, name, dtype, path, rig)
         row.update({"steps": cfg.queued_steps, "step_passes": steps.passes,
                     "repeats": cfg.call_repeats,
                     "steps_alone": {"total": stats(t["steps"]["s"]),
                                     "dispatch": stats(t["steps"]["dispatch_s"])}})
-        for op, rest in (("offload", "wait"), ("load", "result")):
+        queued_s = row["steps_alone"]["total"]["p50_s"]
+        for op, rest in (("offload", "wait"), ("load", "result"), ("load_layer", "result")):
             timing = t[op]
             row[op] = {"call": stats(timing["call_s"]), rest: stats(timing[f"{rest}_s"]),
                        "total": stats(timing["s"]),
-                       "steps_done_at_return": float(np.mean(timing["done"]))}
+                       "steps_done_at_return": float(np.mean(timing["done"])),
+                       # The call's p50 as a fraction of the queued steps' time (the
+                       # target: at most CALL_QUEUED_FRACTION).
+                       "call_fraction": stats(timing["call_s"])["p50_s"] / queued_s}
+            # The same call with no device work queued: its host time alone.
+            row[f"idle_{op}"] = {"call": stats(t[f"idle_{op}"]["call_s"])}
         return row
     finally:
         rig.close()

@@ -520,6 +520,23 @@ def _queued_lines(rows: list[dict[str, Any]]) -> list[str]:
         "path -> mover", "dtype", "pages x layers", "bytes",
         f"{r0['steps']} steps alone", "their dispatch", "offload() call", "wait()", "done",
         "load() call", "result()", "done"]))
+    if "idle_offload" not in r0:
+        return lines
+    from kvxfer.bench._caller import CALL_IDLE_MS_CPU, CALL_QUEUED_FRACTION
+    lines += ["", f"Host time of one call (p50 ms), device idle and behind {r0['steps']} "
+              f"queued steps (as a fraction of their time); targets: idle at most "
+              f"{CALL_IDLE_MS_CPU:g} ms on CPU (path=pinned, path=staged), queued at most "
+              f"{CALL_QUEUED_FRACTION:.0%} (every path)"]
+    table_rows = []
+    ops = ("offload", "load", "load_layer")
+    for r in rows:
+        table_rows.append(_call_case(r) + [_ms(r[f"idle_{op}"]["call"]["p50_s"]) for op in ops]
+                          + [f"{_ms(r[op]['call']['p50_s'])} ({r[op]['call_fraction']:.1%})"
+                             for op in ops])
+    lines.append(table(table_rows, [
+        "path -> mover", "dtype", "pages x layers", "bytes", "idle offload()",
+        "idle load(all)", "idle load(layer)", "queued offload()", "queued load(all)",
+        "queued load(layer)"]))
     return lines
 
 

@@ -22,6 +22,7 @@ replicated layer are stored once and loaded into every replica.
 from kvxfer.engine._batch import PageBatch as PageBatch
 from kvxfer.engine._batch import ShardedLayer as ShardedLayer
 from kvxfer.engine._batch import assemble as assemble
+from kvxfer.engine._auto import RawOrPinnedMover as RawOrPinnedMover
 from kvxfer.engine._batch import bucket as bucket
 from kvxfer.engine._emulated import EmulatedMover as EmulatedMover
 from kvxfer.engine._mover import LoadRequest as LoadRequest
@@ -46,4 +47,4 @@ __all__ = ["PageBatch", "ShardedLayer", "assemble", "bucket", "Mover", "LoadRequ
            "Pending", "TransferError", "DIGEST_CHUNK", "needs_raw_bits", "StagedMover",
            "RawMover", "EmulatedMover", "PallasMover", "pallas_refusal", "RowCopy",
            "raw_capable", "shared_buffers", "PinnedMover", "IN_PLACE_PLATFORMS",
-           "pinned_capable", "pinned_mode"]
+           "pinned_capable", "pinned_mode", "RawOrPinnedMover"]

@@ -175,12 +175,14 @@ class Mover(abc.ABC):
         """Compiles every program a transfer of ``b`` pages (a bucket) runs.
 
         ``arrays`` and ``layers`` are abstract values (``ShardedLayer.abstract``). The
-        base compiles the digest programs (per layer and in groups, every replica).
+        base compiles the digest programs (groups of ``DIGEST_CHUNK`` layers and the
+        remainder, every replica).
         """
         if not with_digest:
             return
         n = len(layers)
-        chunks = {1, min(n, DIGEST_CHUNK)} | ({n % DIGEST_CHUNK} if n % DIGEST_CHUNK else set())
+        chunks = {min(n, DIGEST_CHUNK)} | ({n % DIGEST_CHUNK} if n > DIGEST_CHUNK and
+                                           n % DIGEST_CHUNK else set())
         for s in range(self.cls.num_shards):
             for r in range(len(layers[0].shards[s])):
                 device = device_of(layers[0].shards[s][r])

@@ -847,6 +847,16 @@ class KVCacheManager:
         bucket of page counts up to ``max_pages`` (counts are padded to powers of two),
         so the first request of each size does not pay for compiling.
 
+        An engine keeps the compiled programs across processes with JAX's persistent
+        compilation cache, configured before the first compile::
+
+            jax.config.update("jax_compilation_cache_dir", "/path/to/cache")
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+        A second process's warm-up then loads the programs instead of compiling them
+        (for 32 layers and ``max_pages=64`` on a 2-core CPU: about 2 s, against 16-20 s).
+
         Returns:
           The buckets compiled.
 

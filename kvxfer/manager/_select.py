@@ -8,7 +8,7 @@ from typing import Literal, get_args
 import jax
 
 from kvxfer.engine import (EmulatedMover, Mover, PallasMover, PinnedMover, RawMover,
-                           StagedMover, pallas_refusal, pinned_capable, raw_capable)
+                           RawOrPinnedMover, StagedMover, pallas_refusal, pinned_capable, raw_capable)
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
@@ -144,7 +144,12 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
             continue
         if path == "auto":
             rule = AUTO_RULES.get(_backend(caches, cls), _OTHER_BACKENDS)
-            out.append(_MOVERS[next(name for name in rule if applies[name](cls))])
+            mover = _MOVERS[next(name for name in rule if applies[name](cls))]
+            # Raw copies wait for the caches' writers: a call whose caches are still
+            # being written takes the pinned programs instead, where there are some.
+            if mover is RawMover and applies["pinned"](cls):
+                mover = RawOrPinnedMover
+            out.append(mover)
             continue
         raw_ok = [raw_capable(caches[i]) for i in cls.layers]
         if not all(raw_ok):  # path == "direct"

@@ -85,9 +85,11 @@ class DigestStarter:
 
     The programs read the arrays the load returns, so they run before anything the
     caller dispatches next (a donating step included), and the digest of one layer
-    runs on the device while the next layer is written. ``gate="layer"`` makes one job
-    per layer moved; ``gate="all"`` one per group of up to ``DIGEST_CHUNK`` layers of a
-    class.
+    runs on the device while the next layer is written. Either gate makes one job per
+    group of up to ``DIGEST_CHUNK`` layers of a class: a job per layer would enqueue a
+    program per layer, and XLA:CPU blocks the dispatching thread once a few dozen
+    executions are in flight (the caller's queued steps count too), so a per-layer
+    load would wait on the device work queued before it.
     """
 
     def __init__(self, verifier: LoadVerifier, batches: dict[int, PageBatch], gate: Gate):
@@ -99,7 +101,7 @@ class DigestStarter:
         self._layers: dict[int, ShardedLayer] = {}
         self._arrays: dict[int, jax.Array] = {}  # what the load returns, by layer
         self._jobs: list[DigestJob] = []
-        size = 1 if gate == "layer" else DIGEST_CHUNK
+        size = DIGEST_CHUNK
         self._groups = {c: [list(range(len(verifier.plan.classes[c].layers)))[a:a + size]
                             for a in range(0, len(verifier.plan.classes[c].layers), size)]
                         for c in batches}
@@ -143,13 +145,14 @@ class DigestStarter:
         ``new`` (the arrays the load returns) takes the arrays hooks returned.
 
         Returns:
-          The jobs: by layer for ``gate="layer"``, else a list.
+          The jobs, each under every layer it digests for ``gate="layer"``, else a
+          list.
         """
         for c in self._batches:
             for pos, i in enumerate(self._verifier.plan.classes[c].layers):
                 new[i] = self.written(c, pos, new[i])
         if self._gate == "layer":
-            return {job.cls.layers[job.positions[0]]: job for job in self._jobs}
+            return {job.cls.layers[p]: job for job in self._jobs for p in job.positions}
         return self._jobs
 
 
@@ -207,6 +210,7 @@ class LoadVerifier:
                 for j, pos in enumerate(job.positions):
                     self._check_layer(check, job.cls, pos, [g[j] for g in gots])
         else:
+            got: dict[int, list[np.ndarray]] = {}  # id(job) -> its digests, once waited
             for i in range(self.num_layers):
                 cls, pos = self.layer_class[i]
                 if cls.index in batches and len(slots):
@@ -214,8 +218,11 @@ class LoadVerifier:
                 if stopped():
                     continue
                 if i in jobs:
-                    gots = [part.get() for part in jobs[i].parts]
-                    self._check_layer(check, cls, pos, [g[0] for g in gots])
+                    job = jobs[i]
+                    if id(job) not in got:
+                        got[id(job)] = [part.get() for part in job.parts]
+                    j = job.positions.index(pos)
+                    self._check_layer(check, cls, pos, [g[j] for g in got[id(job)]])
                 elif handle.gate == "layer":
                     handle.release(i, check.prefix)
         return Verified(min([check.prefix] + list(reasons)), frozenset(check.proven_bad))

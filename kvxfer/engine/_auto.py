@@ -1,0 +1,84 @@
+"""``path="auto"`` on XLA:CPU: raw copies when the caches are ready, else pinned programs.
+
+The raw mover copies bytes of device buffers on the caller's thread, so it must wait
+for whatever is still writing them (a decode step dispatched just before the call):
+that would block the caller on device work queued before it. When any cache of the
+class still has a pending writer (``not is_ready()``), this mover moves that call
+through the pinned mover's programs instead (enqueued, ordered by XLA after the
+writers), over the same pool: the class's pool is allocated in ``pinned_host``
+memory, which on XLA:CPU is host memory that ``pool.data`` views, so raw copies and
+pinned programs read and write the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from kvxfer.engine._batch import ShardedLayer
+from kvxfer.engine._mover import LoadRequest
+from kvxfer.engine._pinned import PinnedLoad, PinnedMover, PinnedOffload
+from kvxfer.engine._raw import RawMover
+from kvxfer.hostpool import ClassPool
+from kvxfer.plan import SliceClass
+
+__all__ = ["RawOrPinnedMover", "caches_ready"]
+
+
+def caches_ready(layers: Sequence[ShardedLayer]) -> bool:
+    """Whether no shard of ``layers`` has a pending writer (never blocks)."""
+    return all(a.is_ready() for layer in layers for reps in layer.shards for a in reps)
+
+
+class _Staged(NamedTuple):
+    """Which mover a load was staged for, and what its ``stage_load`` returned."""
+
+    pinned: bool
+    staged: Any
+
+
+class RawOrPinnedMover(RawMover):
+    """Raw copies for ready caches; the pinned mover's programs for caches still written.
+
+    Reported as ``raw`` (``mgr.paths``): the pinned programs stand in for one call.
+    """
+
+    pinned_pool = True
+
+    def __init__(self, cls: SliceClass, pool: ClassPool):
+        super().__init__(cls, pool)
+        self._pinned = PinnedMover(cls, pool)
+        #: Calls moved through the pinned programs, by direction (for tests and stats).
+        self.fallbacks = {"offload": 0, "load": 0}
+
+    def start_offload(self, layers, batch, slots, with_digest):
+        if caches_ready(layers):
+            return super().start_offload(layers, batch, slots, with_digest)
+        self.fallbacks["offload"] += 1
+        return self._pinned.start_offload(layers, batch, slots, with_digest)
+
+    def finish_offload(self, state, slots):
+        if isinstance(state, PinnedOffload):
+            return self._pinned.finish_offload(state, slots)
+        return super().finish_offload(state, slots)
+
+    def stage_load(self, layers, request: LoadRequest) -> _Staged:
+        if caches_ready(layers):
+            return _Staged(False, super().stage_load(layers, request))
+        self.fallbacks["load"] += 1
+        return _Staged(True, self._pinned.stage_load(layers, request))
+
+    def start_load(self, arrays, layers, request: LoadRequest, staged: _Staged):
+        if staged.pinned:
+            return self._pinned.start_load(arrays, layers, request, staged.staged)
+        return super().start_load(arrays, layers, request, staged.staged)
+
+    def finish_load_layer(self, state, pos):
+        if isinstance(state, PinnedLoad):
+            self._pinned.finish_load_layer(state, pos)
+        else:
+            super().finish_load_layer(state, pos)
+
+    def warmup(self, arrays, layers, b, with_digest):
+        super().warmup(arrays, layers, b, with_digest)
+        self._pinned.warmup(arrays, layers, b, False)  # the digests are the same programs
