@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
+
 from kvxfer.engine._batch import ShardedLayer
 from kvxfer.engine._mover import LoadRequest
 from kvxfer.engine._pinned import PinnedLoad, PinnedMover, PinnedOffload
@@ -62,13 +64,17 @@ class RawOrPinnedMover(RawMover):
             return self._pinned.finish_offload(state, slots)
         return super().finish_offload(state, slots)
 
-    def stage_load(self, layers, request: LoadRequest) -> _Staged:
+    def stage_load(self, layers, request: LoadRequest) -> _Staged | None:
+        if any(not isinstance(a, jax.Array) for reps in layers[0].shards for a in reps):
+            return None  # a prefetch (abstract layers): the load picks the mover
         if caches_ready(layers):
             return _Staged(False, super().stage_load(layers, request))
         self.fallbacks["load"] += 1
         return _Staged(True, self._pinned.stage_load(layers, request))
 
-    def start_load(self, arrays, layers, request: LoadRequest, staged: _Staged):
+    def start_load(self, arrays, layers, request: LoadRequest, staged: _Staged | None):
+        if staged is None:
+            staged = self.stage_load(layers, request)
         if staged.pinned:
             return self._pinned.start_load(arrays, layers, request, staged.staged)
         return super().start_load(arrays, layers, request, staged.staged)
