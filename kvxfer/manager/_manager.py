@@ -26,9 +26,9 @@ import numpy as np
 
 from kvxfer import integrity as _integrity
 from kvxfer._check import check_int, check_timeout
-from kvxfer.engine import LoadRequest, Mover, PageBatch, ShardedLayer, TransferError, \
-    bucket, shared_buffers
-from kvxfer.engine._batch import abstract, own_context
+from kvxfer.engine import LoadRequest, Mover, PageBatch, ShardedLayer, TransferError
+from kvxfer.engine._batch import abstract, bucket, own_context
+from kvxfer.engine._raw import shared_buffers
 from kvxfer.engine._grouped import BlockGroups, GroupedMover
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
