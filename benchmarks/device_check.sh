@@ -25,7 +25,7 @@
 #   OUTDIR/tests.xml          JUnit report of the device tests (absent if cut short)
 #   OUTDIR/pinned_modes.json  the pinned mover in place vs through a host copy: one
 #                             byte-exact round trip and offload/load GB/s for each
-#                             (decides kvxfer.engine.IN_PLACE_PLATFORMS for the backend)
+#                             (decides kvxfer.engine._pinned.IN_PLACE_PLATFORMS for the backend)
 #   OUTDIR/bench/bench.json   the bench report (and bench/bench.png with matplotlib)
 #   OUTDIR/captured.json      the layouts XLA chose on this device (a catalogue)
 #   OUTDIR/bandwidth.json     the bandwidth probe's report

@@ -3,7 +3,7 @@
 ``KVXFER_PINNED_MODE=in-place`` (the pool donated to the offload program and written by
 dynamic-update-slices; loads read the pool inside their program) and ``copy`` (pages
 gathered into pinned buffers of their own, one host copy into or out of the pool).
-``kvxfer.engine.IN_PLACE_PLATFORMS`` names the backends that use the first; this
+``kvxfer.engine._pinned.IN_PLACE_PLATFORMS`` names the backends that use the first; this
 script is what decides a backend's entry: for each mode it checks one round trip of
 random bits (NaN payloads included) byte for byte, then times offload and load
 (``path="pinned"``, integrity off and page, gate all) against the machine's limit
@@ -29,7 +29,7 @@ import kvxfer
 from kvxfer import testing
 from kvxfer.bench.limits import limit_figures, make_limit
 from kvxfer.bench.timing import interleaved, stats
-from kvxfer.engine import pinned_mode
+from kvxfer.engine._pinned import pinned_mode
 
 LAYERS, BLOCK_BYTES, DTYPE = 32, 64 << 10, "bfloat16"
 

@@ -307,7 +307,7 @@ def test_an_error_escaping_the_transfer_thread_still_ends_the_handle(monkeypatch
         def boom(*args):
             raise RuntimeError("a bug in the transfer thread")
 
-        monkeypatch.setattr(mgr, "_count_load", boom)
+        monkeypatch.setattr(mgr._loads, "_count", boom)
         new, handle = mgr.load(caches, pages, DST)
         with pytest.raises(kvxfer.TransferError, match="a bug in the transfer thread"):
             handle.result(WAIT)

@@ -405,7 +405,7 @@ def test_page_refs_check_their_fields(fields, error, match):
 
 
 def test_buckets_start_at_one():
-    from kvxfer.engine import bucket
+    from kvxfer.engine._batch import bucket
 
     assert [bucket(k) for k in range(6)] == [1, 1, 2, 4, 4, 8]
 

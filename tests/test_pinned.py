@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kvxfer
 from kvxfer import testing
-from kvxfer.engine import IN_PLACE_PLATFORMS, pinned_mode
+from kvxfer.engine._pinned import IN_PLACE_PLATFORMS, pinned_mode
 
 SRC, DST = [5, 1, 6, 2], [0, 7, 3, 4]
 NUM_BLOCKS = 8

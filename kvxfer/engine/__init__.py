@@ -8,43 +8,36 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
   the device buffers and the host pool.
 * ``PinnedMover`` (every backend with a ``pinned_host`` memory kind): compiled programs
   that gather pages, with their digests, straight into a pinned host pool (in place
-  where the backend allows it, see ``IN_PLACE_PLATFORMS``) and scatter them from there
-  into the donated caches: no pageable staging, no per-page ``device_put``.
+  where the backend allows it, see ``_pinned.IN_PLACE_PLATFORMS``) and scatter them
+  from there into the donated caches: no pageable staging, no per-page ``device_put``.
 * ``EmulatedMover`` (emulated TPU memory): raw byte-range copies over emulated device
   images, for layouts the inspector has proven addressable.
 * ``PallasMover`` (TPU; Pallas interpret mode on CPU): per-block DMA kernels between
   the caches and the host pool, for layouts the inspector has proven addressable.
+* ``GroupedMover`` (a block dim sharded over data parallelism): runs another mover
+  group by group, each group's pages on the devices that hold its blocks.
 
 Movers work shard by shard on the devices that own the shards; replicas of a
 replicated layer are stored once and loaded into every replica.
+
+This package exports the interface and the movers; helpers (``_batch.bucket``,
+``_raw.shared_buffers``, ``_pinned.pinned_mode``, ...) are imported from their modules.
 """
 
 from kvxfer.engine._batch import PageBatch as PageBatch
 from kvxfer.engine._batch import ShardedLayer as ShardedLayer
-from kvxfer.engine._batch import assemble as assemble
 from kvxfer.engine._auto import RawOrPinnedMover as RawOrPinnedMover
-from kvxfer.engine._batch import bucket as bucket
 from kvxfer.engine._emulated import EmulatedMover as EmulatedMover
+from kvxfer.engine._grouped import GroupedMover as GroupedMover
 from kvxfer.engine._mover import LoadRequest as LoadRequest
 from kvxfer.engine._mover import Mover as Mover
 from kvxfer.engine._mover import Pending as Pending
 from kvxfer.engine._mover import TransferError as TransferError
 from kvxfer.engine._pallas import PallasMover as PallasMover
-from kvxfer.engine._pallas import pallas_refusal as pallas_refusal
-from kvxfer.engine._pinned import IN_PLACE_PLATFORMS as IN_PLACE_PLATFORMS
 from kvxfer.engine._pinned import PinnedMover as PinnedMover
-from kvxfer.engine._pinned import pinned_capable as pinned_capable
-from kvxfer.engine._pinned import pinned_mode as pinned_mode
-from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
-from kvxfer.engine._programs import needs_raw_bits as needs_raw_bits
 from kvxfer.engine._raw import RawMover as RawMover
-from kvxfer.engine._raw import RowCopy as RowCopy
-from kvxfer.engine._raw import raw_capable as raw_capable
-from kvxfer.engine._raw import shared_buffers as shared_buffers
 from kvxfer.engine._staged import StagedMover as StagedMover
 
-__all__ = ["PageBatch", "ShardedLayer", "assemble", "bucket", "Mover", "LoadRequest",
-           "Pending", "TransferError", "DIGEST_CHUNK", "needs_raw_bits", "StagedMover",
-           "RawMover", "EmulatedMover", "PallasMover", "pallas_refusal", "RowCopy",
-           "raw_capable", "shared_buffers", "PinnedMover", "IN_PLACE_PLATFORMS",
-           "pinned_capable", "pinned_mode", "RawOrPinnedMover"]
+__all__ = ["Mover", "LoadRequest", "Pending", "PageBatch", "ShardedLayer", "TransferError",
+           "StagedMover", "RawMover", "PinnedMover", "PallasMover", "EmulatedMover",
+           "GroupedMover", "RawOrPinnedMover"]

@@ -36,7 +36,7 @@ def _buffer_key(local: jax.Array) -> tuple[int, int]:
     return device_of(local).id, local.unsafe_buffer_pointer()
 
 
-class EmulatedMover(Mover):
+class EmulatedMover(Mover[EmulatedOffload, None, None]):
     """Direct copies over emulated TPU memory, for proven-addressable layouts."""
 
     name = "emulated"

@@ -22,9 +22,13 @@ import jax
 import numpy as np
 
 from kvxfer.engine._batch import PageBatch, ShardedLayer, _index_key, assemble
-from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
+from kvxfer.engine._mover import LoadRequest, LoadT, Mover, OffloadT, Pending, StagedT, \
+    TransferError
 
-__all__ = ["BlockGroups", "GroupedMover"]
+__all__ = ["BlockGroups", "GroupedMover", "GroupedOffload"]
+
+GroupedOffload = list[tuple[np.ndarray, OffloadT]]
+"""Per group holding pages of the batch: its rows of the request, the inner mover's state."""
 
 
 def _group_sharding(keys: list[tuple[int, ...]], devices: list[list[Any]]
@@ -135,7 +139,7 @@ class _MergedPending(Pending):
         return out
 
 
-class GroupedMover(Mover):
+class GroupedMover(Mover[GroupedOffload[OffloadT], list[StagedT], list[LoadT]]):
     """Runs another mover group by group over a block dim sharded by data parallelism.
 
     Args:
@@ -144,7 +148,7 @@ class GroupedMover(Mover):
       groups: how the class's layers split their block dim.
     """
 
-    def __init__(self, inner: Mover, groups: BlockGroups):
+    def __init__(self, inner: Mover[OffloadT, StagedT, LoadT], groups: BlockGroups):
         super().__init__(inner.cls, inner.pool)
         self.inner = inner
         self.groups = groups
@@ -170,29 +174,33 @@ class GroupedMover(Mover):
 
     # -- offload ----------------------------------------------------------------
 
-    def start_offload(self, layers, batch, slots, with_digest):
+    def start_offload(self, layers: Sequence[ShardedLayer], batch: PageBatch,
+                      slots: np.ndarray, with_digest: bool) -> GroupedOffload[OffloadT]:
         slots = np.asarray(slots)
         return [(rows, self.inner.start_offload([self.groups.split(l, g) for l in layers],
                                                 sub, slots[rows], with_digest))
                 for g, rows, sub in self._split(batch)]
 
-    def finish_offload(self, state, slots):
+    def finish_offload(self, state: GroupedOffload[OffloadT], slots: np.ndarray) -> None:
         slots = np.asarray(slots)
         for rows, inner in state:
             self.inner.finish_offload(inner, slots[rows])
 
     # -- load -------------------------------------------------------------------
 
-    def stage_load(self, layers, request):
+    def stage_load(self, layers: Sequence[ShardedLayer],
+                   request: LoadRequest) -> list[StagedT]:
         return [self.inner.stage_load([self.groups.split(l, g) for l in layers],
                                       self._request(request, rows, sub))
                 for g, rows, sub in self._split(request.batch)]
 
-    def start_load(self, arrays, layers, request, staged):
+    def start_load(self, arrays: Sequence[jax.Array], layers: Sequence[ShardedLayer],
+                   request: LoadRequest, staged: list[StagedT] | None
+                   ) -> tuple[list[jax.Array], list[LoadT]]:
         splits = self._split(request.batch)
-        staged = [None] * len(splits) if staged is None else staged
+        staged = [None] * len(splits) if staged is None else staged  # type: ignore[list-item]
         loaded: dict[int, list[jax.Array]] = {}
-        states = []
+        states: list[LoadT] = []
         for (g, rows, sub), st in zip(splits, staged):
             part = [self.groups.split(l, g) for l in layers]
             try:
@@ -224,7 +232,7 @@ class GroupedMover(Mover):
                 out.append(array)
         return out
 
-    def finish_load_layer(self, state, pos):
+    def finish_load_layer(self, state: list[LoadT], pos: int) -> None:
         for inner in state:
             self.inner.finish_load_layer(inner, pos)
 

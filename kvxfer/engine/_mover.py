@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import jax
 import numpy as np
@@ -16,7 +16,14 @@ from kvxfer.engine._programs import DIGEST_CHUNK, compile_ahead, digest_blocks
 from kvxfer.hostpool import ClassPool, HostBacking
 from kvxfer.plan import SliceClass
 
-__all__ = ["TransferError", "Mover", "LoadRequest", "Pending"]
+__all__ = ["TransferError", "Mover", "LoadRequest", "Pending", "OffloadT", "StagedT", "LoadT"]
+
+OffloadT = TypeVar("OffloadT")
+"""What ``start_offload`` hands ``finish_offload`` (the mover's named offload state)."""
+StagedT = TypeVar("StagedT")
+"""What ``stage_load`` hands ``start_load`` (None for movers with nothing to stage)."""
+LoadT = TypeVar("LoadT")
+"""What ``start_load`` hands ``finish_load_layer`` (None for movers with nothing to wait for)."""
 
 
 class TransferError(RuntimeError):
@@ -80,8 +87,12 @@ class Pending:
                          for chunks in self._parts], axis=1)
 
 
-class Mover(abc.ABC):
+class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
     """Moves the pages of one slice class between device shards and its host pool.
+
+    Generic over the state passed between its halves: ``Mover[OffloadT, StagedT,
+    LoadT]``, each a named type of the mover (``StagedMover`` is a
+    ``Mover[StagedOffload, list[StagedInputs], None]``).
 
     Every device program of a transfer is enqueued on the caller's thread, before
     ``offload()`` / ``load()`` returns, so XLA orders it against whatever the caller
@@ -114,7 +125,7 @@ class Mover(abc.ABC):
 
     @abc.abstractmethod
     def start_offload(self, layers: Sequence[ShardedLayer], batch: PageBatch,
-                      slots: np.ndarray, with_digest: bool) -> Any:
+                      slots: np.ndarray, with_digest: bool) -> OffloadT:
         """Reads the batch's blocks as they are now (and starts their digests).
 
         Caller's thread. Whatever the caller does to the caches afterwards (a
@@ -125,20 +136,20 @@ class Mover(abc.ABC):
         """
 
     @abc.abstractmethod
-    def finish_offload(self, state: Any, slots: np.ndarray) -> None:
+    def finish_offload(self, state: OffloadT, slots: np.ndarray) -> None:
         """Moves what ``start_offload`` read into host ``slots`` (transfer thread)."""
 
-    def stage_load(self, layers: Sequence[ShardedLayer], request: LoadRequest) -> Any:
+    def stage_load(self, layers: Sequence[ShardedLayer], request: LoadRequest) -> StagedT:
         """Puts what a load needs on the devices, consuming nothing (caller's thread).
 
         Every class is staged before any class starts (``start_load`` may donate the
         caches), so a failure here leaves the caller's caches as they were.
         """
-        return None
+        return cast(StagedT, None)  # a mover that stages nothing has StagedT = None
 
     @abc.abstractmethod
     def start_load(self, arrays: Sequence[jax.Array], layers: Sequence[ShardedLayer],
-                   request: LoadRequest, staged: Any) -> tuple[list[jax.Array], Any]:
+                   request: LoadRequest, staged: StagedT) -> tuple[list[jax.Array], LoadT]:
         """Writes the request's host slots into its blocks (caller's thread).
 
         Returns:
@@ -147,7 +158,7 @@ class Mover(abc.ABC):
           ``finish_load_layer``.
         """
 
-    def finish_load_layer(self, state: Any, pos: int) -> None:
+    def finish_load_layer(self, state: LoadT, pos: int) -> None:
         """Waits until layer ``pos`` of the class is in place (transfer thread)."""
 
     def digests(self, layers: Sequence[ShardedLayer], batch: PageBatch,

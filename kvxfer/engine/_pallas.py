@@ -173,7 +173,7 @@ class PallasLoad(NamedTuple):
     done: list[list[jax.Array]]
 
 
-class PallasMover(Mover):
+class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
     """Pallas DMAs between the caches and the host pool, for proven-addressable classes."""
 
     name = "pallas"

@@ -135,7 +135,7 @@ class PinnedLoad(NamedTuple):
     done: list[jax.Array]
 
 
-class PinnedMover(Mover):
+class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
     """Compiled programs between the caches and a pinned host pool, in place."""
 
     name = "pinned"

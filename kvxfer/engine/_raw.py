@@ -114,7 +114,7 @@ def shared_buffers(arrays: Sequence[jax.Array]) -> frozenset:
     return frozenset(p for p, c in counts.items() if c > 1)
 
 
-class RawMover(Mover):
+class RawMover(Mover[RawOffload, None, None]):
     """Raw byte-range copies between XLA:CPU buffers and the host pool."""
 
     name = "raw"

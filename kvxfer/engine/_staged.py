@@ -42,7 +42,7 @@ class StagedOffload(NamedTuple):
     outs: list[tuple[jax.Array, jax.Array | None]]
 
 
-class StagedMover(Mover):
+class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
     """Compiled gather / donated scatter programs; correct for every layout."""
 
     name = "staged"

@@ -1,10 +1,13 @@
 """The manager: ``KVCacheManager``, its handles and results, verification, movers chosen.
 
-One module an idea: ``_handles`` (what a transfer hands back), ``_verify`` (per-layer
-verification), ``_agree`` (lockstep agreement on each load's verified prefix across
-processes), ``_select`` (which mover moves each slice class), ``_pages`` (pages as
-blobs for tiers below host memory), ``_stats`` (counters) and ``_manager`` (the manager
-itself).
+One module an idea: ``_manager`` (the manager itself: its construction, properties and
+one short public method per operation), ``_checks`` (argument checks), ``_offload``
+(the offload path), ``_load`` (the load path, prefetch included), ``_host`` (host
+pages by hand: free, read and write a layer's bytes, export and import),
+``_handles`` (what a transfer hands back), ``_prefetch`` (staged loads),
+``_verify`` (per-layer verification), ``_agree`` (lockstep agreement on each load's
+verified prefix across processes), ``_select`` (which mover moves each slice class),
+``_pages`` (pages as blobs for tiers below host memory) and ``_stats`` (counters).
 """
 
 from kvxfer.manager._handles import Gate as Gate

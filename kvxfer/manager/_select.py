@@ -8,7 +8,10 @@ from typing import Literal, get_args
 import jax
 
 from kvxfer.engine import (EmulatedMover, Mover, PallasMover, PinnedMover, RawMover,
-                           RawOrPinnedMover, StagedMover, pallas_refusal, pinned_capable, raw_capable)
+                           RawOrPinnedMover, StagedMover)
+from kvxfer.engine._pallas import pallas_refusal
+from kvxfer.engine._pinned import pinned_capable
+from kvxfer.engine._raw import raw_capable
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
@@ -115,53 +118,58 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
         with ``pinned=False``), naming the backend.
     """
     applies = _applies(caches, pinned, specs, emulated)
-    out: list[type[Mover]] = []
-    for cls in plan.classes:
-        first = cls.layers[0]
-        if path == "pallas":
-            refused = pallas_refusal(cls, specs, caches, emulated)
-            if refused is not None:
-                layer, reason = refused
-                shard = "" if cls.num_shards == 1 else f" (one shard of {cls.num_shards})"
-                raise LayoutError(f"Pallas path refused for {cls.name} (layers "
-                                  f"{list(cls.layers)}), layer {layer}{shard}: {reason}")
-            out.append(PallasMover)
-            continue
-        if path == "pinned":
-            _check_pinned(caches, cls, pinned)
-            out.append(PinnedMover)
-            continue
-        if emulated:
-            # The bytes live in emulated TPU memory under the given layouts: only the
-            # emulated mover reads them as such, and only where they are proven.
-            if path == "direct" and not cls.addressable:
-                raise _refusal(cls, specs[first], first)
-            out.append(EmulatedMover if path != "staged" and cls.addressable else
-                       StagedMover)
-            continue
-        if path == "staged":
-            out.append(StagedMover)
-            continue
-        if path == "auto":
-            rule = AUTO_RULES.get(_backend(caches, cls), _OTHER_BACKENDS)
-            mover = _MOVERS[next(name for name in rule if applies[name](cls))]
-            # Raw copies wait for the caches' writers: a call whose caches are still
-            # being written takes the pinned programs instead, where there are some.
-            if mover is RawMover and applies["pinned"](cls):
-                mover = RawOrPinnedMover
-            out.append(mover)
-            continue
-        raw_ok = [raw_capable(caches[i]) for i in cls.layers]
-        if not all(raw_ok):  # path == "direct"
-            bad = cls.layers[raw_ok.index(False)]
-            if not specs[bad].shard_geometry.addressable:
-                raise _refusal(cls, specs[bad], bad)
-            a = caches[bad]
-            raise LayoutError(
-                f"Direct path refused for layer {bad}: "
-                f"{shape_text(a.shape, a.dtype, specs[bad].layout)} is addressable, but "
-                "this backend has no direct path for it (raw copies need XLA:CPU "
-                "row-major buffers of whole-byte elements; on TPU use path='pallas' "
-                "for the Pallas DMA kernels; pass layouts= to use emulated TPU memory)")
-        out.append(RawMover)
-    return out
+    return [_select_class(cls, specs, caches, path, emulated, pinned, applies)
+            for cls in plan.classes]
+
+
+def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
+                  path: PathMode, emulated: bool, pinned: bool | None,
+                  applies: dict[str, Callable[[SliceClass], bool]]) -> type[Mover]:
+    """The mover type of one slice class (``select_movers``)."""
+    first = cls.layers[0]
+    if path == "pallas":
+        refused = pallas_refusal(cls, specs, caches, emulated)
+        if refused is not None:
+            layer, reason = refused
+            shard = "" if cls.num_shards == 1 else f" (one shard of {cls.num_shards})"
+            raise LayoutError(f"Pallas path refused for {cls.name} (layers "
+                              f"{list(cls.layers)}), layer {layer}{shard}: {reason}")
+        return PallasMover
+    if path == "pinned":
+        _check_pinned(caches, cls, pinned)
+        return PinnedMover
+    if emulated:
+        # The bytes live in emulated TPU memory under the given layouts: only the
+        # emulated mover reads them as such, and only where they are proven.
+        if path == "direct" and not cls.addressable:
+            raise _refusal(cls, specs[first], first)
+        return EmulatedMover if path != "staged" and cls.addressable else StagedMover
+    if path == "staged":
+        return StagedMover
+    if path == "auto":
+        rule = AUTO_RULES.get(_backend(caches, cls), _OTHER_BACKENDS)
+        mover = _MOVERS[next(name for name in rule if applies[name](cls))]
+        # Raw copies wait for the caches' writers: a call whose caches are still
+        # being written takes the pinned programs instead, where there are some.
+        if mover is RawMover and applies["pinned"](cls):
+            return RawOrPinnedMover
+        return mover
+    _check_direct(cls, specs, caches)  # path == "direct"
+    return RawMover
+
+
+def _check_direct(cls: SliceClass, specs: Sequence[LayerSpec],
+                  caches: Sequence[jax.Array]) -> None:
+    """Raises unless raw copies can move every layer of the class."""
+    raw_ok = [raw_capable(caches[i]) for i in cls.layers]
+    if not all(raw_ok):
+        bad = cls.layers[raw_ok.index(False)]
+        if not specs[bad].shard_geometry.addressable:
+            raise _refusal(cls, specs[bad], bad)
+        a = caches[bad]
+        raise LayoutError(
+            f"Direct path refused for layer {bad}: "
+            f"{shape_text(a.shape, a.dtype, specs[bad].layout)} is addressable, but "
+            "this backend has no direct path for it (raw copies need XLA:CPU "
+            "row-major buffers of whole-byte elements; on TPU use path='pallas' "
+            "for the Pallas DMA kernels; pass layouts= to use emulated TPU memory)")

@@ -1,0 +1,263 @@
+"""Argument checks of a manager: its construction, caches, block ids, slots, pages, keys.
+
+``check_construction`` checks what ``KVCacheManager`` is built from and makes each
+layer's spec; a ``Checks`` then holds what later caches must match (the format each
+layer's mover was chosen for) and checks every call's arguments against it, naming the
+bad value.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvxfer import integrity as _integrity
+from kvxfer._check import check_int, check_timeout
+from kvxfer.engine import PageBatch, ShardedLayer
+from kvxfer.engine._grouped import BlockGroups
+from kvxfer.hostpool import HostPool, PageRef, PoolError
+from kvxfer.layout import Layout, shape_text
+from kvxfer.manager._select import PATHS
+from kvxfer.plan import LayerSpec, Plan
+
+__all__ = ["Checks", "check_construction", "check_key", "page_batches"]
+
+
+def check_key(value: Any, where: str) -> int:
+    """A page key: an int in [0, 2**64), or bytes hashed to one."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _integrity.key_from_bytes(bytes(value))
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and \
+            0 <= int(value) < 1 << 64:
+        return int(value)
+    raise ValueError(f"{where}: key {value!r} of type {type(value).__name__} must be an int "
+                     "in [0, 2**64) or bytes")
+
+
+def _wait_ready(array: jax.Array, timeout: float | None, name: str) -> None:
+    """Waits for a cache's value with a timeout (None: as long as it takes)."""
+    if array.is_deleted():
+        raise ValueError(f"{name} is a deleted array (donated or freed); pass the arrays "
+                         "returned by the step that consumed it")
+    if timeout is None:
+        array.block_until_ready()
+        return
+    deadline = time.monotonic() + timeout
+    delay = 1e-4
+    while not array.is_ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} is still being computed after {timeout} s; wait "
+                               "for the step that produces it, or raise ready_timeout")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+def _layer_spec(i: int, a: Any, layout: Any, ready_timeout: float | None) -> LayerSpec:
+    """The spec of layer ``i``'s cache, checking what kvxfer can move."""
+    name = f"layer {i}"
+    if not isinstance(a, jax.Array):
+        raise TypeError(f"{name}: expected a jax.Array. Got {a!r} of type {type(a)}")
+    if a.ndim < 2:
+        raise ValueError(f"{name}: shape {list(a.shape)} needs a block dim and a block")
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        raise TypeError(f"{name}: dtype {a.dtype} is not supported; KV caches hold real "
+                        "numbers (float, int or bool types)")
+    _wait_ready(a, ready_timeout, name)
+    groups = BlockGroups.of(a, name)  # a page axis sharded over data parallelism
+    count = 1 if groups is None else groups.count
+    layer = ShardedLayer.of(a)
+    if layout is None:
+        layout = Layout.of(a)
+    elif not isinstance(layout, Layout):
+        layout = Layout.of(layout)
+    placement = tuple(tuple(d.id for r in reps for d in r.devices()) for reps in layer.shards)
+    return LayerSpec(name, a.shape, a.dtype, layout, num_shards=len(layer.shards) // count,
+                     replicas=len(layer.shards[0]), shard_shape=layer.shards[0][0].shape,
+                     placement=placement, block_groups=count)
+
+
+def check_construction(kv_caches: Sequence[jax.Array], layouts: Sequence[Any] | None,
+                       integrity: str, path: str, num_host_blocks: int,
+                       ready_timeout: float
+                       ) -> tuple[list[jax.Array], list[LayerSpec], int, float | None]:
+    """``KVCacheManager``'s arguments checked: ``(caches, specs, num_host_blocks,
+    ready_timeout)``."""
+    if integrity not in ("page", "off"):
+        raise ValueError(f"integrity={integrity!r}; expected 'page' or 'off'")
+    if path not in PATHS:
+        raise ValueError(f"path={path!r}; expected one of {PATHS}")
+    if isinstance(kv_caches, jax.Array):
+        raise TypeError(f"kv_caches must be a sequence of jax.Array, one per layer. Got "
+                        f"one jax.Array of shape {list(kv_caches.shape)}; pass "
+                        "[cache] for a single layer")
+    num_host_blocks = check_int(num_host_blocks, "num_host_blocks", minimum=1)
+    ready_timeout = check_timeout(ready_timeout, "ready_timeout")
+    caches = list(kv_caches)
+    if not caches:
+        raise ValueError("kv_caches is empty; expected one jax.Array per layer")
+    if layouts is not None and len(layouts) != len(caches):
+        raise ValueError(f"layouts has {len(layouts)} entries for {len(caches)} layers")
+    specs = [_layer_spec(i, a, None if layouts is None else layouts[i], ready_timeout)
+             for i, a in enumerate(caches)]
+    if layouts is not None and any(s.block_groups > 1 for s in specs):
+        i = next(i for i, s in enumerate(specs) if s.block_groups > 1)
+        raise ValueError(f"layer {i}: its block dim is sharded over data parallelism; "
+                         "emulated layouts (layouts=) need the block dim whole")
+    return caches, specs, num_host_blocks, ready_timeout
+
+
+def page_batches(blocks: dict[int, np.ndarray], keys: Sequence[int],
+                 generations: Sequence[int]) -> dict[int, PageBatch]:
+    """One page batch per class moved (classes given the same ids share one)."""
+    made: dict[int, PageBatch] = {}
+    return {c: made.setdefault(id(ids), PageBatch(ids, keys, generations))
+            for c, ids in blocks.items()}
+
+
+def _is(ref: weakref.ref | None, a: Any) -> bool:
+    return ref is not None and ref() is a
+
+
+class Checks:
+    """Checks a manager's call arguments against what it was built for.
+
+    Args:
+      specs: each layer's spec, made at construction.
+      caches: the caches the manager was built from (their shardings and layouts
+        are what later caches must have).
+      plan: the host-memory plan (its slice classes).
+      pool: the host pool (its slots).
+    """
+
+    def __init__(self, specs: list[LayerSpec], caches: Sequence[jax.Array], plan: Plan,
+                 pool: HostPool):
+        self.specs = specs
+        self.closed = False
+        self._plan = plan
+        self._pool = pool
+        # What each layer's movers were chosen for: later caches must match it. The
+        # arrays last checked (or returned by a load) skip the check, and those whose
+        # buffers are known to be their own skip the sharing scan of raw loads. Held
+        # weakly: a manager must not keep a caller's old caches alive.
+        self._formats = [(a.sharding, Layout.of(a)) for a in caches]
+        self._validated: list[weakref.ref | None] = [None] * len(caches)
+        self._private: list[weakref.ref | None] = [None] * len(caches)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.specs)
+
+    def open(self) -> None:
+        """Raises once the manager is closed."""
+        if self.closed:
+            raise RuntimeError("the KVCacheManager is closed; create a new one")
+
+    def loaded(self, new: list[jax.Array], written: Sequence[int]) -> None:
+        """Remembers what a load returned: every array has the registered format, and
+        the buffers of the layers it wrote are their own (shared ones were copied)."""
+        self._validated = [weakref.ref(a) for a in new]
+        for i in written:
+            self._private[i] = weakref.ref(new[i])
+
+    def all_private(self, caches: Sequence[jax.Array]) -> bool:
+        """Whether every cache is known to own its buffers (a load returned it)."""
+        return all(_is(p, a) for a, p in zip(caches, self._private))
+
+    def caches(self, kv_caches: Sequence[jax.Array]) -> list[jax.Array]:
+        caches = list(kv_caches)
+        if len(caches) != self.num_layers:
+            raise ValueError(f"kv_caches has {len(caches)} layers; the manager has "
+                             f"{self.num_layers}")
+        for i, (a, spec) in enumerate(zip(caches, self.specs)):
+            if not isinstance(a, jax.Array):
+                raise TypeError(f"layer {i}: expected a jax.Array. Got {type(a)}")
+            if a.is_deleted():
+                raise ValueError(f"layer {i} is a deleted array (donated or freed); pass the "
+                                 "arrays returned by the step that consumed it")
+            if _is(self._validated[i], a):
+                continue  # checked (or returned by a load) before: skip the costly part
+            if tuple(a.shape) != spec.shape or a.dtype.name != spec.dtype:
+                raise ValueError(f"layer {i}: got {shape_text(a.shape, a.dtype)}, the manager "
+                                 f"was built for {shape_text(spec.shape, spec.dtype)}")
+            sharding, layout = self._formats[i]
+            if not a.sharding.is_equivalent_to(sharding, a.ndim):
+                raise ValueError(f"layer {i}: sharding {a.sharding} differs from the one the "
+                                 f"manager was built for ({sharding})")
+            if Layout.of(a) != layout:
+                raise ValueError(f"layer {i}: layout {Layout.of(a)} differs from the one the "
+                                 f"manager was built for ({layout})")
+            self._validated[i] = weakref.ref(a)
+        return caches
+
+    def blocks(self, device_blocks: Any, n: int, what: str) -> dict[int, np.ndarray]:
+        """Block ids per slice class moved: one list for every class, or a mapping.
+
+        A mapping ``{class index: ids}`` moves those classes only (layers of a class
+        share their block count); a plain list moves every class, checked against
+        every layer's own block count.
+        """
+        classes = self._plan.classes
+        if isinstance(device_blocks, Mapping):
+            if not device_blocks:
+                raise ValueError("device_blocks is an empty mapping; give ids for at least "
+                                 "one slice class")
+            out = {}
+            for c, ids in device_blocks.items():
+                c = check_int(c, "device_blocks key (a slice class index)", minimum=0)
+                if c >= len(classes):
+                    raise ValueError(f"device_blocks key {c} is not a slice class; the plan "
+                                     f"has classes 0..{len(classes) - 1}")
+                out[c] = self._ids(ids, n, what, classes[c].layers, f"device_blocks[{c}]")
+            return dict(sorted(out.items()))
+        ids = self._ids(device_blocks, n, what, range(self.num_layers), "device_blocks")
+        return {c.index: ids for c in classes}
+
+    def _ids(self, device_blocks: Sequence[int], n: int, what: str,
+             layers: Sequence[int], name: str) -> np.ndarray:
+        ids = np.asarray(device_blocks)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"{name} must be a 1-D sequence of ints. Got {device_blocks!r}")
+        if len(ids) != n:
+            raise ValueError(f"{len(ids)} {name} for {n} {what}")
+        limit = min(self.specs[i].num_blocks for i in layers)
+        out = (ids < 0) | (ids >= limit)
+        if out.any():
+            j = int(np.flatnonzero(out)[0])
+            i = next(i for i in layers if not 0 <= ids[j] < self.specs[i].num_blocks)
+            raise ValueError(f"{name}[{j}] = {int(ids[j])} is out of range for layer "
+                             f"{i} ({self.specs[i].num_blocks} blocks)")
+        if len(np.unique(ids)) != len(ids):
+            seen: dict[int, int] = {}
+            for j, b in enumerate(ids.tolist()):
+                if b in seen:
+                    raise ValueError(f"{name}[{j}] = {b} duplicates {name}[{seen[b]}]")
+                seen[b] = j
+        return ids.astype(np.int32)
+
+    def slots(self, slots: Sequence[int], n: int) -> list[int]:
+        if isinstance(slots, (str, bytes)) or not isinstance(slots, Sequence | np.ndarray):
+            raise TypeError(f"slots must be a sequence of ints, one per key. Got {slots!r}")
+        slots = list(slots)
+        if len(slots) != n:
+            raise ValueError(f"{len(slots)} slots for {n} keys")
+        for j, s in enumerate(slots):
+            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or \
+                    not 0 <= s < self._pool.num_slots:
+                raise ValueError(f"slots[{j}] = {s!r} is not a host slot; slots are "
+                                 f"0..{self._pool.num_slots - 1}")
+        return [int(s) for s in slots]
+
+    def pages(self, pages: Sequence[PageRef]) -> list[PageRef]:
+        pages = list(pages)
+        for j, p in enumerate(pages):
+            if not isinstance(p, PageRef):
+                raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
+            if not 0 <= p.slot < self._pool.num_slots:
+                raise PoolError(f"pages[{j}] ({p}): unknown host slot")
+        return pages

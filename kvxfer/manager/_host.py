@@ -1,0 +1,148 @@
+"""Host pages by hand: free, validity, one layer's bytes read and written, blobs in and out.
+
+What a manager does to its host pages without moving them to or from the devices:
+``HostPages`` frees them, says whether a ref still holds its page, reads or replaces
+one layer's bytes (re-digesting them on the host), and exports a page as a blob for
+tiers below host memory or imports one back (``_pages`` holds the blob format).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvxfer import integrity as _integrity
+from kvxfer.hostpool import HostPool, PageRef, PoolError
+from kvxfer.manager._checks import check_key
+from kvxfer.manager._pages import PageFormatError, decode, encode
+from kvxfer.manager._stats import Counters
+from kvxfer.plan import Plan
+
+__all__ = ["HostPages"]
+
+
+class HostPages:
+    """The host pages of one manager, as the caller handles them.
+
+    Args:
+      plan: the host-memory plan.
+      pool: the host pool.
+      fingerprint: what the manager's pages mean (``_pages.fingerprint``).
+      stats: the manager's counters.
+      with_digest: whether pages carry digests (``integrity="page"``).
+    """
+
+    def __init__(self, plan: Plan, pool: HostPool, fingerprint: bytes, stats: Counters,
+                 with_digest: bool):
+        self._plan = plan
+        self._pool = pool
+        self._fingerprint = fingerprint
+        self._stats = stats
+        self._with_digest = with_digest
+        self._layer_class = [plan.class_of_layer(i) for i in range(plan.num_layers)]
+
+    def free(self, pages: Sequence[PageRef]) -> None:
+        pages = list(pages)
+        for j, p in enumerate(pages):
+            if not isinstance(p, PageRef):
+                raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
+        self._pool.release_many([(p.slot, p.generation) for p in pages])
+
+    def is_valid(self, page: PageRef) -> bool:
+        if not isinstance(page, PageRef):
+            raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
+        gen, state, key = self._pool.state(page.slot)
+        return gen == page.generation and state == "valid" and key == page.key
+
+    def _page_range(self, page: PageRef, layer: int) -> tuple[np.ndarray, int, int]:
+        num_layers = len(self._layer_class)
+        if not isinstance(page, PageRef):
+            raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
+        if not 0 <= layer < num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {num_layers})")
+        gen, state, key = self._pool.state(page.slot)
+        if gen != page.generation or state != "valid":
+            raise PoolError(f"{page} is not a valid page (slot generation {gen}, {state})")
+        cls, pos = self._layer_class[layer]
+        if cls.index not in self._pool.classes_of(page.slot):
+            raise PoolError(f"{page} does not hold layer {layer} (it holds slice classes "
+                            f"{sorted(self._pool.classes_of(page.slot))}; layer {layer} is "
+                            f"in class {cls.index})")
+        lo, hi = self._pool.pools[cls.index].layer_range(pos)
+        return self._pool.pools[cls.index].data[page.slot], lo, hi
+
+    def read_block_bytes(self, page: PageRef, layer: int) -> bytes:
+        row, lo, hi = self._page_range(page, layer)
+        return row[lo:hi].tobytes()
+
+    def write_block_bytes(self, page: PageRef, layer: int,
+                          data: bytes | bytearray | memoryview) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, bytearray or memoryview. Got {type(data)}")
+        buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        row, lo, hi = self._page_range(page, layer)
+        if buf.size != hi - lo:
+            raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {hi - lo}")
+        with self._pool.pools[self._layer_class[layer][0].index].lock:
+            row[lo:hi] = buf
+        if self._with_digest:
+            self._digest_on_host(page, layer, row)
+
+    def _digest_on_host(self, page: PageRef, layer: int, row: np.ndarray) -> None:
+        """Re-digests one layer of a page from its host bytes (every shard)."""
+        cls, pos = self._layer_class[layer]
+        pool = self._pool.pools[cls.index]
+        for s in range(cls.num_shards):
+            a, b = pool.shard_range(pos, s)
+            words = _integrity.as_words_np(row[a:b][None], batch_dims=1)
+            ident = _integrity.identity_words(page.key, layer,
+                                              self._pool.seal_of(page.slot), s)
+            pool.digests[page.slot, pos, s, :_integrity.DIGEST_WORDS] = \
+                _integrity.digest_np(words, ident)[0]
+
+    def export_page(self, page: PageRef) -> bytes:
+        if not isinstance(page, PageRef):
+            raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
+        problem, = self._pool.acquire_readers([(page.slot, page.generation)])
+        if problem is not None:
+            raise PoolError(f"{page} cannot be exported: {problem}")
+        try:
+            if self._pool.key_of(page.slot) != page.key:
+                raise PoolError(f"{page}: slot {page.slot} holds key "
+                                f"{self._pool.key_of(page.slot):#x}")
+            parts = {c: (self._pool.pools[c].data[page.slot],
+                         self._pool.pools[c].digests[page.slot])
+                     for c in sorted(self._pool.classes_of(page.slot))}
+            blob = encode(self._plan, self._fingerprint, page.key,
+                          self._pool.seal_of(page.slot), self._with_digest, parts)
+        finally:
+            self._pool.release_readers([page.slot])
+        self._stats.add(pages_exported=1)
+        return blob
+
+    def import_page(self, blob: bytes | bytearray | memoryview,
+                    key: Any | None = None) -> PageRef:
+        want = None if key is None else check_key(key, "key")
+        try:
+            page = decode(self._plan, self._fingerprint, blob)
+            if want is not None and page.key != want:
+                raise PageFormatError(f"page blob of key {page.key:#x} where key {want:#x} "
+                                      "was expected", "wrong key")
+            if self._with_digest and not page.digested:
+                raise PageFormatError("page blob carries no digests (exported with "
+                                      "integrity='off'); this manager verifies every page",
+                                      "no digests")
+        except PageFormatError as e:
+            self._stats.add_labelled("imports_refused", e.kind)
+            raise
+        (slot, generation), = self._pool.allocate(1)
+        for c, data in page.data.items():
+            pool = self._pool.pools[c]
+            with pool.lock:  # no program copies the pool in and out meanwhile
+                pool.data[slot] = data
+                pool.digests[slot] = page.digests[c]
+        self._pool.commit(slot, generation, page.key, frozenset(page.data), seal=page.seal)
+        self._stats.add(pages_imported=1)
+        return PageRef(page.key, slot, generation)

@@ -1,0 +1,302 @@
+"""The load path: prefetch, the caller's half that enqueues, the transfer thread's half.
+
+``Loads.load`` (the caller's thread) takes part in the load's agreement round, checks
+the arguments, pins the pages (or takes a prefetch's pins and staged inputs), finds the
+pages it cannot use, and enqueues every device program (``Loads.start``: staging, then
+the writes into the caches, then the digests) before it returns. ``Loads.finish`` (the
+transfer thread) waits layer by layer, verifies, agrees on the verified prefix across
+processes, settles and unpins.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvxfer.engine import LoadRequest, Mover, PageBatch, ShardedLayer, TransferError
+from kvxfer.engine._batch import own_context
+from kvxfer.engine._grouped import GroupedMover
+from kvxfer.engine._raw import shared_buffers
+from kvxfer.hostpool import HostPool, PageRef
+from kvxfer.manager._agree import Agreement
+from kvxfer.manager._checks import Checks, check_key, page_batches
+from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
+from kvxfer.manager._prefetch import PrefetchHandle
+from kvxfer.manager._stats import Counters, reason_kind
+from kvxfer.manager._verify import DigestJob, DigestStarter, LoadVerifier, TransferHook
+from kvxfer.plan import Plan
+
+__all__ = ["Loads"]
+
+
+class Loads:
+    """The loads (and prefetches) of one manager.
+
+    Args:
+      plan: the host-memory plan.
+      pool: the host pool the pages come from.
+      movers: the mover of each slice class.
+      verifier: completes and verifies loads, and holds the transfer hook.
+      checks: the manager's argument checks.
+      stats: the manager's counters.
+      worker: the transfer thread.
+      agreement: the lockstep agreement on each load's verified prefix.
+      abstract_layers: each layer's abstract ``ShardedLayer`` (what prefetch stages for).
+    """
+
+    def __init__(self, plan: Plan, pool: HostPool, movers: Sequence[Mover[Any, Any, Any]],
+                 verifier: LoadVerifier, checks: Checks, stats: Counters,
+                 worker: concurrent.futures.ThreadPoolExecutor, agreement: Agreement,
+                 abstract_layers: Sequence[ShardedLayer]):
+        self._plan = plan
+        self._pool = pool
+        self._movers = movers
+        self._verifier = verifier
+        self._checks = checks
+        self._stats = stats
+        self._worker = worker
+        self._agreement = agreement
+        self._abstract = abstract_layers
+
+    # -- the caller's thread ------------------------------------------------------
+
+    def load(self, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef], device_blocks: Any,
+             keys: Sequence[Any] | None, gate: Gate, prefetched: PrefetchHandle | None
+             ) -> tuple[list[jax.Array], LoadHandle]:
+        """``KVCacheManager.load``: one agreement round, also for a call that raises."""
+        round_ = self._agreement.next_round()
+        try:
+            return self._load(round_, kv_caches, pages, device_blocks, keys, gate,
+                              prefetched)
+        except BaseException:
+            if self._agreement.multiprocess:
+                try:
+                    self._agreement.agree(round_, -1)  # the others learn this one failed
+                except TransferError:
+                    pass  # the original error is what the caller must see
+            raise
+
+    def _load(self, round_: int, kv_caches: Sequence[jax.Array], pages: Sequence[PageRef],
+              device_blocks: Any, keys: Sequence[Any] | None,
+              gate: Gate, prefetched: PrefetchHandle | None
+              ) -> tuple[list[jax.Array], LoadHandle]:
+        if gate not in ("all", "layer"):
+            raise ValueError(f"gate={gate!r}; expected 'all' or 'layer'")
+        started = time.perf_counter()
+        self._checks.open()
+        caches = self._checks.caches(kv_caches)
+        pages = self._checks.pages(pages)
+        blocks = self._checks.blocks(device_blocks, len(pages), "pages")
+        if prefetched is not None and not isinstance(prefetched, PrefetchHandle):
+            raise TypeError(f"prefetched= must be what prefetch() returned. Got "
+                            f"{prefetched!r} of type {type(prefetched).__name__}")
+        want = None
+        if keys is not None:
+            keys = list(keys)
+            if len(keys) != len(pages):
+                raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+            want = [check_key(k, f"keys[{j}]") for j, k in enumerate(keys)]
+
+        handle = LoadHandle(self._checks.num_layers, len(pages), gate)
+        staged: dict[int, Any] = {}
+        if prefetched is None:
+            problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+        else:
+            _, staged, staged_n = prefetched.take(self, pages)
+            problems = [prefetched.problems.get(j) for j in range(len(pages))]
+        reasons = self._reasons(pages, problems, want, blocks)
+        n = min(reasons) if reasons else len(pages)
+        pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
+        if prefetched is not None and staged_n != n:
+            staged = {}  # fewer pages pass the load's checks: stage them again
+        slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
+        batches = page_batches({c: ids[:n] for c, ids in blocks.items()},
+                               [p.key for p in pages[:n]],
+                               self._pool.seals_of([p.slot for p in pages[:n]]))
+        new = caches
+        try:
+            new, states, jobs = self.start(caches, batches, slots, gate, staged)
+            self._checks.loaded(new, [i for c in states for i in self._plan.classes[c].layers])
+            self._worker.submit(handle.run, self.finish, round_, handle, new, pages,
+                                slots, batches, states, jobs, reasons, pinned_slots, started)
+        except BaseException as e:
+            self._pool.release_readers(pinned_slots)
+            if self._checks.closed and not isinstance(e, TransferError):
+                raise TransferError("the KVCacheManager was closed during the load",
+                                    kv_caches=new) from e
+            raise
+        return new, handle
+
+    def _reasons(self, pages: list[PageRef], problems: Sequence[str | None],
+                 want: list[int] | None, blocks: dict[int, np.ndarray]) -> dict[int, str]:
+        """Request index -> why the load cannot use that page (pin, key, classes held)."""
+        reasons: dict[int, str] = {}
+        for j, (p, problem) in enumerate(zip(pages, problems)):
+            if problem is not None:
+                reasons[j] = f"{problem} ({p})"
+            elif want is not None and want[j] != p.key:
+                reasons[j] = f"wrong key: expected {want[j]:#x}, page holds {p.key:#x}"
+            elif self._pool.key_of(p.slot) != p.key:
+                reasons[j] = (f"wrong key: slot {p.slot} holds key "
+                              f"{self._pool.key_of(p.slot):#x}, ref says {p.key:#x}")
+            elif not set(blocks) <= self._pool.classes_of(p.slot):
+                reasons[j] = (f"{p} holds slice classes "
+                              f"{sorted(self._pool.classes_of(p.slot))}, the load asks for "
+                              f"{sorted(blocks)}")
+        return reasons
+
+    def prefetch(self, pages: Sequence[PageRef]) -> PrefetchHandle:
+        """``KVCacheManager.prefetch``: pins the pages and stages what a load needs."""
+        pages = self._checks.pages(pages)
+        problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+        reasons = {j: f"{problem} ({p})" for j, (p, problem) in enumerate(zip(pages, problems))
+                   if problem is not None}
+        pinned = [p.slot for p, problem in zip(pages, problems) if problem is None]
+        n = min(reasons) if reasons else len(pages)
+        staged: dict[int, Any] = {}
+        try:
+            if n:
+                head = pages[:n]
+                held = frozenset.intersection(*(self._pool.classes_of(p.slot) for p in head))
+                slots = np.array([p.slot for p in head], dtype=np.int64)
+                # Staging reads the pool by slot; the block ids come with the load.
+                request = LoadRequest(PageBatch(np.zeros(n, np.int32), [p.key for p in head],
+                                                self._pool.seals_of(list(slots))), slots)
+                for c in sorted(held):
+                    if isinstance(self._movers[c], GroupedMover):
+                        continue  # its pages go to the devices of the groups named at load
+                    layers = [self._abstract[i] for i in self._plan.classes[c].layers]
+                    staged[c] = self._movers[c].stage_load(layers, request)
+        except Exception as e:
+            self._pool.release_readers(pinned)
+            raise TransferError(f"prefetch of {len(pages)} pages failed: {e}") from e
+        return PrefetchHandle(self, pages, reasons, pinned, staged, n,
+                              self._pool.release_readers)
+
+    def start(self, caches: list[jax.Array], batches: dict[int, PageBatch],
+              slots: np.ndarray, gate: Gate, prefetched: dict[int, Any]
+              ) -> tuple[list[jax.Array], dict[int, Any],
+                         dict[int, DigestJob] | list[DigestJob]]:
+        """The caller's-thread half of a load: every device program enqueued.
+
+        Every class is staged before the first one starts (starting may donate the
+        caches), so a failure while staging leaves the caches as they were; a failure
+        once classes have started raises a ``TransferError`` whose ``kv_caches`` are
+        the arrays to continue with (loaded classes replaced, the others as given).
+        """
+        n = len(slots)
+        layers = [ShardedLayer.of(a) for a in caches]
+        new = list(caches)
+        states: dict[int, Any] = {}
+        digests = DigestStarter(self._verifier, batches, gate)
+        if not n:
+            return new, states, digests.finish(new)
+        shared: frozenset[int] = frozenset()
+        if any(self._movers[c].writes_buffers for c in batches) and \
+                not self._checks.all_private(caches):
+            shared = shared_buffers(caches)
+        requests = {c: LoadRequest(b, slots, shared, functools.partial(digests.written, c))
+                    for c, b in batches.items()}
+        try:
+            staged = {c: prefetched[c] if c in prefetched else self._movers[c].stage_load(
+                [layers[i] for i in self._plan.classes[c].layers], request)
+                for c, request in requests.items()}
+        except Exception as e:
+            raise TransferError(f"load of {n} pages failed while staging (the caches are "
+                                f"unchanged): {e}", kv_caches=new) from e
+        hook = self._verifier.hook
+        for c, request in requests.items():
+            self._start_class(caches, layers, new, states, digests, hook, c, request,
+                              staged[c])
+        try:
+            return new, states, digests.finish(new)
+        except Exception as e:
+            raise TransferError(f"load of {n} pages failed while starting its digests: {e}; "
+                                "continue with err.kv_caches", kv_caches=new) from e
+
+    def _start_class(self, caches: list[jax.Array], layers: list[ShardedLayer],
+                     new: list[jax.Array], states: dict[int, Any], digests: DigestStarter,
+                     hook: TransferHook | None, c: int, request: LoadRequest,
+                     staged: Any) -> None:
+        """Enqueues one class's writes into the caches; ``new`` and ``states`` get them."""
+        cls, mover = self._plan.classes[c], self._movers[c]
+        try:
+            if hook is not None:
+                hook("start_load", cls.layers[0], new[cls.layers[0]])
+            out, states[c] = mover.start_load(
+                [caches[i] for i in cls.layers], [layers[i] for i in cls.layers],
+                request, staged)
+        except Exception as e:
+            # A mover that failed after consuming its inputs hands back the arrays
+            # its layers live in now.
+            if isinstance(e, TransferError) and e.kv_caches is not None:
+                for i, a in zip(cls.layers, e.kv_caches):
+                    new[i] = a
+            usable = [a for a in new if not a.is_deleted()]
+            raise TransferError(
+                f"load of {len(request.slots)} pages failed in {cls.name} (layers "
+                f"{list(cls.layers)}): {e}; continue with err.kv_caches ({len(usable)} of "
+                f"{len(new)} layers usable)", kv_caches=new) from e
+        for i, a in zip(cls.layers, out):
+            new[i] = digests.returned(i, a)
+
+    # -- the transfer thread --------------------------------------------------------
+
+    @own_context
+    def finish(self, round_: int, handle: LoadHandle, new: list[jax.Array],
+               pages: list[PageRef], slots: np.ndarray, batches: dict[int, PageBatch],
+               states: dict[int, Any], jobs: dict[int, DigestJob] | list[DigestJob],
+               reasons: dict[int, str],
+               pinned_slots: list[int], started: float) -> None:
+        """The transfer thread's half of a load: wait, verify, agree, settle.
+
+        A cancelled load still waits for every program that reads the pool; on one
+        process it skips the digest checks left and the settling (nothing is
+        reported), in a multi-process job it verifies, agrees and settles as usual.
+        """
+        alone = not self._agreement.multiprocess
+        try:
+            prefix, proven_bad = self._verifier.verify(handle, new, states, jobs, slots,
+                                                       batches, reasons, may_stop=alone)
+            error: BaseException | None = None
+        except Exception as e:  # a transfer or device failure is an error, not a miss
+            prefix, proven_bad, error = -1, frozenset(), e
+        cancelled = handle.claim()  # from here on cancel() fails
+        try:
+            if not alone:
+                # Every rank takes part even after a local failure, so none hangs.
+                agreed = self._agreement.agree(round_, prefix)
+                if agreed < 0 and error is None:
+                    error = TransferError("a transfer failed on another process")
+                prefix = agreed
+            if error is not None:
+                raise error
+            result = None if cancelled and alone else self._verifier.settle(
+                handle, pages, prefix, proven_bad, reasons, set(batches))
+        except Exception as e:
+            result, error = None, e
+            self._stats.add(transfer_errors=1)
+        else:
+            if result is not None:
+                self._count(result, len(slots), batches, started)
+        finally:
+            # Before the handle says done: a caller returning from result() finds the
+            # pages it read free to evict (and freed ones free) at once.
+            self._pool.release_readers(pinned_slots)
+        handle.finish(result, error, cancelled)
+
+    def _count(self, result: LoadResult, moved: int, batches: dict[int, PageBatch],
+               started: float) -> None:
+        self._stats.add(pages_loaded=moved, pages_verified=result.verified_prefix,
+                        pages_freed=len(result.freed_pages),
+                        bytes_loaded=moved * sum(self._plan.classes[c].page_bytes
+                                                 for c in batches))
+        for reason in result.reasons.values():
+            self._stats.add_labelled("mismatches", reason_kind(reason))
+        self._stats.time("load", time.perf_counter() - started)
