@@ -91,6 +91,8 @@ class ShardedLayer:
 
     @classmethod
     def of(cls, array: jax.Array) -> ShardedLayer:
+        if isinstance(array.sharding, jax.sharding.SingleDeviceSharding):
+            return cls(((array,),))  # the common case, without building shard objects
         groups: dict[tuple[int, ...], list[jax.Array]] = {}
         for s in array.addressable_shards:
             groups.setdefault(_index_key(s.index, array.shape), []).append(local(s.data))

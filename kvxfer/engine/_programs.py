@@ -254,8 +254,10 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
              options: tuple = ()) -> tuple[Any, bool]:
     """(the jitted program, whether it returns the ballast as one more output)."""
     fn, kwargs = _parts(kind, formats, raw, with_digest, options)
-    # Digests count plenty of flops; everything else only moves bytes.
-    light = kind != "digest" and not (kind == "gather" and with_digest)
+    # Digests count plenty of flops; everything else only moves bytes. The alias
+    # program stays inline: the raw mover waits for it on the caller's thread anyway
+    # (it copies into the buffers it hands over), and is used on ready caches only.
+    light = kind not in ("digest", "alias") and not (kind == "gather" and with_digest)
     if not (light and _on_cpu(formats)):
         return jax.jit(fn, **kwargs), False
 
