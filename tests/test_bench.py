@@ -30,8 +30,8 @@ USER_LOADS = {"user_put_scatter", "user_batched_put_scatter"}
 D2H_METHODS = {"offload_off", "offload_page", "offload_pinned_off", "offload_pinned_page"} | \
     USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
-            "integrity_traffic", "cache_size", "memory", "first_call", "queued", "store",
-            "targets", "not_measured", "files"}
+            "integrity_traffic", "cache_size", "memory", "first_call", "queued", "fit",
+            "store", "targets", "not_measured", "files"}
 # The caller-thread sections' cases on XLA:CPU: (path asked for, dtype, movers taken).
 CALL_CASES = [("staged", "bfloat16", ["staged"]), ("auto", "float32", ["raw"]),
               ("pinned", "float16", ["pinned"])]
@@ -100,8 +100,44 @@ def test_report_has_every_section(run):
     assert report["memory"]["pool_bytes"] == report["memory"]["plan_bytes"]
     said = [PROGRESS.match(line).group(4) for line in lines if PROGRESS.match(line)]
     for section in ("throughput", "memory", "concurrency", "host overhead", "prefix sweep",
-                    "cache size", "first call", "queued steps", "store"):
+                    "cache size", "first call", "queued steps", "engine fit", "warm-up",
+                    "store"):
         assert any(line.startswith(section) for line in said), section
+
+
+def test_fit_section_times_every_path_and_the_warmups(run):
+    report, _, _ = run
+    cfg = bench.BenchConfig.smoke()
+    fit = report["fit"]
+    assert [r["path"] for r in fit["calls"]] == ["auto", "staged", "pinned"]
+    assert [r["movers"] for r in fit["calls"]] == [["raw"], ["staged"], ["pinned"]]
+    for r in fit["calls"]:
+        assert (r["pages"], r["layers"], r["block_bytes"], r["steps"]) == \
+            (cfg.fit_pages, cfg.layers, cfg.fit_block_bytes, cfg.fit_steps)
+        for op in ("offload", "load", "load_layer"):
+            assert set(r[f"idle_{op}"]) >= STATS and r[f"idle_{op}"]["p50_s"] > 0
+            q = r[f"queued_{op}"]
+            assert q["fraction"] == pytest.approx(q["p50_s"] / r["steps_alone"]["p50_s"])
+        assert r["prefetched_load"]["n"] == cfg.fit_repeats
+    assert [h["path"] for h in fit["hits"]] == ["auto", "staged", "pinned"]
+    for w in fit["warmups"]:
+        assert w["buckets"] == [1, 2] and w["cold"] > 0 and w["persistent_cache"] > 0
+    names = [t["name"] for t in report["targets"]]
+    for want in ("device idle (path=pinned, path=staged) <= 3 ms", "queued steps <= 0.1 of their time",
+                 "call to last layer verified <= 1 ms", "in a fresh process <= 10 s",
+                 "persistent compilation cache, second process <= 3 s"):
+        assert any(want in n for n in names), want
+
+
+def test_only_fit_runs_that_section_alone():
+    report = bench.run_bench(config=bench.BenchConfig.smoke(), only="fit")
+    assert set(report) == {"schema", "meta", "fit", "targets", "not_measured"}
+    assert len(report["targets"]) == 5
+    text = bench.format_report(report)
+    assert "Engine fit" in text and "--only fit" in text and "Offload throughput" not in text
+    # A target that cannot be met is reported as missed.
+    missed = bench.evaluate_targets(report, bench.Targets(warmup_cached_s=0.0))
+    assert any(t["status"] == "MISS" and "persistent" in t["name"] for t in missed)
 
 
 def check_call_geometry(row, cfg, cache_blocks):
@@ -231,7 +267,7 @@ def test_bad_store_specs_are_refused_by_name():
     with pytest.raises(StoreError, match="store directory '/nonexistent/dir' does not exist"):
         bench.run_bench(config=bench.BenchConfig.smoke(), only="store",
                         stores=["/nonexistent/dir"])
-    with pytest.raises(ValueError, match="Expected only in \\('store',\\) or None. Got 'all'"):
+    with pytest.raises(ValueError, match="Expected only in \\('store', 'fit'\\) or None. Got 'all'"):
         bench.run_bench(config=bench.BenchConfig.smoke(), only="all")
 
 

@@ -88,7 +88,8 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
                    "prefix of its own, and removes what it wrote")
     p.add_argument("--only", choices=typing.get_args(Only),
                    help="run only this section (--only store: the store tiers, in "
-                   "seconds with --quick)")
+                   "seconds with --quick; --only fit: the engine-fit section, call host "
+                   "time per path, the 1-page hit and warm-up in fresh processes)")
     p.add_argument("--no-check", action="store_true",
                    help="only report: exit 0 even when a target is missed")
     p.set_defaults(func=functools.partial(_cmd_bench, targets=targets))

@@ -56,6 +56,11 @@ class BenchConfig:
         timed call of the queued-steps section.
       step_ms: the arithmetic each step aims at (passes over every layer, calibrated).
       call_repeats: timed repeats of the queued-steps section.
+      fit_pages: pages per call of the engine-fit section (and its ``warmup`` size).
+      fit_block_bytes: block size of the engine-fit section (bfloat16 caches).
+      fit_steps: donating steps queued before each queued call of the engine-fit
+        section; fit_step_ms: the time each aims at.
+      fit_repeats: timed repeats of the engine-fit section.
       store_blob_bytes: blob sizes of the store section (a blob is one exported page).
       store_bytes: bytes each store variant writes or reads per repeat, per blob size
         (at most ``store_max_blobs`` blobs: small blobs cost an fsync each).
@@ -97,6 +102,11 @@ class BenchConfig:
     queued_steps: int = 10
     step_ms: float = 5.0
     call_repeats: int = 9
+    fit_pages: int = 64
+    fit_block_bytes: int = 64 * KiB
+    fit_steps: int = 3
+    fit_step_ms: float = 150.0
+    fit_repeats: int = 7
     store_blob_bytes: tuple[int, ...] = (64 * KiB, 1 * MiB, 8 * MiB)
     store_bytes: int = 64 * MiB
     store_max_blobs: int = 128
@@ -131,6 +141,12 @@ class BenchConfig:
         if not 1 <= self.call_pages <= self.call_blocks:
             raise ValueError(f"call_pages={self.call_pages} must be in [1, "
                              f"call_blocks={self.call_blocks}]")
+        if self.fit_pages < 1 or self.fit_block_bytes % 2 or self.fit_block_bytes < 2 or \
+                self.fit_steps < 1 or not self.fit_step_ms > 0 or self.fit_repeats < 1:
+            raise ValueError(f"fit_pages={self.fit_pages}, fit_block_bytes="
+                             f"{self.fit_block_bytes} (bfloat16 blocks), fit_steps="
+                             f"{self.fit_steps}, fit_step_ms={self.fit_step_ms} and "
+                             f"fit_repeats={self.fit_repeats} must be positive")
         if self.queued_steps < 1 or not self.step_ms > 0 or self.call_repeats < 1:
             raise ValueError(f"queued_steps={self.queued_steps}, step_ms={self.step_ms} and "
                              f"call_repeats={self.call_repeats} must be positive")
@@ -194,8 +210,8 @@ class BenchConfig:
                    prefix_block_bytes=64 * KiB, prefix_pages=(1, 4, 32, 128), request_pages=4,
                    repeats=5, overhead_repeats=20, baseline_budget_s=0.2,
                    cache_size_extras=False, batched_baseline="none", call_pages=8,
-                   call_repeats=5, store_bytes=16 * MiB, store_max_blobs=64,
-                   store_repeats=3)
+                   call_repeats=5, fit_pages=16, fit_step_ms=50.0, fit_repeats=3,
+                   store_bytes=16 * MiB, store_max_blobs=64, store_repeats=3)
 
     @classmethod
     def smoke(cls) -> BenchConfig:
@@ -207,7 +223,8 @@ class BenchConfig:
                    overhead_pages=2, cache_small_bytes=128 * KiB, cache_large_bytes=512 * KiB,
                    cache_load_pages=2, repeats=2, overhead_repeats=3,
                    baseline_budget_s=0.02, cache_size_extras=True, call_block_bytes=4 * KiB,
-                   call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2,
+                   call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2, fit_pages=2,
+                   fit_block_bytes=4 * KiB, fit_steps=1, fit_step_ms=1.0, fit_repeats=2,
                    store_blob_bytes=(4 * KiB, 64 * KiB), store_bytes=256 * KiB,
                    store_repeats=2)
 

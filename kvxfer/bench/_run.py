@@ -16,8 +16,9 @@ import jax
 
 from kvxfer.bench import report as _report
 from kvxfer.bench._caller import first_call_section, queued_section
+from kvxfer.bench._fit import fit_section
 from kvxfer.bench._config import BenchConfig
-from kvxfer.bench._sections import (cache_size_section, ordered_cells, plan, prefix_sweep,
+from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells, plan, prefix_sweep,
                                     throughput_cell)
 from kvxfer.bench._store import DEFAULT_STORE, store_section, store_steps
 from kvxfer.bench.limits import make_limit
@@ -29,11 +30,11 @@ __all__ = ["run_bench", "SCHEMA", "Only"]
 #: The report's schema (2: ``block_bytes`` per layer, user load baselines, ``direction``;
 #: 3: the ``first_call`` and ``queued`` sections; 4: the ``store`` section, the pinned
 #: mover's methods and ``pinned_methods`` in throughput and sweep rows, and its
-#: caller-thread case).
-SCHEMA = "kvxfer-bench/4"
+#: caller-thread case); 5: the ``fit`` section (engine-fit calls, 1-page hit, warm-up).
+SCHEMA = "kvxfer-bench/5"
 
 #: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
-Only = Literal["store"]
+Only = Literal["store", "fit"]
 
 
 def _preset(config: BenchConfig) -> str:
@@ -62,7 +63,8 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         specs (``DIR``, ``file://DIR``, ``redis://HOST:PORT[/DB]``); none: a disk store
         in a temporary directory. The bench writes only under a temporary directory
         (inside ``DIR``) or a prefix of its own, and removes what it wrote.
-      only: ``"store"`` runs the store section alone (no JAX work).
+      only: ``"store"`` runs the store section alone (no JAX work); ``"fit"`` the
+        engine-fit section alone (call host time, 1-page hit, warm-up).
 
     Returns:
       A JSON-ready dict: ``schema``, ``meta``, ``throughput``, ``sweep``,
@@ -83,7 +85,9 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     stores = list(stores)
     for spec in stores:  # before any section runs: a typo must not cost a whole run
         parse_spec(spec)
-    steps = Progress(([] if only else plan(cfg)) + ["store"] * store_steps(cfg, stores),
+    planned = {None: plan(cfg) + ["store"] * store_steps(cfg, stores), "fit": fit_plan(),
+               "store": ["store"] * store_steps(cfg, stores)}[only]
+    steps = Progress(planned,
                      progress or (lambda line: None))
     started = now()
     dev = jax.devices()[0]
@@ -101,7 +105,10 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         _transfer_sections(cfg, report, steps)
     else:
         report["not_measured"] = []
-    report["store"] = store_section(cfg, stores, steps)
+    if only == "fit":
+        report["fit"] = fit_section(cfg, steps)
+    else:
+        report["store"] = store_section(cfg, stores, steps)
     report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
     if out_dir is not None:
@@ -139,6 +146,8 @@ def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress
     # the queued section's caches (the same shapes), which is then not timed twice.
     report["first_call"] = first_call_section(cfg, steps)
     report["queued"] = queued_section(cfg, steps)
+    gc.collect()
+    report["fit"] = fit_section(cfg, steps)
     report["not_measured"] = report["memory"].pop("not_measured")
 
 

@@ -26,12 +26,12 @@ from kvxfer.hostpool import DIGEST_SLOTS, PageRef
 from kvxfer.integrity import IDENTITY_WORDS
 from kvxfer.manager import IntegrityMode, PathMode
 
-__all__ = ["StepKind", "ordered_cells", "plan", "throughput_cell", "prefix_sweep",
+__all__ = ["StepKind", "ordered_cells", "plan", "fit_plan", "throughput_cell", "prefix_sweep",
            "cache_size_section", "PINNED_METHODS"]
 
 #: The kinds of step a run's progress counts (each timed alike, for the estimate).
 StepKind = Literal["throughput", "concurrency", "overhead", "sweep", "cache size",
-                   "first call", "queued steps", "store"]
+                   "first call", "queued steps", "store", "engine fit", "warm-up"]
 
 #: Pages held as load sources, by (integrity, path) of their manager.
 _Held = dict[tuple[IntegrityMode, PathMode], list[PageRef]]
@@ -66,7 +66,14 @@ def plan(cfg: BenchConfig) -> list[StepKind]:
         steps += sweep
     steps.append("cache size")
     steps += ["first call"] * len(CALL_CASES) + ["queued steps"] * len(CALL_CASES)
-    return steps
+    return steps + fit_plan()
+
+
+def fit_plan() -> list[StepKind]:
+    """The steps of the engine-fit section (``_fit.fit_section``)."""
+    from kvxfer.bench._fit import FIT_PATHS
+
+    return ["engine fit"] * len(FIT_PATHS) + ["warm-up"] * len(FIT_PATHS)
 
 
 def _with_fraction(s: dict[str, Any], limit: dict[str, dict[str, Any]], direction: str

@@ -1,0 +1,171 @@
+"""What a serving engine's scheduler thread pays per call, and what warm-up costs.
+
+The engine-fit section times, per path (``auto``, ``staged``, ``pinned``), with
+``integrity="page"``, ``fit_pages`` pages x ``layers`` layers of ``fit_block_bytes``
+bfloat16 blocks per call:
+
+* **idle**: the host time of ``offload()``, ``load(gate="all")`` and
+  ``load(gate="layer")`` with no device work queued (p50 of the call alone);
+* **prefetched**: ``load(..., prefetched=mgr.prefetch(pages))``, the call on the
+  KV-owning thread once the pages are staged;
+* **queued**: the same calls behind ``fit_steps`` donating steps of about
+  ``fit_step_ms`` each, as a fraction of the steps' own time;
+* **1-page hit**: ``load`` of 1 page, call to the last layer verified (``gate="layer"``);
+* **warm-up**: ``warmup(fit_pages)`` in a fresh process, cold (filling a persistent
+  compilation cache in a new directory), then in a second process over that cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import jax
+
+from kvxfer._text import format_bytes
+from kvxfer.bench._caller import _Steps
+from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._rig import Rig, check_loaded, make_caches
+from kvxfer.bench.timing import Progress, interleaved, now, stats
+
+__all__ = ["FIT_PATHS", "fit_section", "WARMUP_SCRIPT"]
+
+#: The paths the section times (``auto`` is the raw-or-pinned mover on XLA:CPU).
+FIT_PATHS = ("auto", "staged", "pinned")
+
+#: Run in a fresh process: ``warmup`` of a manager like the section's, timed; with a
+#: directory, JAX's persistent compilation cache there (how an engine turns it on).
+WARMUP_SCRIPT = r"""
+import json, sys, time
+layers, blocks, block_bytes, pages, path, cache_dir = sys.argv[1:7]
+import jax
+if cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+import kvxfer
+from kvxfer import testing
+caches = testing.random_caches(int(layers), int(blocks),
+                               testing.block_shape(int(block_bytes), "bfloat16"), "bfloat16")
+mgr = kvxfer.KVCacheManager(caches, num_host_blocks=int(pages), path=path)
+t0 = time.perf_counter()
+buckets = mgr.warmup(int(pages))
+print(json.dumps({"warmup_s": time.perf_counter() - t0, "buckets": buckets,
+                  "paths": sorted(set(mgr.paths))}))
+mgr.close()
+"""
+
+
+def _calls(cfg: BenchConfig, path: str) -> dict[str, Any]:
+    k = cfg.fit_pages
+    ids, dst = list(range(k)), list(range(k, 2 * k))
+    rig = Rig(make_caches(cfg.layers, 2 * k, cfg.fit_block_bytes, "bfloat16"), 2 * k,
+              kinds=(("page", path),))
+    try:
+        mgr = rig.mgr("page", path)
+        mgr.warmup(k)
+        held = rig.hold("page", ids, path=path)
+        steps = _Steps(rig, cfg.fit_steps, cfg.fit_step_ms)
+
+        def offload(queued: bool) -> dict[str, float]:
+            if queued:
+                steps.dispatch()
+            t0 = now()
+            handle = mgr.offload(rig.caches, ids, rig.keys(k))
+            t1 = now()
+            mgr.free(handle.wait())
+            jax.block_until_ready(rig.caches)
+            return {"s": now() - t0, "call_s": t1 - t0}
+
+        def load(gate: str, queued: bool, prefetch: bool = False) -> dict[str, float]:
+            staged = mgr.prefetch(held) if prefetch else None
+            if queued:
+                steps.dispatch()
+            t0 = now()
+            rig.caches, handle = mgr.load(rig.caches, held, dst, gate=gate, prefetched=staged)
+            t1 = now()
+            check_loaded(handle.result(), k)
+            jax.block_until_ready(rig.caches)
+            return {"s": now() - t0, "call_s": t1 - t0}
+
+        t = interleaved({"steps": steps.alone,
+                         "idle_offload": lambda: offload(False),
+                         "idle_load": lambda: load("all", False),
+                         "idle_load_layer": lambda: load("layer", False),
+                         "prefetched_load": lambda: load("all", False, prefetch=True),
+                         "queued_offload": lambda: offload(True),
+                         "queued_load": lambda: load("all", True),
+                         "queued_load_layer": lambda: load("layer", True)}, cfg.fit_repeats)
+        queued_s = stats(t["steps"]["s"])["p50_s"]
+        row: dict[str, Any] = {"path": path, "movers": sorted(set(mgr.paths)), "pages": k,
+                               "layers": cfg.layers, "block_bytes": cfg.fit_block_bytes,
+                               "steps": cfg.fit_steps, "steps_alone": stats(t["steps"]["s"])}
+        for name in t:
+            if name != "steps":
+                row[name] = stats(t[name]["call_s"])
+                if name.startswith("queued_"):
+                    row[name]["fraction"] = row[name]["p50_s"] / queued_s
+        return row
+    finally:
+        rig.close()
+
+
+def _hit(cfg: BenchConfig, path: str) -> dict[str, Any]:
+    rig = Rig(make_caches(cfg.layers, 16, cfg.fit_block_bytes, "bfloat16"), 4,
+              kinds=(("page", path),))
+    try:
+        mgr = rig.mgr("page", path)
+        mgr.warmup(1)
+        held = rig.hold("page", [3], path=path)
+
+        def hit() -> float:
+            t0 = now()
+            rig.caches, handle = mgr.load(rig.caches, held, [5], gate="layer")
+            handle.layer_ready(cfg.layers - 1)
+            s = now() - t0
+            check_loaded(handle.result(), 1)
+            return s
+
+        return {"path": path, "movers": sorted(set(mgr.paths)),
+                "hit": stats(interleaved({"hit": hit}, 4 * cfg.fit_repeats)["hit"]["s"])}
+    finally:
+        rig.close()
+
+
+def _warmup(cfg: BenchConfig, path: str, cache_dir: str) -> dict[str, Any]:
+    """``warmup`` in a fresh process filling ``cache_dir``, then in one reading it."""
+    out: dict[str, Any] = {"path": path, "pages": cfg.fit_pages, "layers": cfg.layers}
+    env = dict(os.environ, JAX_PLATFORMS=jax.default_backend())
+    for name in ("cold", "persistent_cache"):
+        args = [sys.executable, "-c", WARMUP_SCRIPT, str(cfg.layers), str(2 * cfg.fit_pages),
+                str(cfg.fit_block_bytes), str(cfg.fit_pages), path, cache_dir]
+        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+        if done.returncode:
+            raise RuntimeError(f"bench: warmup of path={path} in a fresh process failed: "
+                               f"{done.stderr.strip()[-500:]}")
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        out[name] = got["warmup_s"]
+        out["buckets"], out["movers"] = got["buckets"], got["paths"]
+    return out
+
+
+def fit_section(cfg: BenchConfig, progress: Progress) -> dict[str, Any]:
+    """The scheduler thread's cost per call, the 1-page hit, and warm-up per path."""
+    shape = (f"{cfg.fit_pages} pages x {cfg.layers} layers of "
+             f"{format_bytes(cfg.fit_block_bytes)} bfloat16 blocks")
+    calls, hits, warmups = [], [], []
+    for path in FIT_PATHS:
+        progress.step("engine fit", f"engine fit, path={path}: calls of {shape}, idle, "
+                      f"prefetched and behind {cfg.fit_steps} queued steps; a 1-page hit")
+        calls.append(_calls(cfg, path))
+        hits.append(_hit(cfg, path))
+    for path in FIT_PATHS:
+        progress.step("warm-up", f"warm-up, path={path}: warmup({cfg.fit_pages}) in a fresh "
+                      "process, cold and over a persistent compilation cache")
+        with tempfile.TemporaryDirectory(prefix="kvxfer-bench-jaxcache-") as d:
+            warmups.append(_warmup(cfg, path, d))
+    return {"calls": calls, "hits": hits, "warmups": warmups}
