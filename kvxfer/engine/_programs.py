@@ -9,7 +9,10 @@ comes back in the default layout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -280,18 +283,42 @@ def _run(kind: str, arrays: tuple[jax.Array, ...], *args, with_digest: bool = Fa
     return program(arrays, *args, _SEED)[0]
 
 
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_compiles() -> Iterator[list[Callable[[], None]]]:
+    """Collects the compiles ``compile_ahead`` asks for on this thread, instead of running
+    them: the caller runs the jobs it yields (side by side: XLA compiles with the GIL
+    released)."""
+    jobs: list[Callable[[], None]] = []
+    previous, _deferred.jobs = getattr(_deferred, "jobs", None), jobs
+    try:
+        yield jobs
+    finally:
+        _deferred.jobs = previous
+
+
 def compile_ahead(kind: str, arrays: tuple, *args, with_digest: bool = False,
                   options: tuple = ()) -> None:
     """Compiles the program ``kind`` for these (abstract) arguments, running nothing.
 
     A later call with arrays of the same shapes, dtypes, shardings and layouts finds
-    the program compiled.
+    the program compiled. Inside ``deferred_compiles`` the compile is queued instead.
     """
     formats = tuple(a.format for a in arrays)
     program, ballasted = _program(kind, formats, needs_raw_bits(arrays[0]), with_digest,
                                   options)
     seed = (jax.ShapeDtypeStruct((), np.float32),) if ballasted else ()
-    program.lower(arrays, *args, *seed).compile()
+
+    def job() -> None:
+        program.lower(arrays, *args, *seed).compile()
+
+    jobs = getattr(_deferred, "jobs", None)
+    if jobs is None:
+        job()
+    else:
+        jobs.append(job)
 
 
 def gather(arrays, ids, base, layer_nums, with_digest: bool):

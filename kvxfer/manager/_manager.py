@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ import numpy as np
 from kvxfer._check import check_int
 from kvxfer.engine import Mover, ShardedLayer
 from kvxfer.engine._batch import abstract, bucket, own_context
+from kvxfer.engine._programs import deferred_compiles
 from kvxfer.engine._grouped import BlockGroups, GroupedMover
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement
@@ -412,11 +414,19 @@ class KVCacheManager:
         self._checks.open()
         max_pages = check_int(max_pages, "max_pages", minimum=1)
         buckets = [1 << i for i in range(bucket(max_pages).bit_length())]
-        for b in buckets:
-            for cls, mover in zip(self._plan.classes, self._movers):
-                mover.warmup([self._abstract[i][0] for i in cls.layers],
-                             [self._abstract[i][1] for i in cls.layers], b,
-                             self.integrity == "page")
+
+        # The movers say what to compile; XLA compiles with the GIL released, so the
+        # programs compile side by side, one per core, the largest buckets first.
+        with deferred_compiles() as jobs:
+            for b in reversed(buckets):
+                for cls, mover in zip(self._plan.classes, self._movers):
+                    mover.warmup([self._abstract[i][0] for i in cls.layers],
+                                 [self._abstract[i][1] for i in cls.layers], b,
+                                 self.integrity == "page")
+        workers = max(1, min(len(jobs), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, "kvxfer-warmup") as pool:
+            for done in [pool.submit(own_context(job)) for job in jobs]:
+                done.result()
         return buckets
 
     def is_valid(self, page: PageRef) -> bool:
