@@ -68,12 +68,12 @@ def _gather_impl(arrays, ids, base, layer_nums, *, raw: bool, with_digest: bool)
 
 
 def _digest_impl(arrays, ids, base, layer_nums, *, raw: bool):
-    # One digest over the stacked pages ``[L, b, W]``, not one per layer: the program
-    # then holds a single digest computation and compiles 4-5x faster (3.6 s -> 0.8 s
-    # for 8 layers of 64 KiB blocks at 64 pages on XLA:CPU); the values are the same.
-    words = jnp.stack([integrity.as_words(_bits(a, raw)[ids], batch_dims=1) for a in arrays])
-    identity = jax.vmap(_with_layer, in_axes=(None, 0))(base, layer_nums)
-    return integrity.digest(words, identity)
+    # One digest per layer, each fused with its gather: the pages are read once. (A
+    # digest over the stacked pages compiles 4-5x faster but materializes the stack
+    # and ran 14x slower on XLA:CPU: 1.8 against 24.6 GB/s for 8 layers x 128 pages.)
+    return jnp.stack([integrity.digest(integrity.as_words(_bits(a, raw)[ids], batch_dims=1),
+                                       _with_layer(base, layer_nums[i]))
+                      for i, a in enumerate(arrays)])
 
 
 def _scatter_impl(arrays, ids, pages, *, raw: bool):
