@@ -171,13 +171,7 @@ class _Transfer(concurrent.futures.Future):
           concurrent.futures.CancelledError: the transfer was cancelled.
           TimeoutError: not done within ``timeout`` seconds (0 polls).
         """
-        timeout = check_timeout(timeout)
-        try:
-            return super().result(timeout)
-        except TimeoutError:
-            if self.done():  # done meanwhile, or it carries a TimeoutError of its own
-                return super().result(0)
-            raise TimeoutError(f"{self._what} not done after {timeout} s") from None
+        return self._waited(super().result, timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The ``TransferError`` the transfer failed with, or None.
@@ -186,12 +180,16 @@ class _Transfer(concurrent.futures.Future):
           concurrent.futures.CancelledError: the transfer was cancelled.
           TimeoutError: not done within ``timeout`` seconds (0 polls).
         """
+        return self._waited(super().exception, timeout)
+
+    def _waited(self, get, timeout: float | None):
+        """``get(timeout)`` (the base class's result or exception), naming the timeout."""
         timeout = check_timeout(timeout)
         try:
-            return super().exception(timeout)
+            return get(timeout)
         except TimeoutError:
-            if self.done():  # done meanwhile
-                return super().exception(0)
+            if self.done():  # done meanwhile, or it carries a TimeoutError of its own
+                return get(0)
             raise TimeoutError(f"{self._what} not done after {timeout} s") from None
 
 
