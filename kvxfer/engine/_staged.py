@@ -16,6 +16,7 @@ import numpy as np
 
 from kvxfer.engine._batch import assemble, device_of, layer_nums
 from kvxfer.engine._mover import LoadRequest, Mover, _batch_abstract, _sds
+from kvxfer.engine._raw import RowCopy
 from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, scatter
 
 __all__ = ["StagedMover"]
@@ -25,6 +26,19 @@ def _staging_dtype(a: jax.Array) -> np.dtype:
     """The dtype pages travel in: the raw bits where XLA:CPU would rewrite NaNs."""
     dtype = np.dtype(a.dtype)
     return np.dtype(f"u{dtype.itemsize}") if needs_raw_bits(a) else dtype
+
+
+# XLA:CPU's device_put aliases a numpy array aligned to this many bytes instead of
+# copying it: 128 MiB of pages staged cost 70-80 ms copied, 0.1 ms aliased.
+_ALIGN = 64
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array whose data starts on a ``_ALIGN``-byte boundary."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 class StagedInputs(NamedTuple):
@@ -87,14 +101,17 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
     def stage_load(self, layers, request: LoadRequest) -> list[StagedInputs]:
         batch, slots = request.batch, request.slots
         k, b = batch.k, len(batch.padded)
+        copy = RowCopy(np.arange(k), np.asarray(slots), self.cls.shard_block_bytes)
         work = []
         for s in range(self.cls.num_shards):
             first = layers[0].primary[s]
-            staging = np.zeros((len(layers), b) + first.shape[1:], dtype=_staging_dtype(first))
+            # Padding rows are dropped by the scatter: left as they are, not zeroed; and
+            # each layer's rows are copied straight into place (runs of slots as slices).
+            staging = _aligned_empty((len(layers), b) + first.shape[1:], _staging_dtype(first))
             flat = staging.reshape(len(layers), b, -1).view(np.uint8)
             for pos in range(len(layers)):
                 lo, hi = self.pool.shard_range(pos, s)
-                flat[pos, :k] = self.pool.data[slots, lo:hi]
+                copy(flat[pos], self.pool.data[:, lo:hi])
             for r in range(len(layers[0].shards[s])):
                 device = device_of(layers[0].shards[s][r])
                 work.append(StagedInputs(s, r, jax.device_put(staging, device)))
