@@ -106,13 +106,13 @@ class Loads:
         handle = LoadHandle(self._checks.num_layers, len(pages), gate)
         staged: dict[int, Any] = {}
         if prefetched is None:
-            problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+            problems, pinned_slots = self._pin(pages)
         else:
-            _, staged, staged_n = prefetched.take(self, pages)
+            staged, staged_n = prefetched.take(self, pages)
             problems = [prefetched.problems.get(j) for j in range(len(pages))]
+            pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
         reasons = self._reasons(pages, problems, want, blocks)
         n = min(reasons) if reasons else len(pages)
-        pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
         if prefetched is not None and staged_n != n:
             staged = {}  # fewer pages pass the load's checks: stage them again
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
@@ -132,6 +132,11 @@ class Loads:
                                     kv_caches=new) from e
             raise
         return new, handle
+
+    def _pin(self, pages: list[PageRef]) -> tuple[list[str | None], list[int]]:
+        """Pins the pages a transfer reads: a problem per page (or None), the slots pinned."""
+        problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+        return problems, [p.slot for p, problem in zip(pages, problems) if problem is None]
 
     def _reasons(self, pages: list[PageRef], problems: Sequence[str | None],
                  want: list[int] | None, blocks: dict[int, np.ndarray]) -> dict[int, str]:
@@ -154,10 +159,9 @@ class Loads:
     def prefetch(self, pages: Sequence[PageRef]) -> PrefetchHandle:
         """``KVCacheManager.prefetch``: pins the pages and stages what a load needs."""
         pages = self._checks.pages(pages)
-        problems = self._pool.acquire_readers([(p.slot, p.generation) for p in pages])
+        problems, pinned = self._pin(pages)
         reasons = {j: f"{problem} ({p})" for j, (p, problem) in enumerate(zip(pages, problems))
                    if problem is not None}
-        pinned = [p.slot for p, problem in zip(pages, problems) if problem is None]
         n = min(reasons) if reasons else len(pages)
         staged: dict[int, Any] = {}
         try:

@@ -65,8 +65,11 @@ class PrefetchHandle:
         self._unpin(pinned)
         return True
 
-    def take(self, owner: object, pages: list[PageRef]) -> tuple[list[int], dict[int, Any], int]:
-        """Hands the pins and staged inputs to the load that consumes the handle.
+    def take(self, owner: object, pages: list[PageRef]) -> tuple[dict[int, Any], int]:
+        """Hands the pins (the load releases them) and the staged inputs to the load.
+
+        Returns:
+          ``(staged inputs by class, pages staged)``.
 
         Raises:
           ValueError: the handle is another manager's, was consumed or released
@@ -84,7 +87,7 @@ class PrefetchHandle:
                                  f"for {len(pages)} pages {[str(p) for p in pages[:4]]}...; "
                                  "pass the pages the handle was made for, in that order")
             self._state = "consumed"
-            return self._pinned, self._staged, self._n
+            return self._staged, self._n
 
     def __repr__(self) -> str:
         return (f"PrefetchHandle({len(self.pages)} pages, {self._n} staged, "
