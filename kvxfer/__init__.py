@@ -23,6 +23,7 @@ from kvxfer.layout import LayoutError as LayoutError
 from kvxfer.layout import SliceGeometry as SliceGeometry
 from kvxfer.layout import inspect as inspect
 from kvxfer.layout import require_addressable as require_addressable
+from kvxfer.manager import AgreementError as AgreementError
 from kvxfer.manager import IntegrityError as IntegrityError
 from kvxfer.manager import KVCacheManager as KVCacheManager
 from kvxfer.manager import LoadHandle as LoadHandle
@@ -38,4 +39,4 @@ __all__ = ["__version__", "HostCache", "CacheHit", "CacheLoad", "TransferError",
            "PoolError", "PoolExhaustedError", "Layout", "LayoutError", "SliceGeometry",
            "inspect", "require_addressable", "IntegrityError", "KVCacheManager", "LoadHandle",
            "LoadResult", "OffloadHandle", "PageFormatError", "BudgetError", "LayerSpec", "Plan",
-           "make_plan"]
+           "make_plan", "AgreementError"]

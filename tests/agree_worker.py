@@ -51,7 +51,7 @@ if scenario == "rounds":
         r = a.next_round()
         if i in slow:
             time.sleep(0.5)
-        agreed.append(a.agree(r, v))
+        agreed.append(a.agree(r, v).value)
         if r >= 2:  # every rank has finished round r-2: all its keys are deleted
             old_gone.append(not any(stored(k) for k in keys_of(a, r - 2)))
         if r >= 1:  # this rank deletes its own key of round r-1 once round r is read
@@ -66,14 +66,14 @@ if scenario == "rounds":
     if rank == 0:
         def late():
             time.sleep(0.5)
-            order.append(("r5", a.agree(r5, 8)))
+            order.append(("r5", a.agree(r5, 8).value))
         t = threading.Thread(target=late)
         t.start()
-        order.append(("r6", a.agree(r6, 1)))
+        order.append(("r6", a.agree(r6, 1).value))
         t.join()
     else:
-        order.append(("r5", a.agree(r5, 6)))
-        order.append(("r6", a.agree(r6, 2)))
+        order.append(("r5", a.agree(r5, 6).value))
+        order.append(("r6", a.agree(r6, 2).value))
     out["order"] = order
     client.wait_at_barrier("agree-test-rounds", 30_000)
     out["left"] = sorted(k for k, _ in client.key_value_dir_get(f"kvxfer/agree/{a.id}/"))
@@ -88,17 +88,31 @@ if scenario == "rounds":
     except kvxfer.TransferError as e:
         out["unagreed_error"] = str(e)
     out["unagreed_s"] = time.monotonic() - start
+
+    # Rounds of different requests never pair silently; a round without a subject
+    # (a call that failed before it knew its request) meets any; bad positions and
+    # flags come back from every rank.
+    c = Agreement(timeout=20)
+    try:
+        c.agree(c.next_round(), 1, subject=f"load of 1 pages (keys {rank:#x})")
+    except kvxfer.AgreementError as e:
+        out["mismatch"] = {"error": str(e), "subjects": {str(k): v for k, v in
+                                                          e.subjects.items()}}
+    agreed = c.agree(c.next_round(), 3 + rank, subject="same" if rank else None,
+                     bad=[rank + 4, 9], flag=rank == 1)
+    out["rides_along"] = [agreed.value, {str(k): v for k, v in agreed.bad.items()},
+                          agreed.flagged]
     print(json.dumps(out), flush=True)
     client.wait_at_barrier("agree-test-end", 30_000)
     jax.distributed.shutdown()
 elif scenario == "crash":
     a = Agreement(timeout=5)
-    out["first"] = a.agree(a.next_round(), 3 + rank)
+    out["first"] = a.agree(a.next_round(), 3 + rank).value
     if rank == 1:
         os._exit(3)  # dies before its next load, without a word
     start = time.monotonic()
     try:
-        out["second"] = a.agree(a.next_round(), 4)
+        out["second"] = a.agree(a.next_round(), 4).value
     except kvxfer.TransferError as e:
         out["error"] = str(e)
     out["waited_s"] = time.monotonic() - start

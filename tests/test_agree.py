@@ -17,7 +17,8 @@ def test_single_process_returns_the_value_at_once():
     rounds = [a.next_round() for _ in range(3)]
     assert rounds == [0, 1, 2]
     # Out of order is fine: there is no one to wait for.
-    assert [a.agree(2, -1), a.agree(0, 0), a.agree(1, np.int64(7))] == [-1, 0, 7]
+    assert [a.agree(2, -1).value, a.agree(0, 0).value,
+            a.agree(1, np.int64(7)).value] == [-1, 0, 7]
 
 
 def test_each_agreement_has_its_own_id():
@@ -56,7 +57,7 @@ def test_bad_rounds_and_values_are_named():
         a.agree(r, 0.5)
     with pytest.raises(TypeError, match="value=True must be an int, not a bool"):
         a.agree(r, True)
-    assert a.agree(r, 4) == 4  # the rejected calls did not use the round up
+    assert a.agree(r, 4).value == 4  # the rejected calls did not use the round up
     with pytest.raises(ValueError, match="round=0 was agreed already"):
         a.agree(r, 4)
 
@@ -81,6 +82,11 @@ def test_two_processes_agree_round_by_round_and_clean_up():
         assert f"agreement {a['ids'][1]} round 1: round(s) [0] before it were not " \
                "agreed on this process" in out["unagreed_error"]
         assert 1.5 <= out["unagreed_s"] < 30  # it waited for the timeout, and no longer
+        assert "the ranks took part for different requests (rank 0: load of 1 pages " \
+               "(keys 0x0); rank 1: load of 1 pages (keys 0x1))" in out["mismatch"]["error"]
+        assert out["mismatch"]["subjects"] == {"0": "load of 1 pages (keys 0x0)",
+                                               "1": "load of 1 pages (keys 0x1)"}
+        assert out["rides_along"] == [3, {"4": [0], "5": [1], "9": [0, 1]}, True]
 
 
 def test_a_crashed_process_is_named_within_the_timeout():

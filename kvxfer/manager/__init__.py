@@ -6,10 +6,11 @@ one short public method per operation), ``_checks`` (argument checks), ``_offloa
 pages by hand: free, read and write a layer's bytes, export and import),
 ``_handles`` (what a transfer hands back), ``_prefetch`` (staged loads),
 ``_verify`` (per-layer verification), ``_agree`` (lockstep agreement on each load's
-verified prefix across processes), ``_select`` (which mover moves each slice class),
+verified prefix and bad pages across processes), ``_select`` (which mover moves each slice class),
 ``_pages`` (pages as blobs for tiers below host memory) and ``_stats`` (counters).
 """
 
+from kvxfer.manager._agree import AgreementError as AgreementError
 from kvxfer.manager._handles import Gate as Gate
 from kvxfer.manager._handles import IntegrityError as IntegrityError
 from kvxfer.manager._handles import LoadHandle as LoadHandle
@@ -26,4 +27,4 @@ from kvxfer.manager._verify import TransferHook as TransferHook
 
 __all__ = ["KVCacheManager", "OffloadHandle", "LoadHandle", "LoadResult", "IntegrityError",
            "Gate", "IntegrityMode", "PathMode", "PATHS", "AUTO_RULES", "TransferHook", "Blocks",
-           "PageFormatError"]
+           "PageFormatError", "AgreementError"]

@@ -1,7 +1,13 @@
-"""Agreement between the processes of a job on one number per load, without collectives.
+"""Agreement between the processes of a job, round by round, without collectives.
 
 Every load of a multi-process job ends with an agreement: the minimum over every
-process of that load's verified prefix (``-1``: the load failed on that process).
+process of that load's verified prefix (``-1``: the load failed on that process),
+and the union of the pages any process proved bad (so every rank frees them). A
+``HostCache`` lookup agrees the same way on its hit length. Each round carries its
+*subject*, a description of what it agrees on (the page keys in order, their count,
+the slice classes): rounds whose subjects differ were two different requests paired
+by mistake, and every rank raises ``AgreementError`` naming both sides instead of
+agreeing on numbers that mean different things.
 The agreement goes through the key-value store of JAX's distributed coordination
 service (``jax.distributed``), not through a device collective, for two reasons:
 
@@ -26,11 +32,15 @@ keys of them. At most two rounds of keys per rank are stored at any time.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import logging
 import math
 import threading
 import time
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,9 +48,12 @@ import numpy as np
 from kvxfer._check import check_int
 from kvxfer.engine import TransferError
 
-__all__ = ["Agreement"]
+__all__ = ["Agreement", "Agreed", "AgreementError", "describe_keys"]
+
+log = logging.getLogger("kvxfer")
 
 _KEY_PREFIX = "kvxfer/agree"
+_SUBJECT_CHARS = 240  # of a subject's description posted (its hash is whole)
 _ids = itertools.count()
 _ids_lock = threading.Lock()
 
@@ -61,20 +74,69 @@ def _is_deadline(e: Exception) -> bool:
     return str(e).startswith("DEADLINE_EXCEEDED")
 
 
+class AgreementError(TransferError):
+    """The processes of a job took part in one agreement round for different requests.
+
+    Every rank whose round met a round of another subject raises it (so all of them
+    do): the engine called ``load`` (or ``HostCache.lookup``) for different requests,
+    or in a different order, on different ranks. The message names each side.
+
+    Attributes:
+      subjects: rank -> the description of what that rank's round was for.
+    """
+
+    def __init__(self, message: str, *, subjects: dict[int, str] | None = None):
+        super().__init__(message)
+        self.subjects = dict(subjects or {})
+
+
+class Agreed(NamedTuple):
+    """What the processes agreed on in one round.
+
+    Attributes:
+      value: the minimum of the values posted.
+      bad: position -> the ranks that posted it as bad (union over every rank).
+      flagged: whether any rank posted ``flag=True``.
+    """
+
+    value: int
+    bad: dict[int, tuple[int, ...]]
+    flagged: bool
+
+
+def describe_keys(what: str, keys: Sequence[int], extra: str = "") -> str:
+    """A round's subject: ``what`` and the count, the keys in order, and ``extra``.
+
+    Example:
+        >>> describe_keys("load", [11, 12], "classes [0]")
+        'load of 2 pages (keys 0xb, 0xc; classes [0])'
+    """
+    shown = ", ".join(f"{k:#x}" for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
+    digest = ""
+    if len(keys) > 8:  # the description is cut short: its hash tells requests apart
+        h = hashlib.blake2b(b",".join(str(k).encode() for k in keys), digest_size=6)
+        digest = f", hash {h.hexdigest()}"
+    tail = f"; {extra}" if extra else ""
+    return f"{what} of {len(keys)} pages (keys {shown}{digest}{tail})"
+
+
 class Agreement:
     """Agrees with every process, round by round, on the minimum of a number.
 
-    One per ``KVCacheManager``. Managers are created in the same order on every
-    process, so the n-th ``Agreement`` of each process has the same id everywhere
-    and their keys meet. Each ``load()`` call takes a round with ``next_round()``
-    in call order (whether the call succeeds or raises) and answers it once with
-    ``agree(round, value)``, ``value=-1`` when the load failed on this process.
+    One per ``KVCacheManager`` and one per ``HostCache``. They are created in the
+    same order on every process, so the n-th ``Agreement`` of each process has the
+    same id everywhere and their keys meet. Each ``load()`` call takes a round with
+    ``next_round()`` in call order (whether the call succeeds or raises) and answers
+    it once with ``agree(round, value, subject=...)``, ``value=-1`` when the load
+    failed on this process.
 
     In a single-process job ``agree`` returns ``value`` at once.
 
     Args:
       timeout: seconds ``agree`` waits for the other processes (and for this
-        process's earlier rounds) before it raises ``TransferError``.
+        process's earlier rounds) before it raises ``TransferError``. The default,
+        60 s, is shorter than ``jax.distributed``'s heartbeat timeout (100 s by
+        default), so a rank stuck on a dead peer says so before JAX aborts it.
 
     Attributes:
       id: this agreement's number among those of its process (0, 1, ...); it names
@@ -92,11 +154,11 @@ class Agreement:
         >>> first, second = agreement.next_round(), agreement.next_round()
         >>> (first, second)
         (0, 1)
-        >>> agreement.agree(second, -1), agreement.agree(first, 3)
+        >>> agreement.agree(second, -1).value, agreement.agree(first, 3).value
         (-1, 3)
     """
 
-    def __init__(self, *, timeout: float = 300.0) -> None:
+    def __init__(self, *, timeout: float = 60.0) -> None:
         if isinstance(timeout, (bool, np.bool_)) or \
                 not isinstance(timeout, (int, float, np.integer, np.floating)):
             raise TypeError(f"timeout={timeout!r} must be a number of seconds. Got "
@@ -125,6 +187,11 @@ class Agreement:
         """Whether the job has several processes (``jax.process_count() > 1``)."""
         return self._num_processes > 1
 
+    @property
+    def rank(self) -> int:
+        """This process's index (``jax.process_index()``)."""
+        return self._rank
+
     def next_round(self) -> int:
         """Hands out the next round: call once per ``load()``, in call order.
 
@@ -136,8 +203,9 @@ class Agreement:
             self._issued += 1
             return round_
 
-    def agree(self, round: int, value: int) -> int:
-        """The minimum of ``value`` over every process for ``round``.
+    def agree(self, round: int, value: int, *, subject: str | None = None,
+              bad: Collection[int] = (), flag: bool = False) -> Agreed:
+        """The minimum of ``value`` over every process for ``round``, and what rides along.
 
         Call once per round, from any thread. Rounds are answered in order: this
         waits for this process's earlier rounds to finish first.
@@ -145,24 +213,32 @@ class Agreement:
         Args:
           round: a round from ``next_round()`` not agreed before.
           value: an int >= 0, or ``-1`` for "the load failed on this process".
+          subject: what the round agrees on (``describe_keys``); every rank must
+            post the same one. None (a call that failed before it knew its request)
+            meets any subject.
+          bad: positions this process proved bad; the union comes back.
+          flag: a yes/no any process may raise (``Agreed.flagged``).
 
         Returns:
-          The minimum over every process (``value`` itself in a single process).
+          ``Agreed(value, bad, flagged)``: the minimum over every process (``value``
+          itself in a single process), the bad positions by rank, the flag.
 
         Raises:
           TypeError, ValueError: ``round`` was not handed out or was agreed already;
             ``value`` is not an int >= -1.
+          AgreementError: another rank's round had another subject.
           TransferError: a process did not answer within ``timeout`` seconds (named
             by rank), an earlier round of this process was never agreed, or the
             coordination service failed.
 
         Example:
             >>> agreement = Agreement()
-            >>> agreement.agree(agreement.next_round(), 7)
+            >>> agreement.agree(agreement.next_round(), 7, bad=[9]).value
             7
         """
         round = check_int(round, "round", minimum=0)
         value = check_int(value, "value", minimum=-1)
+        bad = sorted({check_int(j, "bad position", minimum=0) for j in bad})
         with self._cond:
             if round >= self._issued:
                 raise ValueError(f"round={round} was not handed out by next_round(); "
@@ -171,14 +247,25 @@ class Agreement:
                 raise ValueError(f"round={round} was agreed already; each round is "
                                  "agreed once")
             self._claimed.add(round)
+        post = {"value": value, "subject": subject, "bad": bad, "flag": bool(flag)}
         try:
             if not self.multiprocess:
-                return value
+                return _combine({self._rank: post})
             self._wait_for_earlier(round)
-            agreed = self._exchange(round, value)
+            posts = self._exchange(round, post)
         finally:
             self._finish(round)
-        return agreed
+        self._check_subjects(round, posts)
+        return _combine(posts)
+
+    def _check_subjects(self, round: int, posts: dict[int, dict[str, Any]]) -> None:
+        subjects = {r: p["subject"] for r, p in posts.items() if p["subject"] is not None}
+        if len(set(subjects.values())) > 1:
+            sides = "; ".join(f"rank {r}: {s}" for r, s in sorted(subjects.items()))
+            raise AgreementError(
+                f"agreement {self.id} round {round}: the ranks took part for different "
+                f"requests ({sides}); every rank must make the same calls in the same "
+                "order", subjects=subjects)
 
     def _wait_for_earlier(self, round: int) -> None:
         # Posting round r only after every earlier round finished here is what makes
@@ -200,20 +287,24 @@ class Agreement:
                         "in call order")
                 self._cond.wait(left)
 
-    def _exchange(self, round: int, value: int) -> int:
+    def _exchange(self, round: int, post: dict[str, Any]) -> dict[int, dict[str, Any]]:
         client = _client()
         if client is None:
             raise TransferError(f"agreement {self.id} round {round}: jax.distributed was "
                                 "shut down")
         deadline = time.monotonic() + self.timeout
+        if post["subject"] is not None and len(post["subject"]) > _SUBJECT_CHARS:
+            text = post["subject"]
+            h = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+            post = dict(post, subject=f"{text[:_SUBJECT_CHARS]}... (hash {h})")
         try:
-            client.key_value_set(self._key(round, self._rank), str(value))
+            client.key_value_set(self._key(round, self._rank), json.dumps(post))
         except jax.errors.JaxRuntimeError as e:
             raise TransferError(f"agreement {self.id} round {round}: could not post this "
                                 f"rank's value to the coordination service: {e}") from e
         with self._cond:
             self._posted.append(round)
-        values, missing = [value], []
+        posts, missing = {self._rank: post}, []
         for rank in range(self._num_processes):
             if rank == self._rank:
                 continue
@@ -221,18 +312,14 @@ class Agreement:
             if text is None:
                 missing.append(rank)
                 continue
-            try:
-                values.append(int(text))
-            except ValueError:
-                raise TransferError(f"agreement {self.id} round {round}: rank {rank} "
-                                    f"posted {text!r}, not an int") from None
+            posts[rank] = _parse(text, f"agreement {self.id} round {round}: rank {rank}")
         if missing:
             raise TransferError(
                 f"agreement {self.id} round {round}: rank(s) {missing} did not answer "
                 f"within {self.timeout:g} s (a process crashed, or its loads are out of "
                 "step with this one's)")
         self._delete_before(client, round)
-        return min(values)
+        return posts
 
     def _read(self, client: Any, round: int, rank: int, deadline: float) -> str | None:
         """Rank ``rank``'s value for ``round``, or None if it is not there by ``deadline``."""
@@ -268,9 +355,60 @@ class Agreement:
                 self._done_below += 1
             self._cond.notify_all()
 
+    def meet(self, what: str) -> bool:
+        """Waits until every process calls ``meet(what)`` on this agreement (``close``).
+
+        A rank that finishes first then does not tear down the coordination service
+        (rank 0 hosts it) while another rank still agrees on its last loads. Bounded
+        by ``timeout``: a rank that never comes is logged, not waited for forever.
+
+        Returns:
+          Whether every process came (True at once in a single process).
+        """
+        if not self.multiprocess:
+            return True
+        client = _client()
+        if client is None:
+            return False
+        try:
+            client.wait_at_barrier(f"{_KEY_PREFIX}/{self.id}/{what}",
+                                   int(self.timeout * 1000))
+        except jax.errors.JaxRuntimeError as e:
+            log.warning("agreement %d: not every rank reached %s within %g s: %s",
+                        self.id, what, self.timeout, e)
+            return False
+        return True
+
     def _key(self, round: int, rank: int) -> str:
         return f"{_KEY_PREFIX}/{self.id}/{round}/{rank}"
 
     def __repr__(self) -> str:
         return (f"Agreement(id={self.id}, rank={self._rank} of {self._num_processes}, "
                 f"rounds handed out={self._issued}, timeout={self.timeout:g} s)")
+
+
+def _parse(text: str, where: str) -> dict[str, Any]:
+    """A posted round, checked."""
+    try:
+        post = json.loads(text)
+        ok = isinstance(post, dict) and isinstance(post.get("value"), int) and \
+            isinstance(post.get("bad"), list) and \
+            all(isinstance(j, int) and j >= 0 for j in post["bad"]) and \
+            isinstance(post.get("subject"), (str, type(None))) and \
+            isinstance(post.get("flag"), bool)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise TransferError(f"{where} posted {text[:200]!r}, not a kvxfer agreement round "
+                            "(another kvxfer version on that rank?)")
+    return post
+
+
+def _combine(posts: dict[int, dict[str, Any]]) -> Agreed:
+    bad: dict[int, list[int]] = {}
+    for rank, post in sorted(posts.items()):
+        for j in post["bad"]:
+            bad.setdefault(j, []).append(rank)
+    return Agreed(min(p["value"] for p in posts.values()),
+                  {j: tuple(r) for j, r in sorted(bad.items())},
+                  any(p["flag"] for p in posts.values()))

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from kvxfer._check import check_timeout
 from kvxfer.engine import TransferError
 from kvxfer.hostpool import PageRef
+from kvxfer.manager._agree import AgreementError
 
 __all__ = ["Gate", "IntegrityError", "LoadResult", "OffloadHandle", "LoadHandle"]
 
@@ -277,7 +278,8 @@ class LoadHandle(_Transfer):
         self._error, self._ends_cancelled = error, cancelled
         failure = None
         if error is not None and not cancelled:
-            failure = TransferError(f"load failed: {error}")
+            failure = AgreementError(f"load failed: {error}", subjects=error.subjects) \
+                if isinstance(error, AgreementError) else TransferError(f"load failed: {error}")
             failure.__cause__ = error
         for e in self._events:
             e.set()
