@@ -36,7 +36,7 @@ def report(handle: kvxfer.LoadHandle, new: list, dst: list[int], src: list[int],
         return {"error": str(e), "stuck": True}
     n = result.verified_prefix
     return {"prefix": n, "reasons": {str(k): v for k, v in result.reasons.items()},
-            "consumed": result.consumed_before_failure,
+            "consumed": result.consumed_before_failure, "freed": list(result.freed_pages),
             "exact": all(np.array_equal(np.array(a).view(np.uint16)[dst[:n]], b[src[:n]])
                          for a, b in zip(new, before))}
 

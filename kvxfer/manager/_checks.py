@@ -77,9 +77,34 @@ def _layer_spec(i: int, a: Any, layout: Any, ready_timeout: float | None) -> Lay
     elif not isinstance(layout, Layout):
         layout = Layout.of(layout)
     placement = tuple(tuple(d.id for r in reps for d in r.devices()) for reps in layer.shards)
-    return LayerSpec(name, a.shape, a.dtype, layout, num_shards=len(layer.shards) // count,
+    shape = a.shape if a.is_fully_addressable else _local_box(a, name)
+    return LayerSpec(name, shape, a.dtype, layout, num_shards=len(layer.shards) // count,
                      replicas=len(layer.shards[0]), shard_shape=layer.shards[0][0].shape,
                      placement=placement, block_groups=count)
+
+
+def _local_box(a: jax.Array, name: str) -> tuple[int, ...]:
+    """The shape of what this process holds of an array that spans processes.
+
+    A tensor-parallel rank keeps its own shards of every page (the host pages hold
+    those, and nothing of the other ranks'), so its layer is the box its shards
+    cover: ``[num_blocks, 2, 128]`` of a ``[num_blocks, 4, 128]`` cache split over
+    the KV heads of two processes.
+    """
+    box = []
+    for d, n in enumerate(a.shape):
+        ranges = {s.index[d].indices(n)[:2] for s in a.addressable_shards}
+        lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        if sum(stop - start for start, stop in ranges) != hi - lo:  # not one range
+            raise ValueError(f"{name}: this process holds pieces {sorted(ranges)} of dim "
+                             f"{d} of {list(a.shape)}, not one range; arrays that span "
+                             "processes must give each process one box of every page")
+        box.append(hi - lo)
+    if box[0] != a.shape[0]:
+        raise ValueError(f"{name}: the block dim (dim 0) of {list(a.shape)} is split across "
+                         f"processes (this one holds {box[0]} blocks); every process "
+                         "must hold every block of its shards")
+    return tuple(box)
 
 
 def check_construction(kv_caches: Sequence[jax.Array], layouts: Sequence[Any] | None,
@@ -145,7 +170,7 @@ class Checks:
         # arrays last checked (or returned by a load) skip the check, and those whose
         # buffers are known to be their own skip the sharing scan of raw loads. Held
         # weakly: a manager must not keep a caller's old caches alive.
-        self._formats = [(a.sharding, Layout.of(a)) for a in caches]
+        self._formats = [(a.sharding, Layout.of(a), tuple(a.shape)) for a in caches]
         self._validated: list[weakref.ref | None] = [None] * len(caches)
         self._private: list[weakref.ref | None] = [None] * len(caches)
 
@@ -182,10 +207,10 @@ class Checks:
                                  "arrays returned by the step that consumed it")
             if _is(self._validated[i], a):
                 continue  # checked (or returned by a load) before: skip the costly part
-            if tuple(a.shape) != spec.shape or a.dtype.name != spec.dtype:
+            sharding, layout, shape = self._formats[i]
+            if tuple(a.shape) != shape or a.dtype.name != spec.dtype:
                 raise ValueError(f"layer {i}: got {shape_text(a.shape, a.dtype)}, the manager "
-                                 f"was built for {shape_text(spec.shape, spec.dtype)}")
-            sharding, layout = self._formats[i]
+                                 f"was built for {shape_text(shape, spec.dtype)}")
             if not a.sharding.is_equivalent_to(sharding, a.ndim):
                 raise ValueError(f"layer {i}: sharding {a.sharding} differs from the one the "
                                  f"manager was built for ({sharding})")

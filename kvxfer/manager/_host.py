@@ -18,9 +18,38 @@ from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.manager._checks import check_key
 from kvxfer.manager._pages import PageFormatError, decode, encode
 from kvxfer.manager._stats import Counters
-from kvxfer.plan import Plan
+from kvxfer.plan import Plan, SliceClass
 
-__all__ = ["HostPages"]
+__all__ = ["HostPages", "host_copy_intact"]
+
+
+def _shard_digest(pool: HostPool, cls: SliceClass, slot: int, pos: int, shard: int,
+                  key: int) -> np.ndarray:
+    """The digest of one shard of one layer of a slot, made from its host bytes."""
+    row = pool.pools[cls.index].data[slot]
+    a, b = pool.pools[cls.index].shard_range(pos, shard)
+    words = _integrity.as_words_np(row[a:b][None], batch_dims=1)
+    ident = _integrity.identity_words(key, cls.layers[pos], pool.seal_of(slot), shard)
+    return _integrity.digest_np(words, ident)[0]
+
+
+def host_copy_intact(pool: HostPool, classes: Sequence[SliceClass], slot: int,
+                     key: int) -> bool:
+    """Whether a slot's host bytes still match the digests made on the device.
+
+    After a load's device digest fails, this tells a delivery fault (host bytes
+    intact: the transfer delivered wrong bytes) from a bad page (host bytes that
+    fail their own digests). The caller holds the slot as a reader, so no offload
+    writes it meanwhile.
+    """
+    for cls in classes:
+        stored = pool.pools[cls.index].digests[slot, :, :, :_integrity.DIGEST_WORDS]
+        for pos in range(len(cls.layers)):
+            for s in range(cls.num_shards):
+                if not np.array_equal(_shard_digest(pool, cls, slot, pos, s, key),
+                                      stored[pos, s]):
+                    return False
+    return True
 
 
 class HostPages:
@@ -88,19 +117,14 @@ class HostPages:
         with self._pool.pools[self._layer_class[layer][0].index].lock:
             row[lo:hi] = buf
         if self._with_digest:
-            self._digest_on_host(page, layer, row)
+            self._digest_on_host(page, layer)
 
-    def _digest_on_host(self, page: PageRef, layer: int, row: np.ndarray) -> None:
+    def _digest_on_host(self, page: PageRef, layer: int) -> None:
         """Re-digests one layer of a page from its host bytes (every shard)."""
         cls, pos = self._layer_class[layer]
-        pool = self._pool.pools[cls.index]
         for s in range(cls.num_shards):
-            a, b = pool.shard_range(pos, s)
-            words = _integrity.as_words_np(row[a:b][None], batch_dims=1)
-            ident = _integrity.identity_words(page.key, layer,
-                                              self._pool.seal_of(page.slot), s)
-            pool.digests[page.slot, pos, s, :_integrity.DIGEST_WORDS] = \
-                _integrity.digest_np(words, ident)[0]
+            self._pool.pools[cls.index].digests[page.slot, pos, s, :_integrity.DIGEST_WORDS] \
+                = _shard_digest(self._pool, cls, page.slot, pos, s, page.key)
 
     def export_page(self, page: PageRef) -> bytes:
         if not isinstance(page, PageRef):

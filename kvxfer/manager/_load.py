@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,15 +25,18 @@ from kvxfer.engine._batch import own_context
 from kvxfer.engine._grouped import GroupedMover
 from kvxfer.engine._raw import shared_buffers
 from kvxfer.hostpool import HostPool, PageRef
-from kvxfer.manager._agree import Agreement
+from kvxfer.manager._agree import Agreement, describe_keys
 from kvxfer.manager._checks import Checks, check_key, page_batches
 from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
+from kvxfer.manager._host import host_copy_intact
 from kvxfer.manager._prefetch import PrefetchHandle
 from kvxfer.manager._stats import Counters, reason_kind
 from kvxfer.manager._verify import DigestJob, DigestStarter, LoadVerifier, TransferHook
 from kvxfer.plan import Plan
 
 __all__ = ["Loads"]
+
+log = logging.getLogger("kvxfer")
 
 
 class Loads:
@@ -115,6 +119,7 @@ class Loads:
         n = min(reasons) if reasons else len(pages)
         if prefetched is not None and staged_n != n:
             staged = {}  # fewer pages pass the load's checks: stage them again
+        subject = describe_keys("load", [p.key for p in pages], f"classes {sorted(blocks)}")
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
         batches = page_batches({c: ids[:n] for c, ids in blocks.items()},
                                [p.key for p in pages[:n]],
@@ -123,8 +128,9 @@ class Loads:
         try:
             new, states, jobs = self.start(caches, batches, slots, gate, staged)
             self._checks.loaded(new, [i for c in states for i in self._plan.classes[c].layers])
-            self._worker.submit(handle.run, self.finish, round_, handle, new, pages,
-                                slots, batches, states, jobs, reasons, pinned_slots, started)
+            self._worker.submit(handle.run, self.finish, round_, subject, handle, new,
+                                pages, slots, batches, states, jobs, reasons, pinned_slots,
+                                started)
         except BaseException as e:
             self._pool.release_readers(pinned_slots)
             if self._checks.closed and not isinstance(e, TransferError):
@@ -253,7 +259,7 @@ class Loads:
     # -- the transfer thread --------------------------------------------------------
 
     @own_context
-    def finish(self, round_: int, handle: LoadHandle, new: list[jax.Array],
+    def finish(self, round_: int, subject: str, handle: LoadHandle, new: list[jax.Array],
                pages: list[PageRef], slots: np.ndarray, batches: dict[int, PageBatch],
                states: dict[int, Any], jobs: dict[int, DigestJob] | list[DigestJob],
                reasons: dict[int, str],
@@ -268,21 +274,26 @@ class Loads:
         try:
             prefix, proven_bad = self._verifier.verify(handle, new, states, jobs, slots,
                                                        batches, reasons, may_stop=alone)
+            proven_bad = self._triage(pages, proven_bad, reasons, set(batches))
             error: BaseException | None = None
         except Exception as e:  # a transfer or device failure is an error, not a miss
             prefix, proven_bad, error = -1, frozenset(), e
         cancelled = handle.claim()  # from here on cancel() fails
+        rank = self._agreement.rank
+        bad_on = {j: (rank,) for j in proven_bad}
         try:
             if not alone:
-                # Every rank takes part even after a local failure, so none hangs.
-                agreed = self._agreement.agree(round_, prefix)
-                if agreed < 0 and error is None:
+                # Every rank takes part even after a local failure, so none hangs; a
+                # page proven bad anywhere is freed everywhere.
+                agreed = self._agreement.agree(round_, prefix, subject=subject,
+                                               bad=proven_bad)
+                if agreed.value < 0 and error is None:
                     error = TransferError("a transfer failed on another process")
-                prefix = agreed
+                prefix, bad_on = agreed.value, agreed.bad
             if error is not None:
                 raise error
             result = None if cancelled and alone else self._verifier.settle(
-                handle, pages, prefix, proven_bad, reasons, set(batches))
+                handle, pages, prefix, bad_on, reasons, set(batches), rank)
         except Exception as e:
             result, error = None, e
             self._stats.add(transfer_errors=1)
@@ -294,6 +305,30 @@ class Loads:
             # pages it read free to evict (and freed ones free) at once.
             self._pool.release_readers(pinned_slots)
         handle.finish(result, error, cancelled)
+
+    def _triage(self, pages: list[PageRef], proven_bad: frozenset[int],
+                reasons: dict[int, str], moved: set[int]) -> frozenset[int]:
+        """The pages whose host copies fail their own digests, of those the device caught.
+
+        A device digest that fails over a host copy that still matches its digests
+        is a delivery fault (a DMA that wrote zeros, say): the page is a miss for
+        this load only, with a reason that starts with ``transfer``, and it stays in
+        host memory (and in any store below). Only a bad host copy is freed.
+        """
+        classes = [self._plan.classes[c] for c in sorted(moved)]
+        bad = set()
+        for j in sorted(proven_bad):
+            page = pages[j]
+            if host_copy_intact(self._pool, classes, page.slot, page.key):
+                reasons[j] = (f"transfer: {reasons.get(j, 'digest mismatch')}, while its host copy matches its "
+                              "digests (the page is kept)")
+                self._stats.add(transfer_faults=1)
+                log.warning("load of page %#x: the transfer delivered bytes that fail "
+                            "their digest (%s); the host copy is intact and kept",
+                            page.key, reasons[j])
+            else:
+                bad.add(j)
+        return frozenset(bad)
 
     def _count(self, result: LoadResult, moved: int, batches: dict[int, PageBatch],
                started: float) -> None:

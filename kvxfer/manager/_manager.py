@@ -104,7 +104,9 @@ class KVCacheManager:
         classes the pinned mover moves, which always get pinned pools; ``False``
         keeps ``"auto"`` off the pinned mover).
       agreement_timeout: seconds a multi-process load waits for every process's
-        verified prefix before failing with ``TransferError`` (a crashed rank).
+        verified prefix before failing with ``TransferError`` (a crashed rank), and
+        ``close()`` waits for the other ranks to close. The default, 60 s, is shorter
+        than ``jax.distributed``'s heartbeat timeout (100 s).
 
     Raises:
       BudgetError: the plan exceeds the budget (before any allocation).
@@ -122,7 +124,7 @@ class KVCacheManager:
                  layouts: Sequence[Any] | None = None, integrity: IntegrityMode = "page",
                  host_memory_budget: int | None = None, path: PathMode = "auto",
                  ready_timeout: float = 30.0, pinned: bool | None = None,
-                 agreement_timeout: float = 300.0):
+                 agreement_timeout: float = 60.0):
         # First, before any check that could fail on one rank only: every rank must
         # create its managers' agreements in the same order.
         self._agreement = Agreement(timeout=agreement_timeout)
@@ -148,8 +150,8 @@ class KVCacheManager:
                                                      for c in self._plan.classes])
         self._stats = Counters(
             ("pages_offloaded", "bytes_offloaded", "pages_loaded", "bytes_loaded",
-             "pages_verified", "pages_freed", "transfer_errors", "pages_exported",
-             "pages_imported"), ("mismatches", "imports_refused"), ("offload", "load"))
+             "pages_verified", "pages_freed", "transfer_errors", "transfer_faults",
+             "pages_exported", "pages_imported"), ("mismatches", "imports_refused"), ("offload", "load"))
         self._checks = Checks(specs, caches, self._plan, self._pool)
         parts = (self._plan, self._pool, self._movers, self._verifier, self._checks,
                  self._stats, self._worker)
@@ -226,10 +228,19 @@ class KVCacheManager:
         return self._pool.num_free
 
     def close(self) -> None:
-        """Waits for transfers in flight and stops the transfer thread."""
+        """Waits for transfers in flight and stops the transfer thread.
+
+        In a multi-process job every rank must close its managers (in the same
+        order): once its own transfers are done, ``close`` waits up to
+        ``agreement_timeout`` for the other ranks to close theirs, so a rank that
+        finishes first, rank 0 above all (it hosts ``jax.distributed``'s
+        coordination service), does not take the service down while another rank
+        still agrees on its last loads.
+        """
         if not self._checks.closed:
             self._checks.closed = True
             self._worker.shutdown(wait=True)
+            self._agreement.meet("close")
 
     def __enter__(self) -> KVCacheManager:
         return self
@@ -533,7 +544,9 @@ class KVCacheManager:
         ``pages_offloaded`` / ``bytes_offloaded``, ``pages_loaded`` / ``bytes_loaded``
         (pages moved to the devices), ``pages_verified`` (in verified prefixes),
         ``pages_freed`` (proven bad and freed), ``mismatches`` (reason kind -> count),
-        ``transfer_errors``, ``pages_exported`` / ``pages_imported``,
+        ``transfer_errors``, ``transfer_faults`` (pages a load's transfer delivered
+        wrong while their host copies were intact: missed, kept),
+        ``pages_exported`` / ``pages_imported``,
         ``imports_refused`` (reason -> count), ``host_pages`` / ``host_free_pages``,
         and ``offload_seconds`` / ``load_seconds`` (count, sum, p50, p90, p99 of the
         time from the call to the transfer's end).

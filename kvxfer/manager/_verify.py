@@ -253,14 +253,16 @@ class LoadVerifier:
         self.movers[cls.index].finish_load_layer(states[cls.index], pos)
 
     def settle(self, handle: LoadHandle, pages: list[PageRef], first_bad: int,
-               proven_bad: frozenset[int], reasons: dict[int, str],
-               moved: set[int]) -> LoadResult:
+               bad_on: dict[int, tuple[int, ...]], reasons: dict[int, str],
+               moved: set[int], rank: int = 0) -> LoadResult:
         """Releases (gate="all"), frees the pages proven bad, reports.
 
-        Only a page whose own digest failed is freed: a page this request could not
-        use for another reason (the caller expected another key, it comes after the
-        first bad page, another process found its copy bad) is intact and stays
-        valid for its holders.
+        Only a page proven bad is freed: its host copy failed its own digests on
+        some process (``bad_on``: position -> those ranks; every rank frees it, so
+        their caches stay the same). A page this request could not use for another
+        reason (the caller expected another key, it comes after the first bad page,
+        the transfer delivered it wrong while its host copy is intact) stays valid
+        for its holders.
         """
         if handle.gate == "all":
             for i in range(self.num_layers):
@@ -268,10 +270,14 @@ class LoadVerifier:
         invalid = tuple(range(first_bad, len(pages)))
         freed = []
         for j in invalid:
-            if j in proven_bad:
+            if j in bad_on:
                 p = pages[j]
                 self.pool.invalidate(p.slot, p.generation)
                 freed.append(j)
+                others = [r for r in bad_on[j] if r != rank]
+                if j not in reasons and others:
+                    reasons[j] = (f"proven bad on rank(s) {others}: its host copy there "
+                                  "failed its digests; freed on every rank")
         if first_bad < len(pages) and first_bad not in reasons:
             reasons[first_bad] = "invalid on another process"
         released = handle.released_prefixes
@@ -279,4 +285,3 @@ class LoadVerifier:
                        if self.layer_class[i][0].index in moved)
         return LoadResult(first_bad, invalid, dict(sorted(reasons.items())), consumed,
                           released, tuple(freed))
-
