@@ -44,7 +44,9 @@ import jax
 
 from kvxfer._check import check_int
 from kvxfer.hostpool import PageRef, PoolExhaustedError
-from kvxfer.manager import Gate, KVCacheManager, LoadHandle, LoadResult
+from kvxfer.manager import Blocks, Gate, KVCacheManager, LoadHandle, LoadResult
+from kvxfer.manager._agree import Agreement, describe_keys
+from kvxfer.manager._checks import check_key
 from kvxfer.manager._pages import PageFormatError
 from kvxfer.manager._stats import Counters
 from kvxfer.store import Store, StoreError
@@ -117,12 +119,10 @@ class CacheLoad:
 
 
 def _keys(keys: Sequence[Any], where: str) -> list[int]:
-    out = []
-    for j, k in enumerate(keys):
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 1 << 64:
-            raise ValueError(f"{where}[{j}] = {k!r}: keys are ints in [0, 2**64)")
-        out.append(int(k))
-    return out
+    """Page keys as the manager takes them: ints in [0, 2**64) (numpy ones too) or bytes."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"{where} must be a sequence of keys. Got {type(keys).__name__}")
+    return [check_key(k, f"{where}[{j}]") for j, k in enumerate(keys)]
 
 
 class HostCache:
@@ -139,6 +139,31 @@ class HostCache:
         only pages evicted from host, write-back).
 
     Thread-safe. Store writes run on one background thread; ``flush()`` waits.
+
+    In a multi-process job (tensor-parallel ranks, each holding its shards of every
+    page) the ranks' caches stay identical, and every request gets the same
+    verified prefix on every rank, as long as the engine keeps one contract: every
+    rank creates its managers and caches in the same order, and calls ``put``,
+    ``lookup``, ``load`` and ``release`` for the same requests in the same order,
+    then ``close``. Then:
+
+    * ``lookup`` agrees on the hit length across ranks (the minimum, as SGLang's
+      HiCache all-reduces its prefix length) before anything is pinned, so every
+      rank loads the same pages or misses alike;
+    * a load agrees on its verified prefix, and a page proven bad on any rank is
+      freed on every rank (each deletes its own store copy, once);
+    * a delivery fault (the device got wrong bytes from an intact host copy) is a
+      miss for that load only, on every rank; the page stays in host and store;
+    * rounds of different requests never pair silently: each carries the keys it
+      is about, and mismatched ones raise ``AgreementError`` on every rank;
+    * ``close`` waits (up to the manager's ``agreement_timeout``) for every rank.
+
+    A rank that dies is named in a ``TransferError`` by the others' next
+    agreement, after ``agreement_timeout``; ``jax.distributed`` itself aborts the
+    surviving processes once the dead rank misses its heartbeats (100 s by
+    default), and at once if the dead rank is rank 0, which hosts the coordination
+    service. Store keys carry the rank, so ranks sharing a store never read each
+    other's shards.
     """
 
     def __init__(self, mgr: KVCacheManager, store: Store | None = None, *,
@@ -156,6 +181,9 @@ class HostCache:
         self.store = store
         self.namespace = namespace
         self.write_through = write_through
+        # Caches are created in the same order on every rank (like managers): the
+        # n-th agreement of each process meets the n-th of the others.
+        self._agreement = Agreement(timeout=mgr._agreement.timeout)
         self._lock = threading.RLock()
         self._index: collections.OrderedDict[int, PageRef] = collections.OrderedDict()
         self._pins: collections.Counter[int] = collections.Counter()
@@ -169,27 +197,33 @@ class HostCache:
         self._stats = Counters(
             ("lookups", "pages_requested", "host_hits", "store_hits", "misses", "unused_pages",
              "pages_put", "duplicates", "dropped", "evictions", "store_pages_written",
-             "store_write_errors", "store_read_errors", "bad_pages"),
+             "store_write_errors", "store_read_errors", "bad_pages", "transfer_faults"),
             ("bad_pages_by_tier",))
         self._closed = False
 
     # -- keys and index -------------------------------------------------------------
 
-    def store_key(self, key: int) -> str:
+    def store_key(self, key: Any) -> str:
         """The store key of page ``key``: namespace, geometry fingerprint, page key.
 
         Pages of a manager with ``integrity="off"`` carry no digests: they get keys of
-        their own, so a verifying cache never finds them.
+        their own, so a verifying cache never finds them. In a multi-process job the
+        key names the rank too (each rank's page holds that rank's shards).
         """
+        key = check_key(key, "key")
         mode = "" if self.mgr.integrity == "page" else "-nodigest"
-        return f"{self.namespace}{self.mgr.fingerprint}{mode}:{key:016x}"
+        # Each rank of a multi-process job holds its own shards of a page.
+        rank = f"-rank{jax.process_index()}of{jax.process_count()}" \
+            if jax.process_count() > 1 else ""
+        return f"{self.namespace}{self.mgr.fingerprint}{mode}{rank}:{key:016x}"
 
     def __len__(self) -> int:
         with self._lock:
             self._collect()
             return len(self._index)
 
-    def __contains__(self, key: int) -> bool:
+    def __contains__(self, key: Any) -> bool:
+        key = check_key(key, "key")
         with self._lock:
             self._collect()
             return key in self._index or key in self._pending
@@ -200,14 +234,16 @@ class HostCache:
             self._collect()
             return list(self._index)
 
-    def page_of(self, key: int) -> PageRef | None:
+    def page_of(self, key: Any) -> PageRef | None:
         """The host page cached under ``key`` (not pinned, not marked used), or None."""
+        key = check_key(key, "key")
         with self._lock:
             self._collect()
             return self._index.get(key)
 
-    def find(self, key: int) -> str | None:
+    def find(self, key: Any) -> str | None:
         """Where page ``key`` is: ``"host"``, ``"store"`` or None (not marking it used)."""
+        key = check_key(key, "key")
         with self._lock:
             self._collect()
             self._wait_pending(key)
@@ -374,33 +410,31 @@ class HostCache:
 
     # -- the engine's calls --------------------------------------------------------
 
-    def put(self, kv_caches: Sequence[jax.Array], device_blocks: Sequence[int],
-            keys: Sequence[int], *, wait: bool = False) -> list[int]:
+    def put(self, kv_caches: Sequence[jax.Array], device_blocks: Blocks,
+            keys: Sequence[Any], *, wait: bool = False) -> list[int]:
         """Offloads the blocks whose keys are not cached yet; LRU pages make room.
 
         Args:
           kv_caches: the current caches.
-          device_blocks: one block id per key (one list for every slice class).
-          keys: the pages' keys.
+          device_blocks: one block id per key, as ``KVCacheManager.offload`` takes
+            them: one list for every slice class, or a mapping ``{class index: ids}``
+            naming every class (a cached page holds every class).
+          keys: the pages' keys: ints in [0, 2**64) or bytes (hashed as the manager
+            hashes them).
           wait: return only once the pages are on host (else they are indexed as
             soon as their offload ends; a lookup meanwhile waits for them).
 
         Returns:
-          The keys being offloaded (keys cached already, repeated, or that found no
-          room after every unpinned page was evicted are left out).
+          The keys being offloaded, as ints (keys cached already, repeated, or that
+          found no room after every unpinned page was evicted are left out).
         """
         with self._lock:
             self._check_open()
             self._collect()
             keys = _keys(keys, "keys")
-            if isinstance(device_blocks, Mapping):
-                raise TypeError("HostCache.put takes one list of device block ids (a "
-                                "cached page holds every slice class), not a mapping")
-            blocks = list(device_blocks)
-            if len(blocks) != len(keys):
-                raise ValueError(f"{len(blocks)} device_blocks for {len(keys)} keys")
-            todo: dict[int, int] = {}
-            for key, block in zip(keys, blocks):
+            columns = self._columns(device_blocks, len(keys))
+            todo: dict[int, int] = {}  # key -> its index in the call
+            for j, key in enumerate(keys):
                 ref = self._index.get(key)
                 if ref is not None and not self.mgr.is_valid(ref):
                     del self._index[key]  # freed behind the cache's back: put it again
@@ -409,16 +443,17 @@ class HostCache:
                     if key in self._index:
                         self._index.move_to_end(key)
                     continue
-                todo[key] = block
+                todo[key] = j
             if todo:  # checked before anything is evicted: in range, distinct
-                self.mgr._check_blocks(list(todo.values()), len(todo), "keys")
+                self.mgr._check_blocks(self._pick(columns, todo.values()), len(todo), "keys")
             room = self._make_room(len(todo))
             if room < len(todo):
                 self._stats.add(dropped=len(todo) - room)
                 todo = dict(list(todo.items())[:room])
             if not todo:
                 return []
-            handle = self.mgr.offload(kv_caches, list(todo.values()), list(todo))
+            handle = self.mgr.offload(kv_caches, self._pick(columns, todo.values()),
+                                      list(todo))
             new = list(todo)
             for key in new:
                 self._pending[key] = handle
@@ -432,41 +467,144 @@ class HostCache:
                     self._collect()
         return new
 
-    def lookup(self, keys: Sequence[int]) -> CacheHit:
+    def _columns(self, device_blocks: Blocks, n: int) -> list[Any] | dict[int, list[Any]]:
+        """``put``'s block ids as one list, or per class (every class named), n each."""
+        if not isinstance(device_blocks, Mapping):
+            if isinstance(device_blocks, (str, bytes)):
+                raise TypeError(f"device_blocks must be a sequence of block ids. Got "
+                                f"{type(device_blocks).__name__}")
+            blocks = list(device_blocks)
+            if len(blocks) != n:
+                raise ValueError(f"{len(blocks)} device_blocks for {n} keys")
+            return blocks
+        classes = len(self.mgr.plan.classes)
+        columns = {check_int(c, "device_blocks key (a slice class index)", minimum=0):
+                   list(ids) for c, ids in device_blocks.items()}
+        if sorted(columns) != list(range(classes)):
+            raise ValueError(f"device_blocks names slice classes {sorted(columns)}; a cached "
+                             f"page holds every class: name all of 0..{classes - 1}")
+        for c, ids in columns.items():
+            if len(ids) != n:
+                raise ValueError(f"{len(ids)} device_blocks[{c}] for {n} keys")
+        return columns
+
+    @staticmethod
+    def _pick(columns: list[Any] | dict[int, list[Any]], rows: Any) -> Blocks:
+        rows = list(rows)
+        if isinstance(columns, dict):
+            return {c: [ids[j] for j in rows] for c, ids in columns.items()}
+        return [columns[j] for j in rows]
+
+    def lookup(self, keys: Sequence[Any]) -> CacheHit:
         """Pins the longest cached prefix of ``keys`` (host first, then the store).
 
         Store pages are imported into host memory (promoted) on the way. The pins
-        hold until ``load(...).result()`` or ``release(hit)``.
+        hold until ``load(...).result()`` or ``release(hit)``. In a multi-process job
+        every rank must call it for the same keys, in the same order: the ranks
+        agree on the hit length (the minimum over ranks) before anything is pinned.
+
+        Raises:
+          AgreementError: another rank's lookup in the same turn was for other keys.
+          TransferError: another rank did not take part within the manager's
+            ``agreement_timeout``.
         """
         with self._lock:
             self._check_open()
             self._collect()
             keys = _keys(keys, "keys")
-            found: list[tuple[int, PageRef, str]] = []
-            try:
-                for key in keys:
-                    self._wait_pending(key)
-                    ref = self._index.get(key)
-                    tier = "host"
-                    if ref is not None and not self.mgr.is_valid(ref):
-                        del self._index[key]  # freed by someone else
-                        ref = None
-                    if ref is None and self.store is not None:
-                        ref, tier = self._promote(key), "store"
-                        if ref is not None:
-                            self._index[key] = ref
-                    if ref is None:
-                        break
-                    self._index.move_to_end(key)
-                    self._pins[key] += 1
-                    found.append((key, ref, tier))
-            except BaseException:
-                self._unpin([k for k, _, _ in found])
-                raise
+            if self._agreement.multiprocess:
+                found = self._lookup_together(keys)
+            else:
+                found = self._pin_prefix(keys)
             self._stats.add(lookups=1, pages_requested=len(keys),
                             misses=len(keys) - len(found))
             return CacheHit(tuple(k for k, _, _ in found), tuple(r for _, r, _ in found),
                             tuple(t for _, _, t in found))
+
+    def _pin_prefix(self, keys: list[int]) -> list[tuple[int, PageRef, str]]:
+        """Pins (promoting from the store) the longest prefix of ``keys`` this rank has."""
+        found: list[tuple[int, PageRef, str]] = []
+        try:
+            for key in keys:
+                self._wait_pending(key)
+                ref = self._index.get(key)
+                tier = "host"
+                if ref is not None and not self.mgr.is_valid(ref):
+                    del self._index[key]  # freed by someone else
+                    ref = None
+                if ref is None and self.store is not None:
+                    ref, tier = self._promote(key), "store"
+                    if ref is not None:
+                        self._index[key] = ref
+                if ref is None:
+                    break
+                self._index.move_to_end(key)
+                self._pins[key] += 1
+                found.append((key, ref, tier))
+        except BaseException:
+            self._unpin([k for k, _, _ in found])
+            raise
+        return found
+
+    def _local_length(self, keys: list[int]) -> tuple[int, bool]:
+        """How long a prefix this rank holds (nothing pinned or promoted), and whether
+        some of it is only in the store."""
+        n, in_store = 0, False
+        for key in keys:
+            self._wait_pending(key)
+            ref = self._index.get(key)
+            if ref is not None and self.mgr.is_valid(ref):
+                n += 1
+                continue
+            if ref is not None:
+                del self._index[key]  # freed by someone else
+            if self.store is None or not self._store_has(key):
+                break
+            n, in_store = n + 1, True
+        return n, in_store
+
+    def _store_has(self, key: int) -> bool:
+        if key in self._writes:
+            return True
+        try:
+            return self.store.contains(self.store_key(key))
+        except (StoreError, OSError) as e:
+            log.warning("the %s store could not be asked for page %#x: %s",
+                        self.store.name, key, e)
+            self._stats.add(store_read_errors=1)
+            return False
+
+    def _lookup_together(self, keys: list[int]) -> list[tuple[int, PageRef, str]]:
+        """``lookup`` in a multi-process job: the ranks agree on the hit length first.
+
+        A promotion can still fail after the agreement (a store read error, no
+        room): when any rank's hit reaches into the store, a second round agrees
+        on what every rank actually pinned, and the extra pins are dropped.
+        """
+        agreement = self._agreement
+        subject = describe_keys("lookup", keys)
+        first = agreement.next_round()
+        try:
+            n, in_store = self._local_length(keys)
+        except BaseException:
+            agreement.agree(first, 0, subject=subject)
+            raise
+        agreed = agreement.agree(first, n, subject=subject, flag=in_store)
+        if not agreed.flagged:
+            return self._pin_prefix(keys[:agreed.value])
+        second = agreement.next_round()
+        try:
+            found = self._pin_prefix(keys[:agreed.value])
+        except BaseException:
+            agreement.agree(second, 0, subject=subject)
+            raise
+        try:
+            pinned = agreement.agree(second, len(found), subject=subject).value
+        except BaseException:
+            self._unpin([k for k, _, _ in found])
+            raise
+        self._unpin([k for k, _, _ in found[pinned:]])
+        return found[:pinned]
 
     def release(self, hit: CacheHit) -> None:
         """Unpins a hit that will not be loaded (a no-op once released or settled)."""
@@ -531,20 +669,25 @@ class HostCache:
                 key, ref, tier = hit.keys[j], hit.pages[j], hit.tiers[j]
                 if j not in result.freed_pages:
                     # Not used by this request but not proven bad (after the first bad
-                    # page, or refused for its key): cached as before unless gone.
+                    # page, refused for its key, delivered wrong from an intact host
+                    # copy): cached as before unless gone.
                     self._stats.add(unused_pages=1)
+                    if result.reasons.get(j, "").startswith("transfer"):
+                        self._stats.add(transfer_faults=1)
                     if not self.mgr.is_valid(ref) and self._index.get(key) == ref:
                         del self._index[key]
                     continue
-                # Its own device digest proved it bad: gone from every tier.
+                # Its host copy failed its own digests (here or on another rank):
+                # gone from every tier, on every rank.
                 self._stats.add(bad_pages=1)
                 self._stats.add_labelled("bad_pages_by_tier",
                                          self.store.name if tier == "store" else "host")
                 if self._index.get(key) == ref:
                     del self._index[key]
                 where = f"the {self.store.name} store" if tier == "store" else "host memory"
-                log.warning("page %#x from %s failed verification on the device "
-                            "(%s); dropped", key, where, result.reasons.get(j, "bad"))
+                log.warning("page %#x from %s failed verification on the device (%s), and its "
+                            "host copy fails its own digests; dropped", key, where,
+                            result.reasons.get(j, "bad"))
                 if self.store is not None and (tier == "store" or key in self._stored):
                     self._stored.discard(key)
                     try:
@@ -582,8 +725,9 @@ class HostCache:
         """Lookups, hits per tier, misses, evictions, store writes, bad pages by tier.
 
         ``pages_requested`` = ``host_hits + store_hits + misses + unused_pages`` over
-        settled loads (``unused_pages``: found but not used, after a bad page or
-        refused for their key); ``host_pages`` is the cache's pages in host memory,
+        settled loads (``unused_pages``: found but not used, after a bad page,
+        refused for their key, or delivered wrong by the transfer while their host
+        copy was intact, which ``transfer_faults`` counts apart); ``host_pages`` is the cache's pages in host memory,
         ``pinned_pages`` those pinned by a hit or a load; ``store`` holds the store's
         own counters (when there is a store). Reads counters only: cheap enough for
         every scrape, and it never blocks on a transfer.
@@ -603,7 +747,8 @@ class HostCache:
 
     def close(self) -> None:
         """Indexes offloads in flight, waits for store writes; the manager and the
-        store stay open."""
+        store stay open. In a multi-process job it then waits (up to the manager's
+        ``agreement_timeout``) for every rank to close its cache."""
         if self._closed:
             return
         with self._lock:
@@ -616,3 +761,4 @@ class HostCache:
             self._closed = True
         if self._writer is not None:
             self._writer.shutdown(wait=True)
+        self._agreement.meet("close")

@@ -7,6 +7,7 @@ import pytest
 
 import kvxfer
 from kvxfer import testing
+from kvxfer.integrity import key_from_bytes
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def test_a_lookup_waits_for_an_offload_in_flight(rig):
 
 def test_bad_arguments_name_the_value(rig):
     mgr, cache, state, _ = rig
-    with pytest.raises(ValueError, match=r"keys\[1\] = -1"):
+    with pytest.raises(ValueError, match=r"keys\[1\]: key -1"):
         cache.lookup([1, -1])
     with pytest.raises(ValueError, match="1 device_blocks for 2 keys"):
         cache.put(state["caches"], [0], [1, 2])
@@ -113,11 +114,44 @@ def test_bad_arguments_name_the_value(rig):
         kvxfer.HostCache(mgr, write_through=True)
 
 
-def test_a_mapping_of_blocks_is_refused_not_misread(rig):
-    mgr, cache, state, _ = rig
-    with pytest.raises(TypeError, match="not a mapping"):
-        cache.put(state["caches"], {0: [5, 6]}, [50, 60])
-    assert len(cache) == 0
+def test_keys_are_what_the_manager_takes(rig):
+    # vLLM's block hashes are bytes; numpy ints come out of block tables.
+    import numpy as np
+    mgr, cache, state, want = rig
+    assert _put(cache, state, np.array([0, 1]), [b"block-a", np.uint64(12)]) == [
+        key_from_bytes(b"block-a"), 12]
+    hit = cache.lookup([b"block-a", np.int64(12)])
+    assert hit.num_pages == 2 and b"block-a" in cache and cache.find(b"block-a") == "host"
+    state["caches"], load = cache.load(state["caches"], hit, [8, 9])
+    assert load.result().verified_prefix == 2
+    assert (testing.bits(state["caches"][1])[8] == want[1][0]).all()
+    with pytest.raises(ValueError, match=r"keys\[0\]: key 'a' of type str"):
+        cache.lookup(["a"])
+
+
+def test_block_ids_per_slice_class():
+    # Two slice classes with their own block ids, as the manager's offload and
+    # load take them; a mapping that leaves a class out is refused, evicting nothing.
+    caches = testing.random_caches(1, 16, (4, 32), "float32") + \
+        testing.random_caches(1, 8, (2, 32), "float32", seed=1)
+    want = [testing.bits(c) for c in caches]
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2) as mgr:
+        cache = kvxfer.HostCache(mgr)
+        assert len(mgr.plan.classes) == 2
+        assert cache.put(caches, {0: [3, 4], 1: [6, 7]}, [10, 11], wait=True) == [10, 11]
+        with pytest.raises(ValueError, match=r"names slice classes \[0\]; a cached page "
+                                             r"holds every class: name all of 0..1"):
+            cache.put(caches, {0: [5]}, [12])
+        with pytest.raises(ValueError, match=r"1 device_blocks\[1\] for 2 keys"):
+            cache.put(caches, {0: [5, 6], 1: [1]}, [12, 13])
+        assert len(cache) == 2 and cache.stats()["evictions"] == 0
+        hit = cache.lookup([10, 11])
+        caches, load = cache.load(caches, hit, {0: [0, 1], 1: [0, 1]})
+        assert load.result().verified_prefix == 2
+        got = [testing.bits(c) for c in caches]
+        assert (got[0][[0, 1]] == want[0][[3, 4]]).all()
+        assert (got[1][[0, 1]] == want[1][[6, 7]]).all()
+        cache.close()
 
 
 def test_bad_block_ids_evict_nothing(rig):
