@@ -6,7 +6,10 @@ each class stores its part of the page as one contiguous byte range:
 ``[layer 0 shard 0 | layer 0 shard 1 | ... | layer L-1 shard S-1]``.
 
 Every slot carries a generation that changes on each reuse, and each page records
-its key, generation and, per layer and shard, its digest.
+its key, generation and, per layer and shard, its digest. Digests and page blobs
+carry 32 bits of generation, so a slot whose generation reaches ``MAX_GENERATION``
+(2**32 - 1) is retired once that page is freed, never reused under an identity an
+older page had; the pool then has one slot fewer (``num_retired``).
 
 Example:
     >>> from kvxfer.plan import LayerSpec, make_plan
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -29,7 +33,12 @@ import numpy as np
 from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["HostPool", "PageRef", "PoolError", "PoolExhaustedError", "ClassPool",
-           "HostBacking", "DIGEST_SLOTS", "word_bytes", "has_pinned_host"]
+           "HostBacking", "DIGEST_SLOTS", "MAX_GENERATION", "word_bytes", "has_pinned_host"]
+
+log = logging.getLogger("kvxfer")
+
+# The last generation a slot is handed out under (digests and blobs carry 32 bits).
+MAX_GENERATION = (1 << 32) - 1
 
 # uint32 words reserved per (layer, shard) digest; integrity uses up to this many.
 DIGEST_SLOTS = 4
@@ -254,7 +263,9 @@ class ClassPool:
 @dataclasses.dataclass
 class _Slot:
     generation: int = 0
-    state: str = "free"  # free | writing | valid | released (free once readers finish)
+    # free | writing | valid | released (free once readers finish) | retired (every
+    # generation used: never handed out again)
+    state: str = "free"
     key: int = 0
     readers: int = 0
     classes: frozenset[int] = frozenset()  # the slice classes the page holds
@@ -304,6 +315,7 @@ class HostPool:
         self._free = list(range(self.num_slots))
         self._num_free = self.num_slots
         self._invalidated: dict[int, int] = {}  # slot -> generation found bad
+        self._retired = 0
         self._lock = threading.Lock()
 
     # -- accounting ---------------------------------------------------------
@@ -316,6 +328,12 @@ class HostPool:
     def num_free(self) -> int:
         with self._lock:
             return self._num_free
+
+    @property
+    def num_retired(self) -> int:
+        """Slots that used every generation up to ``MAX_GENERATION`` and are out of use."""
+        with self._lock:
+            return self._retired
 
     def _slot(self, slot: int) -> _Slot:
         """The slot's record; generations are compared by each caller."""
@@ -334,9 +352,11 @@ class HostPool:
         """
         with self._lock:
             if n > self._num_free:
+                retired = f" ({self._retired} retired)" if self._retired else ""
                 raise PoolExhaustedError(
                     f"host pool exhausted: {n} pages requested, {self._num_free} of "
-                    f"{self.num_slots} slots free; free pages or raise num_host_blocks")
+                    f"{self.num_slots} slots free{retired}; free pages or raise "
+                    "num_host_blocks")
             out = []
             while len(out) < n:
                 slot = heapq.heappop(self._free)
@@ -369,6 +389,9 @@ class HostPool:
                 if s.state == "writing":
                     raise PoolError(f"host slot {slot} cannot be overwritten: another "
                                     f"offload is writing it (generation {s.generation})")
+                if s.state == "retired" or s.generation >= MAX_GENERATION:
+                    raise PoolError(f"host slot {slot} has used every generation up to "
+                                    f"2**32 - 1 and is retired; name another slot")
             return [(int(slot), self._take_locked(int(slot))) for slot in slots]
 
     def _take_locked(self, slot: int) -> int:
@@ -439,7 +462,7 @@ class HostPool:
                 if s.generation != generation:
                     raise PoolError(f"host slot {slot} generation {generation} is stale (now "
                                     f"{s.generation}): the page was freed and the slot reused")
-                if s.state in ("free", "released") or slot in seen:
+                if s.state in ("free", "released", "retired") or slot in seen:
                     raise PoolError(f"double free of host slot {slot} generation "
                                     f"{generation}")
                 seen.add(slot)
@@ -454,7 +477,7 @@ class HostPool:
         """Frees a page found bad; a later ``release`` of the same ref is a no-op."""
         with self._lock:
             s = self._slot(slot)
-            if s.generation != generation or s.state in ("free", "released"):
+            if s.generation != generation or s.state in ("free", "released", "retired"):
                 return False
             self._invalidated[slot] = generation
             self._release_locked(slot, s)
@@ -467,6 +490,13 @@ class HostPool:
             self._free_locked(slot, s)
 
     def _free_locked(self, slot: int, s: _Slot) -> None:
+        if s.generation >= MAX_GENERATION:  # a new generation would wrap: retire it
+            s.state = "retired"
+            self._retired += 1
+            log.warning("host slot %d used every generation up to 2**32 - 1 and is "
+                        "retired; the pool has %d of %d slots left", slot,
+                        self.num_slots - self._retired, self.num_slots)
+            return
         s.state = "free"
         self._num_free += 1
         heapq.heappush(self._free, slot)
@@ -491,7 +521,7 @@ class HostPool:
                 if s.generation != generation:
                     out.append("stale generation")
                 elif s.state != "valid":
-                    out.append("freed" if s.state in ("free", "released") else
+                    out.append("freed" if s.state in ("free", "released", "retired") else
                                "still being written")
                 else:
                     s.readers += 1

@@ -67,8 +67,8 @@ class Offloads:
         else:
             refs = self._pool.claim(self._checks.slots(slots, len(keys)))
         slot_ids = np.array([s for s, _ in refs], dtype=np.int64)
-        batches = page_batches(blocks, keys, [g for _, g in refs])
-        try:
+        try:  # from here on, a failure gives back the slots taken
+            batches = page_batches(blocks, keys, [g for _, g in refs])
             states = self._gather(caches, batches, slot_ids)
         except Exception as e:
             for s, g in refs:
