@@ -38,3 +38,20 @@ def test_a_slot_retires_before_its_generation_wraps(small):
     imported = mgr.import_page(blob)  # its digests stay bound to the old generation
     caches, load = mgr.load(caches, [imported], [7])
     assert load.result().verified_prefix == 1
+
+
+def test_transfers_that_fail_in_the_call_are_counted(small):
+    mgr, caches = small
+    pages = mgr.offload(caches, [1], keys=[5]).wait()
+
+    def broken(event, layer, array):
+        if event in ("start_load", "gather_enqueued"):
+            raise OSError("device lost")
+
+    mgr.set_transfer_hook(broken)
+    with pytest.raises(kvxfer.TransferError, match="device lost"):
+        mgr.load(caches, pages, [6])
+    with pytest.raises(kvxfer.TransferError, match="device lost"):
+        mgr.offload(caches, [2], keys=[6])
+    assert mgr.stats()["transfer_errors"] == 2
+    assert mgr.num_free_pages == 1  # the failed offload gave its slot back

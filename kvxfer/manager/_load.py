@@ -78,7 +78,9 @@ class Loads:
         try:
             return self._load(round_, kv_caches, pages, device_blocks, keys, gate,
                               prefetched)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, TransferError):
+                self._stats.add(transfer_errors=1)  # failed in the call: still counted
             if self._agreement.multiprocess:
                 try:
                     self._agreement.agree(round_, -1)  # the others learn this one failed

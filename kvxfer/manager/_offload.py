@@ -57,6 +57,14 @@ class Offloads:
     def start(self, kv_caches: Sequence[jax.Array], device_blocks: Any, keys: Sequence[Any],
               slots: Sequence[int] | None) -> OffloadHandle:
         """The caller's half of ``KVCacheManager.offload``: checked, enqueued, handed on."""
+        try:
+            return self._start(kv_caches, device_blocks, keys, slots)
+        except TransferError:
+            self._stats.add(transfer_errors=1)  # failed in the call: still counted
+            raise
+
+    def _start(self, kv_caches: Sequence[jax.Array], device_blocks: Any, keys: Sequence[Any],
+               slots: Sequence[int] | None) -> OffloadHandle:
         started = time.perf_counter()
         caches = self._checks.caches(kv_caches)
         keys = list(keys)
