@@ -58,9 +58,10 @@ log = logging.getLogger("kvxfer")
 
 @dataclasses.dataclass
 class _Pin:
-    """Whether a hit still holds its pins (each hit releases them once)."""
+    """Whether a hit still holds its pins (each hit releases them once), and whose."""
 
     held: bool = True
+    owner: Any = None  # the HostCache whose lookup pinned it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +121,10 @@ class CacheLoad:
 
 def _keys(keys: Sequence[Any], where: str) -> list[int]:
     """Page keys as the manager takes them: ints in [0, 2**64) (numpy ones too) or bytes."""
-    if isinstance(keys, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"{where} must be a sequence of keys. Got {type(keys).__name__}")
+    if isinstance(keys, (str, bytes, bytearray, memoryview)) or \
+            not hasattr(keys, "__iter__"):
+        raise TypeError(f"{where} must be a sequence of keys (ints or bytes). Got {keys!r} "
+                        f"of type {type(keys).__name__}")
     return [check_key(k, f"{where}[{j}]") for j, k in enumerate(keys)]
 
 
@@ -519,7 +522,7 @@ class HostCache:
             self._stats.add(lookups=1, pages_requested=len(keys),
                             misses=len(keys) - len(found))
             return CacheHit(tuple(k for k, _, _ in found), tuple(r for _, r, _ in found),
-                            tuple(t for _, _, t in found))
+                            tuple(t for _, _, t in found), _Pin(owner=self))
 
     def _pin_prefix(self, keys: list[int]) -> list[tuple[int, PageRef, str]]:
         """Pins (promoting from the store) the longest prefix of ``keys`` this rank has."""
@@ -608,10 +611,18 @@ class HostCache:
 
     def release(self, hit: CacheHit) -> None:
         """Unpins a hit that will not be loaded (a no-op once released or settled)."""
-        if not isinstance(hit, CacheHit):
-            raise TypeError(f"hit must be a CacheHit from lookup(). Got {type(hit).__name__}")
+        self._check_hit(hit)
         with self._lock:
             self._release_hit(hit)
+
+    def _check_hit(self, hit: Any) -> None:
+        if not isinstance(hit, CacheHit):
+            raise TypeError(f"hit must be a CacheHit from lookup(). Got {type(hit).__name__}")
+        if hit._pin.owner is not self:
+            # Its pins are another cache's: taking them here would leave that cache's
+            # pages pinned for good.
+            raise ValueError("this hit comes from another HostCache's lookup(); release or "
+                             "load it through that cache")
 
     def _release_hit(self, hit: CacheHit) -> None:
         if hit._pin.held:
@@ -637,8 +648,7 @@ class HostCache:
           What ``KVCacheManager.load`` raises; the hit then stays pinned (load it
           again or ``release`` it).
         """
-        if not isinstance(hit, CacheHit):
-            raise TypeError(f"hit must be a CacheHit from lookup(). Got {type(hit).__name__}")
+        self._check_hit(hit)
         with self._lock:
             self._check_open()
             if not hit._pin.held:

@@ -55,3 +55,27 @@ def test_transfers_that_fail_in_the_call_are_counted(small):
         mgr.offload(caches, [2], keys=[6])
     assert mgr.stats()["transfer_errors"] == 2
     assert mgr.num_free_pages == 1  # the failed offload gave its slot back
+
+
+def test_a_hit_belongs_to_its_cache(small):
+    mgr, caches = small
+    a, b = kvxfer.HostCache(mgr), kvxfer.HostCache(mgr)
+    a.put(caches, [1, 2], [10, 11], wait=True)
+    hit = a.lookup([10, 11])
+    for call in (lambda: b.release(hit), lambda: b.load(caches, hit, [4, 5])):
+        with pytest.raises(ValueError, match="another HostCache's lookup"):
+            call()
+    a.release(hit)
+    assert a.make_room(2) == 2  # nothing stayed pinned: both pages could go
+    a.close()
+    b.close()
+
+
+def test_keys_that_are_not_a_sequence_are_named(small):
+    mgr, _ = small
+    cache = kvxfer.HostCache(mgr)
+    for bad in (5, b"key", "key"):
+        with pytest.raises(TypeError, match=r"keys must be a sequence of keys \(ints or "
+                                            r"bytes\)\. Got .* of type"):
+            cache.lookup(bad)
+    cache.close()
