@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
-from kvxfer._check import check_int
+from kvxfer._check import check_int, check_timeout
 from kvxfer.hostpool import PageRef, PoolExhaustedError
 from kvxfer.manager import Blocks, Gate, KVCacheManager, LoadHandle, LoadResult
 from kvxfer.manager._agree import Agreement, describe_keys
@@ -54,6 +56,8 @@ from kvxfer.store import Store, StoreError
 __all__ = ["HostCache", "CacheHit", "CacheLoad"]
 
 log = logging.getLogger("kvxfer")
+
+_STATS_WAIT_S = 0.04  # stats() waits this long for the store's counters
 
 
 @dataclasses.dataclass
@@ -197,6 +201,10 @@ class HostCache:
         self._stored: set[int] = set()  # keys this cache knows the store holds
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvxfer-store") if store is not None else None
+        self._probe: concurrent.futures.ThreadPoolExecutor | None = None
+        self._probe_future: concurrent.futures.Future | None = None
+        self._probe_lock = threading.Lock()
+        self._last_store_stats: dict[str, Any] = {}
         self._stats = Counters(
             ("lookups", "pages_requested", "host_hits", "store_hits", "misses", "unused_pages",
              "pages_put", "duplicates", "dropped", "evictions", "store_pages_written",
@@ -253,8 +261,7 @@ class HostCache:
             ref = self._index.get(key)
             if ref is not None and self.mgr.is_valid(ref):
                 return "host"
-            if self.store is not None and (key in self._writes or
-                                           self.store.contains(self.store_key(key))):
+            if self.store is not None and self._store_has(key):
                 return "store"
             return None
 
@@ -363,30 +370,43 @@ class HostCache:
             self._stats.add(store_pages_written=1)
         return written
 
-    def _promote(self, key: int) -> PageRef | None:
-        """The store's page ``key`` imported into host memory, or None (a miss)."""
-        fut = self._writes.get(key)
-        if fut is not None:
-            fut.result()
-        skey = self.store_key(key)
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """Lets go of the cache lock (however deeply held) around store or network I/O,
+        so a stalled store never stalls lookups of host pages, puts or ``stats()``."""
+        state = self._lock._release_save()
         try:
-            blob = self.store.get(skey)
-        except (StoreError, OSError) as e:
-            log.warning("the %s store could not be read for page %#x: %s",
-                        self.store.name, key, e)
-            self._stats.add(store_read_errors=1)
-            return None
-        if blob is None:
-            return None
-        if self._make_room(1) < 1:
-            return None
+            yield
+        finally:
+            self._lock._acquire_restore(state)
+
+    def _promote(self, key: int) -> tuple[PageRef | None, str]:
+        """The store's page ``key`` imported into host memory, or None (a miss); and its
+        tier (``"host"`` when another thread brought it into host memory meanwhile)."""
+        fut = self._writes.get(key)
+        skey = self.store_key(key)
+        with self._unlocked():
+            if fut is not None:
+                fut.result()
+            try:
+                blob = self.store.get(skey)
+            except (StoreError, OSError) as e:
+                log.warning("the %s store could not be read for page %#x: %s",
+                            self.store.name, key, e)
+                self._stats.add(store_read_errors=1)
+                blob = None
+        ref = self._index.get(key)
+        if ref is not None and self.mgr.is_valid(ref):
+            return ref, "host"
+        if blob is None or self._make_room(1) < 1:
+            return None, "store"
         try:
             ref = self.mgr.import_page(blob, key=key)
         except PoolExhaustedError:
-            return None
+            return None, "store"
         except PageFormatError as e:
             self._drop_stored(key, str(e))
-            return None
+            return None, "store"
         held = self.mgr.host_pool.classes_of(ref.slot)
         if len(held) < len(self.mgr.plan.classes):
             # A page of some slice classes only (put there by another writer): a
@@ -394,9 +414,10 @@ class HostCache:
             self.mgr.free([ref])
             self._drop_stored(key, f"it holds slice classes {sorted(held)} of "
                               f"{len(self.mgr.plan.classes)}")
-            return None
+            return None, "store"
         self._stored.add(key)
-        return ref
+        self._index[key] = ref
+        return ref, "store"
 
     def _drop_stored(self, key: int, why: str) -> None:
         """A store page that is not a whole page of this cache: a miss, deleted."""
@@ -536,9 +557,7 @@ class HostCache:
                     del self._index[key]  # freed by someone else
                     ref = None
                 if ref is None and self.store is not None:
-                    ref, tier = self._promote(key), "store"
-                    if ref is not None:
-                        self._index[key] = ref
+                    ref, tier = self._promote(key)
                 if ref is None:
                     break
                 self._index.move_to_end(key)
@@ -570,7 +589,8 @@ class HostCache:
         if key in self._writes:
             return True
         try:
-            return self.store.contains(self.store_key(key))
+            with self._unlocked():
+                return self.store.contains(self.store_key(key))
         except (StoreError, OSError) as e:
             log.warning("the %s store could not be asked for page %#x: %s",
                         self.store.name, key, e)
@@ -618,7 +638,7 @@ class HostCache:
     def _check_hit(self, hit: Any) -> None:
         if not isinstance(hit, CacheHit):
             raise TypeError(f"hit must be a CacheHit from lookup(). Got {type(hit).__name__}")
-        if hit._pin.owner is not self:
+        if hit._pin.owner is not self and (hit._pin.owner is not None or hit.keys):
             # Its pins are another cache's: taking them here would leave that cache's
             # pages pinned for good.
             raise ValueError("this hit comes from another HostCache's lookup(); release or "
@@ -725,7 +745,8 @@ class HostCache:
             self._collect()
             mine = []
             for key, ref in list(self._index.items()):
-                if key not in self._writes and not self.store.contains(self.store_key(key)):
+                if key not in self._writes and not self._store_has(key) and \
+                        self._index.get(key) == ref and self.mgr.is_valid(ref):
                     mine.append(self._write(key, ref))
             futures = list(self._writes.values())
         concurrent.futures.wait(futures)
@@ -737,30 +758,51 @@ class HostCache:
         ``pages_requested`` = ``host_hits + store_hits + misses + unused_pages`` over
         settled loads (``unused_pages``: found but not used, after a bad page,
         refused for their key, or delivered wrong by the transfer while their host
-        copy was intact, which ``transfer_faults`` counts apart); ``host_pages`` is the cache's pages in host memory,
-        ``pinned_pages`` those pinned by a hit or a load; ``store`` holds the store's
-        own counters (when there is a store). Reads counters only: cheap enough for
-        every scrape, and it never blocks on a transfer.
+        copy was intact, which ``transfer_faults`` counts apart); ``host_pages`` is
+        the cache's pages in host memory, ``pinned_pages`` those pinned by a hit or a
+        load; ``store`` holds the store's own counters (when there is a store), read
+        on a thread of their own: a store that does not answer within 40 ms gives
+        its last counters with ``stale: True``. Takes no lock a transfer or store
+        read holds: cheap enough for every scrape, and it never blocks.
         """
-        with self._lock:
-            out = self._stats.snapshot()
-            out["host_pages"] = len(self._index)
-            out["pinned_pages"] = len(self._pins)
+        out = self._stats.snapshot()  # the counters' own lock, never the cache's
+        out["host_pages"] = len(self._index)
+        out["pinned_pages"] = len(self._pins)
         if self.store is not None:
-            try:
-                out["store"] = self.store.stats()
-            except Exception as e:  # a closed or unreachable store: its counters only
-                out["store"] = {}
-                log.warning("the %s store's counters could not be read: %s",
-                            self.store.name, e)
+            out["store"] = self._store_stats()
         return out
 
-    def close(self) -> None:
-        """Indexes offloads in flight, waits for store writes; the manager and the
-        store stay open. In a multi-process job it then waits (up to the manager's
-        ``agreement_timeout``) for every rank to close its cache."""
+    def _store_stats(self) -> dict[str, Any]:
+        """The store's counters, read on a thread of their own and waited for briefly:
+        a stalled store gives its last counters, marked ``stale``, not a stalled scrape."""
+        with self._probe_lock:
+            if self._probe is None:
+                self._probe = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="kvxfer-store-stats")
+            fresh = self._probe_future is None or self._probe_future.done()
+            if fresh:
+                self._probe_future = self._probe.submit(self.store.stats)
+            future = self._probe_future
+        try:  # a probe still stuck from an earlier call is not waited for again
+            self._last_store_stats = future.result(timeout=_STATS_WAIT_S if fresh else 0)
+            return dict(self._last_store_stats)
+        except concurrent.futures.TimeoutError:
+            return dict(self._last_store_stats, stale=True)
+        except Exception as e:  # a closed or unreachable store: its counters only
+            log.warning("the %s store's counters could not be read: %s",
+                        self.store.name, e)
+            return {}
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Indexes offloads in flight and gives queued store writes ``timeout`` seconds
+        in all (one deadline, not one per write); writes not done by then are dropped
+        (logged). The manager and the store stay open. In a multi-process job it then
+        waits (up to the manager's ``agreement_timeout``) for every rank to close its
+        cache."""
         if self._closed:
             return
+        timeout = check_timeout(timeout, "timeout")
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             for handle, _ in list(self._offloads):
                 try:
@@ -769,6 +811,15 @@ class HostCache:
                     pass
             self._collect()  # write-through pages of those offloads start their writes
             self._closed = True
+            writes = list(self._writes.values())
         if self._writer is not None:
-            self._writer.shutdown(wait=True)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            _, late = concurrent.futures.wait(writes, left)
+            if late:
+                log.warning("%d store writes did not finish within %g s of close(); "
+                            "dropped (the pages stay in host memory until the manager "
+                            "frees them)", len(late), timeout)
+            self._writer.shutdown(wait=not late, cancel_futures=True)
+        if self._probe is not None:
+            self._probe.shutdown(wait=False, cancel_futures=True)
         self._agreement.meet("close")

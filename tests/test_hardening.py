@@ -79,3 +79,67 @@ def test_keys_that_are_not_a_sequence_are_named(small):
                                             r"bytes\)\. Got .* of type"):
             cache.lookup(bad)
     cache.close()
+
+
+def _paused_rig(url, prefix, **options):
+    import redis
+
+    from kvxfer.store import RedisStore
+    caches = testing.random_caches(2, 8, (4, 32), "float32")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    store = RedisStore(url, prefix=prefix, timeout_s=20)
+    return caches, mgr, store, kvxfer.HostCache(mgr, store, **options), redis.Redis.from_url(url)
+
+
+def test_a_stalled_store_read_stalls_nothing_else(redis_server):
+    # CLIENT PAUSE on a real server: one lookup waits for a page in the store while
+    # a lookup of a host page and a scrape of stats() answer at once.
+    import threading
+    import time
+    caches, mgr, store, cache, admin = _paused_rig(redis_server, "pause-read:")
+    try:
+        cache.put(caches, [0, 1], [10, 11], wait=True)
+        cache.flush()
+        cache.put(caches, [2, 3], [12, 13], wait=True)  # 10 and 11: store only
+        cache.flush()
+        assert cache.find(10) == "store" and cache.find(12) == "host"
+        cache.stats()
+        admin.execute_command("CLIENT", "PAUSE", 2000, "ALL")
+        stalled = []
+        reader = threading.Thread(target=lambda: stalled.append(cache.lookup([10])))
+        reader.start()
+        time.sleep(0.3)  # the reader is inside the store's GET
+        assert reader.is_alive()
+        t0 = time.monotonic()
+        hit = cache.lookup([12])
+        looked = time.monotonic() - t0
+        t0 = time.monotonic()
+        stats = cache.stats()
+        scraped = time.monotonic() - t0
+        assert hit.num_pages == 1 and looked < 0.05, looked
+        assert scraped < 0.05 and stats["store"]["stale"], scraped
+        cache.release(hit)
+        reader.join(10)
+        assert stalled[0].num_pages == 1 and stalled[0].tiers == ("store",)
+        cache.release(stalled[0])
+    finally:
+        cache.close()
+        store.clear()
+        store.close()
+        mgr.close()
+
+
+def test_close_has_one_deadline_for_every_queued_write(redis_server):
+    import time
+    caches, mgr, store, cache, admin = _paused_rig(redis_server, "pause-close:",
+                                                   write_through=True)
+    try:
+        admin.execute_command("CLIENT", "PAUSE", 2000, "WRITE")
+        cache.put(caches, [0, 1], [10, 11], wait=True)  # two writes queue behind the pause
+        t0 = time.monotonic()
+        cache.close(timeout=0.5)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        store.clear()  # a write: it waits for the pause to end
+        store.close()
+        mgr.close()
