@@ -52,6 +52,7 @@ from kvxfer.manager._checks import check_key
 from kvxfer.manager._pages import PageFormatError
 from kvxfer.manager._stats import Counters
 from kvxfer.store import Store, StoreError
+from kvxfer.store._seal import SealError, Sealer
 
 __all__ = ["HostCache", "CacheHit", "CacheLoad"]
 
@@ -144,6 +145,15 @@ class HostCache:
         store pages only with equal namespaces and equal ``mgr.fingerprint``.
       write_through: write every page to the store once it is on host (default:
         only pages evicted from host, write-back).
+      auth_key: secret bytes (at least 16; 32 random bytes is right): every blob
+        written to the store carries an HMAC-SHA-256 over the blob and its store
+        key, checked before a page is imported. A blob that fails is a miss,
+        counted (``store_auth_failures``), logged and deleted from the store. Every
+        cache that shares the store's pages needs the same key. None (default):
+        blobs as today, trusted as far as the store's writers are.
+      encrypt: also encrypt page bytes at rest (AES-256-GCM keyed from
+        ``auth_key``; ``pip install 'kvxfer[crypto]'``), for stores shared across
+        tenants.
 
     Thread-safe. Store writes run on one background thread; ``flush()`` waits.
 
@@ -174,7 +184,8 @@ class HostCache:
     """
 
     def __init__(self, mgr: KVCacheManager, store: Store | None = None, *,
-                 namespace: str = "", write_through: bool = False):
+                 namespace: str = "", write_through: bool = False,
+                 auth_key: bytes | None = None, encrypt: bool = False):
         if not isinstance(mgr, KVCacheManager):
             raise TypeError(f"mgr must be a KVCacheManager. Got {type(mgr).__name__}")
         if store is not None and not isinstance(store, Store):
@@ -182,8 +193,18 @@ class HostCache:
                             f"{type(store).__name__}")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str. Got {namespace!r}")
+        try:
+            namespace.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: no store could hold its keys
+            raise ValueError(f"namespace={namespace!r} is not valid UTF-8 text: {e}") \
+                from None
         if write_through and store is None:
             raise ValueError("write_through=True needs a store")
+        if encrypt and auth_key is None:
+            raise ValueError("encrypt=True needs auth_key (the key material)")
+        if auth_key is not None and store is None:
+            raise ValueError("auth_key seals store blobs; it needs a store")
+        self._sealer = None if auth_key is None else Sealer(auth_key, encrypt=encrypt)
         self.mgr = mgr
         self.store = store
         self.namespace = namespace
@@ -208,7 +229,8 @@ class HostCache:
         self._stats = Counters(
             ("lookups", "pages_requested", "host_hits", "store_hits", "misses", "unused_pages",
              "pages_put", "duplicates", "dropped", "evictions", "store_pages_written",
-             "store_write_errors", "store_read_errors", "bad_pages", "transfer_faults"),
+             "store_write_errors", "store_read_errors", "bad_pages", "transfer_faults",
+             "store_auth_failures"),
             ("bad_pages_by_tier",))
         self._closed = False
 
@@ -223,6 +245,8 @@ class HostCache:
         """
         key = check_key(key, "key")
         mode = "" if self.mgr.integrity == "page" else "-nodigest"
+        if self._sealer is not None:  # sealed pages never meet unsealed readers
+            mode += f"-{self._sealer.mode}"
         # Each rank of a multi-process job holds its own shards of a page.
         rank = f"-rank{jax.process_index()}of{jax.process_count()}" \
             if jax.process_count() > 1 else ""
@@ -358,8 +382,11 @@ class HostCache:
 
     def _store_put(self, key: int, blob: bytes) -> bool:
         """Stores one blob (writer thread); whether it was written (not there before)."""
+        skey = self.store_key(key)
         try:
-            written = self.store.put(self.store_key(key), blob)
+            if self._sealer is not None:
+                blob = self._sealer.seal(skey, blob)
+            written = self.store.put(skey, blob)
         except (StoreError, ValueError, OSError) as e:
             log.warning("page %#x was not written to the %s store: %s", key,
                         self.store.name, e)
@@ -398,6 +425,13 @@ class HostCache:
         ref = self._index.get(key)
         if ref is not None and self.mgr.is_valid(ref):
             return ref, "host"
+        if blob is not None and self._sealer is not None:
+            try:
+                blob = self._sealer.open(skey, blob)
+            except SealError as e:
+                self._stats.add(store_auth_failures=1)
+                self._drop_stored(key, f"{e}; a writer without the key changed it")
+                return None, "store"
         if blob is None or self._make_room(1) < 1:
             return None, "store"
         try:

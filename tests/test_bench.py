@@ -210,6 +210,14 @@ def check_store_rows(rows, cfg, stores):
             assert m["n"] == limit["n"] == cfg.store_repeats
             assert m["fraction_of_limit"] == pytest.approx(m["gbps"] / limit["gbps"])
             assert m["best_s"] <= m["p50_s"] <= m["p99_s"]
+        # What sealing costs (auth_key=, encrypt=), against a copy of the same bytes.
+        sealing = r["sealing"]
+        assert {"memcpy", "auth", "encrypt"} <= set(sealing)
+        for mode in ("auth", "encrypt"):
+            for op in ("seal", "open"):
+                m = sealing[mode][op]
+                assert m["fraction_of_limit"] == pytest.approx(
+                    m["gbps"] / sealing["memcpy"]["gbps"])
 
 
 def test_store_section_measures_a_temporary_disk_store_by_default(run):

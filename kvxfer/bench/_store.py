@@ -11,6 +11,11 @@ limit of the same medium measured in the same run.
 
 Every put goes to a new key (the previous round's are deleted before the timer
 starts); every variant of a size runs interleaved, round by round.
+
+Each size also measures what sealing costs (``HostCache(auth_key=, encrypt=)``):
+``Sealer.seal`` and ``Sealer.open`` of one blob, HMAC-SHA-256 and, with the
+``cryptography`` package, AES-256-GCM, against a copy of the same bytes in the same
+run (the limit: sealing reads every byte once and writes it once).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from kvxfer._text import format_bytes
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench.timing import Progress, interleaved, now, stats
 from kvxfer.store import DiskStore, RedisStore, Store, StoreError, parse_spec
+from kvxfer.store._seal import Sealer
 
 __all__ = ["store_section", "store_steps", "OPS", "DEFAULT_STORE"]
 
@@ -271,6 +277,7 @@ def store_section(cfg: BenchConfig, stores: Sequence[str], progress: Progress
     """
     rng = np.random.default_rng(0)
     rows = []
+    sealing: dict[int, dict[str, Any]] = {}
     for spec in stores or [None]:
         with _opened(spec) as (store, where):
             for size in cfg.store_blob_bytes:
@@ -294,6 +301,44 @@ def store_section(cfg: BenchConfig, stores: Sequence[str], progress: Progress
                     s = stats(t[f"store_{op}"]["s"], nbytes)
                     s["fraction_of_limit"] = s["gbps"] / limit[_LIMIT_OF.get(op, op)]["gbps"]
                     methods[op] = s
+                if size not in sealing:
+                    sealing[size] = _sealing(blob, cfg.store_repeats)
                 rows.append({**where, "blob_bytes": size, "blobs": n, "bytes": nbytes,
-                             "limit": limit, "methods": methods})
+                             "limit": limit, "methods": methods, "sealing": sealing[size]})
     return rows
+
+
+def _sealing(blob: bytes, repeats: int) -> dict[str, Any]:
+    """Seal and open of one blob per mode against a copy of it: ``memcpy`` and, per
+    mode (``auth``, ``encrypt`` when ``cryptography`` is installed), ``seal`` and
+    ``open`` stats with ``fraction_of_limit``."""
+    key = bytes(range(32))
+    sealers = {"auth": Sealer(key)}
+    try:
+        sealers["encrypt"] = Sealer(key, encrypt=True)
+    except ImportError:
+        pass
+    copy = bytearray(len(blob))
+    sealed = {mode: sealer.seal("bench", blob) for mode, sealer in sealers.items()}
+
+    def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+        def run() -> float:
+            t0 = now()
+            fn()
+            return now() - t0
+        return run
+
+    variants = {"memcpy": timed(lambda: copy.__setitem__(slice(None), blob))}
+    for mode, sealer in sealers.items():
+        variants[f"{mode}_seal"] = timed(lambda s=sealer: s.seal("bench", blob))
+        variants[f"{mode}_open"] = timed(lambda s=sealer, m=mode: s.open("bench", sealed[m]))
+    t = interleaved(variants, max(repeats, 5))
+    limit = stats(t["memcpy"]["s"], len(blob))
+    out: dict[str, Any] = {"memcpy": limit}
+    for mode in sealers:
+        out[mode] = {}
+        for op in ("seal", "open"):
+            s = stats(t[f"{mode}_{op}"]["s"], len(blob))
+            s["fraction_of_limit"] = s["gbps"] / limit["gbps"]
+            out[mode][op] = s
+    return out

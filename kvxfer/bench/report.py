@@ -488,6 +488,19 @@ def _store_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines.append(table(table_rows, ["store", "where", "blob", "blobs", "limit write",
                                     "store put", "put durable=False", "limit read",
                                     "store get", "limit read cold", "store get cold"]))
+    sealing = {r["blob_bytes"]: r["sealing"] for r in rows if r.get("sealing")}
+    if sealing:
+        lines += ["", "Sealed store blobs (HostCache auth_key=, encrypt=): seal and open of "
+                  "one blob, MB/s, (x) = fraction of a copy of the same bytes in the same run"]
+        seal_rows = []
+        for size, s in sorted(sealing.items()):
+            cells = [format_bytes(size), _mb(s["memcpy"], True)]
+            for mode in ("auth", "encrypt"):
+                m = s.get(mode)
+                cells += [_mb(m and m["seal"]), _mb(m and m["open"])]
+            seal_rows.append(cells)
+        lines.append(table(seal_rows, ["blob", "copy", "auth seal", "auth open",
+                                       "encrypt seal", "encrypt open"]))
     return lines
 
 
