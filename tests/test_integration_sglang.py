@@ -1,0 +1,345 @@
+"""KvxferHostKVPool against the interface sglang-jax's HiCache calls (LRUHostKVPool).
+
+The contract is what a caller sees: slot bookkeeping (alloc/free, reserve/release,
+lock refs), the two-phase transfers split across threads as the HiCache controller
+splits them, reused ids never receiving a stale transfer, sharded caches, and a bad
+page reported as a miss through ``flush_load``. sglang-jax is not needed.
+"""
+
+import concurrent.futures
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvxfer import testing
+from kvxfer.integrations.sglang_jax import FlushLoadResult, KvxferHostKVPool
+
+SPEC = P("data", None, "tensor", None, None)  # how sglang-jax shards its KV buffer
+
+
+@dataclasses.dataclass
+class DevicePool:
+    """The part of sglang-jax's device KV pool the host pool reads."""
+
+    kv_buffer: list[jax.Array]
+    page_size: int
+    size: int
+
+
+def device_pool(*, pages=9, page_size=1, heads=2, layers=2, dtype=jnp.float32,
+                sharding=None, seed=0):
+    shape = (pages, page_size, heads, 1, 128)
+    bufs = []
+    for layer in range(layers):
+        x = jax.random.normal(jax.random.PRNGKey(seed * 10 + layer), shape, jnp.float32)
+        x = x.astype(dtype)
+        bufs.append(jax.device_put(x, sharding) if sharding is not None else x)
+    return DevicePool(bufs, page_size, (pages - 1) * page_size)
+
+
+def host_pool(dev, pool_size=4, **kw):
+    shape = tuple(int(d) for d in dev.kv_buffer[0].shape[1:])
+    return KvxferHostKVPool(dev, pool_size, dev.page_size, len(dev.kv_buffer), shape,
+                            dev.kv_buffer[0].dtype, None, SPEC, **kw)
+
+
+@pytest.fixture
+def dev():
+    return device_pool()
+
+
+@pytest.fixture
+def pool(dev):
+    p = host_pool(dev)
+    yield p
+    p.close()
+
+
+def snapshot(dev, page):
+    return [testing.bits(b)[page].copy() for b in dev.kv_buffer]
+
+
+def assert_page(dev, page, expected):
+    for layer, want in enumerate(expected):
+        got = testing.bits(dev.kv_buffer[layer])[page]
+        assert np.array_equal(got, want), f"layer {layer} of device page {page}"
+
+
+# -- slots ------------------------------------------------------------------------------
+
+
+def test_reserve_release_and_sizes(pool):
+    assert pool.total_size() == 4 and pool.available_size() == 4
+    ids = [pool.reserve() for _ in range(4)]
+    assert sorted(ids) == [0, 1, 2, 3] and pool.reserve() is None
+    assert pool.available_size() == 0
+    pool.release(ids[1])
+    assert pool.available_size() == 1 and pool.reserve() == ids[1]
+    pool.release(ids[0])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.release(ids[0])
+    with pytest.raises(ValueError, match="outside pool range"):
+        pool.release(99)
+
+
+def test_alloc_is_all_or_nothing_and_free_dedupes(pool):
+    pages = pool.alloc(3)
+    assert pages.dtype == np.int64 and len(set(pages.tolist())) == 3
+    assert pool.alloc(2) is None and pool.available_size() == 1
+    pool.free([int(pages[0]), int(pages[0]), int(pages[1])])
+    assert pool.available_size() == 3
+    with pytest.raises(ValueError, match="need_pages"):
+        pool.alloc(0)
+
+
+def test_lock_refs_guard_free(pool):
+    (b,) = pool.alloc(1).tolist()
+    with pytest.raises(RuntimeError, match="underflow"):
+        pool.dec_lock_ref(b)
+    pool.inc_lock_ref(b)
+    pool.inc_lock_ref(b)
+    pool.dec_lock_ref(b)
+    with pytest.raises(RuntimeError, match="locked"):
+        pool.free([b])
+    pool.dec_lock_ref(b)
+    pool.free([b])
+    with pytest.raises(RuntimeError, match="not allocated"):
+        pool.inc_lock_ref(b)
+    with pytest.raises(ValueError, match="outside pool range"):
+        pool.inc_lock_ref(99)
+
+
+def test_a_bad_id_in_free_frees_nothing(pool):
+    ids = pool.alloc(2).tolist()
+    pool.inc_lock_ref(ids[1])
+    with pytest.raises(RuntimeError, match="locked"):
+        pool.free(ids)
+    assert pool.available_size() == 2
+
+
+def test_constructor_checks_against_the_device_pool(dev, caplog):
+    with pytest.raises(ValueError, match="pool_size"):
+        KvxferHostKVPool(dev, 0, 1, 2, (1, 2, 1, 128), jnp.float32, None, SPEC)
+    with pytest.raises(ValueError, match="layer_num"):
+        KvxferHostKVPool(dev, 4, 1, 3, (1, 2, 1, 128), jnp.float32, None, SPEC)
+    # Callers pass shapes the engine's pool never checks: the buffers are the truth.
+    with caplog.at_level("WARNING", logger="kvxfer"):
+        pool = KvxferHostKVPool(dev, 4, 1, 2, (8,), jnp.bfloat16, None, SPEC)
+    assert "per_layer_shape=(8,)" in caplog.text
+    (b,) = pool.alloc(1).tolist()
+    want = snapshot(dev, 1)
+    pool.copy_into([1], [b])
+    assert pool.copy_to_device([b], [3]).ok
+    assert_page(dev, 3, want)
+    pool.close()
+
+
+# -- transfers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,page_size", [(jnp.float32, 1), (jnp.bfloat16, 4)])
+def test_round_trip_is_bit_exact_and_touches_nothing_else(dtype, page_size):
+    dev = device_pool(dtype=dtype, page_size=page_size)
+    pool = host_pool(dev)
+    try:
+        srcs, dsts = [1, 2, 3], [6, 7, 8]
+        want = [snapshot(dev, s) for s in srcs]
+        guard = snapshot(dev, 0)
+        ids = pool.alloc(3).tolist()
+        pool.copy_into(srcs, ids)
+        result = pool.copy_to_device(ids, dsts)
+        assert isinstance(result, FlushLoadResult)
+        assert result.ok and result.verified_pages == 3 and result.loaded == tuple(ids)
+        for d, w in zip(dsts, want):
+            assert_page(dev, d, w)
+        assert_page(dev, 0, guard)
+    finally:
+        pool.close()
+
+
+def test_the_controller_split_stores_the_bytes_of_the_call(dev, pool):
+    # As HiCacheController.write: the gather on the KV-owning thread, the host put on
+    # its D2H worker; the engine's next step may overwrite the page at once.
+    want = snapshot(dev, 2)
+    (b,) = pool.alloc(1).tolist()
+    pool.stage_backup([2], [b])
+    dev.kv_buffer = [buf.at[2].set(0) for buf in dev.kv_buffer]
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:
+        worker.submit(pool.flush_backup, [b]).result()
+        worker.submit(pool.stage_load, [b]).result()   # H2D stage off the KV thread
+    result = pool.flush_load([b], [5])
+    assert result.ok
+    assert_page(dev, 5, want)
+
+
+def test_two_phase_errors_are_loud(pool):
+    (b,) = pool.alloc(1).tolist()
+    with pytest.raises(RuntimeError, match="stage_backup"):
+        pool.flush_backup([b])
+    with pytest.raises(RuntimeError, match="stage_load"):
+        pool.flush_load([b], [0])
+    with pytest.raises(RuntimeError, match="empty"):
+        pool.stage_load([b])
+    with pytest.raises(ValueError, match="length"):
+        pool.copy_into([1, 2], [b])
+    with pytest.raises(ValueError, match="outside pool range"):
+        pool.copy_to_device([99], [0])
+    with pytest.raises(RuntimeError, match="not allocated"):
+        pool.stage_backup([0], [(b + 1) % 4])
+    with pytest.raises(NotImplementedError):
+        pool.copy_from_device([], b)
+
+
+def test_device_page_bounds_are_the_buffer_rows(dev, pool):
+    (b,) = pool.alloc(1).tolist()
+    n = dev.kv_buffer[0].shape[0]
+    with pytest.raises(ValueError, match="device page"):
+        pool.stage_backup([n], [b])
+    pool.copy_into([n - 1], [b])        # the top row (the engine's sentinel page) is valid
+    pool.stage_load([b])
+    with pytest.raises(ValueError, match="device page"):
+        pool.flush_load([b], [-1])
+
+
+def test_free_forgets_a_slot_and_its_transfers(dev, pool):
+    (b,) = pool.alloc(1).tolist()
+    pool.stage_backup([1], [b])
+    pool.free([b])
+    with pytest.raises(RuntimeError):
+        pool.flush_backup([b])
+    (b,) = pool.alloc(1).tolist()
+    pool.copy_into([1], [b])
+    pool.stage_load([b])
+    pool.release(b)
+    with pytest.raises(RuntimeError, match="stage_load"):
+        pool.flush_load([b], [4])
+    assert pool.available_size() == 4
+    assert pool.manager.num_free_pages == 4  # the orphaned backup was freed
+
+
+def test_a_reused_id_never_receives_a_stale_backup(dev):
+    pool = host_pool(dev, pool_size=1)
+    try:
+        (b,) = pool.alloc(1).tolist()
+        pool.stage_backup([1], [b])
+        pool.free([b])
+        (again,) = pool.alloc(1).tolist()
+        assert again == b
+        with pytest.raises(RuntimeError, match="empty"):
+            pool.stage_load([b])          # the old backup did not land in the new owner
+        want = snapshot(dev, 3)
+        pool.copy_into([3], [b])          # a new backup into the id waits for the old one
+        assert pool.copy_to_device([b], [6]).ok
+        assert_page(dev, 6, want)
+    finally:
+        pool.close()
+
+
+def test_a_reused_id_is_not_scattered_from_a_stale_stage(dev):
+    pool = host_pool(dev, pool_size=1)
+    try:
+        (b,) = pool.alloc(1).tolist()
+        pool.copy_into([2], [b])
+        pool.stage_load([b])
+        guard = snapshot(dev, 7)
+        pool.free([b])
+        pool.alloc(1)
+        with pytest.raises(RuntimeError, match="stage_load"):
+            pool.flush_load([b], [7])    # free() dropped the staged load
+        assert_page(dev, 7, guard)
+    finally:
+        pool.close()
+
+
+def test_precompile_takes_no_slot_and_writes_no_page(dev, pool):
+    before = [testing.bits(b).copy() for b in dev.kv_buffer]
+    pool.precompile_transfers()
+    pool.precompile_transfers(max_pages=2)
+    assert pool.available_size() == 4
+    for layer, want in enumerate(before):
+        assert np.array_equal(testing.bits(dev.kv_buffer[layer]), want)
+
+
+# -- sharded over the engine's mesh -------------------------------------------------------
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_sharded_pages_move_between_data_shards(axis_type):
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(axis_type,) * 2)
+    sharding = NamedSharding(mesh, SPEC)
+    dev = device_pool(pages=8, heads=4, sharding=sharding, seed=3)
+    with jax.set_mesh(mesh):
+        pool = KvxferHostKVPool(dev, 4, 1, 2, (1, 4, 1, 128), jnp.float32, mesh, SPEC)
+        try:
+            srcs, dsts = [1, 6], [5, 2]          # each page crosses to the other data shard
+            want = [snapshot(dev, s) for s in srcs]
+            ids = pool.alloc(2).tolist()
+            pool.copy_into(srcs, ids)
+            assert pool.copy_to_device(ids, dsts).ok
+            for d, w in zip(dsts, want):
+                assert_page(dev, d, w)
+            assert all(b.sharding == sharding for b in dev.kv_buffer)
+        finally:
+            pool.close()
+
+
+# -- integrity --------------------------------------------------------------------------
+
+
+def test_a_host_bit_flip_is_a_miss_from_that_page_and_drops_the_copy(dev):
+    misses = []
+    pool = host_pool(dev, on_load_miss=misses.append)
+    try:
+        ids = pool.alloc(3).tolist()
+        want = snapshot(dev, 1)
+        pool.copy_into([1, 2, 3], ids)
+        testing.flip_bit(pool.manager, pool.page_of(ids[1]), layer=1, seed=5)
+        result = pool.copy_to_device(ids, [6, 7, 8])
+        assert result.verified_pages == 1 and result.loaded == (ids[0],)
+        assert result.missed == (ids[1], ids[2]) and result.dropped == (ids[1],)
+        assert not result.ok and misses == [result]
+        assert_page(dev, 6, want)
+        assert pool.page_of(ids[1]) is None and pool.page_of(ids[2]) is not None
+        # The dropped id stays the engine's and is a miss on every later load.
+        again = pool.copy_to_device([ids[1]], [6])
+        assert again.missed == (ids[1],) and "dropped before" in again.reasons[ids[1]]
+        assert pool.copy_to_device([ids[2]], [8]).ok   # the page after it was intact
+        pool.free(ids)
+        assert pool.available_size() == 4
+    finally:
+        pool.close()
+
+
+def test_a_zero_dma_over_an_intact_copy_is_a_miss_that_keeps_the_page(dev, pool):
+    ids = pool.alloc(2).tolist()
+    want = snapshot(dev, 2)
+    pool.copy_into([1, 2], ids)
+    testing.zero_dma(pool.manager, layer=1, block=7)
+    result = pool.copy_to_device(ids, [6, 7])
+    assert result.verified_pages == 1 and result.missed == (ids[1],)
+    assert result.dropped == () and result.reasons[ids[1]].startswith("transfer")
+    assert pool.page_of(ids[1]) is not None
+    assert pool.copy_to_device([ids[1]], [7]).ok    # the kept copy loads next time
+    assert_page(dev, 7, want)
+
+
+# -- import hygiene ---------------------------------------------------------------------
+
+
+def test_importing_kvxfer_or_the_integration_imports_no_engine():
+    code = ("import sys, kvxfer; assert 'kvxfer.integrations' not in sys.modules; "
+            "import kvxfer.integrations.sglang_jax; "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'sgl_jax']; "
+            "assert not bad, bad")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
