@@ -382,7 +382,7 @@ def test_redis_bookkeeping_follows_blobs_the_server_dropped(redis_spec):
     with RedisStore(url, prefix=prefix) as store, redis.Redis.from_url(url) as raw:
         store.put("k", b"x" * 100)
         store.put("j", b"y" * 50)
-        raw.delete(prefix + "b:k")  # what the server's maxmemory eviction does
+        raw.delete("{" + prefix + "}b:k")  # what the server's maxmemory eviction does
         assert store.get("k") is None
         s = store.stats()
         assert (s["blobs"], s["bytes"]) == (1, 50) and store.keys() == ["j"]
@@ -445,10 +445,10 @@ def test_redis_two_processes_keep_one_exact_capacity(redis_spec):
     assert all(r["bad"] == [] and r["puts"] > 0 for r in results)
     with RedisStore(url, prefix=prefix) as store, redis.Redis.from_url(url) as raw:
         s = store.stats()
-        blobs = list(raw.scan_iter(match=prefix + "b:*"))
+        blobs = list(raw.scan_iter(match="{" + prefix + "}b:*"))
         sizes = [raw.strlen(k) for k in blobs]
         assert s["bytes"] == sum(sizes) <= cap and s["blobs"] == len(blobs)
-        assert sorted(store.keys()) == sorted(k.decode()[len(prefix) + 2:] for k in blobs)
+        assert sorted(store.keys()) == sorted(k.decode()[len(prefix) + 4:] for k in blobs)
 
 
 def test_redis_unreachable_server_is_a_store_error_naming_the_url():
@@ -518,3 +518,28 @@ def test_open_store_refuses_bad_specs_by_name(spec, match):
     assert f"Got {spec!r}: " in str(e.value)
     with pytest.raises(TypeError, match="Got 3 of type int"):
         open_store(3)
+
+
+def test_redis_nested_prefixes_share_nothing(redis_spec):
+    url, prefix = redis_spec
+    with RedisStore(url, prefix=prefix) as a, RedisStore(url, prefix=prefix + "b:") as b:
+        assert a.put("m:lru", b"a's page") and b.put("k", b"b's page")
+        assert a.get("m:lru") == b"a's page" and b.get("k") == b"b's page"
+        assert a.clear() == 1
+        assert b.get("k") == b"b's page" and b.keys() == ["k"]
+    with pytest.raises(ValueError, match="braces are kept for framing the prefix"):
+        RedisStore(url, prefix="kv{1}:")
+
+
+def test_redis_put_whose_accounting_fails_writes_nothing(redis_spec):
+    import redis
+
+    url, prefix = redis_spec
+    with RedisStore(url, prefix=prefix) as store, redis.Redis.from_url(url) as raw:
+        assert store.put("old", b"kept")
+        raw.set("{" + prefix + "}m:bytes", "not a number")  # another client's damage
+        for key, replace in (("new", False), ("old", True)):
+            with pytest.raises(StoreError, match="is not an integer .*nothing was written"):
+                store.put(key, b"x" * 100, replace=replace)
+        assert not raw.exists("{" + prefix + "}b:new")
+        assert raw.get("{" + prefix + "}b:old") == b"kept"

@@ -1,16 +1,21 @@
 """``RedisStore``: page blobs in Redis or Valkey, shared by serving processes on many hosts.
 
-Under a prefix ``P`` the store keeps:
+Under a prefix ``P`` the store keeps (``{P}`` is the prefix in braces, so stores of
+different prefixes never share a key, nested prefixes such as ``kv:`` and ``kv:b:``
+included, and a store's keys form one Redis Cluster hash slot):
 
-* ``P b:KEY``: the blob (a Redis string);
-* ``P m:lru``: a sorted set of keys by last use, scored from ``P m:clock`` (a counter
-  every put and hit increments, so recency is one order across every client, with no
-  clock skew between hosts);
-* ``P m:sizes``: a hash of each key's blob size, and ``P m:bytes``: their sum.
+* ``{P}b:KEY``: the blob (a Redis string);
+* ``{P}m:lru``: a sorted set of keys by last use, scored from ``{P}m:clock`` (a
+  counter every put and hit increments, so recency is one order across every client,
+  with no clock skew between hosts);
+* ``{P}m:sizes``: a hash of each key's blob size, and ``{P}m:bytes``: their sum.
 
 A put is one ``MULTI``/``EXEC`` transaction: a Lua script that does the accounting
-(and, past the capacity, deletes the least recently used blobs) followed by ``SET``,
-with ``NX`` unless replacing. A hit is one transaction too: ``GET`` and a script
+(and, past the capacity, deletes the least recently used blobs) followed by ``SET NX``
+(a replacing put's script deletes the old blob once its accounting succeeded). Redis
+does not roll a transaction back, so an accounting step that fails (a counter another
+client overwrote) leaves a marker in the blob's place that makes the ``SET NX`` write
+nothing, and a last script removes the marker: an error, and no blob unaccounted. A hit is one transaction too: ``GET`` and a script
 that marks the key used. Redis runs a transaction whole, without interleaving
 another client's commands, so under any number of concurrent clients exactly one
 put-if-absent of a key wins, the byte count is exact and eviction takes the least
@@ -46,16 +51,23 @@ INSTALL_HINT = "pip install 'kvxfer[redis]'"
 URL_SCHEMES = ("redis", "rediss", "unix")
 
 # KEYS: blob, lru, sizes, bytes, clock. ARGV: key, size, replace (0/1), capacity (-1:
-# none), blob-key prefix. Returns -1 when the key is there and not replaced (the SET NX
-# that follows in the transaction then writes nothing), else the number evicted.
+# none), blob-key prefix, marker. Returns -1 when the key is there and not replaced (the
+# SET NX that follows in the transaction then writes nothing), -2 when the accounting
+# failed (the marker then stands in the blob's place), else the number evicted.
 _PUT = """
 local blob, lru, sizes, total, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local key, size, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4])
-if ARGV[3] ~= '1' and redis.call('EXISTS', blob) == 1 then return -1 end
+local exists = redis.call('EXISTS', blob) == 1
+if ARGV[3] ~= '1' and exists then return -1 end
 local old = tonumber(redis.call('HGET', sizes, key) or '0')
+local ok, used = pcall(redis.call, 'INCRBY', total, size - old)
+if not ok then
+  if not exists then redis.call('SET', blob, ARGV[6]) end
+  return -2
+end
+if exists then redis.call('DEL', blob) end
 redis.call('HSET', sizes, key, size)
 redis.call('ZADD', lru, redis.call('INCR', clock), key)
-local used = redis.call('INCRBY', total, size - old)
 local evicted = 0
 if cap >= 0 then
   while used > cap do
@@ -71,6 +83,16 @@ if cap >= 0 then
 end
 return evicted
 """
+
+# KEYS: blob. ARGV: the marker _PUT leaves when its accounting failed. Removes it.
+_UNMARK = """
+if redis.call('STRLEN', KEYS[1]) == string.len(ARGV[1]) and
+    redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+_MARK = "kvxfer: a put whose accounting failed; never a blob"
 
 # KEYS: blob, lru, sizes, bytes, clock. ARGV: key. Marks a present blob used; drops the
 # bookkeeping of one that is gone (deleted or evicted by the server).
@@ -165,7 +187,7 @@ class RedisStore(Store):
       url: the server (``redis://HOST:PORT[/DB]``, ``rediss://`` for TLS,
         ``unix://PATH``); a password may be given in it.
       prefix: the namespace of this store's keys on the server (stores with different
-        prefixes share nothing).
+        prefixes share nothing, nested ones too); no braces.
       capacity_bytes: the most blob bytes the store holds, kept exactly across every
         client with LRU eviction; None leaves eviction to the server's
         ``maxmemory-policy``.
@@ -194,14 +216,19 @@ class RedisStore(Store):
         if not isinstance(prefix, str):
             raise TypeError(f"Expected a str prefix. Got {prefix!r} of type "
                             f"{type(prefix).__name__}")
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"prefix={prefix!r}: braces are kept for framing the prefix "
+                             "(the store's keys are {prefix}...); choose one without them")
         self.prefix = prefix
+        root = "{" + prefix + "}"
         self.capacity_bytes = None if capacity_bytes is None else \
             check_int(capacity_bytes, "capacity_bytes", minimum=1)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
                 not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
         self._errors = (redis.exceptions.RedisError, OSError)
-        self._meta = [prefix + "m:" + k for k in ("lru", "sizes", "bytes", "clock")]
+        self._blobs = root + "b:"
+        self._meta = [root + "m:" + k for k in ("lru", "sizes", "bytes", "clock")]
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("puts", "gets", "hits", "evictions"), 0)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s,
@@ -222,7 +249,7 @@ class RedisStore(Store):
             raise TypeError(f"Expected a str key. Got {key!r} of type {type(key).__name__}")
         if not key:
             raise ValueError("Expected a non-empty key. Got ''")
-        return self.prefix + "b:" + key
+        return self._blobs + key
 
     def _fail(self, what: str, e: BaseException) -> StoreError:
         return StoreError(f"redis store at {_redact(self.url)}: {what}: {e}")
@@ -253,11 +280,16 @@ class RedisStore(Store):
         try:
             with self._client.pipeline(transaction=True) as pipe:
                 pipe.eval(_PUT, 5, bkey, *self._meta, key, view.nbytes, int(replace), cap,
-                          self.prefix + "b:")
-                pipe.set(bkey, view, nx=not replace)
-                evicted, stored = pipe.execute()
+                          self._blobs, _MARK)
+                pipe.set(bkey, view, nx=True)
+                pipe.eval(_UNMARK, 1, bkey, _MARK)
+                evicted, stored, _ = pipe.execute()
         except self._errors as e:
             raise self._fail(f"cannot write key {key!r}", e) from e
+        if int(evicted) == -2:
+            raise StoreError(f"redis store at {_redact(self.url)}: cannot write key {key!r}: "
+                             f"its byte counter {self._meta[2]!r} is not an integer (another "
+                             "client overwrote it); nothing was written")
         self._count(puts=1, evictions=max(0, int(evicted)))
         return bool(stored)
 
@@ -305,7 +337,8 @@ class RedisStore(Store):
         """Removes every key under the prefix (blobs and bookkeeping); returns the
         number of blobs removed. Not atomic: clear a store nobody else is using."""
         self._check_open()
-        glob = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "*"
+        root = self._blobs[:-2]
+        glob = "".join("\\" + c if c in "*?[]\\" else c for c in root) + "*"
         blobs = 0
         try:
             batch: list[bytes] = []
@@ -314,7 +347,7 @@ class RedisStore(Store):
                 if len(batch) == 1000:
                     self._client.delete(*batch)
                     batch.clear()
-                blobs += k.startswith((self.prefix + "b:").encode())
+                blobs += k.startswith(self._blobs.encode())
             if batch:
                 self._client.delete(*batch)
         except self._errors as e:
