@@ -29,7 +29,9 @@ from kvxfer.layout import Layout, SliceGeometry, dtype_name, dtype_of, inspect, 
 __all__ = ["BudgetError", "LayerSpec", "SliceClass", "Plan", "make_plan",
            "default_host_memory_budget", "DEFAULT_BUDGET_FRACTION", "Path"]
 
-Path = Literal["staged", "direct", "auto"]
+Path = Literal["staged", "raw", "auto"]
+"""How host blocks are sized: ``"staged"`` dense logical blocks; ``"raw"`` the device
+bytes a raw copy moves; ``"auto"`` device bytes where addressable, else dense."""
 
 # The default budget leaves room for the serving engine's own host memory.
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -146,7 +148,7 @@ class LayerSpec:
         """Host bytes one block of this layer takes on ``path`` (all shards)."""
         if path == "staged" or (path == "auto" and not self.shard_geometry.addressable):
             return self.logical_block_bytes
-        # A direct copy moves each shard's device bytes, and whole granularity groups
+        # A raw copy moves each shard's device bytes, and whole granularity groups
         # of them: to keep one block on the host it must keep the group that holds it.
         return self.device_block_bytes * self.num_shards
 
@@ -285,7 +287,7 @@ def make_plan(layers: Sequence[LayerSpec], num_host_blocks: int, *, path: Path =
     Args:
       layers: one spec per layer, in the manager's order.
       num_host_blocks: host slots (pages) to provision.
-      path: ``"staged"`` stores dense logical blocks; ``"direct"`` stores the device
+      path: ``"staged"`` stores dense logical blocks; ``"raw"`` stores the device
         bytes a raw copy moves (whole granularity groups when not addressable);
         ``"auto"`` stores device bytes for addressable layers and dense blocks for the
         rest.
@@ -302,6 +304,9 @@ def make_plan(layers: Sequence[LayerSpec], num_host_blocks: int, *, path: Path =
       >>> make_plan([LayerSpec("L0", (64, 16, 8, 128), "bf16")], 8).total_host_bytes
       262144
     """
+    if path == "direct":
+        raise ValueError("path='direct' is now called path='raw' (the device bytes a raw "
+                         "copy moves); pass path='raw'")
     if path not in get_args(Path):
         raise ValueError(f"path={path!r}; expected one of {get_args(Path)}")
     num_host_blocks = check_int(num_host_blocks, "num_host_blocks", minimum=1)

@@ -38,18 +38,18 @@ def test_probe_round_trip_every_config(name, devices):
     assert len(report["layers"]) == config.load_builtin(name).num_layers
 
 
-@pytest.mark.parametrize("path", ["staged", "direct", "pinned"])
+@pytest.mark.parametrize("path", ["staged", "raw", "pinned"])
 def test_probe_paths(path):
     report = run_probe("tiny", num_pages=8, num_blocks=16, path=path, integrity="off")
     assert report["ok"]
-    assert set(r["path"] for r in report["layers"]) == {{"direct": "emulated"}.get(path, path)}
+    assert set(r["path"] for r in report["layers"]) == {{"raw": "emulated"}.get(path, path)}
 
 
-def test_direct_path_refuses_seed_layout_and_staged_still_round_trips():
-    report = run_probe("seed-interleaved", num_pages=4, num_blocks=16, path="direct")
+def test_raw_path_refuses_seed_layout_and_staged_still_round_trips():
+    report = run_probe("seed-interleaved", num_pages=4, num_blocks=16, path="raw")
     assert report["ok"]
-    assert "rule 'block dim outermost' failed" in report["direct_refused"]
-    assert "{2,0,1:T(8,128)(2,1)}" in report["direct_refused"]
+    assert "rule 'block dim outermost' failed" in report["raw_refused"]
+    assert "{2,0,1:T(8,128)(2,1)}" in report["raw_refused"]
 
 
 @pytest.fixture
@@ -208,8 +208,10 @@ def test_unmaterialized_cache_times_out_naming_the_layer(tiny_caches):
 def test_budget_refused_before_allocation_and_staged_accepted():
     spec = config.load_builtin("seed-interleaved")
     layers = spec.layer_specs()
-    with pytest.raises(kvxfer.BudgetError, match=r"host plan needs 221.02 GiB .* direct path"):
-        kvxfer.make_plan(layers, 1886, path="direct", host_memory_budget=16 << 30)
+    with pytest.raises(kvxfer.BudgetError, match=r"host plan needs 221.02 GiB .* raw path"):
+        kvxfer.make_plan(layers, 1886, path="raw", host_memory_budget=16 << 30)
+    with pytest.raises(ValueError, match="path='direct' is now called path='raw'"):
+        kvxfer.make_plan(layers, 1886, path="direct")
     plan = kvxfer.make_plan(layers, 1886, path="staged", host_memory_budget=16 << 30)
     assert plan.classes[0].bytes_per_block == 3 * 2048 * 2
     assert plan.total_host_bytes == 1886 * 20 * 3 * 2048 * 2
@@ -327,11 +329,11 @@ def test_layers_placed_on_different_devices_get_separate_classes():
     assert handle.result().verified_prefix == 1
 
 
-def test_emulated_direct_path_sizes_sharded_layers_per_shard():
+def test_emulated_raw_path_sizes_sharded_layers_per_shard():
     mesh = Mesh(np.array(jax.devices()[:4]), ("kv",))
     x = jax.device_put(np.zeros((16, 8, 256), jnp.bfloat16),
                        NamedSharding(mesh, P(None, "kv")))
-    mgr = kvxfer.KVCacheManager([x], num_host_blocks=2, path="direct",
+    mgr = kvxfer.KVCacheManager([x], num_host_blocks=2, path="raw",
                                 layouts=["{2,1,0:T(8,128)(2,1)}"])
     cls = mgr.plan.classes[0]
     # Each shard's 2 heads pad to 8 rows: 8 x 256 x 2 bytes per shard-block.
@@ -366,10 +368,23 @@ def test_complex_caches_are_refused_at_construction():
     ({"num_host_blocks": 2, "ready_timeout": float("nan")}, ValueError,
      "ready_timeout=nan must be None or a finite number"),
     ({"num_host_blocks": 2, "path": "fast"}, ValueError, "path='fast'; expected one of"),
+    ({"num_host_blocks": 2, "path": "direct"}, ValueError,
+     "path='direct' is now called path='raw' (the raw mover); pass path='raw'"),
 ])
 def test_bad_construction_arguments_name_the_value(kwargs, error, match):
     with pytest.raises(error, match=re.escape(match)):
         kvxfer.KVCacheManager([jnp.zeros((8, 128))], **kwargs)
+
+
+def test_raw_path_selects_the_raw_mover():
+    caches = testing.random_caches(2, 8, (4, 128), "float32", seed=1)
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2, path="raw") as mgr:
+        assert mgr.paths == ["raw", "raw"]
+        before = bits(caches[1])
+        pages = mgr.offload(caches, [1, 2], keys=[1, 2]).wait()
+        new, load = mgr.load(caches, pages, [5, 6])  # consumes its inputs
+        assert load.result().verified_prefix == 2
+        assert np.array_equal(bits(new[1])[[5, 6]], before[[1, 2]])
 
 
 def test_numpy_ints_are_counts():
@@ -448,15 +463,15 @@ def test_layouts_are_applied_on_the_auto_path():
         assert mgr.paths == ["staged", "staged"]
     with pytest.raises(kvxfer.LayoutError, match=r"layer 1: f32\[16,3,256\]\{2,0,1:T"):
         kvxfer.KVCacheManager([good, bad], num_host_blocks=4, layouts=layouts,
-                              path="direct")
+                              path="raw")
 
 
-def test_direct_refusal_names_the_shard_geometry_it_decided_on():
+def test_raw_refusal_names_the_shard_geometry_it_decided_on():
     mesh = Mesh(np.array(jax.devices()[:2]), ("kv",))
     x = jax.device_put(np.zeros((16, 4, 256), np.float32), NamedSharding(mesh, P(None, "kv")))
     with pytest.raises(kvxfer.LayoutError, match=r"layer 0 \(one shard of 2\): "
                        r"f32\[16,2,256\]\{2,0,1:T\(8,128\)\}"):
-        kvxfer.KVCacheManager([x], num_host_blocks=2, path="direct",
+        kvxfer.KVCacheManager([x], num_host_blocks=2, path="raw",
                               layouts=["{2,0,1:T(8,128)}"])
 
 

@@ -23,7 +23,7 @@ from kvxfer.engine import PageBatch, ShardedLayer
 from kvxfer.engine._grouped import BlockGroups
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
-from kvxfer.manager._select import PATHS
+from kvxfer.manager._select import check_path
 from kvxfer.plan import LayerSpec, Plan
 
 __all__ = ["Checks", "check_construction", "check_key", "page_batches"]
@@ -90,8 +90,7 @@ def check_construction(kv_caches: Sequence[jax.Array], layouts: Sequence[Any] | 
     ready_timeout)``."""
     if integrity not in ("page", "off"):
         raise ValueError(f"integrity={integrity!r}; expected 'page' or 'off'")
-    if path not in PATHS:
-        raise ValueError(f"path={path!r}; expected one of {PATHS}")
+    check_path(path)
     if isinstance(kv_caches, jax.Array):
         raise TypeError(f"kv_caches must be a sequence of jax.Array, one per layer. Got "
                         f"one jax.Array of shape {list(kv_caches.shape)}; pass "

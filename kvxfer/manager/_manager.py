@@ -94,8 +94,11 @@ class KVCacheManager:
           every class; needs a ``pinned_host`` memory kind (CPU and GPU have one).
         * ``"staged"``: compiled gather/scatter through pageable host buffers, any
           backend and layout (the portable fallback).
-        * ``"direct"``: byte-range copies only; refuses layouts not proven
-          addressable.
+        * ``"raw"``: the ``raw`` mover's byte-range copies of XLA:CPU buffers for
+          every class (with ``layouts=``, the ``emulated`` mover's copies over
+          emulated TPU memory); refuses layouts not proven addressable.
+          (``"direct"``, its former name, is refused with a ``ValueError`` naming
+          ``"raw"``.)
         * ``"pallas"``: Pallas TPU DMA kernels for every class, for layouts the
           inspector proves addressable (interpret mode off TPU; refuses the rest,
           and emulated layouts).
@@ -108,7 +111,7 @@ class KVCacheManager:
 
     Raises:
       BudgetError: the plan exceeds the budget (before any allocation).
-      LayoutError: ``path="direct"`` or ``"pallas"`` over a layout that is not
+      LayoutError: ``path="raw"`` or ``"pallas"`` over a layout that is not
         addressable.
       ValueError: ``path="pinned"`` on a backend without a ``pinned_host`` memory kind
         (naming the backend) or with ``pinned=False``.
