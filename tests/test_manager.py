@@ -275,6 +275,25 @@ def test_plan_prints_a_table(tiny_caches):
     text = str(mgr.plan)
     assert "bytes/block" in text and "host bytes" in text and "total:" in text
     assert mgr.host_pool.nbytes == mgr.plan.total_host_bytes
+    mgr.close()
+
+
+@pytest.mark.parametrize("path", ["auto", "raw", "staged", "pinned"])
+def test_plan_table_names_the_mover_of_each_class(path):
+    caches = (testing.random_caches(2, 8, (4, 128), "float32", seed=1)
+              + testing.random_caches(1, 8, (2, 128), "bfloat16", seed=2))
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2, path=path) as mgr:
+        lines = str(mgr.plan).splitlines()
+        assert lines[0].split()[-1] == "mover"
+        movers = [mgr.paths[c.layers[0]] for c in mgr.plan.classes]
+        assert [line.split()[-1] for line in lines[2:-1]] == movers
+        assert mgr.plan.movers == tuple(movers)
+        assert [c["mover"] for c in mgr.plan.as_dict()["classes"]] == movers
+        # The plan sizes host blocks; it no longer claims a path for every mover.
+        assert "path" not in lines[-1] and "dense logical bytes" in lines[-1]
+    alone = kvxfer.make_plan([kvxfer.LayerSpec("L0", (8, 4, 128), "float32")], 2,
+                             path="raw")
+    assert "mover" not in str(alone) and "host blocks hold device bytes" in str(alone)
 
 
 def test_caches_must_keep_the_layout_and_sharding_they_were_registered_with(tiny_caches):

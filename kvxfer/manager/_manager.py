@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -134,9 +135,11 @@ class KVCacheManager:
         self.integrity = integrity
         self.ready_timeout = ready_timeout
         emulated = layouts is not None
-        self._plan = make_plan(specs, num_host_blocks, path=plan_path(path, emulated),
-                               host_memory_budget=host_memory_budget)
-        mover_types = select_movers(self._plan, specs, caches, path, emulated, pinned)
+        plan = make_plan(specs, num_host_blocks, path=plan_path(path, emulated),
+                         host_memory_budget=host_memory_budget)
+        mover_types = select_movers(plan, specs, caches, path, emulated, pinned)
+        # The plan sizes host blocks; its table names the mover of each class too.
+        self._plan = dataclasses.replace(plan, movers=tuple(m.name for m in mover_types))
         self._specs: list[LayerSpec] = specs
         # Abstract values of every layer: enough to compile ahead, holding no buffer.
         self._abstract = [(abstract(a), ShardedLayer.of(a).abstract()) for a in caches]
@@ -165,7 +168,8 @@ class KVCacheManager:
 
     @property
     def plan(self) -> Plan:
-        """The host-memory plan (``str(mgr.plan)`` is a readable table)."""
+        """The host-memory plan (``str(mgr.plan)`` is a readable table, with the mover
+        of each slice class)."""
         return self._plan
 
     @property
