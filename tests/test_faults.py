@@ -323,3 +323,14 @@ def test_a_wrong_expected_key_is_a_miss_for_that_request_only():
     assert handle.result().verified_prefix == 2
     for c, b in zip(caches, before):
         assert np.array_equal(bits(c)[DST], b[SRC])
+
+
+def test_help_of_the_testing_package_gives_every_fault_its_meaning():
+    import pydoc
+
+    text = pydoc.render_doc(faults, renderer=pydoc.plaintext)
+    for name in faults.FAULTS:
+        line = next((ln for ln in text.splitlines() if ln.strip().startswith(f"* ``{name}``:")),
+                    None)
+        assert line is not None, f"help(kvxfer.testing) does not explain {name!r}"
+        assert len(line.split(":", 1)[1].strip()) > 10, line

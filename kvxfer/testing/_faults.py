@@ -1,28 +1,7 @@
 """Fault injection for the host tier: damage pages the way the field does.
 
-Each fault damages host pages *after* their digests were made, so that only
-verification can catch it:
-
-* ``bitflip``: one host bit of one layer of a page flips (``flip_bit``).
-* ``wrong-key``: the caller asks for key K and is handed a page stored under
-  another key (``wrong_keys``); no byte is touched, the key check catches it.
-* ``misfile``: a slot holds another page's bytes and digests while its metadata
-  says it holds this page (``misfile``); the digests, bound to the other page's
-  identity, catch it.
-* ``stale-slot``: a page is freed and its slot reused while a ref is still held
-  (``reuse_slot``).
-* ``one-shard``: one shard's bytes of a sharded layer are corrupted.
-* ``torn``: half of a page's layer bytes are another page's (a torn write).
-* ``transfer``: the transfer itself fails after some layers moved: a device
-  error, reported as ``TransferError``, never as a miss (``failing_transfer``).
-* ``zero-dma``: the next load delivers zeros into one page's block of one layer
-  and reports no error, as Mosaic DMAs did on some libtpu releases (jax issue
-  39744). The host page is intact; only the device-side digest of what arrived
-  catches it. It acts through the manager's public hook (``zero_dma``), so it
-  applies to every mover alike.
-
-``one-process`` corruption in a multi-process job is ``bitflip`` applied on one
-rank only.
+The faults and what each means are listed in ``kvxfer.testing``'s docstring
+(``help(kvxfer.testing)``); ``FAULTS`` names them.
 
 Example:
     >>> import jax.numpy as jnp, kvxfer
@@ -59,7 +38,7 @@ __all__ = ["FAULTS", "Fault", "flip_bit", "wrong_keys", "misfile", "reuse_slot",
 Fault = Literal["bitflip", "wrong-key", "misfile", "stale-slot", "one-shard", "torn",
                 "transfer", "zero-dma"]
 FAULTS: tuple[str, ...] = get_args(Fault)
-"""The faults ``inject`` and ``kvxfer probe --inject`` know."""
+"""The faults ``inject`` and ``kvxfer probe --inject`` know (meanings: ``kvxfer.testing``)."""
 
 
 class InjectedTransferError(OSError):
