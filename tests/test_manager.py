@@ -249,6 +249,46 @@ def test_stale_page_ref_is_a_miss_not_a_load(mgr_with_pages):
     check_loaded(caches, before, [3], [14])
 
 
+def test_freed_page_ref_is_a_miss_naming_why(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    mgr.free(pages[1:])
+    caches, handle = mgr.load(caches, pages, [14, 12])
+    result = handle.result()
+    assert result.verified_prefix == 1 and result.reasons == {1: f"freed ({pages[1]})"}
+    check_loaded(caches, before, [3], [14])
+
+
+def never_valid_refs(mgr, pages):
+    """Refs no offload of ``mgr`` returned, each with what the error must name."""
+    p = pages[0]
+    other = kvxfer.KVCacheManager([jnp.zeros((8, 128))], num_host_blocks=8)
+    for j in range(3):  # another manager's pool, ahead of this one's generations
+        other.offload([jnp.zeros((8, 128))], [0], keys=[j], slots=[p.slot]).wait()
+    (foreign,) = other.offload([jnp.zeros((8, 128))], [1], keys=[5], slots=[p.slot]).wait()
+    other.close()
+    return [(kvxfer.PageRef(p.key, 6, 1), "unknown host slot; slots are 0..5"),
+            (kvxfer.PageRef(p.key, p.slot, 0), "generation 0 was never issued"),
+            (kvxfer.PageRef(p.key, p.slot, p.generation + 1),
+             f"generation {p.generation + 1} was never issued for this slot (it is at "
+             f"generation {p.generation})"),
+            (foreign, "was never a page of this manager")]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_a_ref_that_was_never_valid_raises_rather_than_missing(mgr_with_pages, case):
+    mgr, caches, before, pages = mgr_with_pages
+    ref, match = never_valid_refs(mgr, pages)[case]
+    with pytest.raises(kvxfer.PoolError, match=re.escape(match)) as e:
+        mgr.load(caches, [pages[0], ref], [14, 12])
+    assert isinstance(e.value, ValueError) and "pages[1]" in str(e.value)
+    with pytest.raises(kvxfer.PoolError, match=re.escape(match)):
+        mgr.prefetch([ref])
+    with pytest.raises(kvxfer.PoolError, match="was never issued|unknown host slot"):
+        mgr.free([ref])  # not taken for a stale ref ("the slot reused")
+    assert mgr.num_free_pages == 4  # nothing pinned or freed
+    assert_pages_intact(mgr, caches, before, pages)
+
+
 def test_wrong_key_is_a_miss(mgr_with_pages):
     mgr, caches, before, pages = mgr_with_pages
     caches, handle = mgr.load(caches, pages, [14, 12], keys=[10, 99])

@@ -253,10 +253,27 @@ class Checks:
         return [int(s) for s in slots]
 
     def pages(self, pages: Sequence[PageRef]) -> list[PageRef]:
+        """The refs a load or prefetch reads, checked to be refs this pool handed out.
+
+        A ref that was never valid here (an unknown slot, a generation never issued)
+        is an engine bug, not a cache miss, so it raises; a ref that was valid once
+        (freed, or its slot reused since) is left to the load, which reports a miss.
+
+        Raises:
+          TypeError: not a ``PageRef``.
+          PoolError: a ref never valid for this pool, naming it.
+        """
         pages = list(pages)
         for j, p in enumerate(pages):
             if not isinstance(p, PageRef):
                 raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
             if not 0 <= p.slot < self._pool.num_slots:
-                raise PoolError(f"pages[{j}] ({p}): unknown host slot")
+                raise PoolError(f"pages[{j}] ({p}): unknown host slot; slots are "
+                                f"0..{self._pool.num_slots - 1}")
+        never_issued = self._pool.never_issued([(p.slot, p.generation) for p in pages])
+        for j, (p, never) in enumerate(zip(pages, never_issued)):
+            if never is not None:
+                raise PoolError(f"pages[{j}] ({p}) was never a page of this manager: "
+                                f"{never}; pass refs that offload() or import_page() of "
+                                "this manager returned")
         return pages

@@ -330,10 +330,38 @@ class KVCacheManager:
           of the ``LoadResult``, and ``cancel()`` on it (an aborted request)
           releases the pages' pins once the device work reading them is done.
 
+        A page that was a valid page of this manager once but cannot be used now is a
+        miss, not an error: the verified prefix stops before it (pages after it are
+        not delivered either, and stay the caller's), and ``result().reasons`` says
+        why, in these words:
+
+        * ``"stale generation (page(...))"``: its slot was written again since (the
+          page was freed and the slot reused, or overwritten by ``offload(slots=)``);
+        * ``"freed (page(...))"``: the page was freed (by ``free``, or by kvxfer
+          after a load proved it bad) and its slot not reused yet;
+        * ``"wrong key: expected ..., page holds ..."``: ``keys=`` expected another
+          key; ``"wrong key: slot ... holds key ..., ref says ..."``: the ref's key
+          is not the page's;
+        * ``"page(...) holds slice classes [...], the load asks for [...]"``: it was
+          offloaded for fewer classes than ``device_blocks`` names;
+        * ``"digest mismatch in layer ..."`` (``"shard disagreement: ..."`` for one
+          shard): its bytes arrived damaged (the page is then freed:
+          ``result().freed_pages``); ``"invalid on another process"``: another
+          process of a multi-process job found its copy bad.
+
         Raises:
-          ValueError, TypeError: bad caches, pages, ids, keys or gate (nothing moved).
+          TypeError: a page that is not a ``PageRef``; caches that are not arrays.
+          PoolError: a ref that was never a page of this manager: an unknown host
+            slot, or a generation its slot never had (0, ahead of the slot's, or the
+            slot's own while its page is still being written: a ref of another
+            manager, or one no ``offload``/``import_page`` returned). An engine bug,
+            so not reported as a miss; nothing moved. (A ref of another manager that
+            matches a slot and generation here is not detectable; its key or
+            digests make it a miss.)
+          ValueError: bad caches, ids, keys or gate (nothing moved).
           TransferError: a failure while the device work was being enqueued; its
-            ``kv_caches`` are the caches to continue with.
+            ``kv_caches`` are the caches to continue with. A device or transfer
+            failure after the call is the ``TransferError`` the handle raises.
 
         In a multi-process job every call takes part in the agreement on the verified
         prefix, also one that raises: the matching load on every other process then
@@ -363,7 +391,8 @@ class KVCacheManager:
           ``problems``, and staging stops before the first one.
 
         Raises:
-          TypeError, PoolError: a bad page ref (nothing pinned).
+          TypeError, PoolError: a ref that is not a ``PageRef``, or was never a page of
+            this manager, as ``load`` checks them (nothing pinned).
           TransferError: staging failed (nothing left pinned).
 
         Example:
@@ -386,7 +415,8 @@ class KVCacheManager:
         """Returns pages to the pool (deferred while a transfer reads them).
 
         Raises:
-          PoolError: an unknown slot, a stale ref, or a double free (nothing freed).
+          PoolError: an unknown slot, a generation never issued, a stale ref, or a
+            double free (nothing freed).
         """
         self._host.free(pages)
 
