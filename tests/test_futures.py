@@ -139,6 +139,44 @@ def test_is_layer_ready_never_blocks(gate):
         assert handle.layer_ready(2, timeout=0) == 4
 
 
+def test_a_layer_released_with_prefix_0_reads_apart_from_one_not_released():
+    caches, mgr = make()
+    with mgr:
+        pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+        testing.flip_bit(mgr, pages[0], layer=0)  # no page of the load is usable
+        new, handle, hold = held_load(mgr, caches, pages, gate="layer", layer=1)
+        assert handle.layer_ready(0, timeout=WAIT) == 0  # released, with nothing usable
+        assert handle.layer_ready(0, timeout=0) == 0  # and stays so
+        assert handle.is_layer_ready(0) and not handle.is_layer_ready(1)
+        assert handle.released_prefixes == (0, None, None)
+        with pytest.raises(TimeoutError, match="layer 1 not ready"):
+            handle.layer_ready(1, timeout=0)
+        hold.go()
+        result = handle.result(WAIT)
+        assert result.verified_prefix == 0 and result.released_prefixes == (0, 0, 0)
+        assert not result.consumed_before_failure
+        result.raise_if_consumed()
+
+
+def test_a_failed_load_leaves_unreleased_layers_none():
+    caches, mgr = make()
+    with mgr:
+        pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+        with testing.failing_transfer(mgr, after_layers=1):
+            new, handle = mgr.load(caches, pages, DST, gate="layer")
+            with pytest.raises(kvxfer.TransferError):
+                handle.result(WAIT)
+        assert handle.released_prefixes == (4, None, None)
+
+
+def test_the_transfer_thread_half_of_a_handle_is_private():
+    for cls, names in ((kvxfer.LoadHandle, ("finish", "release")),
+                       (kvxfer.OffloadHandle, ("finish",))):
+        for name in names:
+            assert not hasattr(cls, name), f"{cls.__name__}.{name} is public"
+            assert callable(getattr(cls, f"_{name}"))
+
+
 def test_failed_load_carries_the_transfer_error_it_raises():
     caches, mgr = make()
     with mgr:

@@ -293,7 +293,7 @@ class Loads:
             # Before the handle says done: a caller returning from result() finds the
             # pages it read free to evict (and freed ones free) at once.
             self._pool.release_readers(pinned_slots)
-        handle.finish(result, error, cancelled)
+        handle._finish(result, error, cancelled)
 
     def _count(self, result: LoadResult, moved: int, batches: dict[int, PageBatch],
                started: float) -> None:
