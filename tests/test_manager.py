@@ -412,6 +412,21 @@ def test_a_bare_array_is_not_taken_as_one_layer_per_block():
         kvxfer.KVCacheManager(x, num_host_blocks=2)
 
 
+def test_k_and_v_stacked_on_dim_0_are_refused_not_taken_as_2_blocks():
+    vllm_gpu = jnp.zeros((2, 64, 16, 2, 32), jnp.bfloat16)  # [2, blocks, tokens, heads, dim]
+    with pytest.raises(ValueError, match=re.escape(
+            "layer 1: shape [2, 64, 16, 2, 32] looks like K and V stacked on dim 0 "
+            "([2, num_blocks, ...], vLLM's GPU layout), which kvxfer would take as 2 "
+            "blocks of [64, 16, 2, 32]")) as e:
+        kvxfer.KVCacheManager([jnp.zeros((64, 128)), vllm_gpu], num_host_blocks=2)
+    assert "cache[0] and cache[1]" in str(e.value)
+    assert "jnp.moveaxis(cache, 1, 0): [64, 2, 16, 2, 32]" in str(e.value)
+    # Caches of two blocks stay welcome when nothing says the dims are swapped.
+    for shape in [(2, 4, 128), (2, 15, 8), (2, 4096), (64, 2, 16, 2, 32)]:
+        with kvxfer.KVCacheManager([jnp.zeros(shape)], num_host_blocks=2) as mgr:
+            assert mgr.plan.classes[0].block_shape == shape[1:]
+
+
 def test_complex_caches_are_refused_at_construction():
     with pytest.raises(TypeError, match="layer 1: dtype complex64 is not supported"):
         kvxfer.KVCacheManager([jnp.zeros((8, 128)), jnp.zeros((8, 128), jnp.complex64)],

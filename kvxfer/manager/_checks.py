@@ -58,6 +58,24 @@ def _wait_ready(array: jax.Array, timeout: float | None, name: str) -> None:
         delay = min(delay * 2, 0.01)
 
 
+# A cache ``[2, n, ...]`` with ``n`` at least this many times 2 reads as K and V
+# stacked on dim 0 (vLLM's GPU layout ``[2, num_blocks, block_size, heads, head_dim]``).
+_STACKED_KV_RATIO = 8
+
+
+def _check_block_dim_first(name: str, shape: tuple[int, ...]) -> None:
+    """Refuses a cache that looks like ``[2, num_blocks, ...]``: kvxfer would take its
+    K/V dim for the block dim and move 2 huge blocks."""
+    if len(shape) >= 3 and shape[0] == 2 and shape[1] >= _STACKED_KV_RATIO * 2:
+        raise ValueError(
+            f"{name}: shape {list(shape)} looks like K and V stacked on dim 0 "
+            f"([2, num_blocks, ...], vLLM's GPU layout), which kvxfer would take as 2 "
+            f"blocks of {list(shape[1:])}. kvxfer takes the block dim first (dim 0; no "
+            "option names another): pass K and V as two layers (cache[0] and cache[1]), "
+            f"or move the block dim first (jnp.moveaxis(cache, 1, 0): "
+            f"{[shape[1], 2, *shape[2:]]})")
+
+
 def _layer_spec(i: int, a: Any, layout: Any, ready_timeout: float | None) -> LayerSpec:
     """The spec of layer ``i``'s cache, checking what kvxfer can move."""
     name = f"layer {i}"
@@ -65,6 +83,7 @@ def _layer_spec(i: int, a: Any, layout: Any, ready_timeout: float | None) -> Lay
         raise TypeError(f"{name}: expected a jax.Array. Got {a!r} of type {type(a)}")
     if a.ndim < 2:
         raise ValueError(f"{name}: shape {list(a.shape)} needs a block dim and a block")
+    _check_block_dim_first(name, tuple(a.shape))
     if jnp.issubdtype(a.dtype, jnp.complexfloating):
         raise TypeError(f"{name}: dtype {a.dtype} is not supported; KV caches hold real "
                         "numbers (float, int or bool types)")

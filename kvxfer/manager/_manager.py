@@ -116,8 +116,8 @@ class KVCacheManager:
         addressable.
       ValueError: ``path="pinned"`` on a backend without a ``pinned_host`` memory kind
         (naming the backend) or with ``pinned=False``.
-      ValueError, TypeError: bad caches (deleted, block dim sharded, ...), naming
-        the layer.
+      ValueError, TypeError: bad caches (deleted, block dim sharded, K and V stacked
+        on dim 0 as ``[2, num_blocks, ...]``, ...), naming the layer.
       TimeoutError: a cache is still being computed after ``ready_timeout``.
     """
 
