@@ -282,7 +282,7 @@ class HostPool:
         one per class (default: when the backend is not CPU, where host memory is
         already what the device uses, and offers ``pinned_host``).
       device: the device whose ``pinned_host`` memory to use: one for every class or
-        one per class (default: the first device).
+        one per class (default: this process's first device).
       backings: ``{class index: HostBacking}`` for classes allocated as a mover asks.
     """
 
@@ -297,7 +297,7 @@ class HostPool:
         if any(d is None for d in devices) or any(f is None for f in flags):
             import jax
 
-            devices = [d or jax.devices()[0] for d in devices]
+            devices = [d or jax.local_devices()[0] for d in devices]
             flags = [d.platform != "cpu" and has_pinned_host(d) if f is None else bool(f)
                      for f, d in zip(flags, devices)]
         self.plan = plan
