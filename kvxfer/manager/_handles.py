@@ -4,23 +4,47 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import threading
 from concurrent.futures._base import CANCELLED as _CANCELLED
 from concurrent.futures._base import CANCELLED_AND_NOTIFIED as _CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from kvxfer._check import check_timeout
 from kvxfer.engine import TransferError
 from kvxfer.hostpool import PageRef
 
-__all__ = ["Gate", "IntegrityError", "LoadResult", "OffloadHandle", "LoadHandle"]
+__all__ = ["Gate", "IntegrityError", "LoadResult", "OffloadHandle", "LoadHandle",
+           "hooked_call", "current_hook"]
 
 Gate = Literal["all", "layer"]
 """``"layer"`` releases each layer once its pages are verified; ``"all"`` releases
 nothing until every layer is verified."""
+
+
+# The transfer hook of the manager call running now (caller's thread) or of the
+# transfer whose half runs now (transfer thread): a transfer keeps the hook of the
+# call that started it, whenever its transfer-thread half runs.
+_HOOK: contextvars.ContextVar[Any] = contextvars.ContextVar("kvxfer_transfer_hook",
+                                                           default=None)
+
+
+@contextlib.contextmanager
+def hooked_call(hook: Any) -> Iterator[None]:
+    """Runs a manager call with ``hook`` as the hook of the transfers it starts."""
+    token = _HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _HOOK.reset(token)
+
+
+def current_hook() -> Any:
+    """The hook of the call or transfer running on this thread (None: none)."""
+    return _HOOK.get()
 
 
 class IntegrityError(RuntimeError):
@@ -93,6 +117,7 @@ class _Transfer(concurrent.futures.Future):
         super().__init__()
         self._cancel_requested = False
         self._claimed = False
+        self._hook = _HOOK.get()  # made during the call that starts the transfer
 
     # -- transfer-thread side ----------------------------------------------------
 
@@ -116,7 +141,9 @@ class _Transfer(concurrent.futures.Future):
 
         An exception it lets out ends the handle as a ``TransferError`` (if it is
         not done yet), so no caller waits forever on a handle nothing will end.
+        It runs with the hook of the call that started the transfer.
         """
+        token = _HOOK.set(self._hook)
         try:
             finish(*args)
         except BaseException as e:
@@ -124,6 +151,9 @@ class _Transfer(concurrent.futures.Future):
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     self._abort(e, self.claim())
             raise
+        finally:
+            _HOOK.reset(token)
+            self._hook = None  # a handle kept by the caller keeps no hook alive
 
     def _abort(self, error: BaseException, cancelled: bool) -> None:
         """Ends the handle after ``error`` escaped the transfer thread's half."""

@@ -30,7 +30,8 @@ from kvxfer.engine._grouped import BlockGroups, GroupedMover
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement
 from kvxfer.manager._checks import Checks, check_construction
-from kvxfer.manager._handles import Gate, LoadHandle, OffloadHandle
+from kvxfer.manager._handles import (Gate, LoadHandle, OffloadHandle, current_hook,
+                                     hooked_call)
 from kvxfer.manager._host import HostPages
 from kvxfer.manager._load import Loads
 from kvxfer.manager._offload import Offloads
@@ -69,6 +70,12 @@ def _pool_and_movers(plan: Plan, caches: list[jax.Array], mover_types: list[type
         if groups is not None:
             movers[c.index] = GroupedMover(movers[c.index], groups)
     return pool, movers
+
+
+def _call_hook(event: str, layer: int, array: jax.Array | None) -> Any:
+    """The hook the verifier calls: that of the offload or load the event belongs to."""
+    hook = current_hook()
+    return None if hook is None else hook(event, layer, array)
 
 
 class KVCacheManager:
@@ -163,6 +170,7 @@ class KVCacheManager:
         self._loads = Loads(*parts, self._agreement, [layer for _, layer in self._abstract])
         self._host = HostPages(self._plan, self._pool, self._fingerprint, self._stats,
                                integrity == "page")
+        self._hook: TransferHook | None = None  # what set_transfer_hook installed
 
     # -- introspection ----------------------------------------------------------
 
@@ -218,10 +226,20 @@ class KVCacheManager:
 
         ``None`` removes the hook.
 
+        Each offload and load keeps the hook installed when it was called, on both
+        threads: installing another hook (or ``None``) applies to the transfers
+        started afterwards, so a hook installed around a call also sees that
+        transfer's ``"host_written"`` and ``"load_layer"`` events, however late the
+        transfer thread reaches them.
+
         Returns:
           The hook installed before.
         """
-        previous, self._verifier.hook = self._verifier.hook, hook
+        previous, self._hook = self._hook, hook
+        if hook is not None:
+            # From the first hook on, the transfers ask for the hook of their call;
+            # a manager never given one calls nothing.
+            self._verifier.hook = _call_hook
         return previous
 
     @property
@@ -296,7 +314,8 @@ class KVCacheManager:
             offload (nothing written).
         """
         self._checks.open()
-        return self._offloads.start(kv_caches, device_blocks, keys, slots)
+        with hooked_call(self._hook):
+            return self._offloads.start(kv_caches, device_blocks, keys, slots)
 
     # -- load -------------------------------------------------------------------
 
@@ -367,7 +386,8 @@ class KVCacheManager:
         prefix, also one that raises: the matching load on every other process then
         fails with ``TransferError``, and the next load agrees as usual.
         """
-        return self._loads.load(kv_caches, pages, device_blocks, keys, gate, prefetched)
+        with hooked_call(self._hook):
+            return self._loads.load(kv_caches, pages, device_blocks, keys, gate, prefetched)
 
     @own_context
     def prefetch(self, pages: Sequence[PageRef]) -> PrefetchHandle:

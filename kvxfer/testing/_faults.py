@@ -130,26 +130,43 @@ def _failing_hook(after_layers: int, once: bool, mgr: KVCacheManager,
                   previous: TransferHook | None) -> TransferHook:
     moved = {"layers": 0}
 
-    def hook(event: str, layer: int, array: Any) -> None:
-        if previous is not None:
-            previous(event, layer, array)
+    def hook(event: str, layer: int, array: Any) -> Any:
+        # What ``previous`` returns (a ``zero_dma`` replacement array) still counts.
+        out = previous(event, layer, array) if previous is not None else None
         if event != "load_layer":
-            return
+            return out
         if moved["layers"] >= after_layers:
             if once:
                 mgr.set_transfer_hook(previous)
             raise InjectedTransferError("injected device transfer failure")
         moved["layers"] += 1
+        return out
 
     return hook
 
 
 @contextlib.contextmanager
 def failing_transfer(mgr: KVCacheManager, after_layers: int = 0) -> Iterator[None]:
-    """Makes loads fail (a device error) once ``after_layers`` layers have moved.
+    """Makes the loads started inside the block fail (a device error) once
+    ``after_layers`` layers have moved.
 
-    The count runs over every load inside the ``with`` block, so a large
-    ``after_layers`` lets loads through while counting layers.
+    The count runs over every load started inside the ``with`` block, so a large
+    ``after_layers`` lets loads through while counting layers. A load keeps the
+    hook of its call, so it fails however late its transfer thread gets to the
+    layer, also when the caller waits on it (``result()``, ``layer_ready``) after the
+    block; loads started after the block are untouched.
+
+    Example:
+        >>> import kvxfer
+        >>> from kvxfer import testing
+        >>> caches = testing.random_caches(2, 8, (4, 128), "float32")
+        >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+        >>> pages = mgr.offload(caches, [0, 1], keys=[1, 2]).wait()
+        >>> with testing.failing_transfer(mgr, after_layers=1):
+        ...     caches, load = mgr.load(caches, pages, [5, 6], gate="layer")
+        >>> load.layer_ready(0), type(load.exception()).__name__
+        (2, 'TransferError')
+        >>> mgr.close()
     """
     previous = mgr.set_transfer_hook(None)
     mgr.set_transfer_hook(_failing_hook(after_layers, False, mgr, previous))
