@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int", "check_timeout", "positive_int"]
+__all__ = ["check_int", "check_timeout", "positive_int", "path_name"]
 
 
 def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
@@ -68,3 +68,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+def path_name(text: str) -> str:
+    """An argparse type for ``--path``: ``direct``, the raw path's former name, is an
+    error that names ``raw`` (the choices check the rest).
+
+    Example:
+        >>> path_name("raw")
+        'raw'
+    """
+    if text == "direct":
+        raise argparse.ArgumentTypeError("'direct' is now called 'raw' (the raw mover); "
+                                         "pass --path raw")
+    return text

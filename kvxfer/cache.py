@@ -690,9 +690,12 @@ class HostCache:
                 del self._pins[key]
 
     def load(self, kv_caches: Sequence[jax.Array], hit: CacheHit,
-             device_blocks: Sequence[int], *, gate: Gate = "all"
-             ) -> tuple[list[jax.Array], CacheLoad]:
+             device_blocks: Sequence[int] | Mapping[int, Sequence[int]], *,
+             gate: Gate = "all") -> tuple[list[jax.Array], CacheLoad]:
         """Loads a hit's pages into ``device_blocks`` (see ``KVCacheManager.load``).
+
+        ``device_blocks``: one id per page, one list for every slice class or
+        ``{class index: ids}``, as ``KVCacheManager.load`` takes them.
 
         Returns:
           ``(new caches, CacheLoad)``; its ``result()`` gives the verified prefix and

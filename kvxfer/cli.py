@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvxfer import catalog as _catalog
-from kvxfer._check import positive_int
+from kvxfer._check import path_name, positive_int
 from kvxfer._text import format_bytes, table
 from kvxfer._version import __version__
 from kvxfer.layout import LayoutError, SliceGeometry, inspect
@@ -179,6 +179,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _register_plan(sub: Any) -> None:
+    from typing import get_args
+
+    from kvxfer.plan import Path
+
     p = sub.add_parser("plan", help="host-memory plan of a model's KV caches, per slice class",
                        description="Groups a model's layers into slice classes, sizes each "
                        "class's host pool on its own and checks the total against the "
@@ -188,9 +192,10 @@ def _register_plan(sub: Any) -> None:
                    help="host pages (default: the config's)")
     p.add_argument("--num-blocks", type=positive_int,
                    help="device blocks per layer (default: config)")
-    p.add_argument("--path", choices=["staged", "direct"], default="staged",
-                   help="staged stores dense blocks; direct stores the device bytes a raw "
-                   "copy moves (whole granularity groups when not addressable)")
+    p.add_argument("--path", type=path_name, choices=list(get_args(Path)), default="staged",
+                   help="staged stores dense blocks; raw stores the device bytes a raw "
+                   "copy moves (whole granularity groups when not addressable); auto: "
+                   "device bytes where addressable, else dense blocks")
     p.add_argument("--budget", type=int, help="host-memory budget in bytes (default: half "
                    "of the available host memory)")
     p.add_argument("--devices", type=positive_int, default=1,

@@ -358,7 +358,8 @@ class ModelSpec:
         """Per-layer shardings ``build_caches`` places the caches with.
 
         Args:
-          devices: None (the default device) or a list of jax devices. Over 2+
+          devices: None (this process's first device, ``jax.local_devices()[0]``) or a
+            list of jax devices. Over 2+
             devices, a layer whose ``shard_dim`` divides by their number gets
             ``NamedSharding(Mesh(devices, ("kv",)), PartitionSpec(None, ..., "kv"))``
             (``"kv"`` at ``shard_dim``); every other layer is replicated
@@ -368,7 +369,7 @@ class ModelSpec:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
         if devices is None:
-            one = SingleDeviceSharding(jax.devices()[0])
+            one = SingleDeviceSharding(jax.local_devices()[0])
             return [one] * self.num_layers
         devices = list(devices)
         if not devices:

@@ -260,6 +260,16 @@ class ClassPool:
                             "program wrote a copy of the pool instead of the pool")
 
 
+def _never_issued(generation: int, current: int, state: str) -> str | None:
+    """See ``HostPool.never_issued``."""
+    if generation == 0 or generation > current:
+        return (f"generation {generation} was never issued for this slot (it is at "
+                f"generation {current})")
+    if generation == current and state == "writing":
+        return f"generation {generation} of this slot is still being written"
+    return None
+
+
 @dataclasses.dataclass
 class _Slot:
     generation: int = 0
@@ -283,7 +293,7 @@ class HostPool:
         one per class (default: when the backend is not CPU, where host memory is
         already what the device uses, and offers ``pinned_host``).
       device: the device whose ``pinned_host`` memory to use: one for every class or
-        one per class (default: the first device).
+        one per class (default: this process's first device).
       backings: ``{class index: HostBacking}`` for classes allocated as a mover asks.
     """
 
@@ -298,7 +308,7 @@ class HostPool:
         if any(d is None for d in devices) or any(f is None for f in flags):
             import jax
 
-            devices = [d or jax.devices()[0] for d in devices]
+            devices = [d or jax.local_devices()[0] for d in devices]
             flags = [d.platform != "cpu" and has_pinned_host(d) if f is None else bool(f)
                      for f, d in zip(flags, devices)]
         self.plan = plan
@@ -459,6 +469,10 @@ class HostPool:
                 if self._invalidated.get(slot) == generation:
                     todo.append((slot, None))  # found bad and freed already: a no-op
                     continue
+                if generation == 0 or generation > s.generation:
+                    raise PoolError(f"host slot {slot} generation {generation} was never "
+                                    f"issued (the slot is at generation {s.generation}): "
+                                    "a ref of another pool, or one no offload returned")
                 if s.generation != generation:
                     raise PoolError(f"host slot {slot} generation {generation} is stale (now "
                                     f"{s.generation}): the page was freed and the slot reused")
@@ -508,6 +522,31 @@ class HostPool:
         with self._lock:
             s = self._slot(slot)
             return s.generation, s.state, s.key
+
+    def never_issued(self, refs: Sequence[tuple[int, int]]) -> list[str | None]:
+        """Per ``(slot, generation)``: why no ref to it was ever handed out, or None.
+
+        Refs are handed out for committed pages only, and a slot takes a new
+        generation each time it is written, so a generation of 0, one ahead of the
+        slot's, or the slot's own while its page is still being written was never a
+        page of this pool (a ref of another pool, or one made up). Older
+        generations are stale refs, not this.
+
+        Raises:
+          PoolError: an unknown slot.
+
+        Example:
+            >>> from kvxfer.plan import LayerSpec, make_plan
+            >>> pool = HostPool(make_plan([LayerSpec("L0", (8, 4), "float32")], 2))
+            >>> (s, g), = pool.allocate(1)
+            >>> pool.commit(s, g, key=7)
+            >>> pool.never_issued([(s, g), (s, g + 1)])
+            [None, 'generation 2 was never issued for this slot (it is at generation 1)']
+        """
+        with self._lock:
+            return [_never_issued(generation, s.generation, s.state)
+                    for s, (_, generation) in zip([self._slot(slot) for slot, _ in refs],
+                                                  refs)]
 
     def acquire_readers(self, refs: Sequence[tuple[int, int]]) -> list[str | None]:
         """Pins slots for a transfer that reads them; returns a problem per ref or None.

@@ -29,7 +29,9 @@ from kvxfer.layout import Layout, SliceGeometry, dtype_name, dtype_of, inspect, 
 __all__ = ["BudgetError", "LayerSpec", "SliceClass", "Plan", "make_plan",
            "default_host_memory_budget", "DEFAULT_BUDGET_FRACTION", "Path"]
 
-Path = Literal["staged", "direct", "auto"]
+Path = Literal["staged", "raw", "auto"]
+"""How host blocks are sized: ``"staged"`` dense logical blocks; ``"raw"`` the device
+bytes a raw copy moves; ``"auto"`` device bytes where addressable, else dense."""
 
 # The default budget leaves room for the serving engine's own host memory.
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -146,7 +148,7 @@ class LayerSpec:
         """Host bytes one block of this layer takes on ``path`` (all shards)."""
         if path == "staged" or (path == "auto" and not self.shard_geometry.addressable):
             return self.logical_block_bytes
-        # A direct copy moves each shard's device bytes, and whole granularity groups
+        # A raw copy moves each shard's device bytes, and whole granularity groups
         # of them: to keep one block on the host it must keep the group that holds it.
         return self.device_block_bytes * self.num_shards
 
@@ -207,15 +209,34 @@ class SliceClass:
         return self.bytes_per_block // self.num_shards
 
 
+_HOST_FORMAT: dict[str, str] = {
+    "staged": "host blocks hold dense logical bytes",
+    "raw": "host blocks hold device bytes",
+    "auto": "host blocks hold device bytes where addressable, else dense logical bytes",
+}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
-    """The host-memory plan: slice classes, their pool sizes, totals and budget."""
+    """The host-memory plan: slice classes, their pool sizes, totals and budget.
+
+    Attributes:
+      classes: the slice classes, each with its pool size.
+      num_host_blocks: host slots (pages).
+      path: how host blocks are sized (``Path``), not which mover moves them.
+      budget: the host-memory budget the plan was checked against.
+      num_layers: layers in the plan.
+      movers: the mover of each class (``"raw"``, ``"pinned"``, ...) once a
+        ``KVCacheManager`` chose them; empty for a plan made on its own, which
+        knows only how it sizes host blocks.
+    """
 
     classes: tuple[SliceClass, ...]
     num_host_blocks: int
     path: Path
     budget: int
     num_layers: int
+    movers: tuple[str, ...] = ()
 
     @property
     def total_host_bytes(self) -> int:
@@ -234,7 +255,7 @@ class Plan:
         raise IndexError(f"layer {layer} is not in the plan (0..{self.num_layers - 1})")
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "path": self.path,
             "num_host_blocks": self.num_host_blocks,
             "num_layers": self.num_layers,
@@ -251,20 +272,26 @@ class Plan:
                 "padding_factor": c.padding_factor, "page_bytes": c.page_bytes,
                 "host_bytes": c.host_bytes} for c in self.classes],
         }
+        for c, mover in zip(out["classes"], self.movers):
+            c["mover"] = mover
+        return out
 
     def __str__(self) -> str:
+        """A table of the classes, then the total; the mover column only once a
+        manager chose the movers (a plan alone says how it sizes host blocks)."""
         rows = []
-        for c in self.classes:
+        for i, c in enumerate(self.classes):
             layers = _ranges_text(c.layers)
             rows.append([c.name, f"{len(c.layers)} ({layers})", str(c.layout),
                          format_bytes(c.bytes_per_block), format_bytes(c.host_bytes),
                          f"{c.padding_factor:.2f}",
-                         "yes" if c.addressable else f"no (g={c.granularity})"])
+                         "yes" if c.addressable else f"no (g={c.granularity})"]
+                        + ([self.movers[i]] if self.movers else []))
         text = table(rows, ["class", "layers", "device layout", "bytes/block", "host bytes",
-                            "padding", "addressable"])
+                            "padding", "addressable"] + (["mover"] if self.movers else []))
         return (f"{text}\ntotal: {format_bytes(self.total_host_bytes)} of host memory for "
                 f"{self.num_host_blocks} host blocks x {self.num_layers} layers "
-                f"({self.path} path; budget {format_bytes(self.budget)})")
+                f"({_HOST_FORMAT[self.path]}; budget {format_bytes(self.budget)})")
 
 
 def _ranges_text(items: Sequence[int]) -> str:
@@ -285,7 +312,7 @@ def make_plan(layers: Sequence[LayerSpec], num_host_blocks: int, *, path: Path =
     Args:
       layers: one spec per layer, in the manager's order.
       num_host_blocks: host slots (pages) to provision.
-      path: ``"staged"`` stores dense logical blocks; ``"direct"`` stores the device
+      path: ``"staged"`` stores dense logical blocks; ``"raw"`` stores the device
         bytes a raw copy moves (whole granularity groups when not addressable);
         ``"auto"`` stores device bytes for addressable layers and dense blocks for the
         rest.
@@ -302,6 +329,9 @@ def make_plan(layers: Sequence[LayerSpec], num_host_blocks: int, *, path: Path =
       >>> make_plan([LayerSpec("L0", (64, 16, 8, 128), "bf16")], 8).total_host_bytes
       262144
     """
+    if path == "direct":
+        raise ValueError("path='direct' is now called path='raw' (the device bytes a raw "
+                         "copy moves); pass path='raw'")
     if path not in get_args(Path):
         raise ValueError(f"path={path!r}; expected one of {get_args(Path)}")
     num_host_blocks = check_int(num_host_blocks, "num_host_blocks", minimum=1)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from kvxfer import config as _config
-from kvxfer._check import check_int, positive_int
+from kvxfer._check import check_int, path_name, positive_int
 from kvxfer._text import format_bytes, table
 from kvxfer.engine import TransferError
 from kvxfer import testing
@@ -128,7 +128,7 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
               inject: str | None = None) -> dict[str, Any]:
     """Runs the round trip over one config; see the module docstring.
 
-    With ``path="direct"`` and emulated TPU layouts, classes the inspector rejects
+    With ``path="raw"`` and emulated TPU layouts, classes the inspector rejects
     are refused by the manager (a ``LayoutError`` naming the layout); the probe then
     records the refusal and checks the same caches round-trip on the staged path.
     """
@@ -147,7 +147,7 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
         mgr = KVCacheManager(caches, num_host_blocks=num_pages, layouts=layouts,
                              integrity=integrity, path=path, host_memory_budget=1 << 40)
     except LayoutError as e:
-        if path != "direct":
+        if path != "raw":
             raise
         refusal = str(e)
         mgr = KVCacheManager(caches, num_host_blocks=num_pages, layouts=layouts,
@@ -168,13 +168,13 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
                     "host_bytes_per_block": cls.bytes_per_block,
                     "device_bytes_per_block": g.bytes_per_block})
     if refusal is not None and all(g.addressable for g in geos):
-        disagreements.append("the direct path refused layouts the inspector accepts")
+        disagreements.append("the raw path refused layouts the inspector accepts")
     ok = all(r["byte_exact"] for r in rows) and not disagreements
     if inject is not None:
         ok = ok and summary["injected"].get("detected", False)
     return {"config": spec.name, "backend": jax.devices()[0].platform,
             "devices": devices, "path_requested": path, "integrity": integrity,
-            "direct_refused": refusal, "layers": rows, "summary": summary,
+            "raw_refused": refusal, "layers": rows, "summary": summary,
             "disagreements": disagreements, "ok": ok}
 
 
@@ -188,8 +188,8 @@ def _print_human(report: dict[str, Any]) -> None:
     print(table(rows, ["layer", "verdict (TPU layout)", "path", "host bytes/block",
                        "device bytes/block", "byte-exact"]))
     s = report["summary"]
-    if report["direct_refused"]:
-        print(f"direct path refused (expected for rejected layouts): {report['direct_refused']}")
+    if report["raw_refused"]:
+        print(f"raw path refused (expected for rejected layouts): {report['raw_refused']}")
     if "injected" in s:
         inj = s["injected"]
         print(f"injected {inj['fault']} into page {inj['page']} layer {inj['layer']}: "
@@ -236,7 +236,7 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--pages", type=positive_int, default=16, help="pages to move (default 16)")
     p.add_argument("--num-blocks", type=positive_int, help="device blocks per layer (default: config)")
     p.add_argument("--devices", type=positive_int, default=1, help="shard over N devices")
-    p.add_argument("--path", choices=list(PATHS), default="auto",
+    p.add_argument("--path", type=path_name, choices=list(PATHS), default="auto",
                    help="the manager's path= (default: auto)")
     p.add_argument("--integrity", choices=["off", "page"],
                    help="default: off, or page with --inject")

@@ -154,6 +154,21 @@ def test_block_ids_per_slice_class():
         cache.close()
 
 
+def test_load_takes_block_ids_per_slice_class_as_its_annotation_says(rig):
+    import inspect
+
+    mgr, cache, state, want = rig
+    hint = inspect.signature(kvxfer.HostCache.load).parameters["device_blocks"].annotation
+    assert "Mapping[int, Sequence[int]]" in str(hint)
+    _put(cache, state, [0, 1], [10, 11])
+    hit = cache.lookup([10, 11])
+    state["caches"], load = cache.load(state["caches"], hit, {0: [8, 9]})
+    assert load.result().verified_prefix == 2
+    for layer in range(2):
+        got = testing.bits(state["caches"][layer])
+        assert (got[8] == want[layer][0]).all() and (got[9] == want[layer][1]).all()
+
+
 def test_bad_block_ids_evict_nothing(rig):
     mgr, cache, state, _ = rig
     _put(cache, state, [0, 1, 2, 3], [10, 11, 12, 13])

@@ -184,8 +184,8 @@ def test_probe_cli_inject_zero_dma_on_each_path(tmp_path, path, mover):
     assert {row["path"] for row in report["layers"]} == {mover}
 
 
-def test_plan_cli_refuses_seed_direct_path_and_accepts_staged(tmp_path):
-    r = kvxfer("plan", "--config", "seed-interleaved", "--path", "direct", "--json",
+def test_plan_cli_refuses_seed_raw_path_and_accepts_staged(tmp_path):
+    r = kvxfer("plan", "--config", "seed-interleaved", "--path", "raw", "--json",
                "--budget", str(16 << 30), cwd=tmp_path)
     assert r.returncode == 1 and "221.02 GiB" in r.stderr
     assert json.loads(r.stdout)["refused"] is True
@@ -193,3 +193,10 @@ def test_plan_cli_refuses_seed_direct_path_and_accepts_staged(tmp_path):
                cwd=tmp_path)
     plan = json.loads(r.stdout)
     assert r.returncode == 0 and plan["classes"][0]["bytes_per_block"] == 12288
+
+
+@pytest.mark.parametrize("command", ["plan", "probe"])
+def test_path_direct_is_refused_naming_raw(command, tmp_path):
+    r = kvxfer(command, "--config", "tiny", "--path", "direct", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "'direct' is now called 'raw'" in r.stderr and "--path raw" in r.stderr

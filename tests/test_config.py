@@ -101,20 +101,20 @@ def test_mixed_configs_have_different_bytes_per_block(specs):
         plan = make_plan(specs[name].layer_specs(), 8, host_memory_budget=HUGE_BUDGET)
         staged = [c.bytes_per_block for c in plan.classes]
         assert len(set(staged)) > 1, (name, staged)
-    gemma = make_plan(specs["gemma-mixed"].layer_specs(), 8, path="direct",
+    gemma = make_plan(specs["gemma-mixed"].layer_specs(), 8, path="raw",
                       host_memory_budget=HUGE_BUDGET)
     assert [c.bytes_per_block for c in gemma.classes] == [128 << 10, 256 << 10]
 
 
-def test_seed_interleaved_costs_221_gib_on_the_direct_path(specs):
+def test_seed_interleaved_costs_221_gib_on_the_raw_path(specs):
     spec = specs["seed-interleaved"]
     geos = spec.inspect_layers()
     assert len(geos) == 20 and all(not g.addressable for _, g in geos)
     assert geos[0][1].granularity == 512 and geos[0][1].group_bytes == 6 << 20
-    direct = make_plan(spec.layer_specs(), spec.num_host_blocks, path="direct",
-                       host_memory_budget=HUGE_BUDGET)
-    assert direct.total_host_bytes == 20 * 1886 * (6 << 20)
-    assert round(direct.total_host_bytes / 2**30) == 221
+    raw = make_plan(spec.layer_specs(), spec.num_host_blocks, path="raw",
+                    host_memory_budget=HUGE_BUDGET)
+    assert raw.total_host_bytes == 20 * 1886 * (6 << 20)
+    assert round(raw.total_host_bytes / 2**30) == 221
     staged = make_plan(spec.layer_specs(), spec.num_host_blocks,
                        host_memory_budget=HUGE_BUDGET)
     assert staged.total_host_bytes == 20 * 1886 * 3 * 2048 * 2

@@ -223,6 +223,9 @@ def test_prefetch_checks_release_and_stale_pages():
         handle = mgr.prefetch(pages)
         with pytest.raises(ValueError, match="staged 3 pages"):
             mgr.load(caches, pages[:2], [10, 11], prefetched=handle)
+        # Refs that happen to name live pages of the other manager too (so only the
+        # handle tells): a ref never valid there is refused before the handle is read.
+        other.offload(caches, [4, 5, 6], keys=[7, 8, 9]).wait()
         with pytest.raises(ValueError, match="another KVCacheManager"):
             other.load(caches, pages, [10, 11, 12], prefetched=handle)
         with pytest.raises(TypeError, match="prefetched="):

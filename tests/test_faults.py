@@ -330,3 +330,27 @@ def test_a_wrong_expected_key_is_a_miss_for_that_request_only():
     assert handle.result().verified_prefix == 2
     for c, b in zip(caches, before):
         assert np.array_equal(bits(c)[DST], b[SRC])
+
+
+def test_help_of_the_testing_package_gives_every_fault_its_meaning():
+    import pydoc
+
+    text = pydoc.render_doc(faults, renderer=pydoc.plaintext)
+    for name in faults.FAULTS:
+        line = next((ln for ln in text.splitlines() if ln.strip().startswith(f"* ``{name}``:")),
+                    None)
+        assert line is not None, f"help(kvxfer.testing) does not explain {name!r}"
+        assert len(line.split(":", 1)[1].strip()) > 10, line
+
+
+def test_cache_builders_default_to_a_device_of_this_process(monkeypatch):
+    """On rank 1 of a two-process job ``jax.devices()[0]`` is rank 0's device; the
+    builders must place on ``jax.local_devices()[0]`` (here a stand-in: device 2)."""
+    from kvxfer import config
+
+    mine = jax.devices()[2]
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [mine])
+    caches = faults.random_caches(2, 4, (4, 128), "float32")
+    assert all(c.devices() == {mine} for c in caches)
+    built = config.load_builtin("tiny").build_caches(4)
+    assert all(c.devices() == {mine} for c in built)

@@ -139,6 +139,44 @@ def test_is_layer_ready_never_blocks(gate):
         assert handle.layer_ready(2, timeout=0) == 4
 
 
+def test_a_layer_released_with_prefix_0_reads_apart_from_one_not_released():
+    caches, mgr = make()
+    with mgr:
+        pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+        testing.flip_bit(mgr, pages[0], layer=0)  # no page of the load is usable
+        new, handle, hold = held_load(mgr, caches, pages, gate="layer", layer=1)
+        assert handle.layer_ready(0, timeout=WAIT) == 0  # released, with nothing usable
+        assert handle.layer_ready(0, timeout=0) == 0  # and stays so
+        assert handle.is_layer_ready(0) and not handle.is_layer_ready(1)
+        assert handle.released_prefixes == (0, None, None)
+        with pytest.raises(TimeoutError, match="layer 1 not ready"):
+            handle.layer_ready(1, timeout=0)
+        hold.go()
+        result = handle.result(WAIT)
+        assert result.verified_prefix == 0 and result.released_prefixes == (0, 0, 0)
+        assert not result.consumed_before_failure
+        result.raise_if_consumed()
+
+
+def test_a_failed_load_leaves_unreleased_layers_none():
+    caches, mgr = make()
+    with mgr:
+        pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+        with testing.failing_transfer(mgr, after_layers=1):
+            new, handle = mgr.load(caches, pages, DST, gate="layer")
+        with pytest.raises(kvxfer.TransferError):
+            handle.result(WAIT)
+        assert handle.released_prefixes == (4, None, None)
+
+
+def test_the_transfer_thread_half_of_a_handle_is_private():
+    for cls, names in ((kvxfer.LoadHandle, ("finish", "release")),
+                       (kvxfer.OffloadHandle, ("finish",))):
+        for name in names:
+            assert not hasattr(cls, name), f"{cls.__name__}.{name} is public"
+            assert callable(getattr(cls, f"_{name}"))
+
+
 def test_failed_load_carries_the_transfer_error_it_raises():
     caches, mgr = make()
     with mgr:
@@ -314,3 +352,58 @@ def test_an_error_escaping_the_transfer_thread_still_ends_the_handle(monkeypatch
         assert handle.done() and isinstance(handle.exception(), kvxfer.TransferError)
         mgr.free(pages)
         assert mgr.num_free_pages == 4  # the pins were released before the error
+
+
+@pytest.mark.parametrize("gate", ["layer", "all"])
+def test_failing_transfer_fails_its_load_when_waited_on_after_the_block(gate):
+    caches, mgr = make(num_host_blocks=8)
+    with mgr:
+        pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+        for attempt in range(12):
+            with testing.failing_transfer(mgr):
+                caches, handle = mgr.load(caches, pages, DST, gate=gate)
+            with pytest.raises(kvxfer.TransferError, match="load failed") as raised:
+                handle.result(WAIT)
+            assert isinstance(raised.value.__cause__, testing.InjectedTransferError), attempt
+        caches, handle = mgr.load(caches, pages, DST, gate=gate)  # after: untouched
+        assert handle.result(WAIT).verified_prefix == 4
+
+
+def test_failing_transfer_binds_to_the_loads_started_inside_it():
+    """The transfer thread reaches the load's layers only after the block has exited
+    (held by an earlier hook): the load still fails there."""
+    caches, mgr = make()
+    with mgr:
+        pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+        hold = Hold("load_layer", 0)  # layer 1 is reached after the block, not before
+        mgr.set_transfer_hook(hold)
+        with testing.failing_transfer(mgr, after_layers=1):
+            caches, handle = mgr.load(caches, pages, DST, gate="layer")
+        assert mgr.set_transfer_hook(hold) is hold  # the block put the hook back
+        assert hold.reached.wait(WAIT) and not handle.done()
+        hold.go()
+        with pytest.raises(kvxfer.TransferError, match="before layer 1"):
+            handle.layer_ready(1, timeout=WAIT)
+        assert handle.released_prefixes == (4, None, None)
+
+
+def test_a_transfer_keeps_the_hook_of_its_call():
+    """Hooks change while the transfer thread is held on an earlier load: each later
+    transfer still sees (only) the hook installed at its own call."""
+    caches, mgr = make(num_host_blocks=8)
+    with mgr:
+        pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+        hold = Hold("load_layer")
+        mgr.set_transfer_hook(hold)
+        caches, first = mgr.load(caches, pages, DST)
+        assert hold.reached.wait(WAIT)  # the transfer thread waits from here on
+        seen = []
+        mgr.set_transfer_hook(lambda event, layer, array: seen.append(("offload's", event)))
+        offload = mgr.offload(caches, [3], keys=[9])
+        mgr.set_transfer_hook(None)
+        caches, second = mgr.load(caches, pages, SRC)  # started with no hook
+        mgr.set_transfer_hook(lambda event, layer, array: seen.append(("later", event)))
+        hold.go()
+        for handle in (first, offload, second):
+            handle.result(WAIT)
+        assert seen == [("offload's", "gather_enqueued"), ("offload's", "host_written")]

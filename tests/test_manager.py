@@ -38,18 +38,18 @@ def test_probe_round_trip_every_config(name, devices):
     assert len(report["layers"]) == config.load_builtin(name).num_layers
 
 
-@pytest.mark.parametrize("path", ["staged", "direct", "pinned"])
+@pytest.mark.parametrize("path", ["staged", "raw", "pinned"])
 def test_probe_paths(path):
     report = run_probe("tiny", num_pages=8, num_blocks=16, path=path, integrity="off")
     assert report["ok"]
-    assert set(r["path"] for r in report["layers"]) == {{"direct": "emulated"}.get(path, path)}
+    assert set(r["path"] for r in report["layers"]) == {{"raw": "emulated"}.get(path, path)}
 
 
-def test_direct_path_refuses_seed_layout_and_staged_still_round_trips():
-    report = run_probe("seed-interleaved", num_pages=4, num_blocks=16, path="direct")
+def test_raw_path_refuses_seed_layout_and_staged_still_round_trips():
+    report = run_probe("seed-interleaved", num_pages=4, num_blocks=16, path="raw")
     assert report["ok"]
-    assert "rule 'block dim outermost' failed" in report["direct_refused"]
-    assert "{2,0,1:T(8,128)(2,1)}" in report["direct_refused"]
+    assert "rule 'block dim outermost' failed" in report["raw_refused"]
+    assert "{2,0,1:T(8,128)(2,1)}" in report["raw_refused"]
 
 
 @pytest.fixture
@@ -208,8 +208,10 @@ def test_unmaterialized_cache_times_out_naming_the_layer(tiny_caches):
 def test_budget_refused_before_allocation_and_staged_accepted():
     spec = config.load_builtin("seed-interleaved")
     layers = spec.layer_specs()
-    with pytest.raises(kvxfer.BudgetError, match=r"host plan needs 221.02 GiB .* direct path"):
-        kvxfer.make_plan(layers, 1886, path="direct", host_memory_budget=16 << 30)
+    with pytest.raises(kvxfer.BudgetError, match=r"host plan needs 221.02 GiB .* raw path"):
+        kvxfer.make_plan(layers, 1886, path="raw", host_memory_budget=16 << 30)
+    with pytest.raises(ValueError, match="path='direct' is now called path='raw'"):
+        kvxfer.make_plan(layers, 1886, path="direct")
     plan = kvxfer.make_plan(layers, 1886, path="staged", host_memory_budget=16 << 30)
     assert plan.classes[0].bytes_per_block == 3 * 2048 * 2
     assert plan.total_host_bytes == 1886 * 20 * 3 * 2048 * 2
@@ -247,6 +249,46 @@ def test_stale_page_ref_is_a_miss_not_a_load(mgr_with_pages):
     check_loaded(caches, before, [3], [14])
 
 
+def test_freed_page_ref_is_a_miss_naming_why(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    mgr.free(pages[1:])
+    caches, handle = mgr.load(caches, pages, [14, 12])
+    result = handle.result()
+    assert result.verified_prefix == 1 and result.reasons == {1: f"freed ({pages[1]})"}
+    check_loaded(caches, before, [3], [14])
+
+
+def never_valid_refs(mgr, pages):
+    """Refs no offload of ``mgr`` returned, each with what the error must name."""
+    p = pages[0]
+    other = kvxfer.KVCacheManager([jnp.zeros((8, 128))], num_host_blocks=8)
+    for j in range(3):  # another manager's pool, ahead of this one's generations
+        other.offload([jnp.zeros((8, 128))], [0], keys=[j], slots=[p.slot]).wait()
+    (foreign,) = other.offload([jnp.zeros((8, 128))], [1], keys=[5], slots=[p.slot]).wait()
+    other.close()
+    return [(kvxfer.PageRef(p.key, 6, 1), "unknown host slot; slots are 0..5"),
+            (kvxfer.PageRef(p.key, p.slot, 0), "generation 0 was never issued"),
+            (kvxfer.PageRef(p.key, p.slot, p.generation + 1),
+             f"generation {p.generation + 1} was never issued for this slot (it is at "
+             f"generation {p.generation})"),
+            (foreign, "was never a page of this manager")]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_a_ref_that_was_never_valid_raises_rather_than_missing(mgr_with_pages, case):
+    mgr, caches, before, pages = mgr_with_pages
+    ref, match = never_valid_refs(mgr, pages)[case]
+    with pytest.raises(kvxfer.PoolError, match=re.escape(match)) as e:
+        mgr.load(caches, [pages[0], ref], [14, 12])
+    assert isinstance(e.value, ValueError) and "pages[1]" in str(e.value)
+    with pytest.raises(kvxfer.PoolError, match=re.escape(match)):
+        mgr.prefetch([ref])
+    with pytest.raises(kvxfer.PoolError, match="was never issued|unknown host slot"):
+        mgr.free([ref])  # not taken for a stale ref ("the slot reused")
+    assert mgr.num_free_pages == 4  # nothing pinned or freed
+    assert_pages_intact(mgr, caches, before, pages)
+
+
 def test_wrong_key_is_a_miss(mgr_with_pages):
     mgr, caches, before, pages = mgr_with_pages
     caches, handle = mgr.load(caches, pages, [14, 12], keys=[10, 99])
@@ -273,6 +315,25 @@ def test_plan_prints_a_table(tiny_caches):
     text = str(mgr.plan)
     assert "bytes/block" in text and "host bytes" in text and "total:" in text
     assert mgr.host_pool.nbytes == mgr.plan.total_host_bytes
+    mgr.close()
+
+
+@pytest.mark.parametrize("path", ["auto", "raw", "staged", "pinned"])
+def test_plan_table_names_the_mover_of_each_class(path):
+    caches = (testing.random_caches(2, 8, (4, 128), "float32", seed=1)
+              + testing.random_caches(1, 8, (2, 128), "bfloat16", seed=2))
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2, path=path) as mgr:
+        lines = str(mgr.plan).splitlines()
+        assert lines[0].split()[-1] == "mover"
+        movers = [mgr.paths[c.layers[0]] for c in mgr.plan.classes]
+        assert [line.split()[-1] for line in lines[2:-1]] == movers
+        assert mgr.plan.movers == tuple(movers)
+        assert [c["mover"] for c in mgr.plan.as_dict()["classes"]] == movers
+        # The plan sizes host blocks; it no longer claims a path for every mover.
+        assert "path" not in lines[-1] and "dense logical bytes" in lines[-1]
+    alone = kvxfer.make_plan([kvxfer.LayerSpec("L0", (8, 4, 128), "float32")], 2,
+                             path="raw")
+    assert "mover" not in str(alone) and "host blocks hold device bytes" in str(alone)
 
 
 def test_caches_must_keep_the_layout_and_sharding_they_were_registered_with(tiny_caches):
@@ -327,11 +388,11 @@ def test_layers_placed_on_different_devices_get_separate_classes():
     assert handle.result().verified_prefix == 1
 
 
-def test_emulated_direct_path_sizes_sharded_layers_per_shard():
+def test_emulated_raw_path_sizes_sharded_layers_per_shard():
     mesh = Mesh(np.array(jax.devices()[:4]), ("kv",))
     x = jax.device_put(np.zeros((16, 8, 256), jnp.bfloat16),
                        NamedSharding(mesh, P(None, "kv")))
-    mgr = kvxfer.KVCacheManager([x], num_host_blocks=2, path="direct",
+    mgr = kvxfer.KVCacheManager([x], num_host_blocks=2, path="raw",
                                 layouts=["{2,1,0:T(8,128)(2,1)}"])
     cls = mgr.plan.classes[0]
     # Each shard's 2 heads pad to 8 rows: 8 x 256 x 2 bytes per shard-block.
@@ -351,6 +412,21 @@ def test_a_bare_array_is_not_taken_as_one_layer_per_block():
         kvxfer.KVCacheManager(x, num_host_blocks=2)
 
 
+def test_k_and_v_stacked_on_dim_0_are_refused_not_taken_as_2_blocks():
+    vllm_gpu = jnp.zeros((2, 64, 16, 2, 32), jnp.bfloat16)  # [2, blocks, tokens, heads, dim]
+    with pytest.raises(ValueError, match=re.escape(
+            "layer 1: shape [2, 64, 16, 2, 32] looks like K and V stacked on dim 0 "
+            "([2, num_blocks, ...], vLLM's GPU layout), which kvxfer would take as 2 "
+            "blocks of [64, 16, 2, 32]")) as e:
+        kvxfer.KVCacheManager([jnp.zeros((64, 128)), vllm_gpu], num_host_blocks=2)
+    assert "cache[0] and cache[1]" in str(e.value)
+    assert "jnp.moveaxis(cache, 1, 0): [64, 2, 16, 2, 32]" in str(e.value)
+    # Caches of two blocks stay welcome when nothing says the dims are swapped.
+    for shape in [(2, 4, 128), (2, 15, 8), (2, 4096), (64, 2, 16, 2, 32)]:
+        with kvxfer.KVCacheManager([jnp.zeros(shape)], num_host_blocks=2) as mgr:
+            assert mgr.plan.classes[0].block_shape == shape[1:]
+
+
 def test_complex_caches_are_refused_at_construction():
     with pytest.raises(TypeError, match="layer 1: dtype complex64 is not supported"):
         kvxfer.KVCacheManager([jnp.zeros((8, 128)), jnp.zeros((8, 128), jnp.complex64)],
@@ -366,10 +442,23 @@ def test_complex_caches_are_refused_at_construction():
     ({"num_host_blocks": 2, "ready_timeout": float("nan")}, ValueError,
      "ready_timeout=nan must be None or a finite number"),
     ({"num_host_blocks": 2, "path": "fast"}, ValueError, "path='fast'; expected one of"),
+    ({"num_host_blocks": 2, "path": "direct"}, ValueError,
+     "path='direct' is now called path='raw' (the raw mover); pass path='raw'"),
 ])
 def test_bad_construction_arguments_name_the_value(kwargs, error, match):
     with pytest.raises(error, match=re.escape(match)):
         kvxfer.KVCacheManager([jnp.zeros((8, 128))], **kwargs)
+
+
+def test_raw_path_selects_the_raw_mover():
+    caches = testing.random_caches(2, 8, (4, 128), "float32", seed=1)
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2, path="raw") as mgr:
+        assert mgr.paths == ["raw", "raw"]
+        before = bits(caches[1])
+        pages = mgr.offload(caches, [1, 2], keys=[1, 2]).wait()
+        new, load = mgr.load(caches, pages, [5, 6])  # consumes its inputs
+        assert load.result().verified_prefix == 2
+        assert np.array_equal(bits(new[1])[[5, 6]], before[[1, 2]])
 
 
 def test_numpy_ints_are_counts():
@@ -448,15 +537,15 @@ def test_layouts_are_applied_on_the_auto_path():
         assert mgr.paths == ["staged", "staged"]
     with pytest.raises(kvxfer.LayoutError, match=r"layer 1: f32\[16,3,256\]\{2,0,1:T"):
         kvxfer.KVCacheManager([good, bad], num_host_blocks=4, layouts=layouts,
-                              path="direct")
+                              path="raw")
 
 
-def test_direct_refusal_names_the_shard_geometry_it_decided_on():
+def test_raw_refusal_names_the_shard_geometry_it_decided_on():
     mesh = Mesh(np.array(jax.devices()[:2]), ("kv",))
     x = jax.device_put(np.zeros((16, 4, 256), np.float32), NamedSharding(mesh, P(None, "kv")))
     with pytest.raises(kvxfer.LayoutError, match=r"layer 0 \(one shard of 2\): "
                        r"f32\[16,2,256\]\{2,0,1:T\(8,128\)\}"):
-        kvxfer.KVCacheManager([x], num_host_blocks=2, path="direct",
+        kvxfer.KVCacheManager([x], num_host_blocks=2, path="raw",
                               layouts=["{2,0,1:T(8,128)}"])
 
 

@@ -134,7 +134,7 @@ def test_proven_classes_under_emulated_layouts_are_refused():
     x = jnp.zeros((16, 8, 256), jnp.float32)
     assert kvxfer.inspect(x.shape, x.dtype, "{2,1,0:T(8,128)}").addressable
     with pytest.raises(kvxfer.LayoutError, match=r"f32\[16,8,256\]\{2,1,0:T\(8,128\)\}: the "
-                       r"Pallas DMAs move the arrays' real buffers.*path='direct'"):
+                       r"Pallas DMAs move the arrays' real buffers.*path='raw'"):
         kvxfer.KVCacheManager([x], num_host_blocks=2, path="pallas",
                               layouts=["{2,1,0:T(8,128)}"])
     with kvxfer.KVCacheManager([x], num_host_blocks=2, layouts=["{2,1,0:T(8,128)}"]) as mgr:

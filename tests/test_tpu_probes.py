@@ -238,14 +238,14 @@ def test_bandwidth_probe_reports_positive_finite_numbers():
     report = json_out(r)
     assert report["backend"] == "cpu" and report["unavailable"] == {}
     cells = {(x["path"], x["block_kib"], x["batch"]) for x in report["results"]}
-    assert cells == {(p, k, b) for p in ("staged", "direct") for k in (16, 64) for b in (1, 4)}
+    assert cells == {(p, k, b) for p in ("staged", "raw") for k in (16, 64) for b in (1, 4)}
     for x in report["results"]:
         assert x["bytes"] == x["batch"] * 2 * x["block_kib"] * 1024
         for key in ("d2h_gbps", "h2d_gbps", "limit_d2h_gbps", "limit_h2d_gbps",
                     "d2h_fraction", "h2d_fraction"):
             assert math.isfinite(x[key]) and x[key] > 0, (key, x)
     assert {x["path"]: x["movers"] for x in report["results"]} == {
-        "staged": ["staged"], "direct": ["raw"]}
+        "staged": ["staged"], "raw": ["raw"]}
     lim = report["limits"]
     assert lim["d2h_how"] == "numpy memcpy"
     assert all(math.isfinite(m[k]) and m[k] > 0 for m in lim["measurements"]

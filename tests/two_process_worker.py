@@ -59,10 +59,9 @@ def finish(mgr: kvxfer.KVCacheManager, clean: bool) -> None:
     jax.distributed.shutdown()
 
 
-rng = np.random.default_rng(rank)
-device = jax.local_devices()[0]
-caches = [jax.device_put(rng.integers(0, 2**16, (8, 64, 128), dtype=np.uint16).view(
-    jax.numpy.bfloat16), device) for _ in range(3)]
+# Built by the testing helper on each rank's own device (rank 1 has none of rank 0's).
+caches = faults.random_caches(3, 8, (64, 128), "bfloat16", seed=rank)
+assert {d for c in caches for d in c.devices()} == {jax.local_devices()[0]}
 before = [np.array(c).view(np.uint16) for c in caches]
 options = {"agreement_timeout": 10} if fault == "crash" else {}
 # A load that never finishes is reported (as "stuck") rather than hanging the test;

@@ -2,7 +2,7 @@ r"""d2h / h2d bandwidth of kvxfer by block size and batch size, against the phys
 
 For every block size (``--block_sizes``, KiB) it builds ``--num_layers`` caches of
 ``[num_blocks, rows, 128]`` elements (one block = that many KiB) and, for each path
-(``staged``; ``direct`` where the backend has one), times ``offload`` (d2h: until
+(``staged``; ``raw`` where the backend has one), times ``offload`` (d2h: until
 the pages are on the host) and ``load`` (h2d: until the caches are written) of
 ``--batch_sizes`` pages (a page: the block at one index of every layer) at random
 block indices, integrity off. Every number is a median over
@@ -51,7 +51,7 @@ from kvxfer.layout import dtype_of  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_list("block_sizes", ["16", "64", "256", "1024"], "block sizes in KiB")
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "blocks moved per offload / load")
-flags.DEFINE_list("paths", ["staged", "direct"], "paths to measure (direct is skipped, "
+flags.DEFINE_list("paths", ["staged", "raw"], "paths to measure (raw is skipped, "
                   "saying why, where the backend has none)")
 flags.DEFINE_integer("num_layers", 4, "caches (layers) moved together", lower_bound=1)
 flags.DEFINE_integer("num_blocks", 0, "blocks per cache (0: twice the largest batch, at "
@@ -255,8 +255,8 @@ def main(argv: list[str]) -> int:
         if not kib or not batches or min(kib + batches) < 1:
             raise ValueError("sizes must be positive integers")
         paths = [p.strip() for p in FLAGS.paths]
-        if not paths or any(p not in ("staged", "direct", "auto") for p in paths):
-            raise ValueError(f"--paths {','.join(paths)}: choose from staged, direct, auto")
+        if not paths or any(p not in ("staged", "raw", "auto") for p in paths):
+            raise ValueError(f"--paths {','.join(paths)}: choose from staged, raw, auto")
         dtype_of(FLAGS.dtype)
     except (ValueError, kvxfer.LayoutError) as e:
         print(f"bandwidth_probe: {e}", file=sys.stderr)

@@ -14,12 +14,12 @@ layout, saying so, when the backend refuses), then:
 2. **staged**: ``KVCacheManager([array], path="staged")`` plus
    ``kvxfer.probe.round_trip`` (offload a permutation of blocks, clobber, load
    them elsewhere, compare every byte) must be byte-exact for every layout;
-3. **direct**: ``path="direct"`` without ``layouts=``. Arrays the inspector accepts
+3. **direct**: ``path="raw"`` without ``layouts=``. Arrays the inspector accepts
    must round-trip byte-exact where the backend has a direct path (XLA:CPU:
    row-major, whole-byte arrays); arrays it rejects must be refused with a
    ``LayoutError`` that names the layout. GPU and TPU have no direct path in
    kvxfer today: the probe says so plainly;
-4. **emulated direct** (on a CPU device): ``path="direct"`` with
+4. **emulated direct** (on a CPU device): ``path="raw"`` with
    ``layouts=[the entry's TPU layout]`` moves bytes in emulated TPU memory; it must
    refuse exactly the layouts the inspector rejects (a ``LayoutError`` naming the
    layout) and round-trip the others byte-exact.
@@ -200,7 +200,7 @@ def _check_reported_tiles(a: jax.Array, out: dict[str, Any]) -> None:
     if g.addressable:
         return
     try:
-        kvxfer.KVCacheManager([a], num_host_blocks=1, integrity="off", path="direct",
+        kvxfer.KVCacheManager([a], num_host_blocks=1, integrity="off", path="raw",
                               host_memory_budget=_BUDGET).close()
     except LayoutError:
         return
@@ -312,7 +312,7 @@ def _direct(a: jax.Array, g: kvxfer.SliceGeometry, placed: Layout, text: str,
             ) -> dict[str, Any]:
     try:
         exact, info = _round_trip([a], pages=pages, integrity=integrity, seed=seed,
-                                  path="direct")
+                                  path="raw")
     except LayoutError as e:
         msg = str(e)
         names = str(placed) in msg
@@ -362,7 +362,7 @@ def _emulated(case: Case, x: np.ndarray, pages: int, integrity: str, seed: int,
             "granularity": g.granularity, "bytes_per_block": g.bytes_per_block}
     try:
         exact, info = _round_trip([a], pages=pages, integrity=integrity, seed=seed,
-                                  path="direct", layouts=[layout])
+                                  path="raw", layouts=[layout])
     except LayoutError as e:
         msg = str(e)
         if g.addressable:

@@ -1,4 +1,4 @@
-"""The emulated mover: direct byte-range copies over emulated TPU device memory.
+"""The emulated mover: raw byte-range copies over emulated TPU device memory.
 
 For layouts the inspector has proven addressable; ``kvxfer.emulate`` builds the byte
 image an array has in TPU memory under its layout, and blocks are copied from and to

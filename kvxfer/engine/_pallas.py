@@ -92,7 +92,7 @@ def pallas_refusal(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence
         return first, (
             f"{what}: the Pallas DMAs move the arrays' real buffers, while layouts= "
             "asks for emulated TPU memory whose pages hold each block's device image; "
-            "use path='direct' (or 'auto') for emulated memory, or leave layouts= out "
+            "use path='raw' (or 'auto') for emulated memory, or leave layouts= out "
             "to move the arrays in their own layouts")
     if natural_bits(spec.dtype) != np.dtype(caches[first].dtype).itemsize * 8:
         return first, (f"{what}: {spec.dtype} elements are narrower than a byte, and the "

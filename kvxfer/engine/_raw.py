@@ -45,7 +45,7 @@ def raw_capable(array: jax.Array) -> bool:
     XLA:CPU buffers are host memory; a block is then its logical bytes exactly when
     the stored layout is row-major and elements are whole bytes as numpy stores
     them. XLA:CPU stores no tiles, but a layout that *reports* tiles the inspector
-    rejects is refused all the same: the direct path copies only what is proven.
+    rejects is refused all the same: the raw path copies only what is proven.
     """
     if any(d.platform != "cpu" for d in array.devices()):
         return False

@@ -23,7 +23,7 @@ from kvxfer.engine import PageBatch, ShardedLayer
 from kvxfer.engine._grouped import BlockGroups
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
-from kvxfer.manager._select import PATHS
+from kvxfer.manager._select import check_path
 from kvxfer.plan import LayerSpec, Plan
 
 __all__ = ["Checks", "check_construction", "check_key", "page_batches"]
@@ -58,6 +58,24 @@ def _wait_ready(array: jax.Array, timeout: float | None, name: str) -> None:
         delay = min(delay * 2, 0.01)
 
 
+# A cache ``[2, n, ...]`` with ``n`` at least this many times 2 reads as K and V
+# stacked on dim 0 (vLLM's GPU layout ``[2, num_blocks, block_size, heads, head_dim]``).
+_STACKED_KV_RATIO = 8
+
+
+def _check_block_dim_first(name: str, shape: tuple[int, ...]) -> None:
+    """Refuses a cache that looks like ``[2, num_blocks, ...]``: kvxfer would take its
+    K/V dim for the block dim and move 2 huge blocks."""
+    if len(shape) >= 3 and shape[0] == 2 and shape[1] >= _STACKED_KV_RATIO * 2:
+        raise ValueError(
+            f"{name}: shape {list(shape)} looks like K and V stacked on dim 0 "
+            f"([2, num_blocks, ...], vLLM's GPU layout), which kvxfer would take as 2 "
+            f"blocks of {list(shape[1:])}. kvxfer takes the block dim first (dim 0; no "
+            "option names another): pass K and V as two layers (cache[0] and cache[1]), "
+            f"or move the block dim first (jnp.moveaxis(cache, 1, 0): "
+            f"{[shape[1], 2, *shape[2:]]})")
+
+
 def _layer_spec(i: int, a: Any, layout: Any, ready_timeout: float | None) -> LayerSpec:
     """The spec of layer ``i``'s cache, checking what kvxfer can move."""
     name = f"layer {i}"
@@ -65,6 +83,7 @@ def _layer_spec(i: int, a: Any, layout: Any, ready_timeout: float | None) -> Lay
         raise TypeError(f"{name}: expected a jax.Array. Got {a!r} of type {type(a)}")
     if a.ndim < 2:
         raise ValueError(f"{name}: shape {list(a.shape)} needs a block dim and a block")
+    _check_block_dim_first(name, tuple(a.shape))
     if jnp.issubdtype(a.dtype, jnp.complexfloating):
         raise TypeError(f"{name}: dtype {a.dtype} is not supported; KV caches hold real "
                         "numbers (float, int or bool types)")
@@ -115,8 +134,7 @@ def check_construction(kv_caches: Sequence[jax.Array], layouts: Sequence[Any] | 
     ready_timeout)``."""
     if integrity not in ("page", "off"):
         raise ValueError(f"integrity={integrity!r}; expected 'page' or 'off'")
-    if path not in PATHS:
-        raise ValueError(f"path={path!r}; expected one of {PATHS}")
+    check_path(path)
     if isinstance(kv_caches, jax.Array):
         raise TypeError(f"kv_caches must be a sequence of jax.Array, one per layer. Got "
                         f"one jax.Array of shape {list(kv_caches.shape)}; pass "
@@ -279,10 +297,27 @@ class Checks:
         return [int(s) for s in slots]
 
     def pages(self, pages: Sequence[PageRef]) -> list[PageRef]:
+        """The refs a load or prefetch reads, checked to be refs this pool handed out.
+
+        A ref that was never valid here (an unknown slot, a generation never issued)
+        is an engine bug, not a cache miss, so it raises; a ref that was valid once
+        (freed, or its slot reused since) is left to the load, which reports a miss.
+
+        Raises:
+          TypeError: not a ``PageRef``.
+          PoolError: a ref never valid for this pool, naming it.
+        """
         pages = list(pages)
         for j, p in enumerate(pages):
             if not isinstance(p, PageRef):
                 raise TypeError(f"pages[{j}]: expected a PageRef. Got {p!r} of type {type(p)}")
             if not 0 <= p.slot < self._pool.num_slots:
-                raise PoolError(f"pages[{j}] ({p}): unknown host slot")
+                raise PoolError(f"pages[{j}] ({p}): unknown host slot; slots are "
+                                f"0..{self._pool.num_slots - 1}")
+        never_issued = self._pool.never_issued([(p.slot, p.generation) for p in pages])
+        for j, (p, never) in enumerate(zip(pages, never_issued)):
+            if never is not None:
+                raise PoolError(f"pages[{j}] ({p}) was never a page of this manager: "
+                                f"{never}; pass refs that offload() or import_page() of "
+                                "this manager returned")
         return pages

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import threading
 from concurrent.futures._base import CANCELLED as _CANCELLED
 from concurrent.futures._base import CANCELLED_AND_NOTIFIED as _CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from kvxfer._check import check_timeout
@@ -17,11 +18,34 @@ from kvxfer.engine import TransferError
 from kvxfer.hostpool import PageRef
 from kvxfer.manager._agree import AgreementError
 
-__all__ = ["Gate", "IntegrityError", "LoadResult", "OffloadHandle", "LoadHandle"]
+__all__ = ["Gate", "IntegrityError", "LoadResult", "OffloadHandle", "LoadHandle",
+           "hooked_call", "current_hook"]
 
 Gate = Literal["all", "layer"]
 """``"layer"`` releases each layer once its pages are verified; ``"all"`` releases
 nothing until every layer is verified."""
+
+
+# The transfer hook of the manager call running now (caller's thread) or of the
+# transfer whose half runs now (transfer thread): a transfer keeps the hook of the
+# call that started it, whenever its transfer-thread half runs.
+_HOOK: contextvars.ContextVar[Any] = contextvars.ContextVar("kvxfer_transfer_hook",
+                                                           default=None)
+
+
+@contextlib.contextmanager
+def hooked_call(hook: Any) -> Iterator[None]:
+    """Runs a manager call with ``hook`` as the hook of the transfers it starts."""
+    token = _HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _HOOK.reset(token)
+
+
+def current_hook() -> Any:
+    """The hook of the call or transfer running on this thread (None: none)."""
+    return _HOOK.get()
 
 
 class IntegrityError(RuntimeError):
@@ -40,7 +64,9 @@ class LoadResult:
       reasons: request index → why that page is bad (only pages found bad themselves).
       consumed_before_failure: a layer was released with a longer prefix than the
         final one; the caller must restart from ``verified_prefix``.
-      released_prefixes: the prefix each layer was released with.
+      released_prefixes: the prefix each layer was released with (0: released with
+        no page usable); None for a layer never released (a cancelled load of a
+        multi-process job).
       freed_pages: request indices kvxfer freed because their own digest proved them
         bad (freeing them again is a no-op). Every other page, also past the
         prefix, is intact and still the caller's: a page the caller expected under
@@ -51,7 +77,7 @@ class LoadResult:
     invalid_pages: tuple[int, ...]
     reasons: dict[int, str]
     consumed_before_failure: bool
-    released_prefixes: tuple[int, ...]
+    released_prefixes: tuple[int | None, ...]
     freed_pages: tuple[int, ...] = ()
 
     def raise_if_consumed(self) -> None:
@@ -62,7 +88,7 @@ class LoadResult:
         """
         if self.consumed_before_failure:
             layers = [i for i, p in enumerate(self.released_prefixes)
-                      if p > self.verified_prefix]
+                      if p is not None and p > self.verified_prefix]
             raise IntegrityError(
                 f"layers {layers} were released with prefixes "
                 f"{[self.released_prefixes[i] for i in layers]} before page "
@@ -92,6 +118,7 @@ class _Transfer(concurrent.futures.Future):
         super().__init__()
         self._cancel_requested = False
         self._claimed = False
+        self._hook = _HOOK.get()  # made during the call that starts the transfer
 
     # -- transfer-thread side ----------------------------------------------------
 
@@ -115,7 +142,9 @@ class _Transfer(concurrent.futures.Future):
 
         An exception it lets out ends the handle as a ``TransferError`` (if it is
         not done yet), so no caller waits forever on a handle nothing will end.
+        It runs with the hook of the call that started the transfer.
         """
+        token = _HOOK.set(self._hook)
         try:
             finish(*args)
         except BaseException as e:
@@ -123,6 +152,9 @@ class _Transfer(concurrent.futures.Future):
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     self._abort(e, self.claim())
             raise
+        finally:
+            _HOOK.reset(token)
+            self._hook = None  # a handle kept by the caller keeps no hook alive
 
     def _abort(self, error: BaseException, cancelled: bool) -> None:
         """Ends the handle after ``error`` escaped the transfer thread's half."""
@@ -215,9 +247,10 @@ class OffloadHandle(_Transfer):
 
     _what = "offload"
 
-    def finish(self, pages: list[PageRef] | None = None, error: BaseException | None = None,
-               cancelled: bool = False) -> None:
-        """Ends the offload with its pages, its ``TransferError``, or cancelled."""
+    def _finish(self, pages: list[PageRef] | None = None, error: BaseException | None = None,
+                cancelled: bool = False) -> None:
+        """Ends the offload with its pages, its ``TransferError``, or cancelled (transfer
+        thread)."""
         self._end(pages, error, cancelled)
 
     def result(self, timeout: float | None = None) -> list[PageRef]:
@@ -256,21 +289,21 @@ class LoadHandle(_Transfer):
         self.gate = gate
         self.num_pages = num_pages
         self._events = [threading.Event() for _ in range(num_layers)]
-        self._released = [0] * num_layers
+        # None until the layer is released: a layer released with prefix 0 (its first
+        # page bad) is released all the same, and says so.
+        self._released: list[int | None] = [None] * num_layers
         self._error: BaseException | None = None
         self._ends_cancelled = False
-        self._verified = [False] * num_layers
 
     # -- transfer-thread side ----------------------------------------------------
 
-    def release(self, layer: int, prefix: int) -> None:
+    def _release(self, layer: int, prefix: int) -> None:
         """Marks layer ``layer`` verified with pages ``[0, prefix)`` (transfer thread)."""
         self._released[layer] = prefix
-        self._verified[layer] = True
         self._events[layer].set()
 
-    def finish(self, result: LoadResult | None, error: BaseException | None,
-               cancelled: bool = False) -> None:
+    def _finish(self, result: LoadResult | None, error: BaseException | None,
+                cancelled: bool = False) -> None:
         """Ends the load with its result, its error, or cancelled (transfer thread).
 
         The handle carries ``error`` as the ``TransferError`` its methods raise.
@@ -286,7 +319,7 @@ class LoadHandle(_Transfer):
         self._end(result, failure, cancelled)
 
     def _abort(self, error: BaseException, cancelled: bool) -> None:
-        self.finish(None, error, cancelled)
+        self._finish(None, error, cancelled)
 
     # -- caller side ----------------------------------------------------------
 
@@ -301,14 +334,14 @@ class LoadHandle(_Transfer):
         never released.
         """
         self._check_layer(layer)
-        return self._verified[layer]
+        return self._released[layer] is not None
 
     def layer_ready(self, layer: int, timeout: float | None = None) -> int:
         """Blocks until layer ``layer`` is verified and released.
 
         Returns:
           The verified prefix at release: pages ``[0, prefix)`` of this layer may
-          be consumed.
+          be consumed (0: none may). Once released, every call returns it at once.
 
         Raises:
           TransferError: the transfer failed before this layer was released (a
@@ -322,13 +355,14 @@ class LoadHandle(_Transfer):
         timeout = check_timeout(timeout)
         if not self._events[layer].wait(timeout):
             raise TimeoutError(f"layer {layer} not ready after {timeout} s")
-        if not self._verified[layer]:
+        prefix = self._released[layer]
+        if prefix is None:
             if self._ends_cancelled:
                 raise concurrent.futures.CancelledError(
                     f"load cancelled before layer {layer} was ready")
             raise TransferError(f"load failed before layer {layer} was ready: "
                                 f"{self._error}") from self._error
-        return self._released[layer]
+        return prefix
 
     def result(self, timeout: float | None = None) -> LoadResult:
         """Blocks until every layer is verified; the verified prefix and what failed.
@@ -341,6 +375,8 @@ class LoadHandle(_Transfer):
         return super().result(timeout)
 
     @property
-    def released_prefixes(self) -> tuple[int, ...]:
-        """The prefix each layer was released with so far (0 for layers not released)."""
+    def released_prefixes(self) -> tuple[int | None, ...]:
+        """The prefix each layer was released with so far; None for a layer not
+        released (yet, or ever: a failed or cancelled load), so a layer released
+        with prefix 0 (its first page bad) reads 0."""
         return tuple(self._released)

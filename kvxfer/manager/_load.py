@@ -306,7 +306,7 @@ class Loads:
             # Before the handle says done: a caller returning from result() finds the
             # pages it read free to evict (and freed ones free) at once.
             self._pool.release_readers(pinned_slots)
-        handle.finish(result, error, cancelled)
+        handle._finish(result, error, cancelled)
 
     def _triage(self, pages: list[PageRef], proven_bad: frozenset[int],
                 reasons: dict[int, str], moved: set[int]) -> frozenset[int]:

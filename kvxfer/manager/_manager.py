@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -29,7 +30,8 @@ from kvxfer.engine._grouped import BlockGroups, GroupedMover
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement
 from kvxfer.manager._checks import Checks, check_construction
-from kvxfer.manager._handles import Gate, LoadHandle, OffloadHandle
+from kvxfer.manager._handles import (Gate, LoadHandle, OffloadHandle, current_hook,
+                                     hooked_call)
 from kvxfer.manager._host import HostPages
 from kvxfer.manager._load import Loads
 from kvxfer.manager._offload import Offloads
@@ -70,6 +72,12 @@ def _pool_and_movers(plan: Plan, caches: list[jax.Array], mover_types: list[type
     return pool, movers
 
 
+def _call_hook(event: str, layer: int, array: jax.Array | None) -> Any:
+    """The hook the verifier calls: that of the offload or load the event belongs to."""
+    hook = current_hook()
+    return None if hook is None else hook(event, layer, array)
+
+
 class KVCacheManager:
     """Moves KV blocks between device caches and per-slice-class host pools.
 
@@ -94,8 +102,11 @@ class KVCacheManager:
           every class; needs a ``pinned_host`` memory kind (CPU and GPU have one).
         * ``"staged"``: compiled gather/scatter through pageable host buffers, any
           backend and layout (the portable fallback).
-        * ``"direct"``: byte-range copies only; refuses layouts not proven
-          addressable.
+        * ``"raw"``: the ``raw`` mover's byte-range copies of XLA:CPU buffers for
+          every class (with ``layouts=``, the ``emulated`` mover's copies over
+          emulated TPU memory); refuses layouts not proven addressable.
+          (``"direct"``, its former name, is refused with a ``ValueError`` naming
+          ``"raw"``.)
         * ``"pallas"``: Pallas TPU DMA kernels for every class, for layouts the
           inspector proves addressable (interpret mode off TPU; refuses the rest,
           and emulated layouts).
@@ -110,12 +121,12 @@ class KVCacheManager:
 
     Raises:
       BudgetError: the plan exceeds the budget (before any allocation).
-      LayoutError: ``path="direct"`` or ``"pallas"`` over a layout that is not
+      LayoutError: ``path="raw"`` or ``"pallas"`` over a layout that is not
         addressable.
       ValueError: ``path="pinned"`` on a backend without a ``pinned_host`` memory kind
         (naming the backend) or with ``pinned=False``.
-      ValueError, TypeError: bad caches (deleted, block dim sharded, ...), naming
-        the layer.
+      ValueError, TypeError: bad caches (deleted, block dim sharded, K and V stacked
+        on dim 0 as ``[2, num_blocks, ...]``, ...), naming the layer.
       TimeoutError: a cache is still being computed after ``ready_timeout``.
     """
 
@@ -133,9 +144,11 @@ class KVCacheManager:
         self.integrity = integrity
         self.ready_timeout = ready_timeout
         emulated = layouts is not None
-        self._plan = make_plan(specs, num_host_blocks, path=plan_path(path, emulated),
-                               host_memory_budget=host_memory_budget)
-        mover_types = select_movers(self._plan, specs, caches, path, emulated, pinned)
+        plan = make_plan(specs, num_host_blocks, path=plan_path(path, emulated),
+                         host_memory_budget=host_memory_budget)
+        mover_types = select_movers(plan, specs, caches, path, emulated, pinned)
+        # The plan sizes host blocks; its table names the mover of each class too.
+        self._plan = dataclasses.replace(plan, movers=tuple(m.name for m in mover_types))
         self._specs: list[LayerSpec] = specs
         # Abstract values of every layer: enough to compile ahead, holding no buffer.
         self._abstract = [(abstract(a), ShardedLayer.of(a).abstract()) for a in caches]
@@ -159,12 +172,14 @@ class KVCacheManager:
         self._loads = Loads(*parts, self._agreement, [layer for _, layer in self._abstract])
         self._host = HostPages(self._plan, self._pool, self._fingerprint, self._stats,
                                integrity == "page")
+        self._hook: TransferHook | None = None  # what set_transfer_hook installed
 
     # -- introspection ----------------------------------------------------------
 
     @property
     def plan(self) -> Plan:
-        """The host-memory plan (``str(mgr.plan)`` is a readable table)."""
+        """The host-memory plan (``str(mgr.plan)`` is a readable table, with the mover
+        of each slice class)."""
         return self._plan
 
     @property
@@ -213,10 +228,20 @@ class KVCacheManager:
 
         ``None`` removes the hook.
 
+        Each offload and load keeps the hook installed when it was called, on both
+        threads: installing another hook (or ``None``) applies to the transfers
+        started afterwards, so a hook installed around a call also sees that
+        transfer's ``"host_written"`` and ``"load_layer"`` events, however late the
+        transfer thread reaches them.
+
         Returns:
           The hook installed before.
         """
-        previous, self._verifier.hook = self._verifier.hook, hook
+        previous, self._hook = self._hook, hook
+        if hook is not None:
+            # From the first hook on, the transfers ask for the hook of their call;
+            # a manager never given one calls nothing.
+            self._verifier.hook = _call_hook
         return previous
 
     @property
@@ -300,7 +325,8 @@ class KVCacheManager:
             offload (nothing written).
         """
         self._checks.open()
-        return self._offloads.start(kv_caches, device_blocks, keys, slots)
+        with hooked_call(self._hook):
+            return self._offloads.start(kv_caches, device_blocks, keys, slots)
 
     # -- load -------------------------------------------------------------------
 
@@ -334,16 +360,45 @@ class KVCacheManager:
           of the ``LoadResult``, and ``cancel()`` on it (an aborted request)
           releases the pages' pins once the device work reading them is done.
 
+        A page that was a valid page of this manager once but cannot be used now is a
+        miss, not an error: the verified prefix stops before it (pages after it are
+        not delivered either, and stay the caller's), and ``result().reasons`` says
+        why, in these words:
+
+        * ``"stale generation (page(...))"``: its slot was written again since (the
+          page was freed and the slot reused, or overwritten by ``offload(slots=)``);
+        * ``"freed (page(...))"``: the page was freed (by ``free``, or by kvxfer
+          after a load proved it bad) and its slot not reused yet;
+        * ``"wrong key: expected ..., page holds ..."``: ``keys=`` expected another
+          key; ``"wrong key: slot ... holds key ..., ref says ..."``: the ref's key
+          is not the page's;
+        * ``"page(...) holds slice classes [...], the load asks for [...]"``: it was
+          offloaded for fewer classes than ``device_blocks`` names;
+        * ``"digest mismatch in layer ..."`` (``"shard disagreement: ..."`` for one
+          shard): its bytes arrived damaged (the page is then freed:
+          ``result().freed_pages``); ``"invalid on another process"``: another
+          process of a multi-process job found its copy bad.
+
         Raises:
-          ValueError, TypeError: bad caches, pages, ids, keys or gate (nothing moved).
+          TypeError: a page that is not a ``PageRef``; caches that are not arrays.
+          PoolError: a ref that was never a page of this manager: an unknown host
+            slot, or a generation its slot never had (0, ahead of the slot's, or the
+            slot's own while its page is still being written: a ref of another
+            manager, or one no ``offload``/``import_page`` returned). An engine bug,
+            so not reported as a miss; nothing moved. (A ref of another manager that
+            matches a slot and generation here is not detectable; its key or
+            digests make it a miss.)
+          ValueError: bad caches, ids, keys or gate (nothing moved).
           TransferError: a failure while the device work was being enqueued; its
-            ``kv_caches`` are the caches to continue with.
+            ``kv_caches`` are the caches to continue with. A device or transfer
+            failure after the call is the ``TransferError`` the handle raises.
 
         In a multi-process job every call takes part in the agreement on the verified
         prefix, also one that raises: the matching load on every other process then
         fails with ``TransferError``, and the next load agrees as usual.
         """
-        return self._loads.load(kv_caches, pages, device_blocks, keys, gate, prefetched)
+        with hooked_call(self._hook):
+            return self._loads.load(kv_caches, pages, device_blocks, keys, gate, prefetched)
 
     @own_context
     def prefetch(self, pages: Sequence[PageRef]) -> PrefetchHandle:
@@ -367,7 +422,8 @@ class KVCacheManager:
           ``problems``, and staging stops before the first one.
 
         Raises:
-          TypeError, PoolError: a bad page ref (nothing pinned).
+          TypeError, PoolError: a ref that is not a ``PageRef``, or was never a page of
+            this manager, as ``load`` checks them (nothing pinned).
           TransferError: staging failed (nothing left pinned).
 
         Example:
@@ -390,7 +446,8 @@ class KVCacheManager:
         """Returns pages to the pool (deferred while a transfer reads them).
 
         Raises:
-          PoolError: an unknown slot, a stale ref, or a double free (nothing freed).
+          PoolError: an unknown slot, a generation never issued, a stale ref, or a
+            double free (nothing freed).
         """
         self._host.free(pages)
 

@@ -124,15 +124,15 @@ class Offloads:
             self._stats.add(transfer_errors=1)
             error = TransferError(f"offload of {len(refs)} blocks failed: {e}")
             error.__cause__ = e
-            handle.finish(error=error, cancelled=handle.claim())
+            handle._finish(error=error, cancelled=handle.claim())
             return
         if cancelled:  # the copies are done: the slots are free to reuse
             self._pool.release_many(refs)
-            handle.finish(cancelled=True)
+            handle._finish(cancelled=True)
             return
         for (s, g), k in zip(refs, keys):
             self._pool.commit(s, g, k, frozenset(states))
         self._stats.add(pages_offloaded=len(refs), bytes_offloaded=len(refs) * sum(
             self._plan.classes[c].page_bytes for c in states))
         self._stats.time("offload", time.perf_counter() - started)
-        handle.finish([PageRef(k, s, g) for (s, g), k in zip(refs, keys)])
+        handle._finish([PageRef(k, s, g) for (s, g), k in zip(refs, keys)])

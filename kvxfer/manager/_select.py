@@ -15,16 +15,36 @@ from kvxfer.engine._raw import raw_capable
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
-__all__ = ["PathMode", "PATHS", "AUTO_RULES", "plan_path", "select_movers"]
+__all__ = ["PathMode", "PATHS", "AUTO_RULES", "check_path", "plan_path", "select_movers"]
 
-PathMode = Literal["auto", "staged", "direct", "pinned", "pallas"]
+PathMode = Literal["auto", "staged", "raw", "pinned", "pallas"]
 """``"auto"``: the fastest proven mover per class (``AUTO_RULES``); ``"staged"``:
-compiled programs through pageable host buffers for every class; ``"direct"``:
-byte-range copies only, refusing what is not proven; ``"pinned"``: compiled programs
+compiled programs through pageable host buffers for every class; ``"raw"``: the raw
+mover's byte-range copies only (the emulated mover's with ``layouts=``), refusing
+what is not proven; ``"pinned"``: compiled programs
 straight to and from a pinned host pool, for every class (backends with a
 ``pinned_host`` memory kind); ``"pallas"``: Pallas TPU DMA kernels for every class
 (interpret mode off TPU), refusing what is not proven."""
 PATHS: tuple[str, ...] = get_args(PathMode)
+
+
+def check_path(path: object) -> None:
+    """Raises ``ValueError`` unless ``path`` is one of ``PATHS``.
+
+    ``"direct"``, the raw path's former name, is refused with a message naming ``"raw"``.
+
+    Example:
+        >>> check_path("direct")
+        Traceback (most recent call last):
+        ...
+        ValueError: path='direct' is now called path='raw' (the raw mover); pass path='raw'
+    """
+    if path == "direct":
+        raise ValueError("path='direct' is now called path='raw' (the raw mover); pass "
+                         "path='raw'")
+    if path not in PATHS:
+        raise ValueError(f"path={path!r}; expected one of {PATHS}")
+
 
 #: What ``path="auto"`` tries for each class, by backend: the first mover that
 #: applies to the class wins (``staged`` applies to every class). With emulated TPU
@@ -44,14 +64,14 @@ _MOVERS: dict[str, type[Mover]] = {"raw": RawMover, "pinned": PinnedMover,
 def plan_path(path: PathMode, emulated: bool) -> str:
     """How the plan sizes host blocks for a manager on ``path``.
 
-    With emulated TPU layouts (``layouts=``) the direct path stores device bytes;
+    With emulated TPU layouts (``layouts=``) the raw path stores device bytes;
     ``"auto"`` stores device bytes for classes proven addressable and dense blocks for
     the rest; raw XLA:CPU copies, the pinned and the staged paths store dense blocks.
     """
     # The plan's paths are named like the manager's; without emulated layouts every
     # mover stores dense blocks, and so do the Pallas kernels (their pages hold each
     # block's logical bytes; they refuse emulated layouts).
-    return path if emulated and path in ("auto", "direct") else "staged"
+    return path if emulated and path in ("auto", "raw") else "staged"
 
 
 def _refusal(cls: SliceClass, spec: LayerSpec, layer: int) -> LayoutError:
@@ -59,7 +79,7 @@ def _refusal(cls: SliceClass, spec: LayerSpec, layer: int) -> LayoutError:
     # so the message names that geometry too.
     g = spec.shard_geometry
     shard = "" if cls.num_shards == 1 else f" (one shard of {cls.num_shards})"
-    return LayoutError(f"Direct path refused for {cls.name} (layers {list(cls.layers)}), "
+    return LayoutError(f"Raw path refused for {cls.name} (layers {list(cls.layers)}), "
                        f"layer {layer}{shard}: {g.reason}")
 
 
@@ -111,7 +131,7 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
       pinned: the manager's ``pinned=`` (False keeps ``auto`` off the pinned mover).
 
     Raises:
-      LayoutError: ``path="direct"`` over a class with no proven direct copy, or
+      LayoutError: ``path="raw"`` over a class with no proven raw copy, or
         ``path="pallas"`` over a class the Pallas kernels may not move, naming the
         class, the layer, its shard geometry and the rule that failed.
       ValueError: ``path="pinned"`` on a backend without ``pinned_host`` memory (or
@@ -141,7 +161,7 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
     if emulated:
         # The bytes live in emulated TPU memory under the given layouts: only the
         # emulated mover reads them as such, and only where they are proven.
-        if path == "direct" and not cls.addressable:
+        if path == "raw" and not cls.addressable:
             raise _refusal(cls, specs[first], first)
         return EmulatedMover if path != "staged" and cls.addressable else StagedMover
     if path == "staged":
@@ -154,11 +174,11 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
         if mover is RawMover and applies["pinned"](cls):
             return RawOrPinnedMover
         return mover
-    _check_direct(cls, specs, caches)  # path == "direct"
+    _check_raw(cls, specs, caches)  # path == "raw"
     return RawMover
 
 
-def _check_direct(cls: SliceClass, specs: Sequence[LayerSpec],
+def _check_raw(cls: SliceClass, specs: Sequence[LayerSpec],
                   caches: Sequence[jax.Array]) -> None:
     """Raises unless raw copies can move every layer of the class."""
     raw_ok = [raw_capable(caches[i]) for i in cls.layers]
@@ -168,8 +188,8 @@ def _check_direct(cls: SliceClass, specs: Sequence[LayerSpec],
             raise _refusal(cls, specs[bad], bad)
         a = caches[bad]
         raise LayoutError(
-            f"Direct path refused for layer {bad}: "
+            f"Raw path refused for layer {bad}: "
             f"{shape_text(a.shape, a.dtype, specs[bad].layout)} is addressable, but "
-            "this backend has no direct path for it (raw copies need XLA:CPU "
+            "this backend has no raw path for it (raw copies need XLA:CPU "
             "row-major buffers of whole-byte elements; on TPU use path='pallas' "
             "for the Pallas DMA kernels; pass layouts= to use emulated TPU memory)")

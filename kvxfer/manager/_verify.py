@@ -225,7 +225,7 @@ class LoadVerifier:
                     j = job.positions.index(pos)
                     self._check_layer(check, cls, pos, [g[j] for g in got[id(job)]])
                 elif handle.gate == "layer":
-                    handle.release(i, check.prefix)
+                    handle._release(i, check.prefix)
         return Verified(min([check.prefix] + list(reasons)), frozenset(check.proven_bad))
 
     def _check_layer(self, check: _LoadCheck, cls: SliceClass, pos: int,
@@ -243,7 +243,7 @@ class LoadVerifier:
                                                          [b[:, j] for b in per_replica])
             check.prefix = min(check.prefix, int(j))
         if check.handle.gate == "layer":
-            check.handle.release(i, check.prefix)
+            check.handle._release(i, check.prefix)
 
     def _finish_layer(self, states: dict[int, Any], new: list[jax.Array], layer: int) -> None:
         cls, pos = self.layer_class[layer]
@@ -266,7 +266,7 @@ class LoadVerifier:
         """
         if handle.gate == "all":
             for i in range(self.num_layers):
-                handle.release(i, first_bad)
+                handle._release(i, first_bad)
         invalid = tuple(range(first_bad, len(pages)))
         freed = []
         for j in invalid:
@@ -281,7 +281,7 @@ class LoadVerifier:
         if first_bad < len(pages) and first_bad not in reasons:
             reasons[first_bad] = "invalid on another process"
         released = handle.released_prefixes
-        consumed = any(r > first_bad for i, r in enumerate(released)
+        consumed = any(r is not None and r > first_bad for i, r in enumerate(released)
                        if self.layer_class[i][0].index in moved)
         return LoadResult(first_bad, invalid, dict(sorted(reasons.items())), consumed,
                           released, tuple(freed))

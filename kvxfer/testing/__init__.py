@@ -6,6 +6,44 @@ Used by kvxfer's own tests, probes, benchmark and demo alike. Example:
     >>> caches = testing.random_caches(1, 4, (8, 128), "bfloat16", seed=7)
     >>> testing.same_bits(caches[0], testing.bits(caches[0]).view(caches[0].dtype))
     True
+
+Faults (``FAULTS``; ``inject(kind, ...)`` and ``kvxfer probe --inject`` apply them by
+name). Each damages host pages *after* their digests were made, so that only
+verification can catch it, and each has one meaning:
+
+* ``bitflip``: one host bit of one layer of a page flips (``flip_bit``).
+* ``wrong-key``: the caller asks for key K and is handed a page stored under
+  another key (``wrong_keys``); no byte is touched, the key check catches it.
+* ``misfile``: a slot holds another page's bytes and digests while its metadata
+  says it holds this page (``misfile``); the digests, bound to the other page's
+  identity, catch it.
+* ``stale-slot``: a page is freed and its slot reused while a ref is still held
+  (``reuse_slot``); the load reports the stale ref as a miss.
+* ``one-shard``: one shard's bytes of a sharded layer are corrupted
+  (``corrupt_shard``).
+* ``torn``: half of a page's layer bytes are another page's (a torn write,
+  ``tear``).
+* ``transfer``: the transfer itself fails after some layers moved: a device
+  error, reported as ``TransferError``, never as a miss (``failing_transfer``).
+* ``zero-dma``: the next load delivers zeros into one page's block of one layer
+  and reports no error, as Mosaic DMAs did on some libtpu releases (jax issue
+  39744). The host page is intact; only the device-side digest of what arrived
+  catches it. It acts through the manager's public hook (``zero_dma``), so it
+  applies to every mover alike.
+
+``one-process`` corruption in a multi-process job is ``bitflip`` applied on one
+rank only. ``flip_stored_bit`` damages a page at rest in a store tier. The faults
+act through ``KVCacheManager.set_transfer_hook`` and the host pool's public views.
+
+    >>> import kvxfer
+    >>> caches = testing.random_caches(2, 8, (4, 128), "float32")
+    >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    >>> pages = mgr.offload(caches, [0, 1, 2], keys=[1, 2, 3]).wait()
+    >>> pages, keys = testing.inject("wrong-key", mgr, caches, pages, index=1, layer=0)
+    >>> caches, load = mgr.load(caches, pages, [5, 6, 7], keys=keys)
+    >>> load.result().verified_prefix, load.result().reasons[1].split(":")[0]
+    (1, 'wrong key')
+    >>> mgr.close()
 """
 
 from kvxfer.testing._bits import bits as bits

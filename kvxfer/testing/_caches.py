@@ -48,7 +48,9 @@ def random_caches(num_layers: int, num_blocks: int, block: Sequence[int], dtype:
       num_blocks: blocks per layer (dim 0).
       block: the shape of one block.
       dtype: element type.
-      sharding: one sharding for all layers, one per layer, or None (default device).
+      sharding: one sharding for all layers, one per layer, or None (this process's
+        first device, ``jax.local_devices()[0]``: in a multi-process job each process
+        builds its caches on a device of its own).
       seed: random seed.
 
     Example:
@@ -58,8 +60,8 @@ def random_caches(num_layers: int, num_blocks: int, block: Sequence[int], dtype:
     """
     dt = dtype_of(dtype)
     if sharding is None:
-        shardings: Sequence[Any] = [jax.sharding.SingleDeviceSharding(jax.devices()[0])] * \
-            num_layers
+        shardings: Sequence[Any] = [
+            jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * num_layers
     elif isinstance(sharding, jax.sharding.Sharding):
         shardings = [sharding] * num_layers
     else:

@@ -1,28 +1,7 @@
 """Fault injection for the host tier: damage pages the way the field does.
 
-Each fault damages host pages *after* their digests were made, so that only
-verification can catch it:
-
-* ``bitflip``: one host bit of one layer of a page flips (``flip_bit``).
-* ``wrong-key``: the caller asks for key K and is handed a page stored under
-  another key (``wrong_keys``); no byte is touched, the key check catches it.
-* ``misfile``: a slot holds another page's bytes and digests while its metadata
-  says it holds this page (``misfile``); the digests, bound to the other page's
-  identity, catch it.
-* ``stale-slot``: a page is freed and its slot reused while a ref is still held
-  (``reuse_slot``).
-* ``one-shard``: one shard's bytes of a sharded layer are corrupted.
-* ``torn``: half of a page's layer bytes are another page's (a torn write).
-* ``transfer``: the transfer itself fails after some layers moved: a device
-  error, reported as ``TransferError``, never as a miss (``failing_transfer``).
-* ``zero-dma``: the next load delivers zeros into one page's block of one layer
-  and reports no error, as Mosaic DMAs did on some libtpu releases (jax issue
-  39744). The host page is intact; only the device-side digest of what arrived
-  catches it. It acts through the manager's public hook (``zero_dma``), so it
-  applies to every mover alike.
-
-``one-process`` corruption in a multi-process job is ``bitflip`` applied on one
-rank only.
+The faults and what each means are listed in ``kvxfer.testing``'s docstring
+(``help(kvxfer.testing)``); ``FAULTS`` names them.
 
 Example:
     >>> import jax.numpy as jnp, kvxfer
@@ -59,7 +38,7 @@ __all__ = ["FAULTS", "Fault", "flip_bit", "wrong_keys", "misfile", "reuse_slot",
 Fault = Literal["bitflip", "wrong-key", "misfile", "stale-slot", "one-shard", "torn",
                 "transfer", "zero-dma"]
 FAULTS: tuple[str, ...] = get_args(Fault)
-"""The faults ``inject`` and ``kvxfer probe --inject`` know."""
+"""The faults ``inject`` and ``kvxfer probe --inject`` know (meanings: ``kvxfer.testing``)."""
 
 
 class InjectedTransferError(OSError):
@@ -151,26 +130,43 @@ def _failing_hook(after_layers: int, once: bool, mgr: KVCacheManager,
                   previous: TransferHook | None) -> TransferHook:
     moved = {"layers": 0}
 
-    def hook(event: str, layer: int, array: Any) -> None:
-        if previous is not None:
-            previous(event, layer, array)
+    def hook(event: str, layer: int, array: Any) -> Any:
+        # What ``previous`` returns (a ``zero_dma`` replacement array) still counts.
+        out = previous(event, layer, array) if previous is not None else None
         if event != "load_layer":
-            return
+            return out
         if moved["layers"] >= after_layers:
             if once:
                 mgr.set_transfer_hook(previous)
             raise InjectedTransferError("injected device transfer failure")
         moved["layers"] += 1
+        return out
 
     return hook
 
 
 @contextlib.contextmanager
 def failing_transfer(mgr: KVCacheManager, after_layers: int = 0) -> Iterator[None]:
-    """Makes loads fail (a device error) once ``after_layers`` layers have moved.
+    """Makes the loads started inside the block fail (a device error) once
+    ``after_layers`` layers have moved.
 
-    The count runs over every load inside the ``with`` block, so a large
-    ``after_layers`` lets loads through while counting layers.
+    The count runs over every load started inside the ``with`` block, so a large
+    ``after_layers`` lets loads through while counting layers. A load keeps the
+    hook of its call, so it fails however late its transfer thread gets to the
+    layer, also when the caller waits on it (``result()``, ``layer_ready``) after the
+    block; loads started after the block are untouched.
+
+    Example:
+        >>> import kvxfer
+        >>> from kvxfer import testing
+        >>> caches = testing.random_caches(2, 8, (4, 128), "float32")
+        >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+        >>> pages = mgr.offload(caches, [0, 1], keys=[1, 2]).wait()
+        >>> with testing.failing_transfer(mgr, after_layers=1):
+        ...     caches, load = mgr.load(caches, pages, [5, 6], gate="layer")
+        >>> load.layer_ready(0), type(load.exception()).__name__
+        (2, 'TransferError')
+        >>> mgr.close()
     """
     previous = mgr.set_transfer_hook(None)
     mgr.set_transfer_hook(_failing_hook(after_layers, False, mgr, previous))
