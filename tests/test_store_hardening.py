@@ -260,6 +260,51 @@ def test_a_file_that_cannot_be_evicted_is_skipped(shared_dir):
     assert out["reopened"] == ["old"]
 
 
+# -- 5. page blobs: flags this version does not define, bytes after the last class --
+
+
+@pytest.fixture(scope="module")
+def page():
+    import kvxfer
+    from kvxfer import testing
+
+    caches = testing.random_caches(2, 4, (8, 32), "float32")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    (ref,) = mgr.offload(caches, [1], keys=[7]).wait()
+    blob = mgr.export_page(ref)
+    mgr.free([ref])
+    yield mgr, blob
+    mgr.close()
+
+
+def with_total(blob: bytes) -> bytes:
+    """``blob`` with its header's total length (the u64 at byte 32) made right."""
+    return blob[:32] + struct.pack("<Q", len(blob)) + blob[40:]
+
+
+@pytest.mark.parametrize("damage, kind, words", [
+    (lambda b: b[:12] + struct.pack("<I", 1 | 4) + b[16:], "unknown flags",
+     r"unknown flag bits 0x4 \(flags 0x5"),
+    (lambda b: b[:12] + struct.pack("<I", 1 << 31) + b[16:], "unknown flags",
+     "unknown flag bits 0x80000000"),
+    (lambda b: with_total(b + bytes(5)), "truncated", "5 trailing bytes after its 1 slice"),
+])
+def test_a_page_blob_with_what_its_format_does_not_define_is_refused(page, damage, kind,
+                                                                     words):
+    import kvxfer
+
+    mgr, blob = page
+    ref = mgr.import_page(blob, key=7)  # the blob as made is a page
+    mgr.free([ref])
+    free = mgr.num_free_pages
+    refused = dict(mgr.stats()["imports_refused"])
+    with pytest.raises(kvxfer.PageFormatError, match=words) as err:
+        mgr.import_page(damage(blob))
+    assert err.value.kind == kind
+    assert mgr.num_free_pages == free
+    assert mgr.stats()["imports_refused"].get(kind, 0) == refused.get(kind, 0) + 1
+
+
 if __name__ == "__main__":  # as_other_user's subprocess: everything is imported first
     name, directory, *rest = sys.argv[1:]
     if ROOT:
