@@ -46,8 +46,9 @@ class PageFormatError(ValueError):
     """A blob that is not a whole page of this manager's geometry (a miss, not a crash).
 
     Attributes:
-      kind: what is wrong, in a few words fit for a metric label: ``"truncated"``,
-        ``"not a page"``, ``"format version"``, ``"other geometry"``, ``"bad class"``,
+      kind: what is wrong, in a few words fit for a metric label: ``"truncated"``
+        (cut short, or longer than what it holds), ``"not a page"``, ``"format
+        version"``, ``"unknown flags"``, ``"other geometry"``, ``"bad class"``,
         ``"wrong key"``, ``"no digests"``.
     """
 
@@ -126,8 +127,9 @@ def decode(plan: Plan, fp: bytes, blob: bytes | bytearray | memoryview) -> PageB
 
     Raises:
       PageFormatError: naming the first thing wrong (not a page blob, another
-        format version, cut short or too long, another geometry, a class or size
-        this plan does not have).
+        format version, flag bits this version does not define, cut short or too
+        long, another geometry, a class or size this plan does not have, bytes after
+        the last class).
     """
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TypeError(f"a page blob is bytes. Got {type(blob).__name__}")
@@ -142,6 +144,11 @@ def decode(plan: Plan, fp: bytes, blob: bytes | bytearray | memoryview) -> PageB
     if version != PAGE_FORMAT_VERSION:
         raise PageFormatError(f"page format version {version}; this kvxfer reads "
                               f"version {PAGE_FORMAT_VERSION}", "format version")
+    if flags & ~_FLAG_DIGESTS:
+        # A writer that set a bit meant something this reader would silently ignore.
+        raise PageFormatError(f"page blob has unknown flag bits {flags & ~_FLAG_DIGESTS:#x} "
+                              f"(flags {flags:#x}; version {PAGE_FORMAT_VERSION} defines "
+                              f"only {_FLAG_DIGESTS:#x})", "unknown flags")
     if total != len(buf):
         raise PageFormatError(f"{'truncated' if len(buf) < total else 'oversized'} page "
                               f"blob: {len(buf)} bytes, its header says {total}", "truncated")
@@ -173,6 +180,10 @@ def decode(plan: Plan, fp: bytes, blob: bytes | bytearray | memoryview) -> PageB
         data[c] = np.frombuffer(buf, np.uint8, nbytes, off)
         digests[c] = np.frombuffer(buf, "<u4", dbytes // 4, off + nbytes).reshape(dshape)
         off += nbytes + dbytes
+    if off != len(buf):
+        raise PageFormatError(f"oversized page blob: {len(buf) - off} trailing bytes after "
+                              f"its {n} slice class(es) ({len(buf)} bytes, they end at {off})",
+                              "truncated")
     if not data:
         raise PageFormatError("page blob holds no slice class", "bad class")
     return PageBlob(key, seal, bool(flags & _FLAG_DIGESTS), data, digests)

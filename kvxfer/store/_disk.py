@@ -11,6 +11,15 @@ sees either no file or a whole one. Every file is a small frame around the blob,
 partial blob. The blob itself is not checksummed here: the device digests inside it
 are checked when the page is loaded.
 
+The store reads only regular files and never blocks on an entry: a FIFO, a device, a
+socket, a directory or a symbolic link under a blob's name is skipped, and so is a
+file this process may not open or may not remove when evicting; each is counted in
+``stats()["skipped"]`` and named in a warning, and the store goes on with the rest.
+A frame's declared blob size must equal the file's size and, with
+``max_blob_bytes``, be within it before a byte of the blob is read (a file larger
+than that is a miss, counted in ``oversized``). A directory this process may not
+write opens read-only: gets work, puts and deletes raise ``StoreError``.
+
 Recency is the file's modification time, set on put and on every hit, so the LRU
 order survives a restart; capacity is kept by evicting the least recently used
 files. Several processes may share a directory: links and renames are atomic,
@@ -29,6 +38,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -56,6 +66,18 @@ _PLAIN = re.compile(r"[a-z0-9_-]{1,200}")
 _MAX_NAME = 200  # below every common file system's 255-byte limit, suffix included
 _RESCAN_S = 1.0  # at most one directory rescan a second for changes other processes made
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV}
+# O_NONBLOCK: opening a FIFO or a device must not wait (it changes nothing for a
+# regular file). O_NOFOLLOW: the store places only regular files, never links.
+_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+# What an open of one entry may say of that entry (its kind, who may read it), as
+# opposed to errors of the store or the process, which are StoreErrors.
+_NOT_OURS = {errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENXIO, errno.ENODEV,
+             errno.EOPNOTSUPP, errno.EISDIR, errno.EAGAIN, errno.ETXTBSY}
+# Errors of the process, not of one entry: opening the directory must not hide them.
+_PROCESS_LIMITS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM}
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link"))
 
 
 def file_name(key: str) -> str:
@@ -122,6 +144,43 @@ def _pread_all(fd: int, n: int, offset: int) -> bytes | None:
     return b"".join(parts)
 
 
+class _Unreadable(Exception):
+    """An entry the store does not read: not a regular file, or not one it may open."""
+
+
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``, opened without blocking.
+
+    Raises:
+      FileNotFoundError: nothing is there.
+      _Unreadable: what is there is not a regular file this process may open (says why).
+    """
+    try:
+        fd = os.open(path, _READ)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _Unreadable("a symbolic link (not followed)") from None
+        if e.errno in _NOT_OURS:
+            raise _Unreadable(f"cannot open it: {e.strerror}") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _Unreadable(_not_regular(mode))
+    return fd
+
+
+def _not_regular(mode: int) -> str:
+    kind = next((name for test, name in _KINDS if test(mode)), f"mode {mode:#o}")
+    return f"not a regular file but {kind}"
+
+
 class _Frame:
     """What a whole file holds: its key, the blob's size and place, its file size."""
 
@@ -135,9 +194,13 @@ _GONE = object()  # what _frame_of says of a file that is not there (any more)
 
 
 def _frame_of(path: str) -> _Frame | None | object:
-    """The frame of the file at ``path``, None when not one whole file, or ``_GONE``."""
+    """The frame of the file at ``path``, None when not one whole file, or ``_GONE``.
+
+    Raises:
+      _Unreadable: not a regular file this process may open.
+    """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_regular(path)
     except FileNotFoundError:
         return _GONE
     try:
@@ -186,6 +249,11 @@ class DiskStore(Store):
     are not whole. Thread-safe; several processes may share one directory (on a local
     file system: the lock files rely on ``flock``).
 
+    Entries it cannot read (not regular files, or not this process's to open) are
+    skipped, as are files it may not remove when evicting: each is counted once in
+    ``stats()["skipped"]`` and named in a warning. A directory this process may not
+    write opens read-only (``read_only``): gets work, puts and deletes raise.
+
     Capacity counts the bytes of the files (blob, key and a 36-byte frame). Each
     process keeps it from its view of the directory: its own puts and deletes, and
     rescans (at most once a second) when the directory changed under it; several
@@ -194,13 +262,16 @@ class DiskStore(Store):
     Args:
       path: the directory (created if missing).
       capacity_bytes: the most bytes the files may hold; None for no limit.
+      max_blob_bytes: the largest blob this store reads or writes; None for no limit
+        beyond the file's size. A file framing a larger blob is a miss, refused
+        before its blob is read (a sparse file may claim gigabytes it does not hold).
       durable: fsync the directory after each put, so a put that returned survives a
         crash. False saves that second sync (about half a put's time on ext4): a
         crash may then lose the latest puts (misses), never expose a partial blob,
         since every file's bytes are synced before its name appears.
 
     Raises:
-      StoreError: the directory cannot be created, opened or read.
+      StoreError: the directory cannot be created, opened or listed.
 
     Example:
         >>> import tempfile
@@ -216,7 +287,7 @@ class DiskStore(Store):
     name = "disk"
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int | None = None, *,
-                 durable: bool = True):
+                 max_blob_bytes: int | None = None, durable: bool = True):
         try:
             self.path = os.fspath(path)
         except TypeError:
@@ -226,6 +297,8 @@ class DiskStore(Store):
             raise ValueError(f"Expected a non-empty directory path. Got {path!r}")
         self.capacity_bytes = None if capacity_bytes is None else \
             check_int(capacity_bytes, "capacity_bytes", minimum=1)
+        self.max_blob_bytes = None if max_blob_bytes is None else \
+            check_int(max_blob_bytes, "max_blob_bytes", minimum=0)
         if not isinstance(durable, bool):
             raise TypeError(f"Expected a bool for durable. Got {durable!r} of type "
                             f"{type(durable).__name__}")
@@ -234,15 +307,16 @@ class DiskStore(Store):
         self._index: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self._used = 0
         self._counts = dict.fromkeys(("puts", "gets", "hits", "evictions", "incomplete",
-                                      "cleaned"), 0)
+                                      "cleaned", "skipped", "oversized"), 0)
+        self._skipped: set[str] = set()  # names counted in "skipped" (each once)
+        self.read_only = False
         self._last_stamp = 0
         self._hard_links = True
         self._dir_fd = self._lock_fd = -1
         try:
             os.makedirs(self.path, exist_ok=True)
             self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-            self._lock_fd = os.open(os.path.join(self.path, _LOCK), os.O_RDWR | os.O_CREAT,
-                                    0o644)
+            self._lock_fd = self._open_lock()
             with self._dir_locked():
                 self._clean()
                 self._rescan()
@@ -253,7 +327,7 @@ class DiskStore(Store):
 
     def __repr__(self) -> str:
         return (f"DiskStore({self.path!r}, capacity_bytes={self.capacity_bytes!r}, "
-                f"durable={self.durable!r})")
+                f"max_blob_bytes={self.max_blob_bytes!r}, durable={self.durable!r})")
 
     # -- the Store interface ------------------------------------------------------
 
@@ -268,7 +342,10 @@ class DiskStore(Store):
         if self.capacity_bytes is not None and size > self.capacity_bytes:
             raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} takes a file of "
                              f"{size} bytes, more than capacity_bytes={self.capacity_bytes}")
-        self._check_open()
+        if self.max_blob_bytes is not None and view.nbytes > self.max_blob_bytes:
+            raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} is larger than "
+                             f"max_blob_bytes={self.max_blob_bytes}")
+        self._check_writable(key)
         with self._lock:
             self._counts["puts"] += 1
         try:
@@ -305,9 +382,13 @@ class DiskStore(Store):
         name = _name(key, kb)
         self._check_open()
         try:
-            fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+            fd = _open_regular(os.path.join(self.path, name))
         except FileNotFoundError:
             self._forget(name, gets=1)
+            return None
+        except _Unreadable as e:
+            self._skip(name, str(e))
+            self._count(gets=1)
             return None
         except OSError as e:
             raise StoreError(f"disk store {self.path!r}: cannot read key {key!r}: {e}") from e
@@ -315,6 +396,12 @@ class DiskStore(Store):
             frame = _read_frame(fd)
             blob = None
             if frame is not None and frame.key == kb:
+                if not self._fits(frame):
+                    log.warning("blob under key %r in the disk store %s is %d bytes, more "
+                                "than max_blob_bytes=%d: a miss, not read", key, self.path,
+                                frame.blob_len, self.max_blob_bytes)
+                    self._count(gets=1, oversized=1)
+                    return None
                 blob = _pread_all(fd, frame.blob_len, frame.blob_offset)
             if blob is None:
                 # (A whole file of another key with the same hashed name is a plain miss.)
@@ -329,8 +416,11 @@ class DiskStore(Store):
             stamp = self._stamp()
             try:
                 os.utime(fd, ns=(stamp, stamp))
-            except PermissionError:  # another user's file: readable, recency not ours to set
-                pass
+            except OSError as e:
+                # Another user's file, a read-only directory: readable, but its recency
+                # is not ours to set.
+                if e.errno not in (errno.EPERM, errno.EACCES, errno.EROFS):
+                    raise
         except OSError as e:
             raise StoreError(f"disk store {self.path!r}: cannot read key {key!r}: {e}") from e
         finally:
@@ -343,14 +433,15 @@ class DiskStore(Store):
         kb = _key_bytes(key)
         self._check_open()
         try:
-            return self._whole(os.path.join(self.path, _name(key, kb)), kb)
+            frame = self._frame_for(os.path.join(self.path, _name(key, kb)), kb)
+            return frame is not None and self._fits(frame)
         except OSError as e:
             raise StoreError(f"disk store {self.path!r}: cannot read key {key!r}: {e}") from e
 
     def delete(self, key: str) -> bool:
         """Removes ``key``; returns whether it was there."""
         name = file_name(key)
-        self._check_open()
+        self._check_writable(key)
         try:
             os.unlink(os.path.join(self.path, name))
         except FileNotFoundError:
@@ -370,7 +461,11 @@ class DiskStore(Store):
                 self._rescan()
                 names = list(self._index)
             for name in names:
-                frame = _frame_of(os.path.join(self.path, name))
+                try:
+                    frame = _frame_of(os.path.join(self.path, name))
+                except _Unreadable as e:
+                    self._skip(name, str(e))
+                    continue
                 if frame is _GONE:
                     continue
                 if frame is not None and file_name(frame.key.decode("utf-8")) == name:
@@ -382,7 +477,9 @@ class DiskStore(Store):
     def stats(self) -> dict[str, Any]:
         """Counters (see ``Store.stats``) with ``blobs`` and ``bytes`` read from the
         directory now; also ``incomplete`` (files found not whole on a read), ``cleaned``
-        (leftovers removed on open) and ``path``."""
+        (leftovers removed on open), ``skipped`` (entries it could not read or evict,
+        each counted once), ``oversized`` (gets refused by ``max_blob_bytes``),
+        ``read_only`` and ``path``."""
         self._check_open()
         with self._lock:
             try:
@@ -391,6 +488,7 @@ class DiskStore(Store):
                 raise StoreError(f"disk store {self.path!r}: cannot list: {e}") from e
             return {"name": self.name, "path": self.path, "blobs": len(self._index),
                     "bytes": self._used, "capacity_bytes": self.capacity_bytes,
+                    "max_blob_bytes": self.max_blob_bytes, "read_only": self.read_only,
                     **self._counts}
 
     def close(self) -> None:
@@ -407,16 +505,54 @@ class DiskStore(Store):
         if self._dir_fd < 0:
             raise StoreError(f"disk store {self.path!r} is closed")
 
-    def _whole(self, path: str, kb: bytes) -> bool:
+    def _check_writable(self, key: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise StoreError(f"disk store {self.path!r} is read-only (this process may not "
+                             f"write the directory): cannot change key {key!r}")
+
+    def _open_lock(self) -> int:
+        """The lock file's descriptor (-1 if there is none to read); sets ``read_only``."""
+        lock = os.path.join(self.path, _LOCK)
+        flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.read_only = not os.access(self.path, os.W_OK | os.X_OK)
+        if not self.read_only:
+            try:
+                return os.open(lock, os.O_RDWR | os.O_CREAT | flags, 0o644)
+            except OSError as e:
+                if e.errno == errno.EROFS:
+                    self.read_only = True
+                elif e.errno not in (errno.EACCES, errno.EPERM):
+                    raise
+        # Another user's lock file, or a directory this process may only read: flock
+        # needs no write access.
         try:
-            fd = os.open(path, os.O_RDONLY)
+            return os.open(lock, os.O_RDONLY | flags)
         except FileNotFoundError:
-            return False
+            if not self.read_only:
+                raise
+            return -1  # nobody ever wrote here: there is no writer to serialise with
+
+    def _fits(self, frame: _Frame) -> bool:
+        return self.max_blob_bytes is None or frame.blob_len <= self.max_blob_bytes
+
+    def _frame_for(self, path: str, kb: bytes) -> _Frame | None:
+        """The frame of the readable, whole file at ``path`` if it holds ``kb``, or None."""
+        try:
+            fd = _open_regular(path)
+        except FileNotFoundError:
+            return None
+        except _Unreadable as e:
+            self._skip(os.path.basename(path), str(e))
+            return None
         try:
             frame = _read_frame(fd)
         finally:
             os.close(fd)
-        return frame is not None and frame.key == kb
+        return frame if frame is not None and frame.key == kb else None
+
+    def _whole(self, path: str, kb: bytes) -> bool:
+        return self._frame_for(path, kb) is not None
 
     def _write(self, final: str, kb: bytes, view: memoryview, replace: bool) -> int | None:
         """Writes a temporary file and puts it in place; returns its modification time,
@@ -467,32 +603,50 @@ class DiskStore(Store):
         return True
 
     def _clean(self) -> None:
-        """Removes dead writers' temporary files and files that are not whole."""
+        """Removes dead writers' temporary files and files that are not whole; skips
+        (and counts) entries it cannot read, so that one of them never stops an open."""
         for entry in os.scandir(self.path):
             name = entry.name
-            if name.startswith(_TMP):
-                try:
-                    fd = os.open(entry.path, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue
+            temporary = name.startswith(_TMP)
+            if not temporary and (not name.endswith(_SUFFIX) or name.startswith(".")):
+                continue
+            try:
+                if not entry.is_file(follow_symlinks=False):  # not opened at all
+                    raise _Unreadable(_not_regular(entry.stat(follow_symlinks=False).st_mode))
+                self._clean_one(entry.path, temporary)
+            except FileNotFoundError:
+                continue
+            except _Unreadable as e:
+                self._skip(name, str(e))
+            except OSError as e:
+                if e.errno in _PROCESS_LIMITS:
+                    raise
+                self._skip(name, f"cannot read it: {e.strerror}")
+
+    def _clean_one(self, path: str, temporary: bool) -> None:
+        fd = _open_regular(path)
+        try:
+            if temporary:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    continue  # a live writer holds it
-                else:
-                    self._unlink_quietly(entry.path)
-                finally:
-                    os.close(fd)
-            elif name.endswith(_SUFFIX) and not name.startswith("."):
-                if _frame_of(entry.path) is None:
-                    self._unlink_quietly(entry.path)
+                    return  # a live writer holds it
+                self._unlink_quietly(path)
+            elif _read_frame(fd) is None:
+                self._unlink_quietly(path)
+        finally:
+            os.close(fd)
 
     def _unlink_quietly(self, path: str) -> None:
+        if self.read_only:
+            return  # leftovers stay; reading them is a miss
         try:
             os.unlink(path)
             self._counts["cleaned"] += 1
         except FileNotFoundError:
             pass
+        except OSError as e:  # another user's file in a sticky directory
+            self._skip(os.path.basename(path), f"cannot remove it: {e.strerror}")
 
     # -- the index: sizes and recency of the files, least recent first ------------
 
@@ -502,8 +656,24 @@ class DiskStore(Store):
             self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
             return self._last_stamp
 
+    def _skip(self, name: str, why: str) -> None:
+        """Counts (once) and names an entry the store passes over."""
+        with self._lock:
+            if name in self._skipped:
+                return
+            self._skipped.add(name)
+            self._counts["skipped"] += 1
+        log.warning("disk store %s: skipping %s: %s", self.path,
+                    os.path.join(self.path, name), why)
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                self._counts[k] += v
+
     def _remember(self, name: str, size: int, stamp: int, **counts: int) -> None:
         with self._lock:
+            self._skipped.discard(name)  # readable now: counted again if it goes bad
             old = self._index.pop(name, None)
             self._used += size - (old.size if old else 0)
             self._index[name] = _Entry(size, stamp)
@@ -524,9 +694,11 @@ class DiskStore(Store):
         for entry in os.scandir(self.path):
             if entry.name.endswith(_SUFFIX) and not entry.name.startswith("."):
                 try:
-                    st = entry.stat()
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # not a blob (skipped where it is read): no capacity of ours
                 found.append((st.st_mtime_ns, entry.name, st.st_size))
         found.sort()
         self._index = collections.OrderedDict((n, _Entry(s, t)) for t, n, s in found)
@@ -550,7 +722,7 @@ class DiskStore(Store):
 
     def _evict(self, keep: str | None) -> None:
         """Removes least recently used files until the bytes fit (caller holds the locks)."""
-        if self.capacity_bytes is None:
+        if self.capacity_bytes is None or self.read_only:
             return
         skipped = set()
         while self._used > self.capacity_bytes and len(skipped) < len(self._index):
@@ -560,8 +732,11 @@ class DiskStore(Store):
                 continue
             path = os.path.join(self.path, name)
             try:
-                st = os.stat(path)
+                st = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
+                self._forget(name)
+                continue
+            if not stat.S_ISREG(st.st_mode):  # replaced by something that is not a blob
                 self._forget(name)
                 continue
             if st.st_mtime_ns > entry.stamp:  # another process used it since we looked
@@ -572,6 +747,12 @@ class DiskStore(Store):
                 self._counts["evictions"] += 1
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                # Not ours to remove (another user's, in a sticky directory): it keeps
+                # its bytes, and the next least recently used file goes instead.
+                self._skip(name, f"cannot evict it: {e.strerror}")
+                skipped.add(name)
+                continue
             self._forget(name)
 
 
@@ -582,8 +763,10 @@ class _Flock:
         self.fd = fd
 
     def __enter__(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        if self.fd >= 0:  # (none in a read-only directory nobody wrote)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def __exit__(self, *exc) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
