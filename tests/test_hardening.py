@@ -143,3 +143,43 @@ def test_close_has_one_deadline_for_every_queued_write(redis_server):
         store.clear()  # a write: it waits for the pause to end
         store.close()
         mgr.close()
+
+
+def test_bool_block_ids_are_refused_on_load_as_on_offload(small):
+    mgr, caches = small
+    pages = mgr.offload(caches, [1, 2], keys=[5, 6]).wait()
+    for call in (lambda: mgr.load(caches, pages, [True, 2]),
+                 lambda: mgr.offload(caches, [True], keys=[8])):
+        with pytest.raises(ValueError, match=r"device_blocks\[0\] = True is a bool"):
+            call()
+
+
+def test_kv_tuples_as_caches_are_named_briefly():
+    import jax.numpy as jnp
+    k = v = jnp.zeros((64, 4, 128))
+    with pytest.raises(TypeError) as e:
+        kvxfer.KVCacheManager([(k, v)], num_host_blocks=2)
+    message = str(e.value)
+    assert "a tuple of 2 (ArrayImpl float32[64, 4, 128]" in message
+    assert "pass K and V as two layers" in message and len(message) < 300
+
+
+def test_find_and_flush_degrade_while_the_store_is_down(redis_server):
+    import redis
+
+    from kvxfer.store import RedisStore
+    caches = testing.random_caches(2, 8, (4, 32), "float32")
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2) as mgr:
+        store = RedisStore(redis_server, prefix="down:", timeout_s=0.3)
+        cache = kvxfer.HostCache(mgr, store)
+        cache.put(caches, [1], [10], wait=True)
+        with redis.Redis.from_url(redis_server) as admin:
+            admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+            assert cache.find(11) is None  # the store does not answer: not found
+            assert cache.find(10) == "host"
+            assert cache.flush() == 0  # a write error, counted, not raised
+        assert cache.stats()["store_write_errors"] + cache.stats()["store_read_errors"] >= 1
+        cache.close()
+        store.close()
+        with RedisStore(redis_server, prefix="down:") as patient:
+            patient.clear()  # waits for the pause to end

@@ -76,11 +76,24 @@ def _check_block_dim_first(name: str, shape: tuple[int, ...]) -> None:
             f"{[shape[1], 2, *shape[2:]]})")
 
 
+def _brief(value: Any) -> str:
+    """A value named in an error without printing whole arrays."""
+    if isinstance(value, (tuple, list)):
+        kinds = ", ".join(_brief(v) for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a {type(value).__name__} of {len(value)} ({kinds})"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{type(value).__name__} {value.dtype}{list(value.shape)}"
+    text = repr(value)
+    return f"{text[:80]}{'...' if len(text) > 80 else ''} of type {type(value).__name__}"
+
+
 def _layer_spec(i: int, a: Any, layout: Any, ready_timeout: float | None) -> LayerSpec:
     """The spec of layer ``i``'s cache, checking what kvxfer can move."""
     name = f"layer {i}"
     if not isinstance(a, jax.Array):
-        raise TypeError(f"{name}: expected a jax.Array. Got {a!r} of type {type(a)}")
+        raise TypeError(f"{name}: expected a jax.Array. Got {_brief(a)}"
+                        + ("; pass K and V as two layers" if isinstance(a, (tuple, list))
+                           else ""))
     if a.ndim < 2:
         raise ValueError(f"{name}: shape {list(a.shape)} needs a block dim and a block")
     _check_block_dim_first(name, tuple(a.shape))
@@ -263,6 +276,10 @@ class Checks:
 
     def _ids(self, device_blocks: Sequence[int], n: int, what: str,
              layers: Sequence[int], name: str) -> np.ndarray:
+        if isinstance(device_blocks, (list, tuple)):
+            for j, b in enumerate(device_blocks):  # numpy would read True as block 1
+                if isinstance(b, (bool, np.bool_)):
+                    raise ValueError(f"{name}[{j}] = {b!r} is a bool, not a block id")
         ids = np.asarray(device_blocks)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise ValueError(f"{name} must be a 1-D sequence of ints. Got {device_blocks!r}")
