@@ -5,7 +5,11 @@
   order; several processes may share the directory. The embedded default.
 * ``RedisStore(url, prefix="kvxfer:", capacity_bytes=None)``: a Redis or Valkey server
   shared by serving processes on several hosts (needs ``pip install 'kvxfer[redis]'``).
-* ``open_store(spec)``: either, from ``DIR``, ``file://DIR`` or ``redis://HOST:PORT[/DB]``
+* ``RedisClusterStore(spec, prefix="kvxfer:", capacity_bytes=None, domains=16)``: a
+  Redis Cluster, the store split into accounting domains over its nodes; a dead
+  node's pages are misses.
+* ``open_store(spec)``: any of them, from ``DIR``, ``file://DIR``,
+  ``redis://HOST:PORT[/DB]`` or ``redis+cluster://HOST:PORT[,HOST:PORT...]``
   (``parse_spec(spec)`` checks one and says which, opening nothing).
 
 Example:
@@ -18,9 +22,11 @@ Example:
 
 from kvxfer.store._base import Store as Store
 from kvxfer.store._base import StoreError as StoreError
+from kvxfer.store._cluster import RedisClusterStore as RedisClusterStore
 from kvxfer.store._disk import DiskStore as DiskStore
 from kvxfer.store._open import open_store as open_store
 from kvxfer.store._open import parse_spec as parse_spec
 from kvxfer.store._redis import RedisStore as RedisStore
 
-__all__ = ["Store", "StoreError", "DiskStore", "RedisStore", "open_store", "parse_spec"]
+__all__ = ["Store", "StoreError", "DiskStore", "RedisStore", "RedisClusterStore", "open_store",
+           "parse_spec"]

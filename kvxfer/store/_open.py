@@ -6,16 +6,19 @@ import os
 from typing import Literal
 
 from kvxfer.store._base import Store
+from kvxfer.store._cluster import (CLUSTER_SCHEME, RedisClusterStore,
+                                   check_cluster_spec)
 from kvxfer.store._disk import DiskStore
 from kvxfer.store._redis import URL_SCHEMES, RedisStore, check_url
 
 __all__ = ["open_store", "parse_spec", "SPEC_FORMS", "StoreKind"]
 
 #: The kinds of store a spec names.
-StoreKind = Literal["disk", "redis"]
+StoreKind = Literal["disk", "redis", "redis-cluster"]
 
 #: The spec forms ``open_store`` takes, as error messages and ``--help`` print them.
-SPEC_FORMS = "DIR, file://DIR or redis://HOST:PORT[/DB]"
+SPEC_FORMS = ("DIR, file://DIR, redis://HOST:PORT[/DB] or "
+              "redis+cluster://HOST:PORT[,HOST:PORT...]")
 
 
 def open_store(spec: str | os.PathLike[str], *, capacity_bytes: int | None = None,
@@ -25,9 +28,10 @@ def open_store(spec: str | os.PathLike[str], *, capacity_bytes: int | None = Non
     Args:
       spec: a directory (``DIR`` or ``file://DIR``) for a ``DiskStore``; a Redis URL
         (``redis://HOST:PORT[/DB]``, ``rediss://...``, ``unix://PATH``) for a
-        ``RedisStore``.
+        ``RedisStore``; ``redis+cluster://HOST:PORT[,HOST:PORT...]`` (some nodes of a
+        Redis Cluster) for a ``RedisClusterStore``.
       capacity_bytes: the store's capacity (None: no limit of its own).
-      prefix: the key namespace of a ``RedisStore`` (a ``DiskStore`` has its directory).
+      prefix: the key namespace of a Redis store (a ``DiskStore`` has its directory).
 
     Raises:
       ValueError: an empty spec, an unknown scheme, a malformed Redis URL.
@@ -44,6 +48,8 @@ def open_store(spec: str | os.PathLike[str], *, capacity_bytes: int | None = Non
     kind, where = parse_spec(spec)
     if kind == "disk":
         return DiskStore(where, capacity_bytes=capacity_bytes)
+    if kind == "redis-cluster":
+        return RedisClusterStore(where, prefix=prefix, capacity_bytes=capacity_bytes)
     return RedisStore(where, prefix=prefix, capacity_bytes=capacity_bytes)
 
 
@@ -56,6 +62,8 @@ def parse_spec(spec: str | os.PathLike[str]) -> tuple[StoreKind, str]:
     Example:
         >>> parse_spec("file:///var/cache/kvxfer"), parse_spec("redis://10.0.0.5:6379/2")
         (('disk', '/var/cache/kvxfer'), ('redis', 'redis://10.0.0.5:6379/2'))
+        >>> parse_spec("redis+cluster://10.0.0.5:7000,10.0.0.6:7000")
+        ('redis-cluster', 'redis+cluster://10.0.0.5:7000,10.0.0.6:7000')
     """
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
@@ -75,6 +83,8 @@ def parse_spec(spec: str | os.PathLike[str]) -> tuple[StoreKind, str]:
         if not rest:
             raise bad("no directory after file://")
         return "disk", rest
+    if scheme == CLUSTER_SCHEME:
+        return "redis-cluster", check_cluster_spec(spec)
     if scheme in URL_SCHEMES:
         return "redis", check_url(spec)
     raise bad(f"unknown scheme {scheme + '://'!r}")
