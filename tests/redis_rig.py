@@ -2,7 +2,9 @@
 directory, answering PING before it is handed out, stopped afterwards.
 
 The ``redis_server`` fixture (conftest.py) skips when redis-server or redis-py is
-missing, and fails instead when ``KVXFER_REQUIRE_REDIS=1`` (CI sets it).
+missing, and fails instead when ``KVXFER_REQUIRE_REDIS=1`` (CI sets it). The
+``redis_cluster`` fixture does the same for a three-node Redis Cluster (``Cluster``),
+which also needs redis-cli (the same Debian package as redis-server).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def require() -> None:
-    """Skips the test without redis-server on PATH or redis-py, or fails it when
-    ``KVXFER_REQUIRE_REDIS=1`` requires the Redis tests to run."""
+def require(*tools: str) -> None:
+    """Skips the test without redis-server (and ``tools``) on PATH or redis-py, or
+    fails it when ``KVXFER_REQUIRE_REDIS=1`` requires the Redis tests to run."""
     why = None
-    if shutil.which("redis-server") is None:
-        why = "redis-server is not on PATH"
+    missing = [t for t in ("redis-server", *tools) if shutil.which(t) is None]
+    if missing:
+        why = f"{missing[0]} is not on PATH"
     elif importlib.util.find_spec("redis") is None:
         why = "redis-py is not installed (pip install 'kvxfer[redis]')"
     if why is None:
@@ -96,3 +99,128 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class Cluster:
+    """A Redis Cluster of primaries on loopback, started by ``redis_cluster``.
+
+    ``spec`` is its ``redis+cluster://`` store spec. ``kill(port)`` and ``restart(port)``
+    stop a node hard (``SIGKILL``) and start it again on the same port with its
+    ``nodes-PORT.conf``, so it rejoins with its slots (and, with ``--save ''``, none of
+    its keys).
+    """
+
+    def __init__(self, exe: str, cli: str, work: str, ports: list[int], buses: list[int]):
+        self.exe, self.cli, self.work = exe, cli, work
+        self.ports, self._buses = ports, dict(zip(ports, buses))
+        self._procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def spec(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def log(self, port: int) -> str:
+        path = os.path.join(self.work, f"redis-{port}.log")
+        return open(path, encoding="utf-8", errors="replace").read() \
+            if os.path.exists(path) else ""
+
+    def start(self, port: int) -> None:
+        # cluster-require-full-coverage no: the live primaries keep serving their slots
+        # while one is down (the default refuses every query of the whole cluster).
+        # cluster-port: the default bus port (PORT + 10000) may be past 65535 or taken.
+        self._procs[port] = subprocess.Popen(
+            [self.exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "2000",
+             "--cluster-port", str(self._buses[port]),
+             "--cluster-require-full-coverage", "no", "--appendonly", "no", "--save", "",
+             "--dir", self.work, "--logfile", os.path.join(self.work, f"redis-{port}.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def ping(self, port: int) -> bool:
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0,
+                             socket_connect_timeout=1.0)
+        try:
+            return bool(client.ping())
+        except redis.exceptions.ConnectionError:
+            return False
+        finally:
+            client.close()
+
+    def info(self, port: int) -> str:
+        out = subprocess.run([self.cli, "-p", str(port), "cluster", "info"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every node answers and says ``cluster_state:ok``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(self._procs[p].poll() is None and self.ping(p) and
+                   "cluster_state:ok" in self.info(p) for p in self.ports):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the Redis cluster did not reach cluster_state:ok:\n" +
+                           "\n".join(self.log(p)[-2000:] for p in self.ports))
+
+    def kill(self, port: int) -> None:
+        proc = self._procs[port]
+        proc.kill()
+        proc.wait()
+
+    def restart(self, port: int) -> None:
+        """Starts a killed node again on its port; returns once it answers PING."""
+        self.start(port)
+        deadline = time.monotonic() + 20.0
+        while not self.ping(port):
+            if self._procs[port].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {port} did not come back:\n"
+                                   f"{self.log(port)[-2000:]}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        for proc in self._procs.values():
+            _stop(proc)
+
+
+@contextlib.contextmanager
+def redis_cluster(nodes: int = 3, timeout_s: float = 30.0) -> Iterator[Cluster]:
+    """A running Redis Cluster of ``nodes`` primaries, no replicas; yields its ``Cluster``.
+
+    Raises:
+      RuntimeError: a node did not start, ``redis-cli --cluster create`` failed, or the
+        cluster did not reach ``cluster_state:ok`` within ``timeout_s``.
+    """
+    exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if exe is None or cli is None:
+        raise FileNotFoundError("redis-server or redis-cli is not on PATH")
+    with tempfile.TemporaryDirectory(prefix="kvxfer-redis-cluster-") as work:
+        socks = [socket.socket() for _ in range(2 * nodes)]
+        for s in socks:  # held open together, so the ports differ
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in socks]
+        for s in socks:
+            s.close()
+        cluster = Cluster(exe, cli, work, ports[:nodes], ports[nodes:])
+        try:
+            for port in cluster.ports:
+                cluster.start(port)
+            deadline = time.monotonic() + timeout_s
+            for port in cluster.ports:
+                while not cluster.ping(port):
+                    if cluster._procs[port].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"redis-server on port {port} did not answer "
+                                           f"PING:\n{cluster.log(port)}")
+                    time.sleep(0.02)
+            out = subprocess.run(
+                [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in cluster.ports),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True, text=True, timeout=timeout_s)
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}"
+                                   f"{out.stderr}")
+            cluster.wait_ok(timeout_s)
+            yield cluster
+        finally:
+            cluster.stop()
