@@ -487,7 +487,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="damage cached pages after offload: "
                         f"{', '.join(INJECT_MODES)} (one-shard forces --devices >= 2; "
                         "store-bitflip needs --store)")
-    parser.add_argument("--store", default=None, metavar="DIR|redis://HOST:PORT",
+    parser.add_argument("--store", default=None,
+                        metavar="DIR|redis://HOST:PORT|redis+cluster://HOST:PORT,...",
                         help="a store tier below host memory: evicted host pages (and all "
                         "of them at the end) go there, and a later run on the same store "
                         "starts with its pages")
