@@ -23,7 +23,7 @@ __all__ = ["register", "families"]
 
 # stats() entries that are levels, not running totals.
 _GAUGES = frozenset({"host_pages", "host_free_pages", "pinned_pages", "blobs", "bytes",
-                     "capacity_bytes"})
+                     "capacity_bytes", "domains", "domains_unreachable"})
 _LABELS = {"mismatches": "reason", "imports_refused": "reason", "bad_pages_by_tier": "tier"}
 
 

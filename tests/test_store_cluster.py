@@ -121,25 +121,25 @@ def test_keys_spread_over_every_node(redis_cluster):
 def test_put_if_absent_race_between_two_clients_has_one_winner(redis_cluster, prefix):
     n = 400
     clients = [RedisClusterStore(redis_cluster.spec, prefix=prefix) for _ in (1, 2)]
-    start = threading.Barrier(2)
-    won = [set(), set()]
+    start = threading.Barrier(4)
+    won = [set() for _ in range(4)]
 
-    def race(who):
+    def race(who):  # two threads on each client: a client is shared by threads too
         start.wait()
         for i in range(n):
-            if clients[who].put(f"race-{i}", make_blob(f"race-{i}", who, 64)):
+            if clients[who % 2].put(f"race-{i}", make_blob(f"race-{i}", who, 64)):
                 won[who].add(i)
 
-    threads = [threading.Thread(target=race, args=(w,)) for w in (0, 1)]
+    threads = [threading.Thread(target=race, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert won[0].isdisjoint(won[1]) and won[0] | won[1] == set(range(n))
+    assert sum(map(len, won)) == n and set().union(*won) == set(range(n))
     assert clients[0].stats()["blobs"] == n
     for who, keys in enumerate(won):
         for i in keys:
-            assert blob_version(f"race-{i}", clients[1 - who].get(f"race-{i}")) == who
+            assert blob_version(f"race-{i}", clients[1 - who % 2].get(f"race-{i}")) == who
     clients[0].clear()
     for c in clients:
         c.close()
@@ -248,6 +248,11 @@ def test_a_dead_node_is_misses_with_a_warning_then_serves_again(redis_cluster, p
 
 
 def test_host_cache_evicts_to_the_cluster_and_promotes_back_verified(redis_cluster, prefix):
+    import prometheus_client
+    from prometheus_client.openmetrics import exposition, parser
+
+    import kvxfer.metrics
+
     caches = testing.random_caches(2, 8, (4, 32), "bfloat16", seed=0)
     want = [testing.bits(c) for c in caches]
     keys = (10, 11, 12, 13)
@@ -273,6 +278,14 @@ def test_host_cache_evicts_to_the_cluster_and_promotes_back_verified(redis_clust
         st = cache.stats()
         assert st["store_hits"] == 4 and st["misses"] == 1
         assert cache.lookup([10]).tiers == ("host",)
+        registry = prometheus_client.CollectorRegistry()
+        kvxfer.metrics.register(cache, registry=registry)
+        text = exposition.generate_latest(registry).decode()
+        names = [f.name for f in parser.text_string_to_metric_families(text)]
+        assert len(names) == len(set(names))  # the cluster's own stats clash with none
+        assert registry.get_sample_value("kvxfer_cache_store_tier_domains") == 16
+        assert registry.get_sample_value("kvxfer_cache_store_tier_domains_unreachable") == 0
+        assert registry.get_sample_value("kvxfer_cache_store_tier_blobs") == 4
         cache.close(), mgr.close()
         s.clear()
 

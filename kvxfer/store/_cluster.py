@@ -20,7 +20,9 @@ What that keeps and what it gives up:
   recently used blob of its own domain, which is not always the oldest of the store
   (with many pages per domain, and keys hashed evenly, the difference is small);
   a blob larger than a domain's share is refused (``ValueError``);
-* the domains' slots spread over the cluster's primaries (16 tags over 16384 slots).
+* the domains' slots spread over the cluster's primaries, unevenly with few domains
+  (the 16 of prefix ``kvxfer:`` fall 7, 3 and 6 on three primaries of equal slot
+  ranges); more domains spread more evenly, each with a smaller share.
 
 When a primary dies (with no replica to fail over to), its domains are unreachable:
 a ``get`` or ``contains`` of their keys is a miss (counted as ``read_errors``, and
