@@ -188,6 +188,21 @@ def test_capacity_is_exact_across_clients_and_lru_within_a_domain(redis_cluster,
     a.close(), b.close()
 
 
+def test_a_server_error_on_a_read_is_a_store_error_not_an_outage(redis_cluster, prefix, caplog):
+    with RedisClusterStore(redis_cluster.spec, prefix=prefix) as s:
+        assert s.put("k", b"v")
+        root = s.domain_root(s.domain_of("k"))
+        with _raw(_port(s.domain_nodes()[s.domain_of("k")])) as raw:
+            raw.set(root + "m:lru", b"not a sorted set")  # another client's mistake
+            with caplog.at_level(logging.WARNING, logger="kvxfer"), \
+                    pytest.raises(StoreError, match="cannot read key 'k': .*WRONGTYPE"):
+                s.get("k")
+            raw.delete(root + "m:lru")
+        assert "unreachable" not in caplog.text
+        assert s.stats()["read_errors"] == 0 and s.get("k") == b"v"  # not held off
+        assert s.clear() == 1
+
+
 # -- a node dies and comes back -------------------------------------------------------
 
 

@@ -175,8 +175,12 @@ class RedisClusterStore(KeyspaceStore):
         user, password, nodes, _ = _split(spec)
         where = f"redis cluster store at {_redact(spec)}"
         # RedisClusterException (no node reachable, a slot not covered) is no RedisError.
-        errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
-                  OSError)
+        x = redis.exceptions
+        errors = (x.RedisError, x.RedisClusterException, OSError)
+        # What a node down (or a slot without a node) looks like; any other error (a
+        # server out of memory, say) is a StoreError even on a read.
+        self._outages = (x.ConnectionError, x.TimeoutError, x.ClusterDownError,
+                         x.TryAgainError, x.RedisClusterException, OSError)
         try:
             # require_full_coverage=False: a slot map with a node missing still serves
             # the domains of the others. A short retry: redis-py's default backs off
@@ -215,11 +219,14 @@ class RedisClusterStore(KeyspaceStore):
 
     def _unreachable(self, domain: int, what: str, e: BaseException) -> None:
         """A read of a dead domain: counted, logged once per outage, a miss."""
+        if not isinstance(e, self._outages):
+            raise self._fail(what, e) from e
         self._count(read_errors=1)
         self._mark_down(domain, what, e)
 
     def _unwritable(self, domain: int, what: str, e: BaseException) -> StoreError:
-        self._mark_down(domain, what, e)
+        if isinstance(e, self._outages):
+            self._mark_down(domain, what, e)
         return self._fail(what, e)
 
     def _held(self, domain: int) -> bool:
