@@ -19,7 +19,8 @@ A put is one ``MULTI``/``EXEC`` transaction: a Lua script that does the accounti
 ``SET NX`` (a replacing put's script deletes the old blob once its accounting
 succeeded). Redis does not roll a transaction back, so an accounting step that fails
 (a counter another client overwrote) leaves a marker in the blob's place that makes
-the ``SET NX`` write nothing, and a last script removes the marker: an error, and no
+the ``SET NX`` write nothing; the writer then removes the marker (a read meanwhile
+sees a miss), so a put that fails costs an error, and no
 blob unaccounted. A hit is one transaction too: ``GET`` and a script that marks the
 key used. Redis runs a transaction whole, without interleaving another client's
 commands, so under any number of concurrent clients exactly one put-if-absent of a key
@@ -82,6 +83,7 @@ end
 return 0
 """
 _MARK = "kvxfer: a put whose accounting failed; never a blob"
+_MARK_BYTES = _MARK.encode()
 
 # KEYS: blob, lru, sizes, bytes, clock. ARGV: key. Marks a present blob used; drops the
 # bookkeeping of one that is gone (deleted or evicted by the server).
@@ -142,8 +144,9 @@ class Keyspace:
             pipe.execute_command("EVAL", _PUT, 5, bkey, *self.meta, key, view.nbytes,
                                  int(replace), cap, self.blobs, _MARK)
             pipe.set(bkey, view, nx=True)
-            pipe.execute_command("EVAL", _UNMARK, 1, bkey, _MARK)
-            evicted, stored, _ = pipe.execute()
+            evicted, stored = pipe.execute()
+        if int(evicted) == -2:  # the failure path only: the common put stays two commands
+            client.execute_command("EVAL", _UNMARK, 1, bkey, _MARK)
         return int(evicted), bool(stored)
 
     def get(self, client: Any, key: str) -> bytes | None:
@@ -152,6 +155,8 @@ class Keyspace:
             pipe.get(bkey)
             pipe.execute_command("EVAL", _TOUCH, 5, bkey, *self.meta, key)
             blob, _ = pipe.execute()
+        if blob is not None and len(blob) == len(_MARK_BYTES) and blob == _MARK_BYTES:
+            return None  # a failed put's marker, before its writer removed it
         return blob
 
     def contains(self, client: Any, key: str) -> bool:
