@@ -126,6 +126,16 @@ class _Staged:
     reason: str | None
 
 
+
+def _pairs(host_buffer_ids: Any, device_indices: Any) -> tuple[list[int], list[int]]:
+    """Host ids and device pages as ints, checked to pair up one to one."""
+    ids = [int(i) for i in host_buffer_ids]
+    pages = [int(d) for d in device_indices]
+    if len(ids) != len(pages):
+        raise ValueError(f"host_buffer_ids ({len(ids)}) and device_indices ({len(pages)}) "
+                         "differ in length")
+    return ids, pages
+
 class KvxferHostKVPool:
     """sglang-jax's ``LRUHostKVPool``, with every transfer made and verified by kvxfer.
 
@@ -347,11 +357,7 @@ class KvxferHostKVPool:
           ValueError: lengths differ, or a device page or host id out of range.
           RuntimeError: a host id is not allocated.
         """
-        device_indices = [int(d) for d in device_indices]
-        ids = [int(i) for i in host_buffer_ids]
-        if len(device_indices) != len(ids):
-            raise ValueError(f"device_indices ({len(device_indices)}) and host_buffer_ids "
-                             f"({len(ids)}) differ in length")
+        ids, device_indices = _pairs(host_buffer_ids, device_indices)
         if not ids:
             return
         with self._lock:
@@ -479,11 +485,7 @@ class KvxferHostKVPool:
           TransferError: a device or transfer failure (``kv_buffer`` holds the
             caches to continue with).
         """
-        ids = [int(i) for i in host_buffer_ids]
-        device_indices = [int(d) for d in device_indices]
-        if len(ids) != len(device_indices):
-            raise ValueError(f"host_buffer_ids ({len(ids)}) and device_indices "
-                             f"({len(device_indices)}) differ in length")
+        ids, device_indices = _pairs(host_buffer_ids, device_indices)
         if not ids:
             return FlushLoadResult((), (), (), (), {})
         self._require_device_pages(device_indices)
