@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
@@ -24,7 +24,7 @@ from kvxfer.layout import dtype_of, natural_bits
 
 __all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "alias", "compile_ahead",
            "DIGEST_CHUNK", "unit_count", "pinned_write", "pinned_gather", "pinned_load",
-           "zeros", "compile_zeros"]
+           "zeros", "compile_zeros", "compile_job", "compiled", "deferred_compiles"]
 
 # Layers per digest program: compile time grows with the layers in a program, so a
 # class of 61 layers compiles two programs of 8 (and one of 5), not one of 61.
@@ -290,13 +290,36 @@ _deferred = threading.local()
 def deferred_compiles() -> Iterator[list[Callable[[], None]]]:
     """Collects the compiles ``compile_ahead`` asks for on this thread, instead of running
     them: the caller runs the jobs it yields (side by side: XLA compiles with the GIL
-    released)."""
+    released). A program asked for twice (by two buckets that share it) is queued once.
+    """
     jobs: list[Callable[[], None]] = []
-    previous, _deferred.jobs = getattr(_deferred, "jobs", None), jobs
+    previous = getattr(_deferred, "state", None)
+    _deferred.state = (jobs, set())
     try:
         yield jobs
     finally:
-        _deferred.jobs = previous
+        _deferred.state = previous
+
+
+def compile_job(key: Hashable, job: Callable[[], None]) -> None:
+    """Runs ``job`` (a compile), or inside ``deferred_compiles`` queues it once per ``key``."""
+    state = getattr(_deferred, "state", None)
+    if state is None:
+        job()
+        return
+    jobs, keys = state
+    if key not in keys:
+        keys.add(key)
+        jobs.append(job)
+
+
+def _lowered(kind: str, arrays: tuple, args: tuple, with_digest: bool, options: tuple):
+    formats = tuple(a.format for a in arrays)
+    raw = needs_raw_bits(arrays[0])
+    program, ballasted = _program(kind, formats, raw, with_digest, options)
+    seed = (jax.ShapeDtypeStruct((), np.float32),) if ballasted else ()
+    key = (kind, formats, raw, with_digest, options, tuple(arrays), args)
+    return key, lambda: program.lower(arrays, *args, *seed)
 
 
 def compile_ahead(kind: str, arrays: tuple, *args, with_digest: bool = False,
@@ -306,19 +329,15 @@ def compile_ahead(kind: str, arrays: tuple, *args, with_digest: bool = False,
     A later call with arrays of the same shapes, dtypes, shardings and layouts finds
     the program compiled. Inside ``deferred_compiles`` the compile is queued instead.
     """
-    formats = tuple(a.format for a in arrays)
-    program, ballasted = _program(kind, formats, needs_raw_bits(arrays[0]), with_digest,
-                                  options)
-    seed = (jax.ShapeDtypeStruct((), np.float32),) if ballasted else ()
+    key, lower = _lowered(kind, arrays, args, with_digest, options)
+    compile_job(key, lambda: lower().compile())
 
-    def job() -> None:
-        program.lower(arrays, *args, *seed).compile()
 
-    jobs = getattr(_deferred, "jobs", None)
-    if jobs is None:
-        job()
-    else:
-        jobs.append(job)
+def compiled(kind: str, arrays: tuple, *args, with_digest: bool = False,
+             options: tuple = ()) -> jax.stages.Compiled:
+    """The program ``kind`` compiled for these (abstract) arguments, as ``compile_ahead``
+    makes it (for tests and probes: its ``memory_analysis()``, its HLO)."""
+    return _lowered(kind, arrays, args, with_digest, options)[1]().compile()
 
 
 def gather(arrays, ids, base, layer_nums, with_digest: bool):
