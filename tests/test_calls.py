@@ -104,7 +104,7 @@ _COMPILES = _Compiles()
 def test_warmup_compiles_a_bounded_number_of_programs(path):
     # 12 layers (a digest group and a remainder), one class, buckets 1..8: no program
     # is per layer, and on XLA:CPU the programs that loop over the pages (digests,
-    # pinned copies) are made once for every bucket.
+    # pinned copies, staged loads) are made once for every bucket.
     # A block shape of its own per path: auto's fallback runs the pinned programs.
     block = {"auto": (6, 128), "staged": (10, 128), "pinned": (14, 128)}[path]
     caches = testing.random_caches(12, 16, block, "bfloat16", seed=3)
@@ -116,6 +116,6 @@ def test_warmup_compiles_a_bounded_number_of_programs(path):
             _COMPILES.on = False
     assert buckets == [1, 2, 4, 8]
     # 2 digest programs; pinned: write and load; auto: those and the raw alias
-    # program; staged: a gather and a scatter per bucket.
-    expected = {"auto": 5, "pinned": 4, "staged": 2 + 2 * len(buckets)}[path]
+    # program; staged: a gather per bucket and the load.
+    expected = {"auto": 5, "pinned": 4, "staged": 2 + len(buckets) + 1}[path]
     assert _COMPILES.count == expected, _COMPILES.count

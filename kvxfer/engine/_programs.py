@@ -28,7 +28,7 @@ import numpy as np
 from kvxfer import integrity
 from kvxfer.layout import dtype_of, natural_bits
 
-__all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "alias",
+__all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "staged_load", "alias",
            "compile_ahead", "compile_job", "compiled", "deferred_compiles", "page_loops",
            "DIGEST_CHUNK", "unit_count", "pinned_write", "pinned_gather", "pinned_load",
            "zeros", "compile_zeros"]
@@ -66,7 +66,7 @@ def _with_layer(base: jax.Array, layer: jax.Array) -> jax.Array:
 
 
 def page_loops(device: Any) -> bool:
-    """Whether digest programs on ``device`` loop over the pages (XLA:CPU).
+    """Whether programs on ``device`` digest and stage pages in loops (XLA:CPU).
 
     A loop of one page an iteration runs as fast as a vectorized program on XLA:CPU
     (each iteration moves whole blocks), and its page count is a runtime value, so one
@@ -159,6 +159,16 @@ def _scatter_impl(arrays, ids, pages, *, raw: bool):
         b = _bits(a, raw).at[ids].set(pages[i], mode="drop", unique_indices=True)
         out.append(jax.lax.bitcast_convert_type(b, a.dtype) if raw else b)
     return tuple(out)
+
+
+def _staged_load_impl(arrays, ids, pages, count, *, raw: bool):
+    # ``pages`` is page-major, ``[n, L, *block]`` (raw bits where ``raw``): page ``j``
+    # of layer ``l`` is written into block ``ids[j]`` for ``j < count``, in place.
+    def body(j, caches):
+        page = jax.lax.dynamic_index_in_dim(pages, j, 0, keepdims=False)
+        return _write_blocks(caches, ids[j], [page[l][None] for l in range(len(arrays))], raw)
+
+    return tuple(jax.lax.fori_loop(0, count, body, list(arrays)))
 
 
 def _units(x: jax.Array, unit: int) -> jax.Array:
@@ -327,6 +337,10 @@ def _parts(kind: str, formats: tuple, raw: bool, with_digest: bool,
                                   loop=loop),
                 dict(donate_argnums=(0,), in_shardings=(formats, src, None, None, None),
                      out_shardings=(formats, None)))
+    if kind == "staged_load":
+        return (functools.partial(_staged_load_impl, raw=raw),
+                dict(donate_argnums=(0,), in_shardings=(formats, None, None, None),
+                     out_shardings=formats))
     return (functools.partial(_scatter_impl, raw=raw),
             dict(donate_argnums=(0,), in_shardings=(formats, None, None),
                  out_shardings=formats))
@@ -453,6 +467,15 @@ def scatter(arrays, ids, pages):
     return _run("scatter", arrays, ids, pages)
 
 
+
+
+def staged_load(arrays, ids, pages, count):
+    """Writes ``pages[j, l]`` into block ``ids[j]`` of layer ``l`` for ``j < count``, in
+    place (donated): one dynamic-update-slice per block (XLA:CPU).
+
+    ``pages`` is page-major ``[n, L, *block]``; entries past ``count`` are never read.
+    """
+    return _run("staged_load", arrays, ids, pages, count)
 
 
 def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...]):
