@@ -202,7 +202,7 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         ``arrays`` and ``layers`` are abstract values (``ShardedLayer.abstract``). The
         base compiles the digest programs (groups of ``DIGEST_CHUNK`` layers and the
         remainder, every replica); on XLA:CPU one digest program serves every bucket
-        up to ``loop_pages`` (compiled once).
+        up to ``loop_pages`` (warm-up compiles it once).
         """
         if not with_digest:
             return
