@@ -312,6 +312,32 @@ def test_warmup_compiles_every_kernel_a_bucket_runs():
     mgr.close()
 
 
+def test_a_class_of_more_layers_than_one_interpreted_kernel_moves():
+    """Interpreted offload kernels move 8 layers each: 11 layers take two, and one
+    offload and one load kernel serve every transfer size (the buffers are sized for
+    every transfer up to the class's blocks), compiled by warm-up."""
+    caches = with_nans(testing.random_caches(11, 8, (2, 128), "bfloat16", seed=13), 2)
+    before = [bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pallas")
+    with compiled_programs() as names:
+        assert mgr.warmup(8) == [1, 2, 4, 8]
+    kernels = [f for f in names if "kvxfer" in f]
+    assert sorted(kernels) == ["jit(kvxfer_load)", "jit(kvxfer_offload)",
+                              "jit(kvxfer_offload)"], kernels
+    with compiled_programs() as names:
+        for src, dst in (([2], [7]), ([0, 2, 5], [6, 1, 3]), (list(range(8)), list(range(8)))):
+            pages = mgr.offload(caches, src, keys=[10 + i for i in src]).wait()
+            caches, load = mgr.load(caches, pages, dst, gate="layer")
+            assert load.result().verified_prefix == len(src)
+            want = expect_loaded(before, src, dst)
+            for i, (c, w) in enumerate(zip(caches, want)):
+                assert np.array_equal(bits(c), w), f"layer {i}"
+            before = want
+            mgr.free(pages)
+    assert [f for f in names if "kvxfer" in f or "digest" in f] == []
+    mgr.close()
+
+
 def test_offloads_in_flight_keep_host_writes_to_other_pages():
     caches = testing.random_caches(2, 16, (4, 128), "float32", seed=12)
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pallas")

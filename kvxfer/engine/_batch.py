@@ -12,8 +12,8 @@ import numpy as np
 
 from kvxfer import integrity
 
-__all__ = ["ShardedLayer", "PageBatch", "assemble", "bucket", "device_of", "layer_nums",
-           "abstract", "local", "own_context"]
+__all__ = ["ShardedLayer", "PageBatch", "assemble", "bucket", "loop_pages", "LOOP_PAGES",
+           "device_of", "layer_nums", "abstract", "local", "own_context"]
 
 
 def bucket(k: int) -> int:
@@ -24,6 +24,30 @@ def bucket(k: int) -> int:
         [1, 1, 2, 4, 8, 8]
     """
     return 1 << max(0, k - 1).bit_length()
+
+
+#: The fewest pages a loop program (one page an iteration, the page count a runtime
+#: value) is made for: one program then serves every transfer of up to this many pages.
+#: Its index arrays and outputs are sized by it, so it stays small enough that a
+#: 1-page transfer does not pay for them.
+LOOP_PAGES = 256
+
+
+def loop_pages(k: int, blocks: int) -> int:
+    """Pages a loop program moving ``k`` pages of ``blocks``-block arrays is made for.
+
+    Programs that loop over the pages with the count as a runtime value cost what
+    they move, whatever their index arrays hold: one size serves every transfer of up
+    to ``min(bucket(blocks), LOOP_PAGES)`` pages (a transfer names distinct blocks, so
+    it never moves more than ``blocks``); beyond that, buckets as ``bucket`` pads them.
+
+    Example:
+        >>> [loop_pages(k, 128) for k in (1, 7, 64, 128)]
+        [128, 128, 128, 128]
+        >>> [loop_pages(k, 4096) for k in (1, 256, 257)]
+        [256, 256, 512]
+    """
+    return max(bucket(k), min(bucket(blocks), LOOP_PAGES))
 
 
 def device_of(a: jax.Array | jax.ShapeDtypeStruct) -> Any:
@@ -135,7 +159,8 @@ class PageBatch:
         base[:self.k, 1] = (keys64 >> np.uint64(32)).astype(np.uint32)
         base[:self.k, 3] = np.asarray(list(generations), dtype=np.uint32)
         self._base = base
-        self._device: dict[tuple[Any, int], tuple[jax.Array, jax.Array]] = {}
+        self._device: dict[tuple[Any, int, int], tuple[jax.Array, jax.Array]] = {}
+        self._count: dict[Any, jax.Array] = {}
 
     def subset(self, rows: np.ndarray, ids: np.ndarray) -> PageBatch:
         """The pages at ``rows`` of this batch under other block ids (same identities)."""
@@ -147,6 +172,7 @@ class PageBatch:
         base[:out.k] = self._base[rows]
         out._base = base
         out._device = {}
+        out._count = {}
         return out
 
     def identity(self, layer: int, shard: int) -> np.ndarray:
@@ -156,15 +182,30 @@ class PageBatch:
         out[:, 4] = shard
         return out
 
-    def on(self, device: Any, shard: int) -> tuple[jax.Array, jax.Array]:
-        """(padded ids, identities without the layer) on ``device``."""
-        key = (device, shard)
+    def on(self, device: Any, shard: int, size: int | None = None
+           ) -> tuple[jax.Array, jax.Array]:
+        """(padded ids, identities without the layer) on ``device``.
+
+        Padded to ``size`` entries (a loop program's, see ``loop_pages``), or to the
+        bucket; padding ids repeat the first page.
+        """
+        size = len(self.padded) if size is None else size
+        key = (device, shard, size)
         if key not in self._device:
-            base = self._base.copy()
+            ids = np.full(size, self.padded[0], dtype=np.int32)
+            n = min(size, len(self.padded))
+            ids[:n] = self.padded[:n]
+            base = np.zeros((size, integrity.IDENTITY_WORDS), dtype=np.uint32)
+            base[:n] = self._base[:n]
             base[:, 4] = shard
-            self._device[key] = (jax.device_put(self.padded, device),
-                                 jax.device_put(base, device))
+            self._device[key] = (jax.device_put(ids, device), jax.device_put(base, device))
         return self._device[key]
+
+    def count_on(self, device: Any) -> jax.Array:
+        """The page count ``k`` as an ``int32`` scalar on ``device`` (a loop's trip count)."""
+        if device not in self._count:
+            self._count[device] = jax.device_put(np.int32(self.k), device)
+        return self._count[device]
 
 
 def _pad_ids(ids: np.ndarray) -> np.ndarray:

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from kvxfer import integrity
-from kvxfer.engine._batch import PageBatch, ShardedLayer, device_of, layer_nums
-from kvxfer.engine._programs import DIGEST_CHUNK, compile_ahead, digest_blocks
+from kvxfer.engine._batch import PageBatch, ShardedLayer, device_of, layer_nums, loop_pages
+from kvxfer.engine._programs import DIGEST_CHUNK, compile_ahead, digest_blocks, page_loops
 from kvxfer.hostpool import ClassPool, HostBacking
 from kvxfer.plan import SliceClass
 
@@ -72,6 +72,19 @@ def _batch_abstract(b: int, device: Any) -> tuple[jax.ShapeDtypeStruct, jax.Shap
     """What ``PageBatch.on`` puts on ``device`` for ``b`` padded pages, abstractly."""
     return (_sds((b,), np.int32, device),
             _sds((b, integrity.IDENTITY_WORDS), np.uint32, device))
+
+
+def _count_abstract(device: Any) -> jax.ShapeDtypeStruct:
+    """What ``PageBatch.count_on`` puts on ``device``, abstractly."""
+    return _sds((), np.int32, device)
+
+
+def _digest_size(k: int, arrays: Sequence[Any]) -> int | None:
+    """The ``PageBatch.on`` size the digest programs of ``arrays`` take for ``k`` pages
+    (None: the bucket)."""
+    if not page_loops(device_of(arrays[0])):
+        return None
+    return loop_pages(k, min(a.shape[0] for a in arrays))
 
 
 class Pending:
@@ -174,11 +187,12 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         parts = []
         for s in range(self.cls.num_shards):
             device = device_of(layers[positions[0]].shards[s][replica])
-            ids_d, base_d = batch.on(device, s)
-            parts.append([digest_blocks(tuple(layers[p].shards[s][replica] for p in chunk), ids_d,
-                                         base_d, layer_nums(device, tuple(
-                                             self.cls.layers[p] for p in chunk)))
-                          for chunk in chunks])
+            arrays = [tuple(layers[p].shards[s][replica] for p in chunk) for chunk in chunks]
+            ids_d, base_d = batch.on(device, s, _digest_size(batch.k, arrays[0]))
+            count = batch.count_on(device)
+            parts.append([digest_blocks(a, ids_d, base_d, layer_nums(device, tuple(
+                                            self.cls.layers[p] for p in chunk)), count)
+                          for a, chunk in zip(arrays, chunks)])
         return Pending(parts, batch.k)
 
     def warmup(self, arrays: Sequence[jax.ShapeDtypeStruct], layers: Sequence[ShardedLayer],
@@ -187,7 +201,8 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
 
         ``arrays`` and ``layers`` are abstract values (``ShardedLayer.abstract``). The
         base compiles the digest programs (groups of ``DIGEST_CHUNK`` layers and the
-        remainder, every replica).
+        remainder, every replica); on XLA:CPU one digest program serves every bucket
+        up to ``loop_pages`` (warm-up compiles it once).
         """
         if not with_digest:
             return
@@ -197,10 +212,11 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         for s in range(self.cls.num_shards):
             for r in range(len(layers[0].shards[s])):
                 device = device_of(layers[0].shards[s][r])
-                ids, base = _batch_abstract(b, device)
                 for size in chunks:
-                    compile_ahead("digest", tuple(layers[p].shards[s][r] for p in range(size)),
-                                  ids, base, _sds((size,), np.uint32, device))
+                    arrays = tuple(layers[p].shards[s][r] for p in range(size))
+                    ids, base = _batch_abstract(_digest_size(b, arrays) or b, device)
+                    compile_ahead("digest", arrays, ids, base, _sds((size,), np.uint32, device),
+                                  _count_abstract(device))
 
     def _store_digests(self, slots: np.ndarray, shard: int, d: np.ndarray) -> None:
         # d: [L, k, D] -> pool.digests[slot, L, shard, D]

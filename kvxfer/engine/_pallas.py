@@ -31,6 +31,13 @@ everything but the HOST memory space itself (see ``kvxfer.engine._dma``). The
 interpreter copies each operand in and each output out whole, the pool included, so
 there a transfer costs what the pool holds (tests keep pools small), and it runs each
 kernel to the end before its call returns.
+
+Interpreted kernels hold host callbacks, which JAX's persistent compilation cache does
+not keep, so every process compiles them again. Off TPU the page buffers therefore
+hold ``loop_pages`` pages whatever the transfer moves (the kernels' page count is a
+runtime value already), and a load's kernels get a buffer per layer (each kernel
+moves one layer, and the interpreter copies its buffer whole): one offload and one
+load kernel per class serve every transfer size, instead of one per bucket.
 """
 
 from __future__ import annotations
@@ -45,8 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvxfer.engine import _dma
-from kvxfer.engine._batch import ShardedLayer, assemble, device_of
+from kvxfer.engine._batch import ShardedLayer, assemble, bucket, device_of, loop_pages
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
+from kvxfer.engine._programs import compile_job
 from kvxfer.hostpool import ClassPool, HostBacking
 from kvxfer.layout import Layout, dtype_of, natural_bits, shape_text
 from kvxfer.plan import LayerSpec, SliceClass
@@ -59,6 +67,11 @@ _PLATFORMS = ("tpu", "cpu")
 
 # Off TPU the kernels run in TPU interpret mode, whose state is process-wide.
 _INTERPRET_LOCK = threading.Lock()
+
+# Layers per interpreted offload kernel: its lowering grows with the layers, and
+# interpreted kernels are compiled again in every process (a class of 32 layers runs
+# one kernel of 8 four times). On TPU one kernel moves every layer of the class.
+_INTERPRETED_LAYERS = 8
 
 
 def pallas_refusal(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
@@ -148,22 +161,24 @@ def _padded(values: np.ndarray, b: int) -> np.ndarray:
 
 
 class PallasOffload(NamedTuple):
-    """What an offload started: per shard, its ``done`` token and its page buffer
-    (None where the kernel wrote the pool itself), and the digests."""
+    """What an offload started: per shard, its kernels' ``done`` tokens and their page
+    buffers in layer order (None where the kernel wrote the pool itself), and the
+    digests."""
 
     k: int
-    done: list[jax.Array]
-    buffers: list[jax.Array | None]
+    done: list[tuple[jax.Array, ...]]
+    buffers: list[tuple[jax.Array, ...] | None]
     digests: Pending | None
 
 
 class PallasInputs(NamedTuple):
-    """What one shard replica's load kernels read: a page buffer on its device (None:
-    the pool itself) and the slot of each page in it."""
+    """What one shard replica's load kernels read: page buffers on its device (None:
+    the pool itself; one buffer of every layer, or off TPU one a layer) and the slot
+    of each page in them."""
 
     shard: int
     replica: int
-    buffer: jax.Array | None
+    buffers: tuple[jax.Array, ...] | None
     slots: np.ndarray
 
 
@@ -225,6 +240,14 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
     def _direct_here(self, shard: int, replica: int, device: Any) -> bool:
         return self._direct and shard == 0 and replica == 0 and device == self._pool_device
 
+    @staticmethod
+    def _buffer_pages(k: int, array: Any) -> int:
+        """Pages of a page buffer (and entries of the ids and slots) for ``k`` pages of
+        ``array``'s blocks: the bucket on TPU, ``loop_pages`` in interpret mode."""
+        if _dma.compiled(device_of(array)):
+            return bucket(k)
+        return loop_pages(k, array.shape[0])
+
     # -- offload ----------------------------------------------------------------
 
     def start_offload(self, layers, batch, slots, with_digest):
@@ -234,9 +257,9 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
         for s in range(self.cls.num_shards):
             caches = tuple(layer.primary[s] for layer in layers)
             device = device_of(caches[0])
-            ids_d, _ = batch.on(device, s)
             formats = tuple(a.format for a in caches)
             if self._direct_here(s, 0, device):
+                ids_d, _ = batch.on(device, s)
                 with self._lock:
                     owner = self.pool.owner
                     program = _dma.offload_program(formats, owner.format, device)
@@ -244,32 +267,46 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
                                              caches, owner)
                     self.pool.hand_over(pool)
                 buffers.append(None)
+                done.append((token,))
             else:
-                shape = jax.ShapeDtypeStruct((b, len(layers), *caches[0].shape[1:]),
-                                             caches[0].dtype)
-                buffer, token = self._call(_dma.offload_program(formats, None, device),
-                                           device, n, ids_d, np.arange(b, dtype=np.int32),
-                                           caches, shape)
-                buffers.append(buffer)
-            done.append(token)
+                size = self._buffer_pages(k, caches[0])
+                ids_d, _ = batch.on(device, s, size)
+                rows = np.arange(size, dtype=np.int32)
+                outs = []
+                for lo, hi in self._offload_chunks(device):
+                    shape = jax.ShapeDtypeStruct((size, hi - lo, *caches[0].shape[1:]),
+                                                 caches[0].dtype)
+                    outs.append(self._call(_dma.offload_program(formats[lo:hi], None, device),
+                                           device, n, ids_d, rows, caches[lo:hi], shape))
+                buffers.append(tuple(buffer for buffer, _ in outs))
+                done.append(tuple(token for _, token in outs))
         digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
         return PallasOffload(k, done, buffers, digests)
 
+    def _offload_chunks(self, device: Any) -> list[tuple[int, int]]:
+        """The layer positions ``[lo, hi)`` each offload kernel on ``device`` moves."""
+        n = len(self.cls.layers)
+        step = n if _dma.compiled(device) else _INTERPRETED_LAYERS
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
     def finish_offload(self, state: PallasOffload, slots):
         k, done, buffers, digests = state
-        for s, (token, buffer) in enumerate(zip(done, buffers)):
-            token.block_until_ready()
-            if buffer is None:
+        for s, (tokens, chunks) in enumerate(zip(done, buffers)):
+            jax.block_until_ready(tokens)
+            if chunks is None:
                 if not self._owner_checked:
                     with self._lock:
                         self.pool.check_owner()
                     self._owner_checked = True
                 continue
-            host = np.asarray(buffer)  # [bucket, L, *block]
-            raw = host.reshape(host.shape[0], host.shape[1], -1).view(np.uint8)[:k]
-            for pos in range(raw.shape[1]):
-                lo, hi = self.pool.shard_range(pos, s)
-                self.pool.data[slots, lo:hi] = raw[:, pos]
+            first = 0
+            for buffer in chunks:
+                host = np.asarray(buffer)  # [pages, layers of the kernel, *block]
+                raw = host.reshape(host.shape[0], host.shape[1], -1).view(np.uint8)[:k]
+                for i in range(raw.shape[1]):
+                    lo, hi = self.pool.shard_range(first + i, s)
+                    self.pool.data[slots, lo:hi] = raw[:, i]
+                first += raw.shape[1]
         if digests is not None:
             d = digests.get()
             for s in range(self.cls.num_shards):
@@ -283,19 +320,29 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
         out = []
         for s in range(self.cls.num_shards):
             first = layers[0].shards[s][0]
+            size = self._buffer_pages(k, first)
             staging = None
             for r, local in enumerate(layers[0].shards[s]):
-                if self._direct_here(s, r, device_of(local)):
+                device = device_of(local)
+                if self._direct_here(s, r, device):
                     out.append(PallasInputs(s, r, None, _padded(slots, b)))
                     continue
+                interpreted = not _dma.compiled(device)
                 if staging is None:
-                    staging = np.zeros((b, len(layers), *first.shape[1:]), first.dtype)
-                    flat = staging.reshape(b, len(layers), -1).view(np.uint8)
+                    # Interpreted, layer-major: each layer's pages are a buffer of their
+                    # own, ``[size, 1, *block]``; on TPU one buffer ``[b, L, *block]``.
+                    shape = (len(layers), size) if interpreted else (size, len(layers))
+                    staging = np.zeros(shape + first.shape[1:], first.dtype)
+                    flat = staging.reshape(*shape, -1).view(np.uint8)
                     for pos in range(len(layers)):
                         lo, hi = self.pool.shard_range(pos, s)
-                        flat[:k, pos] = self.pool.data[slots, lo:hi]
-                buffer = jax.device_put(staging, _dma.host_sharding(device_of(local)))
-                out.append(PallasInputs(s, r, buffer, np.arange(b, dtype=np.int32)))
+                        rows = flat[pos, :k] if interpreted else flat[:k, pos]
+                        rows[...] = self.pool.data[slots, lo:hi]
+                where = _dma.host_sharding(device)
+                buffers = tuple(jax.device_put(staging[pos][:, None], where)
+                                for pos in range(len(layers))) if interpreted else \
+                    (jax.device_put(staging, where),)
+                out.append(PallasInputs(s, r, buffers, np.arange(size, dtype=np.int32)))
         return out
 
     def start_load(self, arrays, layers, request: LoadRequest, staged: list[PallasInputs]):
@@ -305,17 +352,23 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
         with self._lock:
             owner = self.pool.owner if self._direct else None
             for pos, (array, layer) in enumerate(zip(arrays, layers)):
-                meta = np.array([batch.k, pos], np.int32)
                 shards: list[list[jax.Array]] = [[] for _ in layer.shards]
                 tokens = []
                 try:
-                    for shard, replica, buffer, slots in staged:
+                    for shard, replica, buffers, slots in staged:
                         local = layer.shards[shard][replica]
                         device = device_of(local)
                         program = _dma.load_program(local.format, device)
+                        if buffers is None:
+                            host, at = owner, pos
+                        elif len(buffers) == 1:
+                            host, at = buffers[0], pos
+                        else:
+                            host, at = buffers[pos], 0  # this layer's own buffer
+                        meta = np.array([batch.k, at], np.int32)
                         out, token = self._call(program, device, meta,
-                                                batch.on(device, shard)[0], slots, local,
-                                                owner if buffer is None else buffer)
+                                                batch.on(device, shard, len(slots))[0], slots,
+                                                local, host)
                         shards[shard].append(out)
                         tokens.append(token)
                 except Exception as e:
@@ -342,25 +395,43 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
         for s in range(self.cls.num_shards):
             primary = tuple(layer.primary[s] for layer in layers)
             device = device_of(primary[0])
-            block = (b, len(layers), *primary[0].shape[1:])
+            block = primary[0].shape[1:]
             formats = tuple(a.format for a in primary)
             pool = None
             if self._direct:
                 owner = self.pool.owner
                 pool = jax.ShapeDtypeStruct(owner.shape, owner.dtype, sharding=owner.format)
             if self._direct_here(s, 0, device):
-                program = _dma.offload_program(formats, self.pool.owner.format, device)
-                host: Any = pool
+                pool_format = self.pool.owner.format
+                self._compile(("offload", formats, pool_format, device, b),
+                              _dma.offload_program(formats, pool_format, device),
+                              *_scalars(device, 1, b), primary, pool)
             else:
-                program = _dma.offload_program(formats, None, device)
-                host = jax.ShapeDtypeStruct(block, primary[0].dtype)
-            program.lower(*_scalars(device, 1, b), primary, host).compile()
+                size = self._buffer_pages(b, primary[0])
+                for lo, hi in self._offload_chunks(device):
+                    host = jax.ShapeDtypeStruct((size, hi - lo, *block), primary[0].dtype)
+                    self._compile(("offload", formats[lo:hi], None, device, size, host),
+                                  _dma.offload_program(formats[lo:hi], None, device),
+                                  *_scalars(device, 1, size), primary[lo:hi], host)
             for r, local in enumerate(layers[0].shards[s]):
                 device = device_of(local)
-                host = pool if self._direct_here(s, r, device) else jax.ShapeDtypeStruct(
-                    block, local.dtype, sharding=_dma.host_sharding(device))
-                _dma.load_program(local.format, device).lower(
-                    *_scalars(device, 2, b), local, host).compile()
+                size = self._buffer_pages(b, local)
+                if self._direct_here(s, r, device):
+                    size, host = b, pool
+                elif _dma.compiled(device):
+                    host = jax.ShapeDtypeStruct((size, len(layers), *block), local.dtype,
+                                                sharding=_dma.host_sharding(device))
+                else:
+                    host = jax.ShapeDtypeStruct((size, 1, *block), local.dtype,
+                                                sharding=_dma.host_sharding(device))
+                self._compile(("load", local.format, device, size, host),
+                              _dma.load_program(local.format, device),
+                              *_scalars(device, 2, size), local, host)
+
+    @staticmethod
+    def _compile(key: tuple, program: Any, *args: Any) -> None:
+        # Queued with warm-up's other compiles (side by side), once per program.
+        compile_job(("pallas",) + key, lambda: program.lower(*args).compile())
 
 
 def _scalars(device: Any, meta: int, b: int) -> tuple[jax.ShapeDtypeStruct, ...]:

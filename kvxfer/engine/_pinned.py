@@ -22,13 +22,15 @@ class's first shard lives), held as a JAX array of words (``ClassPool.array``).
 
 Every program is enqueued on the caller's thread; the transfer thread only waits
 and copies host bytes. Blocks move as their raw bits where XLA:CPU would rewrite
-NaN payloads (``needs_raw_bits``); on XLA:CPU a bfloat16 or fp8 load then costs a
-copy of the whole cache (a bitcast breaks buffer aliasing), as on the staged path.
+NaN payloads (``needs_raw_bits``).
 
 Which backends update the pool in place is ``IN_PLACE_PLATFORMS`` (measured on
 XLA:CPU); elsewhere every shard takes the one-host-copy route. The two modes also
 write blocks differently: in place, a loop of dynamic-update-slices (on XLA:CPU 4-5x
-as fast as a scatter from gathered pages); through a copy, one gather and one
+as fast as a scatter from gathered pages), whose page count is a runtime value, so
+the programs that reach the pool itself are made once per class for every transfer
+of up to ``_batch.loop_pages`` pages, not once per bucket (raw bits without a copy
+of the caches, see ``_programs._write_blocks``); through a copy, one gather and one
 scatter per layer (one kernel each on a GPU, not one per block). The environment
 variable ``KVXFER_PINNED_MODE`` (``in-place`` or ``copy``) overrides the choice, so
 that a device check can measure both (``benchmarks/pinned_modes.py``) and CPU tests
@@ -44,8 +46,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from kvxfer.engine._batch import assemble, device_of
-from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _sds
+from kvxfer.engine._batch import assemble, device_of, loop_pages
+from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _count_abstract, \
+    _sds
 from kvxfer.engine._programs import compile_ahead, compile_zeros, pinned_gather, pinned_load, \
     pinned_write, zeros
 from kvxfer.engine._raw import RowCopy
@@ -165,6 +168,16 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         """Whether programs on ``device`` reach the pool itself."""
         return self._in_place and device == self.pool.device
 
+    @staticmethod
+    def _direct_pages(k: int, array: Any) -> int:
+        """Entries of the index arrays of the programs that reach the pool itself, for
+        ``k`` pages of ``array``'s blocks.
+
+        They loop over the pages (the count a runtime value), so one program serves
+        every transfer up to ``loop_pages``, not one per bucket.
+        """
+        return loop_pages(k, array.shape[0])
+
     def _pool_abstract(self) -> jax.ShapeDtypeStruct:
         a = self.pool.array
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
@@ -185,21 +198,21 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         # The digests are programs of their own (the ones loads verify with): the
         # copy programs then compile in a fraction of the time, and run as fast.
         digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
-        b = len(batch.padded)
-        slots_pad = self._padded(np.asarray(slots), b)
         copies, written = [], []
         for s in range(self.cls.num_shards):
             arrays = tuple(layer.primary[s] for layer in layers)
             device = device_of(arrays[0])
-            ids_d, _ = batch.on(device, s)
             if self._direct(device):
-                rows_d = jax.device_put(slots_pad, device)
+                size = self._direct_pages(batch.k, arrays[0])
+                ids_d, _ = batch.on(device, s, size)
+                rows_d = jax.device_put(self._padded(np.asarray(slots), size), device)
                 with self.pool.lock:
                     new, done = pinned_write(arrays, self.pool.array, ids_d, rows_d,
-                                             self._pool_offsets(s))
+                                             batch.count_on(device), self._pool_offsets(s))
                     self._swap(new)
                 written.append(done)
             else:
+                ids_d, _ = batch.on(device, s)
                 copies.append((s, pinned_gather(arrays, ids_d, _pinned(device), self._unit)))
         return PinnedOffload(digests, copies, written)
 
@@ -240,7 +253,8 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
             for r in range(len(layers[0].shards[s])):
                 device = device_of(layers[0].shards[s][r])
                 if self._direct(device):
-                    rows = jax.device_put(self._padded(slots, b), device)
+                    pages = self._direct_pages(k, layers[0].shards[s][r])
+                    rows = jax.device_put(self._padded(slots, pages), device)
                     work.append(PinnedInputs(s, r, None, rows))
                     continue
                 # Pinned memory belongs to a device: this replica's pages are copied
@@ -266,13 +280,14 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         for shard, replica, src, rows in staged:
             local = tuple(layer.shards[shard][replica] for layer in layers)
             device = device_of(local[0])
-            ids_d, _ = request.batch.on(device, shard)
+            ids_d, _ = request.batch.on(device, shard, rows.shape[0])  # sized as staged
+            count = request.batch.count_on(device)
             if src is None:
                 with self.pool.lock:  # the pool array of the moment, before any donation
-                    out, d = pinned_load(local, self.pool.array, ids_d, rows,
+                    out, d = pinned_load(local, self.pool.array, ids_d, rows, count,
                                          self._pool_offsets(shard))
             else:
-                out, d = pinned_load(local, src, ids_d, rows, self._packed_offsets(),
+                out, d = pinned_load(local, src, ids_d, rows, count, self._packed_offsets(),
                                      self._stream(device), loop=self._in_place)
             done.append(d)
             for pos, a in enumerate(out):
@@ -298,25 +313,28 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         for s in range(self.cls.num_shards):
             primary = tuple(layer.primary[s] for layer in layers)
             device = device_of(primary[0])
-            ids = _sds((b,), np.int32, device)
             if self._direct(device):
+                ids = _sds((self._direct_pages(b, primary[0]),), np.int32, device)
                 compile_ahead("pinned_write", primary, self._pool_abstract(), ids, ids,
+                              _count_abstract(device),
                               options=(self.pool.array.sharding, self._pool_offsets(s)))
             else:
-                compile_ahead("pinned_gather", primary, ids,
+                compile_ahead("pinned_gather", primary, _sds((b,), np.int32, device),
                               options=(_pinned(device), self._unit))
             for r in range(len(layers[0].shards[s])):
                 local = tuple(layer.shards[s][r] for layer in layers)
                 device = device_of(local[0])
-                rows = _sds((b,), np.int32, device)
+                count = _count_abstract(device)
                 if self._direct(device):
                     pool = self._pool_abstract()
-                    compile_ahead("pinned_load", local, pool, rows, rows,
+                    rows = _sds((self._direct_pages(b, local[0]),), np.int32, device)
+                    compile_ahead("pinned_load", local, pool, rows, rows, count,
                                   options=(pool.sharding, self._pool_offsets(s), None, True))
                     continue
+                rows = _sds((b,), np.int32, device)
                 shape, dtype = self._packed_shape(b), self.pool.array.dtype
                 compile_zeros(shape, dtype, _pinned(device))
                 src = jax.ShapeDtypeStruct(shape, dtype, sharding=_pinned(device))
-                compile_ahead("pinned_load", local, src, rows, rows,
+                compile_ahead("pinned_load", local, src, rows, rows, count,
                               options=(src.sharding, self._packed_offsets(),
                                        self._stream(device), self._in_place))

@@ -5,6 +5,12 @@ One program per (kind, input formats, options), in a bounded cache; ``jax.jit`` 
 caches per shapes. The caches' formats are pinned so that a cache in a non-default
 layout (a compiler-chosen TPU layout, say) is neither converted on the way in nor
 comes back in the default layout.
+
+Programs that move or digest pages one at a time in a loop (on XLA:CPU: the digests,
+and the pinned mover's in-place copies) take the page count as a runtime value and
+index arrays of ``_batch.loop_pages`` entries, so one program serves transfers of
+every size up to it, where vectorized programs need one per bucket. Compiling is what
+``warmup`` costs: the loops cut it by the number of buckets.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
@@ -22,7 +28,8 @@ import numpy as np
 from kvxfer import integrity
 from kvxfer.layout import dtype_of, natural_bits
 
-__all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "alias", "compile_ahead",
+__all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "staged_load", "alias",
+           "compile_ahead", "compile_job", "compiled", "deferred_compiles", "page_loops",
            "DIGEST_CHUNK", "unit_count", "pinned_write", "pinned_gather", "pinned_load",
            "zeros", "compile_zeros"]
 
@@ -58,6 +65,55 @@ def _with_layer(base: jax.Array, layer: jax.Array) -> jax.Array:
     return base.at[:, 2].set(layer)
 
 
+def page_loops(device: Any) -> bool:
+    """Whether programs on ``device`` digest and stage pages in loops (XLA:CPU).
+
+    A loop of one page an iteration runs as fast as a vectorized program on XLA:CPU
+    (each iteration moves whole blocks), and its page count is a runtime value, so one
+    program serves every transfer size (``_batch.loop_pages``); on a GPU or a TPU
+    every iteration would be a kernel launch.
+    """
+    return device.platform == "cpu"
+
+
+def _on_blocks(fn: Callable[..., Any], skip: Callable[..., Any], arrays, i: jax.Array,
+               raw: bool, *args) -> Any:
+    """``fn(blocks, *args)`` over block ``i`` of each array (``[1, *block]``, raw bits
+    when ``raw``), in a loop body, reading those blocks alone.
+
+    XLA:CPU moves bf16 and fp8 slices through f32 (rewriting NaN payloads), so raw
+    bits are read through a bitcast; in a loop body XLA hoists the bitcast of a whole
+    cache out of the loop (a copy of every block, on every call), but not out of a
+    conditional's branch, where it stays fused with the slice and with ``fn`` (a digest
+    of 32 layers x 64 pages of 64 KiB: 11-14 ms, as vectorized; with the blocks
+    handed out of the branch, 27-35 ms). The predicate is a runtime value that is
+    always true; ``skip(*args)`` (never run) gives the result's structure.
+    """
+    def read(i, arrays, *args):
+        return fn([jax.lax.dynamic_slice_in_dim(_bits(a, raw), i, 1) for a in arrays], *args)
+
+    if not raw:
+        return read(i, arrays, *args)
+    return jax.lax.cond(i >= 0, read, lambda i, arrays, *args: skip(*args), i, list(arrays),
+                        *args)
+
+
+def _write_blocks(arrays, i: jax.Array, blocks, raw: bool) -> list[jax.Array]:
+    """``arrays`` with block ``i`` of each set to ``blocks[l]`` (``[1, *block]``, raw
+    bits when ``raw``), in place (the arrays are a donated loop's carry).
+
+    XLA:CPU updates bf16 and fp8 slices through f32 across the whole buffer, so raw
+    bits are written through a bitcast, in the loop body: carried through the loop as
+    raw bits, the caches would be bitcast (copied) going in and coming out, while a
+    bitcast, update and bitcast back within an iteration writes the block in place.
+    """
+    out = []
+    for a, block in zip(arrays, blocks):
+        x = jax.lax.dynamic_update_slice(_bits(a, raw), block, (i,) + (0,) * (a.ndim - 1))
+        out.append(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x)
+    return out
+
+
 def _gather_impl(arrays, ids, base, layer_nums, *, raw: bool, with_digest: bool):
     pages = jnp.stack([_bits(a, raw)[ids] for a in arrays])
     if not with_digest:
@@ -67,13 +123,34 @@ def _gather_impl(arrays, ids, base, layer_nums, *, raw: bool, with_digest: bool)
     return pages, integrity.digest(words, identity)
 
 
-def _digest_impl(arrays, ids, base, layer_nums, *, raw: bool):
-    # One digest per layer, each fused with its gather: the pages are read once. (A
-    # digest over the stacked pages compiles 4-5x faster but materializes the stack
-    # and ran 14x slower on XLA:CPU: 1.8 against 24.6 GB/s for 8 layers x 128 pages.)
-    return jnp.stack([integrity.digest(integrity.as_words(_bits(a, raw)[ids], batch_dims=1),
-                                       _with_layer(base, layer_nums[i]))
-                      for i, a in enumerate(arrays)])
+def _digest_impl(arrays, ids, base, layer_nums, count, *, raw: bool, loop: bool):
+    if not loop:
+        # One digest per layer, each fused with its gather: the pages are read once. (A
+        # digest over the stacked pages compiles 4-5x faster but materializes the stack
+        # and ran 14x slower on XLA:CPU: 1.8 against 24.6 GB/s for 8 layers x 128 pages.)
+        return jnp.stack([integrity.digest(integrity.as_words(_bits(a, raw)[ids],
+                                                              batch_dims=1),
+                                           _with_layer(base, layer_nums[i]))
+                          for i, a in enumerate(arrays)])
+
+    # ``count`` pages, one an iteration, each layer's block read once (about as fast
+    # as the vectorized digest on XLA:CPU, see ``_on_blocks``). Rows past ``count``
+    # stay zero.
+    def page(blocks, ident):
+        return jnp.stack([integrity.digest(integrity.as_words(x, batch_dims=1),
+                                           _with_layer(ident, layer_nums[i]))
+                          for i, x in enumerate(blocks)])
+
+    def none(ident):
+        return jnp.zeros((len(arrays), 1, integrity.DIGEST_WORDS), jnp.uint32)
+
+    def body(j, out):
+        d = _on_blocks(page, none, arrays, ids[j], raw,
+                       jax.lax.dynamic_slice_in_dim(base, j, 1))
+        return jax.lax.dynamic_update_slice(out, d, (0, j, 0))
+
+    out = jnp.zeros((len(arrays), ids.shape[0], integrity.DIGEST_WORDS), jnp.uint32)
+    return jax.lax.fori_loop(0, count, body, out)
 
 
 def _scatter_impl(arrays, ids, pages, *, raw: bool):
@@ -82,6 +159,16 @@ def _scatter_impl(arrays, ids, pages, *, raw: bool):
         b = _bits(a, raw).at[ids].set(pages[i], mode="drop", unique_indices=True)
         out.append(jax.lax.bitcast_convert_type(b, a.dtype) if raw else b)
     return tuple(out)
+
+
+def _staged_load_impl(arrays, ids, pages, count, *, raw: bool):
+    # ``pages`` is page-major, ``[n, L, *block]`` (raw bits where ``raw``): page ``j``
+    # of layer ``l`` is written into block ``ids[j]`` for ``j < count``, in place.
+    def body(j, caches):
+        page = jax.lax.dynamic_index_in_dim(pages, j, 0, keepdims=False)
+        return _write_blocks(caches, ids[j], [page[l][None] for l in range(len(arrays))], raw)
+
+    return tuple(jax.lax.fori_loop(0, count, body, list(arrays)))
 
 
 def _units(x: jax.Array, unit: int) -> jax.Array:
@@ -135,43 +222,43 @@ def unit_count(shape: tuple[int, ...], dtype, unit: int) -> int:
     return n * dtype_of(dtype).itemsize // unit
 
 
-def _pinned_write_impl(arrays, pool, ids, slots, *, raw: bool, offsets: tuple[int, ...]):
-    # The pool is donated: each block is written into its slot's words in place, so
-    # the pages reach the pinned pool with no copy beside this one.
+def _pinned_write_impl(arrays, pool, ids, slots, count, *, raw: bool,
+                       offsets: tuple[int, ...]):
+    # The pool is donated: each block of the first ``count`` pages is written into its
+    # slot's words in place, so the pages reach the pinned pool with no copy beside
+    # this one. (Raw bits are read a block at a time, see ``_on_blocks``: a gather of
+    # every page first would tie the program to the padded page count.)
     unit = pool.dtype.itemsize
-    if raw:
-        # Gathered first: XLA would hoist a bitcast of the whole cache out of the loop
-        # (a copy of every block); fused into the gather it reads the blocks moved.
-        xs, rows = [_bits(a, raw)[ids] for a in arrays], jnp.arange(ids.shape[0])
-    else:
-        xs, rows = list(arrays), ids
 
     def body(j, carry):
         p, n = carry
-        for x, off in zip(xs, offsets):
-            block = _units(jax.lax.dynamic_slice_in_dim(x, rows[j], 1), unit)
-            p = jax.lax.dynamic_update_slice(p, block, (slots[j], off))
-        return p, n + 1
+
+        def write(blocks, p):
+            for block, off in zip(blocks, offsets):
+                p = jax.lax.dynamic_update_slice(p, _units(block, unit), (slots[j], off))
+            return p
+
+        return _on_blocks(write, lambda p: p, arrays, ids[j], raw, p), n + 1
 
     # The second output is what a waiter waits for: the pool array itself may be
     # donated by the next program before anyone waits.
-    return jax.lax.fori_loop(0, ids.shape[0], body, (pool, jnp.int32(0)))
+    return jax.lax.fori_loop(0, count, body, (pool, jnp.int32(0)))
 
 
 def _pinned_gather_impl(arrays, ids, *, raw: bool, unit: int):
     return jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
 
 
-def _pinned_load_impl(arrays, src, ids, rows, *, raw: bool, offsets: tuple[int, ...],
+def _pinned_load_impl(arrays, src, ids, rows, count, *, raw: bool, offsets: tuple[int, ...],
                       stream: jax.sharding.Sharding | None, loop: bool):
     # ``src`` is pinned host memory: the pool itself, or the request's pages. Each
     # block is read from its row and written into the donated cache in place.
     if stream is not None:
         src = jax.device_put(src, stream)  # the documented way to read host memory
     unit = src.dtype.itemsize
-    xs = [_bits(a, raw) for a in arrays]
-    sizes = [unit_count(x.shape, x.dtype, unit) for x in xs]
+    sizes = [unit_count(a.shape, a.dtype, unit) for a in arrays]
     if not loop:
+        xs = [_bits(a, raw) for a in arrays]
         # One scatter per layer (what a GPU runs at the speed of the bytes moved);
         # padding entries repeat the first page, so indices may repeat.
         pages = src[rows]
@@ -180,24 +267,22 @@ def _pinned_load_impl(arrays, src, ids, rows, *, raw: bool, offsets: tuple[int, 
         out, done = jax.lax.optimization_barrier((out, rows[0]))  # done after every write
         return tuple(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x
                      for x, a in zip(out, arrays)), done
-    # A loop of dynamic-update-slices: on XLA:CPU it writes in place at 4-5x the
-    # speed of a scatter from a gathered copy of the pages.
+    # A loop of dynamic-update-slices over the first ``count`` pages: on XLA:CPU it
+    # writes in place at 4-5x the speed of a scatter from a gathered copy of the pages,
+    # and (see ``_write_blocks``) with no copy of the caches for raw bits.
+    dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
 
     def body(j, carry):
-        xs, count = carry
-        out = []
-        for x, off, n in zip(xs, offsets, sizes):
-            w = jax.lax.dynamic_slice(src, (rows[j], off), (1, n))
-            start = (ids[j],) + (0,) * (x.ndim - 1)
-            out.append(jax.lax.dynamic_update_slice(x, _from_units(w, x.dtype, x.shape[1:]),
-                                                    start))
-        return out, count + 1
+        caches, written = carry
+        blocks = [_from_units(jax.lax.dynamic_slice(src, (rows[j], off), (1, n)), dtype,
+                              a.shape[1:])
+                  for a, dtype, off, n in zip(arrays, dtypes, offsets, sizes)]
+        return _write_blocks(caches, ids[j], blocks, raw), written + 1
 
-    xs, count = jax.lax.fori_loop(0, ids.shape[0], body, (xs, jnp.int32(0)))
-    # ``count`` is the load's own output: ready once ``src`` was read, and never handed
+    out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
+    # ``done`` is the load's own output: ready once ``src`` was read, and never handed
     # to the caller (who may donate the caches right away).
-    return tuple(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x
-                 for x, a in zip(xs, arrays)), count
+    return tuple(out), done
 
 
 # XLA:CPU runs a program whose cost analysis counts fewer than 1000 flops inline, on
@@ -216,6 +301,10 @@ def _ballast(seed: jax.Array) -> jax.Array:
     return jnp.sum(x * x + x)
 
 
+def _device(formats: tuple) -> Any:
+    return next(iter(formats[0].sharding.device_set))
+
+
 def _on_cpu(formats: tuple) -> bool:
     return any(d.platform == "cpu" for d in formats[0].sharding.device_set)
 
@@ -227,15 +316,16 @@ def _parts(kind: str, formats: tuple, raw: bool, with_digest: bool,
         return (functools.partial(_gather_impl, raw=raw, with_digest=with_digest),
                 dict(in_shardings=(formats, None, None, None)))
     if kind == "digest":
-        return (functools.partial(_digest_impl, raw=raw),
-                dict(in_shardings=(formats, None, None, None)))
+        loop = page_loops(_device(formats))
+        return (functools.partial(_digest_impl, raw=raw, loop=loop),
+                dict(in_shardings=(formats, None, None, None, None)))
     if kind == "alias":
         return tuple, dict(donate_argnums=(0,), in_shardings=(formats,),
                            out_shardings=formats)
     if kind == "pinned_write":
         pool, offsets = options
         return (functools.partial(_pinned_write_impl, raw=raw, offsets=offsets),
-                dict(donate_argnums=(1,), in_shardings=(formats, pool, None, None),
+                dict(donate_argnums=(1,), in_shardings=(formats, pool, None, None, None),
                      out_shardings=(pool, None)))
     if kind == "pinned_gather":
         out, unit = options
@@ -245,8 +335,12 @@ def _parts(kind: str, formats: tuple, raw: bool, with_digest: bool,
         src, offsets, stream, loop = options
         return (functools.partial(_pinned_load_impl, raw=raw, offsets=offsets, stream=stream,
                                   loop=loop),
-                dict(donate_argnums=(0,), in_shardings=(formats, src, None, None),
+                dict(donate_argnums=(0,), in_shardings=(formats, src, None, None, None),
                      out_shardings=(formats, None)))
+    if kind == "staged_load":
+        return (functools.partial(_staged_load_impl, raw=raw),
+                dict(donate_argnums=(0,), in_shardings=(formats, None, None, None),
+                     out_shardings=formats))
     return (functools.partial(_scatter_impl, raw=raw),
             dict(donate_argnums=(0,), in_shardings=(formats, None, None),
                  out_shardings=formats))
@@ -257,10 +351,12 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
              options: tuple = ()) -> tuple[Any, bool]:
     """(the jitted program, whether it returns the ballast as one more output)."""
     fn, kwargs = _parts(kind, formats, raw, with_digest, options)
-    # Digests count plenty of flops; everything else only moves bytes. The alias
+    # Digests count plenty of flops; everything else only moves bytes. A digest loop
+    # (XLA:CPU) counts one iteration, one page: few flops for small blocks. The alias
     # program stays inline: the raw mover waits for it on the caller's thread anyway
     # (it copies into the buffers it hands over), and is used on ready caches only.
-    light = kind not in ("digest", "alias") and not (kind == "gather" and with_digest)
+    light = kind not in ("digest", "alias") and not (kind == "gather" and with_digest) \
+        or kind == "digest" and page_loops(_device(formats))
     if not (light and _on_cpu(formats)):
         return jax.jit(fn, **kwargs), False
 
@@ -290,13 +386,36 @@ _deferred = threading.local()
 def deferred_compiles() -> Iterator[list[Callable[[], None]]]:
     """Collects the compiles ``compile_ahead`` asks for on this thread, instead of running
     them: the caller runs the jobs it yields (side by side: XLA compiles with the GIL
-    released)."""
+    released). A program asked for twice (by two buckets that share it) is queued once.
+    """
     jobs: list[Callable[[], None]] = []
-    previous, _deferred.jobs = getattr(_deferred, "jobs", None), jobs
+    previous = getattr(_deferred, "state", None)
+    _deferred.state = (jobs, set())
     try:
         yield jobs
     finally:
-        _deferred.jobs = previous
+        _deferred.state = previous
+
+
+def compile_job(key: Hashable, job: Callable[[], None]) -> None:
+    """Runs ``job`` (a compile), or inside ``deferred_compiles`` queues it once per ``key``."""
+    state = getattr(_deferred, "state", None)
+    if state is None:
+        job()
+        return
+    jobs, keys = state
+    if key not in keys:
+        keys.add(key)
+        jobs.append(job)
+
+
+def _lowered(kind: str, arrays: tuple, args: tuple, with_digest: bool, options: tuple):
+    formats = tuple(a.format for a in arrays)
+    raw = needs_raw_bits(arrays[0])
+    program, ballasted = _program(kind, formats, raw, with_digest, options)
+    seed = (jax.ShapeDtypeStruct((), np.float32),) if ballasted else ()
+    key = (kind, formats, raw, with_digest, options, tuple(arrays), args)
+    return key, lambda: program.lower(arrays, *args, *seed)
 
 
 def compile_ahead(kind: str, arrays: tuple, *args, with_digest: bool = False,
@@ -306,19 +425,15 @@ def compile_ahead(kind: str, arrays: tuple, *args, with_digest: bool = False,
     A later call with arrays of the same shapes, dtypes, shardings and layouts finds
     the program compiled. Inside ``deferred_compiles`` the compile is queued instead.
     """
-    formats = tuple(a.format for a in arrays)
-    program, ballasted = _program(kind, formats, needs_raw_bits(arrays[0]), with_digest,
-                                  options)
-    seed = (jax.ShapeDtypeStruct((), np.float32),) if ballasted else ()
+    key, lower = _lowered(kind, arrays, args, with_digest, options)
+    compile_job(key, lambda: lower().compile())
 
-    def job() -> None:
-        program.lower(arrays, *args, *seed).compile()
 
-    jobs = getattr(_deferred, "jobs", None)
-    if jobs is None:
-        job()
-    else:
-        jobs.append(job)
+def compiled(kind: str, arrays: tuple, *args, with_digest: bool = False,
+             options: tuple = ()) -> jax.stages.Compiled:
+    """The program ``kind`` compiled for these (abstract) arguments, as ``compile_ahead``
+    makes it (for tests and probes: its ``memory_analysis()``, its HLO)."""
+    return _lowered(kind, arrays, args, with_digest, options)[1]().compile()
 
 
 def gather(arrays, ids, base, layer_nums, with_digest: bool):
@@ -326,9 +441,13 @@ def gather(arrays, ids, base, layer_nums, with_digest: bool):
     return _run("gather", arrays, ids, base, layer_nums, with_digest=with_digest)
 
 
-def digest_blocks(arrays, ids, base, layer_nums):
-    """Digests ``uint32[L, k, D]`` of blocks ``ids`` of every layer (no copy out)."""
-    return _run("digest", arrays, ids, base, layer_nums)
+def digest_blocks(arrays, ids, base, layer_nums, count):
+    """Digests ``uint32[L, len(ids), D]`` of blocks ``ids`` of every layer (no copy out).
+
+    Where digests loop (``page_loops``) only the first ``count`` (an ``int32``
+    scalar) are computed, and the rows past them are zero.
+    """
+    return _run("digest", arrays, ids, base, layer_nums, count)
 
 
 def alias(arrays):
@@ -350,14 +469,24 @@ def scatter(arrays, ids, pages):
 
 
 
-def pinned_write(arrays, pool, ids, slots, offsets: tuple[int, ...]):
+def staged_load(arrays, ids, pages, count):
+    """Writes ``pages[j, l]`` into block ``ids[j]`` of layer ``l`` for ``j < count``, in
+    place (donated): one dynamic-update-slice per block (XLA:CPU).
+
+    ``pages`` is page-major ``[n, L, *block]``; entries past ``count`` are never read.
+    """
+    return _run("staged_load", arrays, ids, pages, count)
+
+
+def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...]):
     """Writes blocks ``ids[j]`` of every layer into row ``slots[j]`` of ``pool`` in place.
 
+    For ``j < count`` (an ``int32`` scalar: the arrays may be padded further).
     ``pool`` (pinned host words, donated) gets layer ``l``'s block at word
     ``offsets[l]`` of the row. Returns ``(new pool, done)``: ``done`` (a scalar) is
     ready once the pages are written.
     """
-    return _run("pinned_write", arrays, pool, ids, slots,
+    return _run("pinned_write", arrays, pool, ids, slots, count,
                 options=(pool.sharding, tuple(offsets)))
 
 
@@ -366,19 +495,20 @@ def pinned_gather(arrays, ids, out, unit: int):
     return _run("pinned_gather", arrays, ids, options=(out, unit))
 
 
-def pinned_load(arrays, src, ids, rows, offsets: tuple[int, ...], stream=None,
+def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...], stream=None,
                 loop: bool = True):
     """Writes row ``rows[j]`` of ``src`` (pinned host words) into block ``ids[j]``.
 
     Layer ``l``'s block is read at word ``offsets[l]`` of the row; the caches are
     donated and written in place. ``stream``: a device sharding to move ``src`` to
     first (when the backend reads host memory only that way). ``loop``: one
-    dynamic-update-slice per block (XLA:CPU) rather than one scatter per layer.
+    dynamic-update-slice per block for ``j < count`` (an ``int32`` scalar; XLA:CPU)
+    rather than one scatter per layer over every entry (padding repeats a page).
 
     Returns:
       ``(new arrays, done)``: ``done`` is ready once the program has run.
     """
-    return _run("pinned_load", arrays, src, ids, rows,
+    return _run("pinned_load", arrays, src, ids, rows, count,
                 options=(src.sharding, tuple(offsets), stream, loop))
 
 

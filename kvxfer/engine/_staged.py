@@ -5,6 +5,12 @@ of every layer of the class on each shard's device, with the page digests comput
 the same program; the reverse program scatters host pages into the caches in place
 (argument donation). XLA indexes logically, so it is correct for any layout and
 backend: the portable fallback.
+
+On XLA:CPU, whose ``device_put`` aliases an aligned numpy buffer instead of copying
+it, a load stages its pages page-major in a buffer of ``loop_pages`` pages (only the
+pages written are ever touched, so the rest is address space, not memory) and one
+loop program per class writes them into place for every transfer size, raw bits
+without a copy of the caches (see ``_programs._write_blocks``).
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from kvxfer.engine._batch import assemble, device_of, layer_nums
-from kvxfer.engine._mover import LoadRequest, Mover, _batch_abstract, _sds
+from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
+from kvxfer.engine._mover import LoadRequest, Mover, _batch_abstract, _count_abstract, _sds
 from kvxfer.engine._raw import RowCopy
-from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, scatter
+from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, page_loops, \
+    scatter, staged_load
 
 __all__ = ["StagedMover"]
 
@@ -42,7 +49,9 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 class StagedInputs(NamedTuple):
-    """One shard replica's pages, already on its device (block ids come at the load)."""
+    """One shard replica's pages, already on its device (block ids come at the load):
+    ``[L, bucket, *block]``, or page-major ``[loop_pages, L, *block]`` where the load
+    loops (``page_loops``)."""
 
     shard: int
     replica: int
@@ -89,31 +98,56 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
             primary = tuple(layer.primary[s] for layer in layers)
             ids, base = _batch_abstract(b, device_of(primary[0]))
             compile_ahead("gather", primary, ids, base,
-                          _sds((len(layers),), np.uint32, device_of(primary[0])),
+                          _sds((len(layers),), np.uint32,
+                               device_of(primary[0])),
                           with_digest=with_digest)
             dtype = _staging_dtype(primary[0])
             for r in range(len(layers[0].shards[s])):
                 local = tuple(layer.shards[s][r] for layer in layers)
                 device = device_of(local[0])
-                compile_ahead("scatter", local, _sds((b,), np.int32, device),
-                              _sds((len(layers), b) + local[0].shape[1:], dtype, device))
+                block = local[0].shape[1:]
+                if page_loops(device):
+                    n = loop_pages(b, local[0].shape[0])
+                    compile_ahead("staged_load", local, _sds((n,), np.int32, device),
+                                  _sds((n, len(layers)) + block, dtype, device),
+                                  _count_abstract(device))
+                else:
+                    compile_ahead("scatter", local, _sds((b,), np.int32, device),
+                                  _sds((len(layers), b) + block, dtype, device))
 
     def stage_load(self, layers, request: LoadRequest) -> list[StagedInputs]:
-        batch, slots = request.batch, request.slots
+        batch, slots = request.batch, np.asarray(request.slots)
         k, b = batch.k, len(batch.padded)
-        copy = RowCopy(np.arange(k), np.asarray(slots), self.cls.shard_block_bytes)
+        size = self.cls.shard_block_bytes
         work = []
         for s in range(self.cls.num_shards):
             first = layers[0].primary[s]
-            # Padding rows are dropped by the scatter: left as they are, not zeroed; and
-            # each layer's rows are copied straight into place (runs of slots as slices).
-            staging = _aligned_empty((len(layers), b) + first.shape[1:], _staging_dtype(first))
-            flat = staging.reshape(len(layers), b, -1).view(np.uint8)
-            for pos in range(len(layers)):
-                lo, hi = self.pool.shard_range(pos, s)
-                copy(flat[pos], self.pool.data[:, lo:hi])
-            for r in range(len(layers[0].shards[s])):
-                device = device_of(layers[0].shards[s][r])
+            dtype = _staging_dtype(first)
+            devices = [device_of(a) for a in layers[0].shards[s]]
+            if all(page_loops(d) for d in devices):
+                # Page-major, ``loop_pages`` pages: rows past ``k`` are never written
+                # nor read, so they cost no memory (device_put aliases the buffer).
+                n = loop_pages(k, first.shape[0])
+                staging = _aligned_empty((n, len(layers)) + first.shape[1:], dtype)
+                flat = staging.reshape(n, -1).view(np.uint8)
+                if flat.shape[1] == self.pool.data.shape[1]:  # a page is the pool's row
+                    RowCopy(np.arange(k), slots, flat.shape[1])(flat, self.pool.data)
+                else:
+                    copy = RowCopy(np.arange(k), slots, size)
+                    for pos in range(len(layers)):
+                        lo, hi = self.pool.shard_range(pos, s)
+                        copy(flat[:, pos * size:(pos + 1) * size], self.pool.data[:, lo:hi])
+            else:
+                # Padding rows are dropped by the scatter: left as they are, not zeroed;
+                # each layer's rows are copied straight into place (runs of slots as
+                # slices).
+                copy = RowCopy(np.arange(k), slots, size)
+                staging = _aligned_empty((len(layers), b) + first.shape[1:], dtype)
+                flat = staging.reshape(len(layers), b, -1).view(np.uint8)
+                for pos in range(len(layers)):
+                    lo, hi = self.pool.shard_range(pos, s)
+                    copy(flat[pos], self.pool.data[:, lo:hi])
+            for r, device in enumerate(devices):
                 work.append(StagedInputs(s, r, jax.device_put(staging, device)))
         return work
 
@@ -128,9 +162,14 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
         for shard, replica, pages_d in staged:
             local = tuple(layer.shards[shard][replica] for layer in layers)
             device = device_of(local[0])
-            if device not in on_device:
-                on_device[device] = jax.device_put(ids_pad, device)
-            for pos, a in enumerate(scatter(local, on_device[device], pages_d)):
+            if page_loops(device):
+                ids_d, _ = batch.on(device, shard, pages_d.shape[0])
+                out = staged_load(local, ids_d, pages_d, batch.count_on(device))
+            else:
+                if device not in on_device:
+                    on_device[device] = jax.device_put(ids_pad, device)
+                out = scatter(local, on_device[device], pages_d)
+            for pos, a in enumerate(out):
                 new_shards[pos][shard].append(a)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
         return new, None
