@@ -1,0 +1,373 @@
+"""KvxferOffloadWorker against the interface tpu-inference's offload connector calls.
+
+The contract is what the engine sees: work orders (``TPUReqMeta`` with ``SaveSpec`` /
+``LoadSpec``, written here as the engine publishes them) in, and out: finished chunks in
+``get_kv_connector_stats().data``, finished requests from ``get_finished()``, the
+blocks to recompute from ``get_block_ids_with_load_errors()``, and ``runner.kv_caches``
+holding the loaded bytes. Caches are the engine's
+``[num_blocks, block_size, heads * 2 / packing, packing, head_dim]``. Neither vLLM nor
+tpu-inference is needed.
+"""
+
+import dataclasses
+import enum
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvxfer import testing
+from kvxfer.integrations import tpu_inference as tpi
+from kvxfer.integrations.tpu_inference import KvxferOffloadWorker, OffloadStats
+
+BLOCK = 4  # tokens per block
+
+
+# -- the engine's work orders, as tpu_offload_connector publishes them ---------------
+
+
+@dataclasses.dataclass
+class SaveSpec:
+    num_skip_leading_tokens: int
+    num_total_tokens: int
+    src_blocks: list
+    dst_chunks: list
+    is_final_save: bool = False
+    skip_save: bool = False
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    num_matched_tokens: int
+    src_chunks: list
+    dst_blocks: list
+    can_load: bool = False
+    num_skip_leading_tokens: int = 0
+
+
+@dataclasses.dataclass
+class TPUReqMeta:
+    req_id: str
+    token_ids: list
+    local_block_ids: list
+    save_spec: SaveSpec | None = None
+    load_spec: LoadSpec | None = None
+
+
+@dataclasses.dataclass
+class Metadata:
+    requests_meta: list
+
+
+class Connector:
+    """The part of TPUOffloadConnector the worker reads: the step's bound metadata."""
+
+    def __init__(self):
+        self.meta = None
+
+    def bind_connector_metadata(self, meta):
+        self.meta = meta
+
+    def _get_connector_metadata(self):
+        return self.meta
+
+
+def save_meta(req_id, blocks, chunks, *, final=False, skip=False):
+    n = len(blocks) * BLOCK
+    return TPUReqMeta(req_id, list(range(n)), list(blocks),
+                      save_spec=SaveSpec(0, n, list(blocks), list(chunks), final, skip))
+
+
+def load_meta(req_id, chunks, blocks, *, local=None):
+    n = len(blocks) * BLOCK
+    return TPUReqMeta(req_id, list(range(n)), list(local if local is not None else blocks),
+                      load_spec=LoadSpec(n, list(chunks), list(blocks), can_load=True))
+
+
+def cache_shape(dtype, heads=2, blocks=16, head_dim=128):
+    packing = 4 // np.dtype(dtype).itemsize  # 32-bit words, as tpu-inference packs them
+    return (blocks, BLOCK, heads * 2 // packing, packing, head_dim)
+
+
+def make_caches(dtype=jnp.bfloat16, layers=3, sharding=None, seed=0, **kw):
+    shape = cache_shape(dtype, **kw)
+    return testing.random_caches(layers, shape[0], shape[1:], dtype, sharding=sharding,
+                                 seed=seed)
+
+
+def make_worker(caches, chunks=8, **kw):
+    conn = Connector()
+    cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=BLOCK))
+    w = KvxferOffloadWorker(cfg, conn, num_cpu_chunks=chunks, precompile=False, **kw)
+    w.register_runner(types.SimpleNamespace(kv_caches=list(caches), mesh=None))
+    return w, conn
+
+
+def step_save(w, conn, *metas):
+    """One engine step: start_load_kv when the forward pass starts, saves at its end."""
+    conn.bind_connector_metadata(Metadata(list(metas)))
+    w.start_load_kv(None)
+    w.start_save_kv()
+    w.wait_for_saves()
+
+
+def step_load(w, conn, *metas):
+    conn.bind_connector_metadata(Metadata(list(metas)))
+    w.start_load_kv(None)
+    return w.get_block_ids_with_load_errors()
+
+
+def blocks_of(caches, block):
+    return [testing.bits(c)[block].copy() for c in caches]
+
+
+def assert_blocks(caches, block, expected, what=""):
+    for layer, want in enumerate(expected):
+        got = testing.bits(caches[layer])[block]
+        assert np.array_equal(got, want), f"layer {layer} of block {block} {what}"
+
+
+@pytest.fixture
+def worker():
+    caches = make_caches()
+    w, conn = make_worker(caches)
+    yield w, conn, caches
+    w.close()
+
+
+# -- round trips ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_save_then_load_is_bit_exact_and_reported(dtype):
+    caches = make_caches(dtype)
+    want = {b: blocks_of(caches, b) for b in (2, 7, 9)}
+    w, conn = make_worker(caches)
+    try:
+        step_save(w, conn, save_meta("s0", [2, 7], [5, 1]), save_meta("s1", [9], [0]))
+        stats = w.get_kv_connector_stats()
+        assert stats.data["finished_save_chunks"] == {"s0": [[5, 0], [1, 0]], "s1": [[0, 0]]}
+        assert w.get_kv_connector_stats() is None  # reset after each read
+        before = blocks_of(w.runner.kv_caches, 3)
+        assert step_load(w, conn, load_meta("l0", [5, 1, 0], [11, 12, 13])) == set()
+        for src, dst in ((2, 11), (7, 12), (9, 13)):
+            assert_blocks(w.runner.kv_caches, dst, want[src], f"(from block {src})")
+        assert_blocks(w.runner.kv_caches, 3, before, "(not loaded)")
+        assert w.get_kv_connector_stats().data["finished_load_chunks"] == \
+            {"l0": [[5, 0], [1, 0], [0, 0]]}
+        assert w.runner.kv_caches[0].dtype == dtype
+    finally:
+        w.close()
+
+
+def test_a_save_stores_the_bytes_of_the_call(worker):
+    w, conn, caches = worker
+    want = blocks_of(caches, 4)
+    conn.bind_connector_metadata(Metadata([save_meta("s", [4], [2])]))
+    w.start_load_kv(None)
+    w.start_save_kv()
+    # The next step overwrites the block (and donates the caches) before the save lands.
+    w.runner.kv_caches = [jax.jit(lambda c: c.at[4].set(0), donate_argnums=0)(c)
+                          for c in w.runner.kv_caches]
+    w.wait_for_saves()
+    assert step_load(w, conn, load_meta("l", [2], [10])) == set()
+    assert_blocks(w.runner.kv_caches, 10, want)
+
+
+def test_a_chunk_saved_again_is_overwritten(worker):
+    w, conn, caches = worker
+    want = blocks_of(caches, 6)
+    step_save(w, conn, save_meta("a", [5], [3]))
+    old = w.page_of(3)
+    step_save(w, conn, save_meta("b", [6], [3]))
+    assert not w.manager.is_valid(old) and w.manager.is_valid(w.page_of(3))
+    assert step_load(w, conn, load_meta("l", [3], [12])) == set()
+    assert_blocks(w.runner.kv_caches, 12, want)
+
+
+def test_save_steps_are_idempotent_and_final_saves_finish(worker):
+    w, conn, _ = worker
+    conn.bind_connector_metadata(Metadata([save_meta("f", [1], [1], final=True),
+                                           save_meta("k", [], [], final=True, skip=True),
+                                           save_meta("n", [2], [2])]))
+    w.start_save_kv()
+    w.start_save_kv()  # the engine calls it again from get_finished: a no-op
+    w.wait_for_saves()
+    assert w.get_finished() == ({"f", "k"}, set())
+    assert w.get_finished() == (set(), set())
+    assert w.get_kv_connector_stats().data["finished_save_chunks"] == \
+        {"f": [[1, 0]], "n": [[2, 0]]}
+    conn.bind_connector_metadata(Metadata([save_meta("f2", [3], [4], final=True)]))
+    w.start_load_kv(None)  # a new step whose forward pass was skipped:
+    first, _ = w.get_finished()  # get_finished starts the step's saves itself
+    w.wait_for_saves()
+    assert first | w.get_finished()[0] == {"f2"}  # reported once, when it has landed
+
+
+def test_precompile_moves_nothing_and_takes_no_chunk(worker):
+    w, _, caches = worker
+    before = [testing.bits(c).copy() for c in w.runner.kv_caches]
+    assert w.precompile(5) == [1, 2, 4, 8]
+    w._precompile_kv_swap_operations()  # the engine's name
+    assert all(np.array_equal(testing.bits(c), b) for c, b in zip(w.runner.kv_caches, before))
+    assert w.cpu_backend.num_saved_cpu_chunks == 0
+    assert w.manager.num_free_pages == 8
+
+
+@pytest.mark.parametrize("mesh_shape,axes", [((4,), ("tensor",)),
+                                             ((2, 2), ("data", "tensor"))])
+def test_sharded_caches_round_trip(mesh_shape, axes):
+    mesh = jax.make_mesh(mesh_shape, axes)
+    sharding = NamedSharding(mesh, P(None, None, "tensor"))  # KV heads over tensor
+    caches = make_caches(jnp.bfloat16, heads=4, sharding=sharding)
+    want = {b: blocks_of(caches, b) for b in (1, 14)}
+    w, conn = make_worker(caches)
+    try:
+        step_save(w, conn, save_meta("s", [1, 14], [7, 6]))
+        assert step_load(w, conn, load_meta("l", [7, 6], [3, 4])) == set()
+        assert_blocks(w.runner.kv_caches, 3, want[1])
+        assert_blocks(w.runner.kv_caches, 4, want[14])
+        assert all(c.sharding == sharding for c in w.runner.kv_caches)
+    finally:
+        w.close()
+
+
+def test_hybrid_layers_round_trip():
+    caches = make_caches(layers=2) + make_caches(layers=2, heads=4, seed=1)
+    want = blocks_of(caches, 8)
+    w, conn = make_worker(caches)
+    try:
+        assert w.grouped_layer_indices == [[0, 1], [2, 3]]
+        step_save(w, conn, save_meta("s", [8], [0]))
+        chunk = w.cpu_backend.get(0)  # the engine's per-group stacking
+        assert [g.shape[0] for g in chunk] == [2, 2]
+        assert step_load(w, conn, load_meta("l", [0], [9])) == set()
+        assert_blocks(w.runner.kv_caches, 9, want)
+    finally:
+        w.close()
+
+
+# -- faults reach the engine as load errors -------------------------------------------
+
+
+def test_a_host_bit_flip_is_a_load_error_from_that_block_and_drops_the_chunk(worker):
+    w, conn, caches = worker
+    want = blocks_of(caches, 1)
+    step_save(w, conn, save_meta("s", [1, 2, 3], [4, 5, 6]))
+    testing.flip_bit(w.manager, w.page_of(5), layer=1)
+    errors = step_load(w, conn, load_meta("l", [4, 5, 6], [10, 11, 12]))
+    assert errors == {11, 12}  # the bad block and every block after it
+    assert_blocks(w.runner.kv_caches, 10, want)
+    assert w.get_block_ids_with_load_errors() == set()  # reported once
+    assert w.get_kv_connector_stats().data["finished_load_chunks"]["l"] == \
+        [[4, 0], [5, 0], [6, 0]]  # the load is over: the scheduler unpins them
+    assert w.page_of(5) is None and w.page_of(6) is not None
+    # Every later load of the dropped chunk is a load error too, never its bytes.
+    assert step_load(w, conn, load_meta("again", [5], [13])) == {13}
+    assert step_load(w, conn, load_meta("rest", [6], [14])) == set()
+    assert w.stats()["chunks_dropped"] == 1
+
+
+def test_a_zero_dma_over_an_intact_copy_is_a_load_error_that_keeps_the_chunk(worker):
+    w, conn, caches = worker
+    want = blocks_of(caches, 7)
+    step_save(w, conn, save_meta("s", [6, 7], [0, 1]))
+    testing.zero_dma(w.manager, layer=2, block=9)
+    assert step_load(w, conn, load_meta("l", [0, 1], [8, 9])) == {9}
+    page = w.page_of(1)
+    assert page is not None and w.manager.is_valid(page)
+    assert w.manager.stats()["transfer_faults"] >= 1
+    assert step_load(w, conn, load_meta("retry", [1], [9])) == set()
+    assert_blocks(w.runner.kv_caches, 9, want)
+
+
+def test_a_transfer_error_is_a_load_error_not_an_exception(worker):
+    w, conn, _ = worker
+    step_save(w, conn, save_meta("s", [1, 2], [0, 1]))
+    with testing.failing_transfer(w.manager, after_layers=1):
+        errors = step_load(w, conn, load_meta("l", [0, 1], [5, 6]))
+    assert errors == {5, 6}
+    assert step_load(w, conn, load_meta("l2", [0, 1], [5, 6])) == set()
+
+
+def test_bad_work_orders_are_reported_never_raised(worker, caplog):
+    w, conn, _ = worker
+    # A chunk never saved, a chunk id out of range, a load outside its request's blocks.
+    assert step_load(w, conn, load_meta("never", [3], [2])) == {2}
+    step_save(w, conn, save_meta("bad", [1], [99]))
+    assert step_load(w, conn, load_meta("l", [0], [4], local=[7, 8])) == {4}
+    assert "not in host memory" in caplog.text and "99" in caplog.text
+    assert w.get_kv_connector_stats().data["finished_load_chunks"]["never"] == [[3, 0]]
+
+
+# -- the engine boundary --------------------------------------------------------------
+
+
+def test_stats_are_the_engines_class_when_it_is_loaded(monkeypatch):
+    class EngineStats(OffloadStats):
+        pass
+
+    monkeypatch.setitem(sys.modules, tpi._ENGINE_MODULE,
+                        types.SimpleNamespace(KVOffloadConnectorStats=EngineStats))
+    w, conn = make_worker(make_caches(layers=1))
+    try:
+        step_save(w, conn, save_meta("s", [1], [0]))
+        assert type(w.get_kv_connector_stats()) is EngineStats
+    finally:
+        w.close()
+
+
+def test_the_connector_class_is_built_from_the_engine_on_first_access(monkeypatch):
+    class Role(enum.Enum):
+        SCHEDULER = 0
+        WORKER = 1
+
+    class Base:
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            self.role = role
+
+    class EngineConnector(Base):
+        def __init__(self, *a, **kw):
+            raise AssertionError("the engine's __init__ builds the engine's worker")
+
+    engine = types.ModuleType(tpi._ENGINE_MODULE)
+    engine.__dict__.update(KVConnectorBase_V1=Base, KVConnectorRole=Role,
+                           TPUOffloadConnector=EngineConnector,
+                           TPUOffloadConnectorScheduler=lambda cfg: ("sched", cfg))
+    monkeypatch.setitem(sys.modules, tpi._ENGINE_MODULE, engine)
+    import importlib
+
+    cls = getattr(importlib.import_module("kvxfer.integrations.tpu_inference"),
+                  "KvxferOffloadConnector")
+    assert issubclass(cls, EngineConnector)
+    cfg = types.SimpleNamespace(
+        cache_config=types.SimpleNamespace(block_size=BLOCK),
+        parallel_config=types.SimpleNamespace(pipeline_parallel_size=1,
+                                              data_parallel_size=1))
+    sched = cls(cfg, Role.SCHEDULER)
+    assert sched.connector_worker is None and sched.get_block_ids_with_load_errors() == set()
+    conn = cls(cfg, Role.WORKER)
+    assert isinstance(conn.connector_worker, KvxferOffloadWorker)
+    conn.connector_worker._load_errors = {3}
+    assert conn.get_block_ids_with_load_errors() == {3}
+    cfg.parallel_config.data_parallel_size = 2
+    with pytest.raises(ValueError, match="data_parallel_size=2"):
+        cls(cfg, Role.WORKER)
+
+
+def test_importing_kvxfer_or_the_integration_imports_no_engine():
+    code = ("import sys, kvxfer; assert 'kvxfer.integrations' not in sys.modules; "
+            "import kvxfer.integrations.tpu_inference as t; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'tpu_inference')]; "
+            "assert not bad, bad; assert t.ENGINE_COMMIT in t.__doc__")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
