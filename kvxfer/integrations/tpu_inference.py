@@ -470,7 +470,8 @@ class KvxferOffloadWorker:
         metas = getattr(metadata, "requests_meta", None) or ()
         if not metas:
             return
-        self.manager  # noqa: B018 — a load before registration is the engine's bug
+        if self._mgr is None:  # the engine's worker raises here too
+            raise RuntimeError("KV caches not registered: register_runner() must run first")
         for meta in metas:
             spec = getattr(meta, "load_spec", None)
             if spec is None or not spec.can_load:
