@@ -319,7 +319,12 @@ class KvxferHostKVPool:
                 self._discard(i, to_free, releases)
                 self._allocated[i] = False
                 self._free_ids.append(i)
+            orphaned = {id(g): g for i in ids if (g := self._orphans.get(i)) is not None}
         self._settle(to_free, releases)
+        # A backup that landed before it was orphaned had its done callback already:
+        # reap it here, or its page would stay in the pool for good.
+        for group in orphaned.values():
+            self._reap(group)
 
     def inc_lock_ref(self, buffer_id: int) -> None:
         """Locks an allocated slot against ``free``/``release``.
