@@ -93,8 +93,12 @@ def abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
 
 
 @functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=4096)
 def layer_nums(device: Any, layers: tuple[int, ...]) -> jax.Array:
-    """Device copies of layer-number vectors, made once (there are few distinct ones)."""
+    """Device copies of layer-number vectors, made once (there are few distinct ones:
+    a class's layers, and its groups of ``DIGEST_CHUNK``); each digest program of a
+    load takes one, and a device_put per program cost more host time than the program's
+    own dispatch."""
     return jax.device_put(np.asarray(layers, dtype=np.uint32), device)
 
 
