@@ -416,6 +416,46 @@ def test_a_node_killed_under_batches_is_misses_then_serves_again(redis_cluster, 
     s.close()
 
 
+def test_a_slot_moved_under_a_batch_is_followed(redis_cluster, prefix):
+    """A domain whose slot moved to another node since the client read its slot map
+    (MOVED): its keys go through the client, which follows and refreshes the map."""
+    import redis
+    from redis.crc import key_slot
+
+    s = RedisClusterStore(redis_cluster.spec, prefix=prefix)
+    keys = [f"k{i}" for i in range(32)]
+    assert s.put_many([(k, k.encode()) for k in keys[:16]]) == [True] * 16
+    d = s.domain_of(keys[0])
+    slot = key_slot(s.domain_root(d).encode())
+    src = int(s.domain_nodes()[d].rpartition(":")[2])
+    dst = next(p for p in redis_cluster.ports if p != src)
+    raws = {p: redis.Redis(host="127.0.0.1", port=p) for p in redis_cluster.ports}
+
+    def move(slot_from: int, slot_to: int) -> None:  # an emptied slot, reassigned
+        for k in raws[slot_from].cluster("getkeysinslot", slot, 1000):
+            raws[slot_from].delete(k)
+        node_id = raws[slot_to].cluster("myid")
+        for raw in raws.values():
+            raw.execute_command("CLUSTER", "SETSLOT", slot, "NODE", node_id)
+
+    move(src, dst)
+    try:
+        moved = [k for k in keys if s.domain_of(k) == d]
+        wrote = s.put_many([(k, b"new-" + k.encode()) for k in keys])
+        # The moved domain's keys were emptied with their slot: written again.
+        assert wrote == [k in moved or i >= 16 for i, k in enumerate(keys)]
+        assert s.get_many(keys) == [(b"new-" if k in moved or i >= 16 else b"") + k.encode()
+                                    for i, k in enumerate(keys)]
+        assert s.domain_nodes()[d] == f"127.0.0.1:{dst}"  # the client's map, refreshed
+    finally:
+        move(dst, src)
+        redis_cluster.wait_ok()
+        for raw in raws.values():
+            raw.close()
+    s.clear()
+    s.close()
+
+
 def test_an_unreachable_redis_server_fails_the_batch_by_name():
     import redis_rig
 
