@@ -239,6 +239,34 @@ def test_sharded_caches_round_trip(mesh_shape, axes):
         w.close()
 
 
+@pytest.mark.parametrize("mesh_shape,axes,spec", [
+    ((2, 2), ("attn_dp", "model"), P("attn_dp", None, "model")),
+    # tpu-inference's BATCH axis names: blocks over ("data", "attn_dp") together.
+    ((1, 2, 2), ("data", "attn_dp", "model"), P(("data", "attn_dp"), None, "model"))])
+def test_blocks_sharded_over_attention_data_parallelism_round_trip(mesh_shape, axes, spec):
+    # vLLM's attn_dp: the block axis split over data-parallel attention (each half of
+    # the blocks on its own pair of devices), the heads over model.
+    mesh = jax.make_mesh(mesh_shape, axes)
+    sharding = NamedSharding(mesh, spec)
+    caches = make_caches(jnp.bfloat16, heads=4, sharding=sharding)
+    assert {s.data.shape for s in caches[0].addressable_shards} == {(8, BLOCK, 2, 2, 128)}
+    want = {b: blocks_of(caches, b) for b in (1, 6, 9, 14)}
+    w, conn = make_worker(caches)
+    try:
+        # Blocks of both halves saved in one request, loaded across the halves.
+        step_save(w, conn, save_meta("s", [1, 6, 9, 14], [0, 1, 2, 3]))
+        assert step_load(w, conn, load_meta("l", [0, 1, 2, 3], [12, 13, 4, 5])) == set()
+        for src, dst in ((1, 12), (6, 13), (9, 4), (14, 5)):
+            assert_blocks(w.runner.kv_caches, dst, want[src], f"(from block {src})")
+        assert all(c.sharding == sharding for c in w.runner.kv_caches)
+        # A flipped host bit in a chunk is a load error from that block on.
+        testing.flip_bit(w.manager, w.page_of(2), layer=2)
+        assert step_load(w, conn, load_meta("bad", [1, 2, 3], [8, 9, 10])) == {9, 10}
+        assert_blocks(w.runner.kv_caches, 8, want[6])
+    finally:
+        w.close()
+
+
 def test_hybrid_layers_round_trip():
     caches = make_caches(layers=2) + make_caches(layers=2, heads=4, seed=1)
     want = blocks_of(caches, 8)
