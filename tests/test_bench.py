@@ -181,6 +181,8 @@ def test_only_model_moves_each_configs_own_caches(tmp_path):
 def test_model_configs_are_refused_before_anything_runs():
     with pytest.raises(ValueError, match="only='model' needs a config in models="):
         bench.run_bench(config=bench.BenchConfig.smoke(), only="model")
+    with pytest.raises(ValueError, match="which only='fit' leaves out"):
+        bench.run_bench(config=bench.BenchConfig.smoke(), only="fit", models=["tiny"])
     # A typo in a name is refused before the transfer sections run, not after them.
     with pytest.raises(ValueError, match="llama9: no such file and no built-in config"):
         bench.run_bench(config=bench.BenchConfig.smoke(), models=["llama9"])

@@ -84,7 +84,7 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
 
     Raises:
       ValueError: a bad ``only``, a Redis Cluster store, ``only="model"`` without
-        ``models``; ``ConfigError`` (a ValueError) for a model config that does not
+        ``models`` or ``models`` with another ``only``; ``ConfigError`` (a ValueError) for a model config that does not
         load. All before anything is measured.
 
     Example:
@@ -101,6 +101,10 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     if only == "model" and not models:
         raise ValueError("only='model' needs a config in models= (kvxfer bench --only model "
                          "--model CONFIG); got none")
+    if models and only not in (None, "model"):
+        raise ValueError(f"models={models!r} are measured by the models section, which "
+                         f"only={only!r} leaves out; use only='model' (--only model) or "
+                         "run every section")
     from kvxfer import config as _config
 
     for name in models:  # a typo must not cost a whole run either
