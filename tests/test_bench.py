@@ -140,6 +140,54 @@ def test_only_fit_runs_that_section_alone():
     assert any(t["status"] == "MISS" and "persistent" in t["name"] for t in missed)
 
 
+def test_only_model_moves_each_configs_own_caches(tmp_path):
+    from kvxfer import config
+
+    cfg = bench.BenchConfig.smoke()
+    names = ["sglang-llama3-8b-p1", "vllm-tpu-llama3-8b-fp8"]
+    lines = []
+    report = bench.run_bench(config=cfg, only="model", models=names, progress=lines.append,
+                             out_dir=str(tmp_path))
+    assert set(report) == {"schema", "meta", "models", "targets", "not_measured", "files"}
+    assert report["meta"]["only"] == "model" and report["meta"]["models"] == names
+    assert report["targets"] == [] and report["schema"] == "kvxfer-bench/6"
+    assert [row["config"] for row in report["models"]] == names
+    for row in report["models"]:
+        spec = config.load(row["config"])
+        page = sum(g.logical_block_bytes * g.count for g in spec.groups)
+        assert row["page_bytes"] == page and row["layers"] == spec.num_layers
+        assert row["pages"] == max(1, cfg.batch_bytes // page)
+        assert row["bytes"] == row["pages"] * page
+        assert row["tokens_per_page"] == spec.block_size
+        assert row["groups"][0]["block_shape"] == list(spec.groups[0].block_shape)
+        assert set(row["methods"]) == {"offload_off", "offload_page", "load_off_all",
+                                       "load_page_all"}
+        for name, m in row["methods"].items():
+            assert m["direction"] == ("d2h" if name.startswith("offload") else "h2d")
+            assert m["fraction_of_limit"] == pytest.approx(
+                m["gbps"] / row["limit"][m["direction"]]["gbps"])
+            assert m["us_per_page"] == pytest.approx(m["best_s"] / row["pages"] * 1e6)
+            assert 0 < m["call_us_per_page"] and m["best_s"] <= m["p50_s"]
+    bad = [(path, v) for path, v in bench.iter_figures(report)
+           if not math.isfinite(v) or v <= 0 and path.rsplit(".", 1)[-1] not in bench.ZERO_OK]
+    assert not bad
+    assert [line for line in lines if "model sglang-llama3-8b-p1: " in line]
+    text = bench.format_report(report)
+    assert "--only model" in text and "Model configs' own caches" in text
+    assert "sglang-llama3-8b-p1" in text and "Offload throughput" not in text
+    assert json.loads((tmp_path / "bench.json").read_text())["models"] == report["models"]
+
+
+def test_model_configs_are_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="only='model' needs a config in models="):
+        bench.run_bench(config=bench.BenchConfig.smoke(), only="model")
+    with pytest.raises(ValueError, match="which only='fit' leaves out"):
+        bench.run_bench(config=bench.BenchConfig.smoke(), only="fit", models=["tiny"])
+    # A typo in a name is refused before the transfer sections run, not after them.
+    with pytest.raises(ValueError, match="llama9: no such file and no built-in config"):
+        bench.run_bench(config=bench.BenchConfig.smoke(), models=["llama9"])
+
+
 def check_call_geometry(row, cfg, cache_blocks):
     assert (row["path"], row["dtype"], row["movers"]) in CALL_CASES
     assert row["integrity"] == "page" and row["layers"] == cfg.layers
@@ -333,7 +381,8 @@ def test_bad_store_specs_are_refused_by_name():
     with pytest.raises(StoreError, match="store directory '/nonexistent/dir' does not exist"):
         bench.run_bench(config=bench.BenchConfig.smoke(), only="store",
                         stores=["/nonexistent/dir"])
-    with pytest.raises(ValueError, match="Expected only in \\('store', 'fit'\\) or None. Got 'all'"):
+    with pytest.raises(ValueError, match="Expected only in \\('store', 'fit', 'model'\\) or "
+                       "None. Got 'all'"):
         bench.run_bench(config=bench.BenchConfig.smoke(), only="all")
 
 
@@ -551,6 +600,9 @@ def test_register_cli_adds_bench_with_its_options():
     args = parser.parse_args(["bench", "--store", "d", "--store", "redis://h:1", "--only",
                               "store"])
     assert (args.store, args.only) == (["d", "redis://h:1"], "store")
+    args = parser.parse_args(["bench", "--only", "model", "--model", "a", "--model", "b.toml"])
+    assert (args.model, args.only) == (["a", "b.toml"], "model")
+    assert parser.parse_args(["bench"]).model is None
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
         parser.parse_args(["bench", "--only", "sweep"])
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):

@@ -16,7 +16,8 @@ from kvxfer.layout import Layout
 from kvxfer.plan import make_plan
 
 BUILTINS = ["deepseek-mla", "gemma-mixed", "int8-kv", "llama3-8b", "llama3-8b-fp8",
-            "seed-good", "seed-interleaved", "tiny"]
+            "seed-good", "seed-interleaved", "sglang-llama3-8b-p1", "sglang-llama3-8b-p64",
+            "tiny", "vllm-tpu-deepseek-mla", "vllm-tpu-llama3-8b", "vllm-tpu-llama3-8b-fp8"]
 HUGE_BUDGET = 1 << 40
 
 # name -> [(group, count, block_shape, dtype, tpu_layout, shard_dim)]
@@ -37,9 +38,22 @@ EXPECTED = {
     "seed-good": [("h4", 4, (4, 2048), "bfloat16", "{2,1,0:T(8,128)(2,1)}", None),
                   ("h8", 4, (8, 2048), "bfloat16", "{2,1,0:T(8,128)(2,1)}", None),
                   ("h16", 4, (16, 2048), "bfloat16", "{2,1,0:T(8,128)(2,1)}", None)],
+    # The engines' own caches (derived TPU layouts: layouts/engines_derived.json).
+    "sglang-llama3-8b-p1": [
+        ("kv", 32, (1, 8, 2, 128), "bfloat16", "{4,3,2,1,0:T(2,128)(2,1)}", 2)],
+    "sglang-llama3-8b-p64": [
+        ("kv", 32, (64, 8, 2, 128), "bfloat16", "{4,3,2,1,0:T(2,128)(2,1)}", 2)],
+    "vllm-tpu-llama3-8b": [
+        ("kv", 32, (16, 8, 2, 128), "bfloat16", "{4,3,2,1,0:T(2,128)(2,1)}", 2)],
+    "vllm-tpu-llama3-8b-fp8": [
+        ("kv", 32, (16, 4, 4, 128), "float8_e4m3fn", "{4,3,2,1,0:T(4,128)(4,1)}", 2)],
+    "vllm-tpu-deepseek-mla": [
+        ("mla", 61, (32, 32, 640), "bfloat16", "{3,2,1,0:T(8,128)(2,1)}", None)],
 }
 SLICE_CLASSES = {"llama3-8b": 1, "gemma-mixed": 2, "deepseek-mla": 1, "llama3-8b-fp8": 2,
-                 "int8-kv": 1, "tiny": 2, "seed-interleaved": 1, "seed-good": 3}
+                 "int8-kv": 1, "tiny": 2, "seed-interleaved": 1, "seed-good": 3,
+                 "sglang-llama3-8b-p1": 1, "sglang-llama3-8b-p64": 1, "vllm-tpu-llama3-8b": 1,
+                 "vllm-tpu-llama3-8b-fp8": 1, "vllm-tpu-deepseek-mla": 1}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +106,9 @@ def test_default_device_caches_stay_small(specs):
     for name, spec in specs.items():
         total = sum(g.logical_block_bytes * g.count for g in spec.groups) * \
             spec.num_device_blocks
-        limit = 128 << 20 if name == "seed-interleaved" else 64 << 20
+        # One 1024-token MLA block of 61 layers is 76 MiB: that config holds 2.
+        limit = {"seed-interleaved": 128 << 20, "vllm-tpu-deepseek-mla": 160 << 20}.get(
+            name, 64 << 20)
         assert total <= limit, (name, total)
 
 
@@ -118,6 +134,101 @@ def test_seed_interleaved_costs_221_gib_on_the_raw_path(specs):
     staged = make_plan(spec.layer_specs(), spec.num_host_blocks,
                        host_memory_budget=HUGE_BUDGET)
     assert staged.total_host_bytes == 20 * 1886 * 3 * 2048 * 2
+
+
+# -- the engines' own caches --------------------------------------------------------------
+# Their shape rules, restated from the engines' sources: sglang-jax (cddbf6f)
+# MHATokenToKVPool._create_buffers with get_dtype_packing = 32 // bits and head_dim
+# rounded up to 128; tpu-inference (b8692ff) ragged_paged_attention v3 get_kv_cache_shape,
+# and mla v2 get_kv_cache_shape with MLA_KV_PACKING_SIZE = 32 tokens.
+
+
+def _align(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _packing(dtype: str) -> int:
+    from kvxfer.layout import dtype_of
+
+    return 32 // (8 * dtype_of(dtype).itemsize)
+
+
+def sglang_shape(size, page_size, dp_size, kv_heads, head_dim, dtype):
+    p = _packing(dtype)
+    return ((size + page_size * dp_size) // page_size, page_size, kv_heads * 2 // p, p,
+            _align(head_dim, 128))
+
+
+def vllm_shape(num_blocks, block_size, kv_heads, head_dim, dtype):
+    p = _packing(dtype)
+    return (num_blocks, block_size, _align(kv_heads * 2, p) // p, p, _align(head_dim, 128))
+
+
+def vllm_mla_shape(num_blocks, block_size, kv_lora_rank, rope_dim, kv_packing=32):
+    kv_dim = _align(kv_lora_rank, 128) + _align(rope_dim, 128)
+    return (num_blocks, _align(block_size, kv_packing) // kv_packing, kv_packing,
+            _align(kv_dim, 128))
+
+
+# name -> (the full default cache shape by the engine's rule, tokens per block, bytes
+# per block of one layer)
+ENGINE_CACHES = {
+    "sglang-llama3-8b-p1": (sglang_shape(255, 1, 1, 8, 128, "bfloat16"), 1, 4 << 10),
+    "sglang-llama3-8b-p64": (sglang_shape(192, 64, 1, 8, 128, "bfloat16"), 64, 256 << 10),
+    "vllm-tpu-llama3-8b": (vllm_shape(16, 16, 8, 128, "bfloat16"), 16, 64 << 10),
+    "vllm-tpu-llama3-8b-fp8": (vllm_shape(16, 16, 8, 128, "float8_e4m3fn"), 16, 32 << 10),
+    "vllm-tpu-deepseek-mla": (vllm_mla_shape(2, 1024, 512, 64), 1024, 1280 << 10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_CACHES))
+def test_engine_configs_hold_the_engines_cache_shapes(name, specs):
+    spec = specs[name]
+    shape, tokens, block_bytes = ENGINE_CACHES[name]
+    (group,) = spec.groups
+    assert (spec.num_device_blocks, *group.block_shape) == shape
+    assert spec.block_size == tokens and group.logical_block_bytes == block_bytes
+    # Derived TPU layouts, tiling the (packing, head_dim) pair: a block is one byte range
+    # and costs its logical bytes on the device.
+    (_, g), *_ = spec.inspect_layers()
+    assert g.addressable and g.bytes_per_block == block_bytes and g.padding_factor == 1.0
+    # Heads split like the engines' tensor / model axis; the MLA latent is replicated.
+    by4 = spec.layer_specs(num_devices=4)[0]
+    assert (by4.num_shards, by4.replicas) == ((1, 4) if "mla" in name else (4, 1))
+
+
+def test_engine_configs_match_the_derived_catalogue(specs):
+    from kvxfer import catalog
+
+    cat = catalog.load("engines_derived")
+    assert cat.entries and {e.source for e in cat.entries} == {"derived"}
+    assert cat.provenance["backend"] == "none"
+    assert all(r.agrees for r in cat.check())
+    by_array = {(e.shape[1:], e.dtype): e.layout for e in cat.entries
+                if not e.name.endswith("-if-full-tile")}
+    for name in ENGINE_CACHES:
+        (group,) = specs[name].groups
+        assert by_array[(group.block_shape, group.dtype)] == group.tpu_layout, name
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_CACHES))
+def test_engine_configs_plan_from_the_command_line(name, specs):
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvxfer", "plan", "--config", name,
+                        "--devices", "4", "--json"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    spec = specs[name]
+    (cls,) = out["classes"]
+    assert out["num_layers"] == spec.num_layers and not out["refused"]
+    assert cls["bytes_per_block"] == ENGINE_CACHES[name][2] and cls["addressable"]
+    assert cls["layout"] == spec.groups[0].tpu_layout
+    assert out["page_bytes"] == spec.num_layers * ENGINE_CACHES[name][2]
+    assert out["total_host_bytes"] == spec.num_host_blocks * out["page_bytes"]
 
 
 def test_seed_good_geometries(specs):

@@ -239,6 +239,34 @@ def test_sharded_caches_round_trip(mesh_shape, axes):
         w.close()
 
 
+@pytest.mark.parametrize("mesh_shape,axes,spec", [
+    ((2, 2), ("attn_dp", "model"), P("attn_dp", None, "model")),
+    # tpu-inference's BATCH axis names: blocks over ("data", "attn_dp") together.
+    ((1, 2, 2), ("data", "attn_dp", "model"), P(("data", "attn_dp"), None, "model"))])
+def test_blocks_sharded_over_attention_data_parallelism_round_trip(mesh_shape, axes, spec):
+    # vLLM's attn_dp: the block axis split over data-parallel attention (each half of
+    # the blocks on its own pair of devices), the heads over model.
+    mesh = jax.make_mesh(mesh_shape, axes)
+    sharding = NamedSharding(mesh, spec)
+    caches = make_caches(jnp.bfloat16, heads=4, sharding=sharding)
+    assert {s.data.shape for s in caches[0].addressable_shards} == {(8, BLOCK, 2, 2, 128)}
+    want = {b: blocks_of(caches, b) for b in (1, 6, 9, 14)}
+    w, conn = make_worker(caches)
+    try:
+        # Blocks of both halves saved in one request, loaded across the halves.
+        step_save(w, conn, save_meta("s", [1, 6, 9, 14], [0, 1, 2, 3]))
+        assert step_load(w, conn, load_meta("l", [0, 1, 2, 3], [12, 13, 4, 5])) == set()
+        for src, dst in ((1, 12), (6, 13), (9, 4), (14, 5)):
+            assert_blocks(w.runner.kv_caches, dst, want[src], f"(from block {src})")
+        assert all(c.sharding == sharding for c in w.runner.kv_caches)
+        # A flipped host bit in a chunk is a load error from that block on.
+        testing.flip_bit(w.manager, w.page_of(2), layer=2)
+        assert step_load(w, conn, load_meta("bad", [1, 2, 3], [8, 9, 10])) == {9, 10}
+        assert_blocks(w.runner.kv_caches, 8, want[6])
+    finally:
+        w.close()
+
+
 def test_hybrid_layers_round_trip():
     caches = make_caches(layers=2) + make_caches(layers=2, heads=4, seed=1)
     want = blocks_of(caches, 8)
@@ -305,6 +333,75 @@ def test_bad_work_orders_are_reported_never_raised(worker, caplog):
     assert step_load(w, conn, load_meta("l", [0], [4], local=[7, 8])) == {4}
     assert "not in host memory" in caplog.text and "99" in caplog.text
     assert w.get_kv_connector_stats().data["finished_load_chunks"]["never"] == [[3, 0]]
+
+
+# -- loads staged before the first one of the step ------------------------------------
+
+
+def _spy(w):
+    """Records the worker's prefetch and load calls on its (real) manager, in order."""
+    calls = []
+    mgr = w.manager
+    prefetch, load = mgr.prefetch, mgr.load
+
+    def spy_prefetch(pages):
+        handle = prefetch(pages)
+        calls.append(("prefetch", len(pages), handle))
+        return handle
+
+    def spy_load(caches, pages, blocks, **kw):
+        calls.append(("load", len(pages), kw.get("prefetched")))
+        return load(caches, pages, blocks, **kw)
+
+    mgr.prefetch, mgr.load = spy_prefetch, spy_load
+    return calls
+
+
+def test_every_load_of_a_step_is_staged_before_the_first_load(worker):
+    w, conn, caches = worker
+    want = {b: blocks_of(caches, b) for b in (2, 3, 8)}
+    step_save(w, conn, save_meta("s", [2, 3, 8], [0, 1, 2]))
+    calls = _spy(w)
+    assert step_load(w, conn, load_meta("a", [0, 1], [10, 11]),
+                     load_meta("b", [2], [12])) == set()
+    assert [c[:2] for c in calls] == [("prefetch", 2), ("prefetch", 1), ("load", 2),
+                                      ("load", 1)]
+    assert calls[2][2] is calls[0][2] and calls[3][2] is calls[1][2]  # each its own
+    for src, dst in ((2, 10), (3, 11), (8, 12)):
+        assert_blocks(w.runner.kv_caches, dst, want[src])
+
+
+def test_a_chunk_two_requests_load_in_one_step_is_bad_for_both(worker):
+    w, conn, caches = worker
+    want, want5 = blocks_of(caches, 4), blocks_of(caches, 5)
+    step_save(w, conn, save_meta("s", [4, 5], [0, 1]))
+    testing.flip_bit(w.manager, w.page_of(1), layer=0)
+    # Both requests were staged before the first found the chunk bad: the second's load
+    # of it is a load error too, never its bytes.
+    errors = step_load(w, conn, load_meta("a", [0, 1], [9, 10]),
+                       load_meta("b", [1], [12]))
+    assert errors == {10, 12}
+    assert_blocks(w.runner.kv_caches, 9, want)
+    assert w.page_of(1) is None and w.stats()["chunks_dropped"] == 1
+    # No pin is left behind: the chunk is saved again and loads clean.
+    step_save(w, conn, save_meta("s2", [5], [1]))
+    assert step_load(w, conn, load_meta("c", [1], [13])) == set()
+    assert_blocks(w.runner.kv_caches, 13, want5)
+
+
+def test_a_load_refused_after_staging_leaves_its_chunks_free_to_save(worker):
+    w, conn, caches = worker
+    want7 = blocks_of(caches, 7)
+    step_save(w, conn, save_meta("s", [3], [2]))
+    calls = _spy(w)
+    # Block 99 is outside the 16-block cache: staged, then refused by the load.
+    assert step_load(w, conn, load_meta("l", [2], [99])) == {99}
+    assert [c[0] for c in calls] == ["prefetch", "load"]
+    assert w.stats()["loads_failed"] == 1
+    step_save(w, conn, save_meta("s2", [7], [2]))  # a pinned chunk could not be saved
+    assert w.stats()["saves_failed"] == 0
+    assert step_load(w, conn, load_meta("l2", [2], [9])) == set()
+    assert_blocks(w.runner.kv_caches, 9, want7)
 
 
 # -- the engine boundary --------------------------------------------------------------

@@ -307,7 +307,7 @@ def test_layout_of_rejects_other_objects():
 # -- catalogues -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["seeds", "tpu_kv_derived"])
+@pytest.mark.parametrize("path", ["seeds", "tpu_kv_derived", "engines_derived"])
 def test_catalogues_agree(path):
     cat = catalog.load(path)
     results = cat.check()
@@ -333,6 +333,16 @@ def test_small_catalogue_entries_agree_with_brute_force():
         assert g.granularity == gran, e.name
         checked += 1
     assert checked >= 8
+
+
+def test_engine_catalogue_entries_agree_with_brute_force():
+    # Two blocks of each engine array: the byte-by-byte check of every block's range.
+    for e in catalog.load("engines_derived").entries:
+        shape = (2, *e.shape[1:])
+        g = kvxfer.inspect(shape, e.dtype, e.layout)
+        gran, _ = brute_force_granularity(shape, e.dtype, e.layout, e.block_dim)
+        assert g.granularity == gran == 1, e.name
+        assert g.bytes_per_block == e.expected["bytes_per_block"], e.name
 
 
 def test_catalogue_disagreement_is_reported(tmp_path):

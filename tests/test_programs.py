@@ -51,3 +51,35 @@ def test_page_loops_touch_no_whole_cache(kind, dtype):
         assert stats.alias_size_in_bytes >= LAYERS * cache_bytes, stats
     if kind == "pinned_write":  # and the donated pool
         assert stats.alias_size_in_bytes >= 8 * LAYERS * words * 4, stats
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_grouped_digest_loops_equal_the_vectorized_digest(dtype):
+    # 8 KiB blocks: the loop digests 128 pages an iteration while 128 are left, then one
+    # an iteration; every count must give the vectorized program's digests, and zeros
+    # past the count.
+    import functools
+
+    from kvxfer import integrity
+    from kvxfer.engine import _programs
+
+    caches = tuple(testing.random_caches(3, 300, (16, 8192 // 16 // np.dtype(
+        jax.numpy.dtype(dtype)).itemsize), dtype, seed=1))
+    n = loop_pages(300, 300)
+    rng = np.random.default_rng(2)
+    ids = np.full(n, 0, np.int32)
+    ids[:300] = rng.permutation(300)
+    ids[300:] = ids[0]
+    base = rng.integers(0, 2**32, (n, integrity.IDENTITY_WORDS), dtype=np.uint32)
+    layer_nums = np.array([3, 9, 27], np.uint32)
+    g = _programs._digest_group(caches[0], n)
+    assert g == 128
+    vectorized = jax.jit(functools.partial(_programs._digest_impl,
+                                           raw=_programs.needs_raw_bits(caches[0]),
+                                           loop=False))
+    want = np.asarray(vectorized(caches, ids, base, layer_nums, None))
+    for count in (1, g - 1, g, g + 5, 2 * g, 300):
+        got = np.asarray(_programs.digest_blocks(caches, ids, base, layer_nums,
+                                                 np.int32(count)))
+        assert np.array_equal(got[:, :count], want[:, :count]), count
+        assert not got[:, count:].any(), count

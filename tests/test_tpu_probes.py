@@ -226,6 +226,102 @@ def test_roundtrip_exits_nonzero_on_a_wrong_catalogue_verdict(tmp_path):
     assert r.returncode == 2 and "missing.json" in r.stderr
 
 
+def test_roundtrip_of_the_engines_arrays_is_byte_exact():
+    r = run_probe("roundtrip_probe.py", "--catalog", "engines_derived", "--max_blocks", "8",
+                  "--pages", "4", "--json")
+    report = json_out(r)
+    assert r.returncode == 0 and report["ok"], (report["disagreements"], r.stderr[-2000:])
+    names = [a["name"] for a in report["arrays"]]
+    assert names == [e.name for e in catalog.load("engines_derived").entries]
+    for a in report["arrays"]:
+        assert a["catalogue"] == "agrees", a["name"]
+        for col in ("staged", "direct", "emulated"):
+            assert a[col]["status"] == "byte-exact", (a["name"], col)
+
+
+# ---------------------------------------------------------------------------
+# engine_layouts.py
+# ---------------------------------------------------------------------------
+
+
+def _engine_layouts_module():
+    sys.path.insert(0, str(ROOT / "tpu_probes"))
+    try:
+        import engine_layouts
+    finally:
+        sys.path.remove(str(ROOT / "tpu_probes"))
+    return engine_layouts
+
+
+def test_engine_layouts_on_cpu_say_nothing_authoritative_was_captured():
+    before = sorted(p.name for p in (ROOT / "layouts").iterdir())
+    r = run_probe("engine_layouts.py", "--max_blocks", "4", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json_out(r)
+    assert report["backend"] == "cpu" and report["authoritative"] is False
+    assert "captured nothing authoritative" in report["summary"]
+    assert report["written"] is None and report["refuted"] == [] and report["confirmed"] == 0
+    assert sorted(p.name for p in (ROOT / "layouts").iterdir()) == before  # no file
+    cat = catalog.load("engines_derived")
+    arrays = {(tuple(e.shape[1:]), e.dtype) for e in cat.entries}
+    rows = report["rows"]
+    assert {r["method"] for r in rows} == {"engine_alloc", "device_put"}
+    assert len(rows) == 2 * len(arrays)
+    for row in rows:
+        assert row["result"] == "not authoritative" and row["matches"] == []
+        rank = len(row["derived"][0].split(":")[0].split(","))
+        assert row["captured"] == "{" + ",".join(map(str, range(rank - 1, -1, -1))) + "}"
+    r = run_probe("engine_layouts.py", "--max_blocks", "4")  # the table says so too
+    assert r.returncode == 0 and "captured nothing authoritative" in r.stdout
+
+
+def test_engine_layouts_out_is_a_catalogue_kvxfer_inspect_passes(tmp_path):
+    out = tmp_path / "engines_cpu.json"
+    r = run_probe("engine_layouts.py", "--max_blocks", "4", "--methods", "engine_alloc",
+                  "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json_out(r)["written"] == str(out)
+    cat = catalog.load(out)
+    assert cat.entries and all(e.source == "captured on cpu (cpu)" for e in cat.entries)
+    assert all(e.name.endswith("/engine_alloc") for e in cat.entries)
+    assert cat.provenance["catalog"] == "engines_derived"
+    r = subprocess.run([sys.executable, "-m", "kvxfer", "inspect", "--catalog", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_engine_layouts_judge_a_capture_against_its_claims_and_alternatives(tmp_path):
+    # A catalogue of arrays whose XLA:CPU layout is known ({2,1,0}), judged as a TPU's.
+    arrays = [
+        {"name": "a-bf16", "shape": [4, 8, 128], "dtype": "bfloat16", "layout": "{2,1,0}",
+         "source": "derived"},
+        {"name": "b-bf16", "shape": [4, 16, 128], "dtype": "bfloat16",
+         "layout": "{2,1,0:T(8,128)(2,1)}", "source": "derived"},
+        {"name": "b-bf16-if-full-tile", "shape": [4, 16, 128], "dtype": "bfloat16",
+         "layout": "{2,1,0}", "source": "derived"},
+        {"name": "c-f32", "shape": [4, 8, 128], "dtype": "float32",
+         "layout": "{2,1,0:T(8,128)}", "source": "derived"}]
+    path = tmp_path / "claims.json"
+    path.write_text(json.dumps({"arrays": arrays}))
+    probe = _engine_layouts_module()
+    report = probe.capture(str(path), 0, ["device_put"], authoritative=True)
+    results = {row["name"]: row["result"] for row in report["rows"]}
+    assert results == {"a-bf16": "confirmed",
+                       "b-bf16": "REFUTED (matches b-bf16-if-full-tile)",
+                       "c-f32": "REFUTED"}
+    assert report["confirmed"] == 1 and len(report["refuted"]) == 2 and not report["ok"]
+    assert any("derived {2,1,0:T(8,128)}, captured {2,1,0}" in x for x in report["refuted"])
+    assert report["summary"].startswith("1 of 3 captures on cpu")
+    assert len(report["captured"].entries) == 3
+
+
+def test_engine_layouts_refuse_bad_flags():
+    r = run_probe("engine_layouts.py", "--methods", "nope")
+    assert r.returncode == 2 and "nope" in r.stderr
+    r = run_probe("engine_layouts.py", "--catalog", "no-such-catalogue")
+    assert r.returncode == 2 and "no-such-catalogue" in r.stderr
+
+
 # ---------------------------------------------------------------------------
 # bandwidth_probe.py
 # ---------------------------------------------------------------------------

@@ -29,7 +29,7 @@ whether a staged load hands the cache back in the layout it was registered with.
 
 Usage (from the repository root):
 
-    python tpu_probes/roundtrip_probe.py                      # both layouts/ catalogues
+    python tpu_probes/roundtrip_probe.py                      # the layouts/ catalogues
     python tpu_probes/roundtrip_probe.py --catalog layouts/captured_tpu_v5_lite.json
     python tpu_probes/roundtrip_probe.py --config tiny --config llama3-8b --json
 
@@ -60,11 +60,11 @@ from kvxfer import emulate  # noqa: E402
 from kvxfer.layout import dtype_name, shape_text  # noqa: E402
 from kvxfer.probe import round_trip  # noqa: E402
 
-DEFAULT_CATALOGS = ("seeds", "tpu_kv_derived")
+DEFAULT_CATALOGS = ("seeds", "tpu_kv_derived", "engines_derived")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("catalog", None, "layouts catalogue(s) to probe (repeatable); "
-                          f"default {' and '.join(DEFAULT_CATALOGS)} when no --config")
+                          f"default {', '.join(DEFAULT_CATALOGS)} when no --config")
 flags.DEFINE_multi_string("config", None, "configs/ names or TOML paths (repeatable, comma "
                           "lists allowed): one array per layer group")
 flags.DEFINE_integer("num_blocks", None, "blocks per config array (default: the config's "

@@ -35,6 +35,12 @@ float16 one with ``path="pinned"``:
   the caller's thread once the caches' writers are done, so such a call can wait
   for the steps: the section shows whether it did.
 
+With ``models=`` (``kvxfer bench --model CONFIG``, repeatable; ``--only model`` alone), a
+**models** section moves a model config's own caches (``configs/``: the engines' page
+shapes, ``sglang-llama3-8b-p1`` with one token per page, ``vllm-tpu-llama3-8b``, ...):
+offload and load of whole pages with integrity off and page against the limit in the
+same run, with the host time per page.
+
 The targets, printed as PASS/MISS lines (``Targets`` holds the thresholds):
 
 * on CPU, offload and load, integrity off and page, reach 0.5x memcpy in every cell;

@@ -24,7 +24,8 @@ def _progress(line: str) -> None:
 def _cmd_bench(args: argparse.Namespace, targets: _report.Targets) -> int:
     config = BenchConfig.smoke() if args.smoke else None
     report = run_bench(quick=args.quick, out_dir=args.out, config=config, progress=_progress,
-                       targets=targets, stores=args.store or (), only=args.only)
+                       targets=targets, stores=args.store or (), only=args.only,
+                       models=args.model or ())
     if args.json:
         print(json.dumps(report))
     else:
@@ -58,6 +59,9 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
         >>> args = parser.parse_args(["bench", "--quick", "--no-check"])
         >>> args.quick, args.smoke, args.no_check, args.json, args.out, args.store, args.only
         (True, False, True, False, None, None, None)
+        >>> parser.parse_args(["bench", "--only", "model", "--model", "sglang-llama3-8b-p1",
+        ...                    "--model", "sglang-llama3-8b-p64"]).model
+        ['sglang-llama3-8b-p1', 'sglang-llama3-8b-p64']
         >>> args = parser.parse_args(["bench", "--only", "store", "--store", "/tmp",
         ...                           "--store", "redis://127.0.0.1:6379"])
         >>> args.only, args.store
@@ -88,10 +92,17 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
                    "several. Default: a disk store in a temporary directory. The bench "
                    "writes only in a new temporary directory inside DIR, or under a key "
                    "prefix of its own, and removes what it wrote")
+    p.add_argument("--model", action="append", metavar="CONFIG",
+                   help="also measure a model config's own caches (a configs/ name such as "
+                   "sglang-llama3-8b-p1, or a TOML file): offload and load of whole pages, "
+                   "256 MiB per call (--smoke: 256 KiB), integrity off and page, against "
+                   "the limit in the same run, "
+                   "and the host time per page; repeat for several")
     p.add_argument("--only", choices=typing.get_args(Only),
-                   help="run only this section (--only store: the store tiers and "
-                   "the Redis prefix lookup, in seconds with --quick; --only fit: the engine-fit section, call host "
-                   "time per path, the 1-page hit and warm-up in fresh processes)")
+                   help="run only this section (--only store: the store tiers and the "
+                   "Redis prefix lookup, in seconds with --quick; --only fit: the "
+                   "engine-fit section, call host time per path, the 1-page hit and "
+                   "warm-up in fresh processes; --only model: the --model configs)")
     p.add_argument("--no-check", action="store_true",
                    help="only report: exit 0 even when a target is missed")
     p.set_defaults(func=functools.partial(_cmd_bench, targets=targets))

@@ -18,6 +18,7 @@ from kvxfer.bench import report as _report
 from kvxfer.bench._caller import first_call_section, queued_section
 from kvxfer.bench._fit import fit_section
 from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._model import model_section
 from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells, plan, prefix_sweep,
                                     throughput_cell)
 from kvxfer.bench._store import DEFAULT_STORE, lookup_section, store_section, store_steps
@@ -31,11 +32,12 @@ __all__ = ["run_bench", "SCHEMA", "Only"]
 #: 3: the ``first_call`` and ``queued`` sections; 4: the ``store`` section, the pinned
 #: mover's methods and ``pinned_methods`` in throughput and sweep rows, and its
 #: caller-thread case); 5: the ``fit`` section (engine-fit calls, 1-page hit, warm-up);
-#: 6: the ``store_lookup`` section (a prefix lookup per page and batched, per Redis store).
+#: 6: the ``store_lookup`` section (a prefix lookup per page and batched, per Redis store)
+#: and the ``models`` section (a model config's own caches, with ``models=``).
 SCHEMA = "kvxfer-bench/6"
 
 #: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
-Only = Literal["store", "fit"]
+Only = Literal["store", "fit", "model"]
 
 
 def _preset(config: BenchConfig) -> str:
@@ -49,7 +51,8 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
               config: BenchConfig | None = None,
               progress: Callable[[str], None] | None = None,
               targets: _report.Targets = _report.Targets(),
-              stores: Sequence[str] = (), only: Only | None = None) -> dict[str, Any]:
+              stores: Sequence[str] = (), only: Only | None = None,
+              models: Sequence[str] = ()) -> dict[str, Any]:
     """Runs the benchmark; returns the report (also written to ``out_dir``).
 
     Args:
@@ -67,7 +70,11 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         (``store_lookup``). The bench writes only under a temporary directory (inside
         ``DIR``) or a prefix of its own, and removes what it wrote.
       only: ``"store"`` runs the store section alone (no JAX work); ``"fit"`` the
-        engine-fit section alone (call host time, 1-page hit, warm-up).
+        engine-fit section alone (call host time, 1-page hit, warm-up); ``"model"`` the
+        models section alone (``models`` must name one config at least).
+      models: model configs (``configs/`` names or TOML files) whose own caches the
+        models section moves: offload and load of ``batch_bytes`` per call, integrity
+        off and page, against the limit in the same run, and the host time per page.
 
     Returns:
       A JSON-ready dict: ``schema``, ``meta``, ``throughput``, ``sweep``,
@@ -75,6 +82,13 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
       ``first_call``, ``queued``, ``store``, ``store_lookup``, ``targets``,
       ``not_measured`` (and ``files`` when written); with ``only="store"``: ``schema``,
       ``meta``, ``store``, ``store_lookup``, ``targets``, ``not_measured`` (and ``files``).
+      With ``models``, also ``models`` (one row per config); with ``only="model"``:
+      ``schema``, ``meta``, ``models``, ``targets``, ``not_measured`` (and ``files``).
+
+    Raises:
+      ValueError: a bad ``only``, a Redis Cluster store, ``only="model"`` without
+        ``models`` or ``models`` with another ``only``; ``ConfigError`` (a ValueError) for a model config that does not
+        load. All before anything is measured.
 
     Example:
         >>> report = run_bench(config=BenchConfig.smoke())
@@ -86,10 +100,24 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         raise ValueError(f"Expected only in {typing.get_args(Only)} or None. Got {only!r} "
                          f"of type {type(only).__name__}")
     stores = list(stores)
+    models = list(models)
+    if only == "model" and not models:
+        raise ValueError("only='model' needs a config in models= (kvxfer bench --only model "
+                         "--model CONFIG); got none")
+    if models and only not in (None, "model"):
+        raise ValueError(f"models={models!r} are measured by the models section, which "
+                         f"only={only!r} leaves out; use only='model' (--only model) or "
+                         "run every section")
+    from kvxfer import config as _config
+
+    for name in models:  # a typo must not cost a whole run either
+        _config.load(name)
     for spec in stores:  # before any section runs: a typo must not cost a whole run
         parse_spec(spec)
-    planned = {None: plan(cfg) + ["store"] * store_steps(cfg, stores), "fit": fit_plan(),
-               "store": ["store"] * store_steps(cfg, stores)}[only]
+    model_steps = ["model"] * len(models)
+    planned = {None: plan(cfg) + model_steps + ["store"] * store_steps(cfg, stores),
+               "fit": fit_plan(), "store": ["store"] * store_steps(cfg, stores),
+               "model": model_steps}[only]
     steps = Progress(planned,
                      progress or (lambda line: None))
     started = now()
@@ -101,6 +129,7 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
                  "jax_version": jax.__version__, "python": platform.python_version(),
                  "source": _source(), "cpu_count": os.cpu_count() or 1,
                  "preset": _preset(cfg), "config": cfg.as_dict(), "only": only,
+                 "models": models,
                  "stores": stores or [DEFAULT_STORE],
                  "stat_note": "throughput from the best repeat; p50/p99 over repeats; "
                               "variants interleaved repeat by repeat"}}
@@ -108,9 +137,11 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         _transfer_sections(cfg, report, steps)
     else:
         report["not_measured"] = []
+    if models and only in (None, "model"):
+        report["models"] = model_section(cfg, models, steps)
     if only == "fit":
         report["fit"] = fit_section(cfg, steps)
-    else:
+    elif only != "model":
         report["store"] = store_section(cfg, stores, steps)
         report["store_lookup"] = lookup_section(cfg, stores, steps)
     report["targets"] = _report.evaluate_targets(report, targets)
@@ -118,7 +149,7 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
         files = {"json": os.path.join(out_dir, "bench.json")}
-        # The plot draws the prefix sweep: not in a run of the store section alone.
+        # The plot draws the prefix sweep: only in a run of every section.
         png = _report.plot(report, os.path.join(out_dir, "bench.png")) if only is None \
             else None
         if png:

@@ -343,6 +343,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"source: {meta['source']}")
     if "fit" in report:
         lines += _fit_lines(report["fit"])
+    if "models" in report:
+        lines += _model_lines(report["models"])
     if "store" in report:
         lines += _store_lines(report["store"])
     if report.get("store_lookup"):
@@ -475,6 +477,33 @@ def _mb(s: dict[str, Any] | None, limit: bool = False) -> str:
         return "-"
     mb = f"{s['gbps'] * 1e3:.0f}"
     return mb if limit else f"{mb} ({s['fraction_of_limit']:.2f}x)"
+
+
+def _model_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The models section's table: a config's own caches, GB/s and host time per page."""
+    lines = ["", "Model configs' own caches (--model): whole pages per call, GB/s from the "
+             "best repeat, (x) = fraction of the limit in the same run; us/page = the best "
+             "call's host time (call) and whole time (total) per page, integrity off/page"]
+    rows_out = []
+    for r in rows:
+        m = r["methods"]
+        shapes = ", ".join(f"{g['dtype']}{g['block_shape']}" for g in r["groups"])
+        rows_out.append([
+            r["config"], shapes, r["tokens_per_page"] or "-", r["layers"],
+            format_bytes(r["page_bytes"]), r["pages"], "+".join(r["paths"]),
+            f"{r['limit']['d2h']['gbps']:.2f}", _gb(m["offload_off"]), _gb(m["offload_page"]),
+            _gb(m["load_off_all"]), _gb(m["load_page_all"]),
+            "/".join(f"{m[k]['call_us_per_page']:.1f}" for k in ("offload_off", "offload_page")),
+            "/".join(f"{m[k]['us_per_page']:.1f}" for k in ("offload_off", "offload_page")),
+            "/".join(f"{m[k]['call_us_per_page']:.1f}" for k in ("load_off_all",
+                                                                  "load_page_all")),
+            "/".join(f"{m[k]['us_per_page']:.1f}" for k in ("load_off_all", "load_page_all"))])
+    lines.append(table(rows_out, [
+        "config", "block (one layer)", "tokens/page", "layers", "page", "pages/call",
+        "mover", "limit", "offload off", "offload page", "load off", "load page",
+        "offload call us/page", "offload total us/page", "load call us/page",
+        "load total us/page"]))
+    return lines
 
 
 def _store_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -37,6 +37,12 @@ __all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "staged_load"
 # class of 61 layers compiles two programs of 8 (and one of 5), not one of 61.
 DIGEST_CHUNK = 8
 
+# Bytes of each layer's blocks one iteration of a digest loop reads at most. Pages of
+# smaller blocks are digested several an iteration (a power of two of them): an
+# iteration costs microseconds whatever it reads, which sglang-jax's one-token pages
+# (4 KiB blocks) would pay per page.
+DIGEST_LOOP_BYTES = 1 << 20
+
 # Distinct (kind, formats, options) a process keeps compiled programs for.
 _PROGRAM_CACHE_SIZE = 256
 
@@ -79,7 +85,8 @@ def page_loops(device: Any) -> bool:
 def _on_blocks(fn: Callable[..., Any], skip: Callable[..., Any], arrays, i: jax.Array,
                raw: bool, *args) -> Any:
     """``fn(blocks, *args)`` over block ``i`` of each array (``[1, *block]``, raw bits
-    when ``raw``), in a loop body, reading those blocks alone.
+    when ``raw``), in a loop body, reading those blocks alone. ``i`` may also be a
+    vector of block ids: the blocks are then ``[len(i), *block]`` (a gather).
 
     XLA:CPU moves bf16 and fp8 slices through f32 (rewriting NaN payloads), so raw
     bits are read through a bitcast; in a loop body XLA hoists the bitcast of a whole
@@ -90,12 +97,14 @@ def _on_blocks(fn: Callable[..., Any], skip: Callable[..., Any], arrays, i: jax.
     always true; ``skip(*args)`` (never run) gives the result's structure.
     """
     def read(i, arrays, *args):
+        if i.ndim:
+            return fn([_bits(a, raw)[i] for a in arrays], *args)
         return fn([jax.lax.dynamic_slice_in_dim(_bits(a, raw), i, 1) for a in arrays], *args)
 
     if not raw:
         return read(i, arrays, *args)
-    return jax.lax.cond(i >= 0, read, lambda i, arrays, *args: skip(*args), i, list(arrays),
-                        *args)
+    return jax.lax.cond((i[0] if i.ndim else i) >= 0, read,
+                        lambda i, arrays, *args: skip(*args), i, list(arrays), *args)
 
 
 def _write_blocks(arrays, i: jax.Array, blocks, raw: bool) -> list[jax.Array]:
@@ -133,24 +142,49 @@ def _digest_impl(arrays, ids, base, layer_nums, count, *, raw: bool, loop: bool)
                                            _with_layer(base, layer_nums[i]))
                           for i, a in enumerate(arrays)])
 
-    # ``count`` pages, one an iteration, each layer's block read once (about as fast
-    # as the vectorized digest on XLA:CPU, see ``_on_blocks``). Rows past ``count``
-    # stay zero.
+    # ``count`` pages, each layer's blocks read once (about as fast as the vectorized
+    # digest on XLA:CPU, see ``_on_blocks``): ``g`` pages an iteration
+    # (``_digest_group``) while ``g`` are left, then one an iteration, so no page is
+    # digested twice and a transfer never costs more iterations than pages. Rows past
+    # ``count`` stay zero.
+    g = _digest_group(arrays[0], ids.shape[0])
+
     def page(blocks, ident):
         return jnp.stack([integrity.digest(integrity.as_words(x, batch_dims=1),
                                            _with_layer(ident, layer_nums[i]))
                           for i, x in enumerate(blocks)])
 
-    def none(ident):
-        return jnp.zeros((len(arrays), 1, integrity.DIGEST_WORDS), jnp.uint32)
+    def step(n):
+        def none(ident):
+            return jnp.zeros((len(arrays), n, integrity.DIGEST_WORDS), jnp.uint32)
 
-    def body(j, out):
-        d = _on_blocks(page, none, arrays, ids[j], raw,
-                       jax.lax.dynamic_slice_in_dim(base, j, 1))
-        return jax.lax.dynamic_update_slice(out, d, (0, j, 0))
+        def body(j, out):
+            start = j * n
+            rows = ids[start] if n == 1 else jax.lax.dynamic_slice_in_dim(ids, start, n)
+            d = _on_blocks(page, none, arrays, rows, raw,
+                           jax.lax.dynamic_slice_in_dim(base, start, n))
+            return jax.lax.dynamic_update_slice(out, d, (0, start, 0))
+        return body
 
     out = jnp.zeros((len(arrays), ids.shape[0], integrity.DIGEST_WORDS), jnp.uint32)
-    return jax.lax.fori_loop(0, count, body, out)
+    if g == 1:
+        return jax.lax.fori_loop(0, count, step(1), out)
+    groups = count // g
+    out = jax.lax.fori_loop(0, groups, step(g), out)
+    return jax.lax.fori_loop(groups * g, count, step(1), out)
+
+
+def _digest_group(a: Any, n: int) -> int:
+    """Pages a digest loop reads an iteration: the largest power of two whose blocks of
+    ``a`` fit ``DIGEST_LOOP_BYTES`` and that divides the ``n`` index entries (1 for
+    blocks of that size or more)."""
+    block = a.dtype.itemsize
+    for d in a.shape[1:]:
+        block *= int(d)
+    g = 1
+    while 2 * g * block <= DIGEST_LOOP_BYTES and n % (2 * g) == 0:
+        g *= 2
+    return g
 
 
 def _scatter_impl(arrays, ids, pages, *, raw: bool):

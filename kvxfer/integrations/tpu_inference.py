@@ -12,6 +12,20 @@ moves the blocks with integrity on: the scheduler's CPU chunk ids are kvxfer slo
 old page's refs go stale), and every load is verified on the device before the step
 that reads it.
 
+Loads are staged with ``mgr.prefetch`` inside ``start_load_kv``: the pages of every
+request of the step before the first load, so the host-to-device copies of later
+requests run while earlier ones scatter and verify (the scheduler's staging budget
+bounds what one step stages). There is no earlier point, nor another thread, to
+stage them from, as sglang-jax's controller does with ``stage_load`` ahead of
+``flush_load``: vLLM's model runner binds the step's connector metadata and calls
+``start_load_kv`` back to back on the thread that runs the forward pass
+(tpu-inference's ``TPUModelRunner._execute_model``, through vLLM's
+``KVConnectorModelRunnerMixin.maybe_get_kv_connector_output``), so which chunks a
+step loads is known only there; and tpu-inference's scheduler asks for synchronous
+loads (``TPUOffloadConnectorScheduler.get_num_new_matched_tokens`` returns
+``load_kv_async=False``), so the step's forward pass reads them as soon as the call
+returns and no load may finish later through ``get_finished``.
+
 What the engine sees of a bad block: ``get_block_ids_with_load_errors()`` returns the
 device block ids a load did not verify (the failing block and every later block of
 that request), the path vLLM's scheduler takes to recompute them. The chunk is still
@@ -136,6 +150,18 @@ class _Save:
     is_final_save: bool
 
 
+@dataclasses.dataclass(eq=False)
+class _Load:
+    """One request's load of a step: its chunks, blocks, pages and staging."""
+
+    req_id: str
+    src: list[int]
+    dst: list[int]
+    pages: list[PageRef]
+    reason: str | None  # why the pages stop short of src (a chunk holding nothing)
+    staged: Any = None  # its prefetch handle, until its load takes it
+
+
 class _HostChunks:
     """Read-only view of the saved chunks, shaped as the engine's ``LocalCPUBackend``.
 
@@ -174,8 +200,9 @@ class KvxferOffloadWorker:
     calling thread and return: the chunk holds the blocks' bytes as they were at the
     call, whatever the runner computes or donates next. A save lands in
     ``finished_save_chunks`` once its host copy is complete. Loads (``start_load_kv``)
-    are blocking, as the engine's: one verified load per request into
-    ``runner.kv_caches``; blocks not verified go to ``get_block_ids_with_load_errors``.
+    are blocking, as the engine's: every request's pages staged first, then one
+    verified load per request into ``runner.kv_caches``; blocks not verified go to
+    ``get_block_ids_with_load_errors``.
     No engine call raises for a failed transfer: it is logged and reported.
 
     Args:
@@ -457,6 +484,9 @@ class KvxferOffloadWorker:
     def start_load_kv(self, fwd_ctx: Any = None, **kwargs: Any) -> None:
         """Loads this step's chunks into ``runner.kv_caches``, verified, before returning.
 
+        Every request's pages are staged first (``mgr.prefetch``: host-to-device copies
+        started, no cache touched), then each request is loaded and verified in turn,
+        so the copies of later requests run while earlier ones scatter and verify.
         Blocks not verified (a chunk never saved, dropped, overwritten, or whose digest
         failed; a transfer failure) are reported by ``get_block_ids_with_load_errors``;
         the chunks are recorded as loaded either way, so the scheduler unpins them.
@@ -472,18 +502,31 @@ class KvxferOffloadWorker:
             return
         if self._mgr is None:  # the engine's worker raises here too
             raise RuntimeError("KV caches not registered: register_runner() must run first")
+        loads = []
         for meta in metas:
             spec = getattr(meta, "load_spec", None)
             if spec is None or not spec.can_load:
                 continue
             if int(spec.num_matched_tokens) - int(spec.num_skip_leading_tokens) <= 0:
                 continue
-            self._load_request(meta.req_id, [int(b) for b in spec.dst_blocks],
-                               [int(c) for c in spec.src_chunks],
-                               list(meta.local_block_ids))
+            load = self._plan_load(meta.req_id, [int(b) for b in spec.dst_blocks],
+                                   [int(c) for c in spec.src_chunks],
+                                   list(meta.local_block_ids))
+            if load is not None:
+                loads.append(load)
+        try:
+            for load in loads:
+                load.staged = self._prefetch(load)
+            for load in loads:
+                self._finish_load(load)
+        finally:
+            for load in loads:  # a load refused before it took its handle: unpin
+                if load.staged is not None:
+                    load.staged.release()
 
-    def _load_request(self, req_id: str, dst: list[int], src: list[int],
-                      local: list[int]) -> None:
+    def _plan_load(self, req_id: str, dst: list[int], src: list[int],
+                   local: list[int]) -> _Load | None:
+        """One request's load: its chunks' pages (None when reported as failed already)."""
         try:
             if not dst:
                 raise ValueError("no dst_blocks to load")
@@ -493,7 +536,7 @@ class KvxferOffloadWorker:
         except ValueError as e:
             log.error("kvxfer offload worker: request %s: bad load spec: %s", req_id, e)
             self._report_load(req_id, src[:len(dst)], dst, 0, {0: str(e)})
-            return
+            return None
         src = src[:len(dst)]
         waits = {id(s): s for c in src if (s := self._inflight.get(c)) is not None}
         for s in waits.values():  # the scheduler loads only saved chunks; be sure
@@ -510,20 +553,42 @@ class KvxferOffloadWorker:
                     reason = f"chunk {c}: {reason}"
                     break
                 pages.append(page)
-        verified, reasons = 0, {}
-        if pages:
-            verified, freed, reasons = self._load_pages(req_id, pages, dst[:len(pages)])
-            self._drop(src, pages, freed, reasons)
-        if reason is not None and verified == len(pages):
-            reasons[len(pages)] = reason  # the load stopped short at a missing chunk
-        self._report_load(req_id, src, dst, verified, reasons)
+        return _Load(req_id, src, dst, pages, reason)
 
-    def _load_pages(self, req_id: str, pages: list[PageRef], dst: list[int]
-                    ) -> tuple[int, tuple[int, ...], dict[int, str]]:
+    def _prefetch(self, load: _Load) -> Any:
+        """Stages a request's pages for its load (None: nothing to stage, or it failed
+        and the load stages them itself)."""
+        if not load.pages:
+            return None
+        try:
+            return self.manager.prefetch(load.pages)
+        except (TransferError, ValueError, TypeError) as e:  # PoolError is a ValueError
+            log.warning("kvxfer offload worker: request %s: staging its load failed (%s); "
+                        "the load stages it", load.req_id, e)
+            return None
+
+    def _finish_load(self, load: _Load) -> None:
+        verified, reasons = 0, {}
+        if load.pages:
+            staged, load.staged = load.staged, None
+            try:
+                verified, freed, reasons = self._load_pages(
+                    load.req_id, load.pages, load.dst[:len(load.pages)], staged)
+            finally:
+                if staged is not None:
+                    staged.release()  # a no-op once the load consumed it
+            self._drop(load.src, load.pages, freed, reasons)
+        if load.reason is not None and verified == len(load.pages):
+            reasons[len(load.pages)] = load.reason  # the load stopped short at a missing chunk
+        self._report_load(load.req_id, load.src, load.dst, verified, reasons)
+
+    def _load_pages(self, req_id: str, pages: list[PageRef], dst: list[int],
+                    staged: Any = None) -> tuple[int, tuple[int, ...], dict[int, str]]:
         """(verified prefix, request indices freed, reasons) of one verified load."""
         try:
             new, handle = self.manager.load(list(self.runner.kv_caches), pages, dst,
-                                            keys=[p.key for p in pages], gate="all")
+                                            keys=[p.key for p in pages], gate="all",
+                                            prefetched=staged)
         except TransferError as e:
             if e.kv_caches is not None:
                 self.runner.kv_caches = list(e.kv_caches)
