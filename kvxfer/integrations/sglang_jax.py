@@ -358,7 +358,8 @@ class KvxferHostKVPool:
         pools = self._mgr.host_pool.pools
         arrays = [p.array for p in pools]
         self._class_sharding = [None if a is None else a.sharding for a in arrays]
-        self._copy_sharding = self._class_sharding[self._mgr.plan.class_of_layer(0)[0].index]
+        first, _ = self._mgr.plan.class_of_layer(0)
+        self._copy_sharding = self._class_sharding[first.index]
         # The stage_backup running on each thread, for the gather point its offload
         # reaches (the manager calls the hook on the caller's thread).
         self._backup_call = threading.local()
@@ -425,8 +426,9 @@ class KvxferHostKVPool:
             return None
         cls, _ = self._mgr.plan.class_of_layer(layer)
         idx = PageBatch(np.asarray(call.device_indices), call.keys, call.generations).padded
+        sharding = self._class_sharding[cls.index]
         for i in cls.layers:
-            self._jit_gather_one_layer(call.buffers[i], idx, self._class_sharding[cls.index])
+            self._jit_gather_one_layer(call.buffers[i], idx, sharding)
         return None
 
     # -- slots ----------------------------------------------------------------------
