@@ -22,6 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvxfer import testing
+from kvxfer.engine import TransferError
 from kvxfer.integrations.sglang_jax import FlushLoadResult, KvxferHostKVPool
 
 SPEC = P("data", None, "tensor", None, None)  # how sglang-jax shards its KV buffer
@@ -335,6 +336,168 @@ def test_a_zero_dma_over_an_intact_copy_is_a_miss_that_keeps_the_page(dev, pool)
     assert pool.page_of(ids[1]) is not None
     assert pool.copy_to_device([ids[1]], [7]).ok    # the kept copy loads next time
     assert_page(dev, 7, want)
+
+
+# -- the engine's white-box names --------------------------------------------------------
+# sglang-jax's own tests reach into LRUHostKVPool's private state; the pool offers the
+# same names as views of its own bookkeeping, and these are their contracts.
+
+
+def test_the_slots_view_shows_committed_pages_where_the_host_pool_keeps_them(dev, pool):
+    assert len(pool._slots) == 4 and list(pool._slots) == [None] * 4
+    ids = pool.alloc(2).tolist()
+    pool.stage_backup([1, 2], ids)
+    assert pool._slots[ids[0]] is None          # staged is not committed
+    pool.flush_backup(ids)
+    for i in ids:
+        copy = pool._slots[i]
+        assert copy.page == pool.page_of(i)
+        assert copy.sharding == pool.manager.host_pool.pools[0].array.sharding
+        assert copy.sharding.memory_kind == "pinned_host"   # the default path's pool
+    assert pool._slots[-4] == pool._slots[0] and pool._slots[-1] is None  # as a list
+    with pytest.raises(IndexError, match="outside pool range"):
+        pool._slots[4]
+    with pytest.raises(TypeError):
+        pool._slots[ids[0]] = None              # read-only
+    pool.free([ids[0]])
+    assert pool._slots[ids[0]] is None and pool._slots[ids[1]] is not None
+
+
+def test_a_plain_host_pool_has_no_sharding_in_the_slots_view(dev):
+    pool = host_pool(dev, path="staged")
+    try:
+        (i,) = pool.alloc(1).tolist()
+        pool.copy_into([1], [i])
+        assert pool._slots[i].sharding is None and pool._slots[i].page == pool.page_of(i)
+    finally:
+        pool.close()
+
+
+def test_pending_entries_carry_the_epoch_of_the_allocation(dev, pool):
+    assert pool._pending_lock is pool._pending_load_lock
+    (i,) = pool.alloc(1).tolist()
+    pool.stage_backup([1], [i])
+    with pool._pending_lock:
+        epoch, _ = pool._pending_gather[i]
+    assert epoch == pool._generation[i]
+    pool.flush_backup([i])
+    assert i not in pool._pending_gather
+    pool.stage_load([i])
+    with pool._pending_load_lock:
+        assert pool._pending_load[i][0] == pool._generation[i]
+    assert pool.flush_load([i], [5]).ok and i not in pool._pending_load
+    pool.free([i])
+    (again,) = pool.alloc(1).tolist()
+    assert pool._generation[again] == epoch + (again == i)
+
+
+def test_a_backup_whose_entry_names_another_epoch_is_not_published(dev, pool):
+    (i,) = pool.alloc(1).tolist()
+    pool.stage_backup([2], [i])
+    with pool._pending_lock:
+        epoch, entry = pool._pending_gather[i]
+        pool._pending_gather[i] = (epoch - 1, entry)
+    pool.flush_backup([i])
+    assert pool._slots[i] is None and pool.page_of(i) is None
+    assert pool.manager.num_free_pages == 4     # the stale backup's page was freed
+    with pytest.raises(RuntimeError, match="empty"):
+        pool.stage_load([i])
+
+
+def test_a_load_whose_entry_names_another_epoch_is_not_scattered(dev, pool):
+    (i,) = pool.alloc(1).tolist()
+    want = snapshot(dev, 2)
+    pool.copy_into([2], [i])
+    guard = snapshot(dev, 7)
+    pool.stage_load([i])
+    with pool._pending_load_lock:
+        epoch, entry = pool._pending_load[i]
+        pool._pending_load[i] = (epoch + 1, entry)
+    result = pool.flush_load([i], [7])
+    assert result.missed == (i,) and result.reasons[i].startswith("stale")
+    assert_page(dev, 7, guard)
+    assert pool._slots[i] is not None           # the host copy is the allocation's still
+    assert pool.copy_to_device([i], [7]).ok
+    assert_page(dev, 7, want)
+
+
+def test_the_gather_point_sees_each_layer_inside_the_backup(dev, pool):
+    seen = []
+    ids = pool.alloc(3).tolist()
+
+    def point(buf, idx, sharding):
+        seen.append((buf, idx.tolist(), idx.dtype, sharding, dict(pool._pending_gather)))
+
+    pool._jit_gather_one_layer = point
+    # A fault from kvxfer.testing chains to the pool's hook: the point still runs.
+    with testing.failing_transfer(pool.manager, after_layers=100):
+        pool.stage_backup([5, 1, 3], ids)
+    pool.flush_backup(ids)
+    assert pool._pad_to_page_bucket(3) == 4 and [pool._pad_to_page_bucket(n)
+                                                 for n in (1, 2, 5)] == [1, 2, 8]
+    assert len(seen) == len(dev.kv_buffer)
+    for layer, (buf, idx, dtype, sharding, pending) in enumerate(seen):
+        assert buf is dev.kv_buffer[layer]
+        assert idx == [5, 1, 3, 5] and dtype == np.int32   # padded to the bucket
+        assert sharding == pool._slots[ids[0]].sharding
+        assert pending == {}                    # before the backup is published
+
+
+@pytest.mark.parametrize("where", ["caller's thread", "another thread"])
+def test_an_id_reused_at_the_gather_point_gets_nothing_from_the_backup(dev, where):
+    pool = host_pool(dev, pool_size=1)
+    try:
+        (i,) = pool.alloc(1).tolist()
+        pool.copy_into([4], [i])                # an older page the reuse must drop too
+        reused = []
+
+        def reuse():
+            pool.free([i])
+            reused.extend(pool.alloc(1).tolist())
+
+        def point(buf, idx, sharding):
+            if reused:
+                return
+            if where == "caller's thread":
+                reuse()                         # the pool holds no lock here
+            else:
+                with concurrent.futures.ThreadPoolExecutor(1) as other:
+                    other.submit(reuse).result()
+
+        pool._jit_gather_one_layer = point
+        pool.stage_backup([2], [i])
+        assert reused == [i]
+        assert i not in pool._pending_gather and pool._slots[i] is None
+        with pytest.raises(RuntimeError, match="stage_backup"):
+            pool.flush_backup([i])
+        with pytest.raises(RuntimeError, match="empty"):
+            pool.stage_load([i])
+        # A backup into the reused id waits for the stale one and holds its own page.
+        del pool._jit_gather_one_layer
+        want = snapshot(dev, 6)
+        pool.copy_into([6], [i])
+        assert pool.manager.num_free_pages == 0
+        assert pool.copy_to_device([i], [8]).ok
+        assert_page(dev, 8, want)
+    finally:
+        pool.close()
+
+
+def test_a_gather_point_that_raises_fails_the_backup_and_stages_nothing(dev, pool):
+    (i,) = pool.alloc(1).tolist()
+
+    def point(buf, idx, sharding):
+        raise OSError("the engine's hook failed")
+
+    pool._jit_gather_one_layer = point
+    with pytest.raises(TransferError, match="the engine's hook failed"):
+        pool.stage_backup([1], [i])
+    assert i not in pool._pending_gather and pool.manager.num_free_pages == 4
+    del pool._jit_gather_one_layer
+    want = snapshot(dev, 1)
+    pool.copy_into([1], [i])
+    assert pool.copy_to_device([i], [5]).ok
+    assert_page(dev, 5, want)
 
 
 # -- import hygiene ---------------------------------------------------------------------

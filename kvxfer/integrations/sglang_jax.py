@@ -38,13 +38,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvxfer.engine import TransferError
+from kvxfer.engine import PageBatch, TransferError
+from kvxfer.engine._batch import bucket
 from kvxfer.hostpool import PageRef, PoolError
 from kvxfer.manager import KVCacheManager, OffloadHandle
 
@@ -117,13 +119,68 @@ class _Stage:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _PendingGather:
+    """A host id's part of a ``stage_backup``: the backup and the id's place in it."""
+
+    group: _Gather
+    index: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Staged:
     """A host id staged for ``flush_load``: its page, or why it has none."""
 
-    generation: int
     stage: _Stage
     page: PageRef | None
     reason: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _HostCopy:
+    """What a host id's slot holds: its committed kvxfer page, and where it lives.
+
+    Attributes:
+      page: the page (``KvxferHostKVPool.page_of``).
+      sharding: the sharding of the host pool array holding the page
+        (``SingleDeviceSharding(..., memory_kind="pinned_host")`` for a pinned pool),
+        or None for a pool in plain host memory (``path="staged"`` on CPU).
+    """
+
+    page: PageRef
+    sharding: Any
+
+
+class _HostSlots(Sequence):
+    """A read-only view of the pool's slots: id -> ``_HostCopy``, or None when empty."""
+
+    def __init__(self, pool: KvxferHostKVPool):
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.total_size()
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        j = operator.index(i)
+        if not -n <= j < n:
+            raise IndexError(f"host page id={i} outside pool range [0, {n})")
+        page = self._pool.page_of(j % n)
+        return None if page is None else _HostCopy(page, self._pool._copy_sharding)
+
+    def __repr__(self) -> str:
+        return f"_HostSlots({list(self)!r})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _BackupCall:
+    """The ``stage_backup`` whose offload runs on this thread (for the gather point)."""
+
+    buffers: list[Any]
+    device_indices: list[int]
+    keys: list[int]
+    generations: list[int]
 
 
 
@@ -163,6 +220,63 @@ class KvxferHostKVPool:
     which is more than a one-line change; the pool does not patch the engine.
     ``on_load_miss`` lets ``init_hicache`` wire that handler without touching the
     controller.
+
+    **Engine-compatible internals.** sglang-jax's own tests read and rewrite some of
+    ``LRUHostKVPool``'s private state; these names are the pool's real state, with the
+    engine pool's meaning:
+
+    * ``_generation[i]``: the allocation epoch of host id ``i``, bumped by every
+      ``alloc``/``reserve`` that hands it out.
+    * ``_pending_gather``: host id -> ``(epoch, entry)`` for each ``stage_backup`` not
+      flushed yet. ``flush_backup`` publishes an entry only while its epoch is the
+      slot's; any other epoch (the id freed and reused since, or an entry rewritten
+      to another epoch) publishes nothing and the backup's page is freed.
+    * ``_pending_load``: host id -> ``(epoch, entry)`` for each ``stage_load`` not
+      flushed yet. ``flush_load`` scatters an entry only while its epoch is the
+      slot's; otherwise its device page keeps what it holds and the id is missed
+      (``"stale: ..."``).
+    * ``_pending_lock``, ``_pending_load_lock``: both are the pool's one lock, which
+      guards all of the above. Hold it to read or rewrite the two dicts; call no
+      pool method while holding it.
+    * ``_slots``: a read-only sequence over the host ids: ``_slots[i]`` is None while
+      ``i`` holds no committed page (never backed up, freed, stale, dropped), else a
+      record of its ``page`` and of the ``sharding`` of the host pool array holding
+      it: ``memory_kind="pinned_host"`` where the mover keeps a pinned pool
+      (``path="auto"`` does on CPU, GPU and TPU), None for plain host memory.
+    * ``_pad_to_page_bucket(n)``: the page count kvxfer's page batches pad a transfer
+      of ``n`` pages to (powers of two).
+    * ``_jit_gather_one_layer(buf, idx, sharding)``: the per-layer point of
+      ``stage_backup``, after it captured the ids' epochs and before it publishes.
+      Called on the caller's thread inside the offload, once kvxfer has enqueued the
+      reads of a layer's pages, for each layer: ``buf`` is the layer's cache as
+      given, ``idx`` the device pages padded to ``_pad_to_page_bucket`` (``int32``,
+      the padding repeats the first page), ``sharding`` where the host copy goes.
+      The default does nothing: kvxfer's reads already hold the pages as they were
+      at the call. A replacement assigned on the instance may call the pool (no pool
+      lock is held there), e.g. ``free`` and ``alloc`` an id of the backup: the
+      reused id then receives nothing from it. An exception raised there fails the
+      backup with ``TransferError`` (nothing staged). The point runs under no
+      context mesh, through the manager's transfer hook the pool installs:
+      ``kvxfer.testing``'s faults chain to it; a hook installed over it without
+      chaining (``manager.set_transfer_hook(h)``) skips it.
+
+    Example:
+        >>> import types, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> dev = types.SimpleNamespace(kv_buffer=[jnp.ones((9, 1, 2, 1, 128))] * 2)
+        >>> pool = KvxferHostKVPool(dev, 4, 1, 2, (1, 2, 1, 128), jnp.float32, None,
+        ...                         P(None, None, None, None, None))
+        >>> (i,) = pool.alloc(1).tolist()
+        >>> pool._slots[i] is None, pool._pad_to_page_bucket(3)
+        (True, 4)
+        >>> pool.stage_backup([3], [i])
+        >>> with pool._pending_lock:
+        ...     pool._pending_gather[i][0] == pool._generation[i]
+        True
+        >>> pool.flush_backup([i])
+        >>> pool._slots[i].sharding.memory_kind
+        'pinned_host'
+        >>> pool.close()
 
     Args:
       device_pool: the engine's device KV pool; its ``kv_buffer`` is a list of
@@ -233,11 +347,23 @@ class KvxferHostKVPool:
         self._lock_ref = [0] * self._pool_size
         self._pages: list[PageRef | None] = [None] * self._pool_size
         self._dropped: list[str | None] = [None] * self._pool_size
-        self._gathers: dict[int, tuple[int, _Gather, int]] = {}
-        self._staged: dict[int, _Staged] = {}
+        # Both keyed by host id, each value (the allocation's epoch, the entry): a
+        # flush publishes or scatters an entry only while its epoch is the slot's.
+        self._pending_gather: dict[int, tuple[int, _PendingGather]] = {}
+        self._pending_load: dict[int, tuple[int, _Staged]] = {}
         # Backups of freed ids still in flight, by slot: a new backup into the slot
         # waits for them (kvxfer refuses two offloads writing one slot).
         self._orphans: dict[int, _Gather] = {}
+        self._slot_view = _HostSlots(self)
+        pools = self._mgr.host_pool.pools
+        arrays = [p.array for p in pools]
+        self._class_sharding = [None if a is None else a.sharding for a in arrays]
+        first, _ = self._mgr.plan.class_of_layer(0)
+        self._copy_sharding = self._class_sharding[first.index]
+        # The stage_backup running on each thread, for the gather point its offload
+        # reaches (the manager calls the hook on the caller's thread).
+        self._backup_call = threading.local()
+        self._mgr.set_transfer_hook(self._transfer_point)
 
     # -- what the engine reads ---------------------------------------------------
 
@@ -269,6 +395,41 @@ class KvxferHostKVPool:
     def close(self) -> None:
         """Closes the manager (waits for transfers in flight)."""
         self._mgr.close()
+
+    # -- the engine's white-box names (see the class docstring) -------------------
+
+    @property
+    def _pending_lock(self) -> threading.Lock:
+        return self._lock
+
+    @property
+    def _pending_load_lock(self) -> threading.Lock:
+        return self._lock
+
+    @property
+    def _slots(self) -> _HostSlots:
+        return self._slot_view
+
+    _pad_to_page_bucket = staticmethod(bucket)
+
+    def _jit_gather_one_layer(self, buf: Any, idx: np.ndarray, sharding: Any) -> None:
+        """The per-layer point of ``stage_backup``; kvxfer's reads are enqueued already."""
+        return None
+
+    def _transfer_point(self, event: str, layer: int, array: Any) -> None:
+        # The manager's transfer hook: once an offload has enqueued the reads of a
+        # slice class, each layer of the class passes the gather point.
+        if event != "gather_enqueued":
+            return None
+        call: _BackupCall | None = getattr(self._backup_call, "call", None)
+        if call is None:
+            return None
+        cls, _ = self._mgr.plan.class_of_layer(layer)
+        idx = PageBatch(np.asarray(call.device_indices), call.keys, call.generations).padded
+        sharding = self._class_sharding[cls.index]
+        for i in cls.layers:
+            self._jit_gather_one_layer(call.buffers[i], idx, sharding)
+        return None
 
     # -- slots ----------------------------------------------------------------------
 
@@ -374,13 +535,20 @@ class KvxferHostKVPool:
         for g in waits.values():
             g.handle.exception()
             self._reap(g)
-        handle = self._mgr.offload(list(self._device_pool.kv_buffer), device_indices,
-                                   [_key(i, g) for i, g in zip(ids, gens)], slots=ids)
+        buffers = list(self._device_pool.kv_buffer)
+        keys = [_key(i, g) for i, g in zip(ids, gens)]
+        # No lock held: what the gather point runs (a free(), an alloc()) may take it.
+        outer = getattr(self._backup_call, "call", None)
+        self._backup_call.call = _BackupCall(buffers, device_indices, keys, gens)
+        try:
+            handle = self._mgr.offload(buffers, device_indices, keys, slots=ids)
+        finally:
+            self._backup_call.call = outer
         group = _Gather(handle, ids)
         with self._lock:
             for k, (i, gen) in enumerate(zip(ids, gens)):
                 if self._allocated[i] and self._generation[i] == gen:
-                    self._gathers[i] = (gen, group, k)
+                    self._pending_gather[i] = (gen, _PendingGather(group, k))
                 else:
                     group.orphaned.add(i)
                     self._orphans[i] = group
@@ -401,16 +569,19 @@ class KvxferHostKVPool:
         entries = []
         with self._lock:
             for i in ids:
-                entry = self._gathers.pop(i, None)
-                if entry is None:
+                if i not in self._pending_gather:
                     raise RuntimeError(f"flush_backup of host page id={i} with no staged "
                                        "backup; stage_backup() must run first")
-                entries.append((i, entry))
-        for _, (_, group, _) in entries:
-            group.handle.exception()
-        for i, (gen, group, k) in entries:
-            page = group.handle.result()[k]
+            for i in ids:
+                entries.append((i, *self._pending_gather.pop(i)))
+        for _, _, pending in entries:
+            pending.group.handle.exception()
+        for i, gen, pending in entries:
+            group = pending.group
+            page = group.handle.result()[pending.index]
             with self._lock:
+                # The epoch the entry carries decides: the slot's own publishes, any
+                # other (the id freed and reused since) leaves the slot as it is.
                 if self._allocated[i] and self._generation[i] == gen:
                     self._pages[i] = page
                     self._dropped[i] = None
@@ -466,10 +637,10 @@ class KvxferHostKVPool:
                 if not (self._allocated[i] and self._generation[i] == gen):
                     self._break(stage, releases)  # reused meanwhile: nothing to stage
                     continue
-                old = self._staged.get(i)
+                old = self._pending_load.get(i)
                 if old is not None:
-                    self._break(old.stage, releases)
-                self._staged[i] = _Staged(gen, stage, page, reason)
+                    self._break(old[1].stage, releases)
+                self._pending_load[i] = (gen, _Staged(stage, page, reason))
         self._settle([], releases)
 
     def flush_load(self, host_buffer_ids: Sequence[int], device_indices: Sequence[int]
@@ -501,13 +672,15 @@ class KvxferHostKVPool:
         with self._lock:
             for i in ids:
                 self._check_range(i)
-                if i not in self._staged:
+                if i not in self._pending_load:
                     raise RuntimeError(f"flush_load of host page id={i} with no staged "
                                        "load; stage_load() must run first")
             for i, d in zip(ids, device_indices):
-                entry = self._staged.pop(i)
+                gen, entry = self._pending_load.pop(i)
                 stages[id(entry.stage)] = entry.stage
-                if not (self._allocated[i] and self._generation[i] == entry.generation):
+                # As in flush_backup, the entry's epoch decides: a stale entry is not
+                # scattered and its device page keeps what it holds.
+                if not (self._allocated[i] and self._generation[i] == gen):
                     reasons[i] = "stale: the host page id was freed and reused since stage_load"
                 elif entry.page is None:
                     reasons[i] = f"dropped before: {entry.reason}"
@@ -599,13 +772,14 @@ class KvxferHostKVPool:
     def _discard(self, i: int, to_free: list[PageRef], releases: list[PrefetchHandle]
                  ) -> None:
         # Under the lock: forget everything the allocation held.
-        entry = self._gathers.pop(i, None)
+        entry = self._pending_gather.pop(i, None)
         if entry is not None:
-            entry[1].orphaned.add(i)
-            self._orphans[i] = entry[1]
-        staged = self._staged.pop(i, None)
+            group = entry[1].group
+            group.orphaned.add(i)
+            self._orphans[i] = group
+        staged = self._pending_load.pop(i, None)
         if staged is not None:
-            self._break(staged.stage, releases)
+            self._break(staged[1].stage, releases)
         if self._pages[i] is not None:
             to_free.append(self._pages[i])
         self._pages[i] = None
