@@ -12,7 +12,7 @@ from typing import Any
 from kvxfer.bench import report as _report
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._run import Only, run_bench
-from kvxfer.store._open import SPEC_FORMS
+from kvxfer.store import SPEC_FORMS
 
 __all__ = ["register_cli"]
 

@@ -21,7 +21,7 @@ from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._rig import LOAD_VARIANTS, Rig, check_loaded, load_name, make_caches
 from kvxfer.bench.limits import Limit, limit_figures
 from kvxfer.bench.timing import Progress, interleaved, now, stats
-from kvxfer.engine._batch import bucket
+from kvxfer.engine import bucket
 from kvxfer.hostpool import DIGEST_SLOTS, PageRef
 from kvxfer.integrity import IDENTITY_WORDS
 from kvxfer.manager import IntegrityMode, PathMode

@@ -49,7 +49,7 @@ from kvxfer.hostpool import PageRef, PoolError
 from kvxfer.manager import KVCacheManager, OffloadHandle
 
 if TYPE_CHECKING:  # what mgr.prefetch returns; not a name kvxfer.manager exports
-    from kvxfer.manager._prefetch import PrefetchHandle
+    from kvxfer.manager import PrefetchHandle
 
 __all__ = ["KvxferHostKVPool", "FlushLoadResult", "ENGINE_COMMIT"]
 

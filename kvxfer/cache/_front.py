@@ -1,0 +1,331 @@
+"""``HostCache``: the cache's face, one short method per call, over its tiers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from kvxfer._check import check_int, check_timeout
+from kvxfer._counters import Counters
+from kvxfer.cache._blocks import columns, page_keys
+from kvxfer.cache._hits import CacheHit, CacheLoad, Pin
+from kvxfer.cache._host import HostTier
+from kvxfer.cache._lookup import Finder
+from kvxfer.cache._options import check_options
+from kvxfer.cache._settle import settle
+from kvxfer.cache._store_tier import StoreTier, store_key
+from kvxfer.hostpool import PageRef
+from kvxfer.manager import (Agreement, Blocks, Gate, KVCacheManager, LoadResult,
+                            check_key)
+from kvxfer.store import Store
+
+__all__ = ["HostCache"]
+
+_COUNTERS = ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
+             "unused_pages", "pages_put", "duplicates", "dropped", "evictions",
+             "store_pages_written", "store_write_errors", "store_read_errors", "bad_pages",
+             "transfer_faults", "store_auth_failures")
+
+
+class HostCache:
+    """A prefix cache of KV pages in a manager's host pool, over an optional store.
+
+    Args:
+      mgr: the manager whose host pool holds the pages; the cache's capacity is the
+        pool's (pages the caller holds outside the cache are never evicted by it).
+      store: a tier below host memory (``kvxfer.store.DiskStore``, ``RedisStore``),
+        or None.
+      namespace: prefixes every store key (e.g. a model name): two caches share
+        store pages only with equal namespaces and equal ``mgr.fingerprint``.
+      write_through: write every page to the store once it is on host (default:
+        only pages evicted from host, write-back).
+      auth_key: secret bytes (at least 16; 32 random bytes is right): every blob
+        written to the store carries an HMAC-SHA-256 over the blob and its store
+        key, checked before a page is imported. A blob that fails is a miss,
+        counted (``store_auth_failures``), logged and deleted from the store. Every
+        cache that shares the store's pages needs the same key. None (default):
+        blobs as today, trusted as far as the store's writers are.
+      encrypt: also encrypt page bytes at rest (AES-256-GCM keyed from
+        ``auth_key``; ``pip install 'kvxfer[crypto]'``), for stores shared across
+        tenants.
+
+    Thread-safe. Store writes run on one background thread; ``flush()`` waits.
+
+    In a multi-process job (tensor-parallel ranks, each holding its shards of every
+    page) the ranks' caches stay identical, and every request gets the same
+    verified prefix on every rank, as long as every rank creates its managers and
+    caches in the same order, and calls ``put``, ``lookup``, ``load`` and
+    ``release`` for the same requests in the same order, then ``close``: see
+    ``kvxfer.cache`` for what the ranks agree on and what a dead rank costs. Store
+    keys carry the rank, so ranks sharing a store never read each other's shards.
+    """
+
+    def __init__(self, mgr: KVCacheManager, store: Store | None = None, *,
+                 namespace: str = "", write_through: bool = False,
+                 auth_key: bytes | None = None, encrypt: bool = False):
+        sealer = check_options(mgr, store, namespace, write_through, auth_key, encrypt)
+        self.mgr = mgr
+        self.store = store
+        self.namespace = namespace
+        self.write_through = write_through
+        self._sealer = sealer
+        # Caches are created in the same order on every rank (like managers): the
+        # n-th agreement of each process meets the n-th of the others.
+        self._agreement = Agreement(timeout=mgr.agreement_timeout)
+        self._lock = threading.RLock()
+        self._stats = Counters(_COUNTERS, ("bad_pages_by_tier",))
+        self._store = None if store is None else StoreTier(
+            mgr, store, self._lock, self._stats, namespace=namespace,
+            write_through=write_through, sealer=sealer)
+        self._host = HostTier(mgr, self._stats, self._store)
+        self._finder = Finder(self._host, self._store, self._agreement)
+        self._loads: list[CacheLoad] = []
+        self._closed = False
+
+    # -- keys and index -------------------------------------------------------------
+
+    def store_key(self, key: Any) -> str:
+        """The store key of page ``key``: namespace, geometry fingerprint, page key.
+
+        Pages of a manager with ``integrity="off"`` carry no digests: they get keys of
+        their own, so a verifying cache never finds them. In a multi-process job the
+        key names the rank too (each rank's page holds that rank's shards).
+        """
+        return store_key(self.namespace, self.mgr, self._sealer, check_key(key, "key"))
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._collect()
+            return len(self._host)
+
+    def __contains__(self, key: Any) -> bool:
+        key = check_key(key, "key")
+        with self._lock:
+            self._collect()
+            return self._host.holds(key)
+
+    def keys(self) -> list[int]:
+        """The keys of the cache's host pages, least recently used first."""
+        with self._lock:
+            self._collect()
+            return self._host.keys()
+
+    def page_of(self, key: Any) -> PageRef | None:
+        """The host page cached under ``key`` (not pinned, not marked used), or None."""
+        key = check_key(key, "key")
+        with self._lock:
+            self._collect()
+            return self._host.page_of(key)
+
+    def find(self, key: Any) -> str | None:
+        """Where page ``key`` is: ``"host"``, ``"store"`` or None (not marking it used)."""
+        key = check_key(key, "key")
+        with self._lock:
+            self._collect()
+            self._host.wait_pending(key)
+            if self._host.peek(key) is not None:
+                return "host"
+            if self._store is not None and self._store.has(key):
+                return "store"
+            return None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the HostCache is closed; create a new one")
+
+    def _collect(self) -> None:
+        """Indexes finished offloads and settles finished loads (caller's thread)."""
+        self._host.collect()
+        for load in [ld for ld in self._loads if ld.done()]:
+            try:
+                load.result()
+            except Exception:
+                pass  # settled; the caller sees the error from its own result()
+        if self._store is not None:
+            self._store.prune()
+
+    def make_room(self, n: int) -> int:
+        """Evicts least recently used unpinned pages until ``n`` host slots are free.
+
+        Returns:
+          How many of the ``n`` pages fit now (fewer when the rest is pinned or held
+          outside the cache): a caller that must choose which pages to ``put`` picks
+          that many.
+        """
+        with self._lock:
+            self._check_open()
+            self._collect()
+            return self._host.make_room(check_int(n, "n", minimum=0))
+
+    # -- the engine's calls --------------------------------------------------------
+
+    def put(self, kv_caches: Sequence[jax.Array], device_blocks: Blocks,
+            keys: Sequence[Any], *, wait: bool = False) -> list[int]:
+        """Offloads the blocks whose keys are not cached yet; LRU pages make room.
+
+        Args:
+          kv_caches: the current caches.
+          device_blocks: one block id per key, as ``KVCacheManager.offload`` takes
+            them: one list for every slice class, or a mapping ``{class index: ids}``
+            naming every class (a cached page holds every class).
+          keys: the pages' keys: ints in [0, 2**64) or bytes (hashed as the manager
+            hashes them).
+          wait: return only once the pages are on host (else they are indexed as
+            soon as their offload ends; a lookup meanwhile waits for them).
+
+        Returns:
+          The keys being offloaded, as ints (keys cached already, repeated, or that
+          found no room after every unpinned page was evicted are left out).
+        """
+        with self._lock:
+            self._check_open()
+            self._collect()
+            keys = page_keys(keys, "keys")
+            cols = columns(device_blocks, len(keys), len(self.mgr.plan.classes))
+            new, handle = self._host.offload(kv_caches, cols, keys)
+        if wait and handle is not None:
+            try:
+                handle.wait()
+            finally:
+                with self._lock:
+                    self._collect()
+        return new
+
+    def lookup(self, keys: Sequence[Any]) -> CacheHit:
+        """Pins the longest cached prefix of ``keys`` (host first, then the store).
+
+        Store pages are imported into host memory (promoted) on the way. The pins
+        hold until ``load(...).result()`` or ``release(hit)``. In a multi-process job
+        every rank must call it for the same keys, in the same order: the ranks
+        agree on the hit length (the minimum over ranks) before anything is pinned.
+
+        Raises:
+          AgreementError: another rank's lookup in the same turn was for other keys.
+          TransferError: another rank did not take part within the manager's
+            ``agreement_timeout``.
+        """
+        with self._lock:
+            self._check_open()
+            self._collect()
+            keys = page_keys(keys, "keys")
+            found = self._finder.find(keys)
+            self._stats.add(lookups=1, pages_requested=len(keys),
+                            misses=len(keys) - len(found))
+            return CacheHit(tuple(f.key for f in found), tuple(f.ref for f in found),
+                            tuple(f.tier for f in found), Pin(owner=self))
+
+    def release(self, hit: CacheHit) -> None:
+        """Unpins a hit that will not be loaded (a no-op once released or settled)."""
+        self._check_hit(hit)
+        with self._lock:
+            if hit._pin.held:
+                hit._pin.held = False
+                self._host.unpin(hit.keys)
+
+    def _check_hit(self, hit: Any) -> None:
+        if not isinstance(hit, CacheHit):
+            raise TypeError(f"hit must be a CacheHit from lookup(). Got {type(hit).__name__}")
+        if hit._pin.owner is not self and (hit._pin.owner is not None or hit.keys):
+            # Its pins are another cache's: taking them here would leave that cache's
+            # pages pinned for good.
+            raise ValueError("this hit comes from another HostCache's lookup(); release or "
+                             "load it through that cache")
+
+    def load(self, kv_caches: Sequence[jax.Array], hit: CacheHit,
+             device_blocks: Sequence[int] | Mapping[int, Sequence[int]], *,
+             gate: Gate = "all") -> tuple[list[jax.Array], CacheLoad]:
+        """Loads a hit's pages into ``device_blocks`` (see ``KVCacheManager.load``).
+
+        ``device_blocks``: one id per page, one list for every slice class or
+        ``{class index: ids}``, as ``KVCacheManager.load`` takes them.
+
+        Returns:
+          ``(new caches, CacheLoad)``; its ``result()`` gives the verified prefix and
+          releases the hit's pins.
+
+        Raises:
+          What ``KVCacheManager.load`` raises; the hit then stays pinned (load it
+          again or ``release`` it).
+        """
+        self._check_hit(hit)
+        with self._lock:
+            self._check_open()
+            if not hit._pin.held:
+                raise ValueError("this hit was released or loaded already; look up again")
+            new, handle = self.mgr.load(kv_caches, list(hit.pages), device_blocks,
+                                        keys=list(hit.keys), gate=gate)
+            hit._pin.held = False  # the load holds the pins now, until it settles
+            load = CacheLoad(hit, handle, self._settle)
+            self._loads.append(load)
+            return new, load
+
+    def _settle(self, load: CacheLoad, result: LoadResult | None) -> None:
+        with self._lock:
+            if load not in self._loads:
+                return  # settled already
+            self._loads.remove(load)
+            self._host.unpin(load.hit.keys)
+            if result is not None:
+                settle(self._host, self._store, self._stats, load.hit, result)
+
+    def flush(self) -> int:
+        """Writes every host page the store lacks, and waits for all store writes.
+
+        Returns:
+          The pages this call wrote (spills already in flight are waited for, not
+          counted).
+        """
+        if self._store is None:
+            return 0
+        with self._lock:
+            self._check_open()
+            self._host.wait_all()
+            self._collect()
+            mine = self._store.flush(self._host)
+            futures = self._store.pending()
+        concurrent.futures.wait(futures)
+        return sum(1 for f in mine if f.result())
+
+    def stats(self) -> dict[str, Any]:
+        """Lookups, hits per tier, misses, evictions, store writes, bad pages by tier.
+
+        ``pages_requested`` = ``host_hits + store_hits + misses + unused_pages`` over
+        settled loads (``unused_pages``: found but not used, after a bad page,
+        refused for their key, or delivered wrong by the transfer while their host
+        copy was intact, which ``transfer_faults`` counts apart); ``host_pages`` is
+        the cache's pages in host memory, ``pinned_pages`` those pinned by a hit or a
+        load; ``store`` holds the store's own counters (when there is a store), read
+        on a thread of their own: a store that does not answer within 40 ms gives
+        its last counters with ``stale: True``. Takes no lock a transfer or store
+        read holds: cheap enough for every scrape, and it never blocks.
+        """
+        out = self._stats.snapshot()  # the counters' own lock, never the cache's
+        out["host_pages"] = len(self._host)
+        out["pinned_pages"] = self._host.num_pinned
+        if self._store is not None:
+            out["store"] = self._store.stats()
+        return out
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Indexes offloads in flight and gives queued store writes ``timeout`` seconds
+        in all (one deadline, not one per write); writes not done by then are dropped
+        (logged). The manager and the store stay open. In a multi-process job it then
+        waits (up to the manager's ``agreement_timeout``) for every rank to close its
+        cache."""
+        if self._closed:
+            return
+        timeout = check_timeout(timeout, "timeout")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._host.wait_all()  # write-through pages of those offloads start writes
+            self._collect()
+            self._closed = True
+            writes = [] if self._store is None else self._store.stop_writes()
+        if self._store is not None:
+            self._store.close(writes, timeout, deadline)
+        self._agreement.meet("close")

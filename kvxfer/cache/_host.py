@@ -1,0 +1,234 @@
+"""The host tier: the cache's pages in the manager's host pool, their order and pins.
+
+``HostTier`` indexes one host page per key, keeps them in least-recently-used order,
+counts pins (a pinned page is never evicted), tracks offloads on their way in, and
+evicts to make room, handing each evicted page to the tier below (``StoreTier``)
+first. It holds no lock: the cache calls it under its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+
+from kvxfer._counters import Counters
+from kvxfer.cache._blocks import Columns, pick
+from kvxfer.hostpool import PageRef, PoolExhaustedError
+from kvxfer.manager import KVCacheManager, OffloadHandle, PageFormatError
+
+if TYPE_CHECKING:
+    from kvxfer.cache._store_tier import StoreTier
+
+__all__ = ["HostTier"]
+
+log = logging.getLogger("kvxfer")
+
+
+class HostTier:
+    """One host page per key in ``mgr``'s pool, evicted least recently used first.
+
+    Args:
+      mgr: the manager whose host pool holds the pages.
+      stats: the cache's counters (``duplicates``, ``dropped``, ``evictions``,
+        ``pages_put``).
+      below: the store tier evicted and arriving pages are handed to, or None.
+    """
+
+    def __init__(self, mgr: KVCacheManager, stats: Counters, below: StoreTier | None):
+        self.mgr = mgr
+        self.below = below
+        self._stats = stats
+        self._index: collections.OrderedDict[int, PageRef] = collections.OrderedDict()
+        self._pins: collections.Counter[int] = collections.Counter()
+        self._pending: dict[int, OffloadHandle] = {}  # key -> the offload of its page
+        self._offloads: list[tuple[OffloadHandle, list[int]]] = []
+
+    # -- what is here --------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self) -> list[int]:
+        """The indexed keys, the first to be evicted first."""
+        return list(self._index)
+
+    def items(self) -> list[tuple[int, PageRef]]:
+        return list(self._index.items())
+
+    def holds(self, key: int) -> bool:
+        """Whether ``key`` is indexed or on its way in (its ref not checked)."""
+        return key in self._index or key in self._pending
+
+    def page_of(self, key: int) -> PageRef | None:
+        """The indexed page of ``key`` as it is (not checked, not marked used)."""
+        return self._index.get(key)
+
+    def peek(self, key: int) -> PageRef | None:
+        """The valid host page of ``key``, or None; changes nothing."""
+        ref = self._index.get(key)
+        return ref if ref is not None and self.mgr.is_valid(ref) else None
+
+    def get(self, key: int) -> PageRef | None:
+        """The valid host page of ``key``, or None: an entry whose page was freed
+        behind the cache's back leaves the index."""
+        ref = self._index.get(key)
+        if ref is not None and not self.mgr.is_valid(ref):
+            del self._index[key]
+            return None
+        return ref
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
+
+    # -- use and pins --------------------------------------------------------------
+
+    def touch(self, key: int) -> None:
+        """Marks an indexed page used (most recently)."""
+        if key in self._index:
+            self._index.move_to_end(key)
+
+    def pin(self, key: int) -> None:
+        self._pins[key] += 1
+
+    def unpin(self, keys: Iterable[int]) -> None:
+        for key in keys:
+            self._pins[key] -= 1
+            if self._pins[key] <= 0:
+                del self._pins[key]
+
+    def add(self, key: int, ref: PageRef) -> None:
+        """Indexes a page that just arrived in host memory, most recently used."""
+        self._index[key] = ref
+        self._index.move_to_end(key)
+
+    def discard(self, key: int, ref: PageRef) -> bool:
+        """Unindexes ``key`` if it still names ``ref`` (the page is not freed here)."""
+        if self._index.get(key) != ref:
+            return False
+        del self._index[key]
+        return True
+
+    # -- room ----------------------------------------------------------------------
+
+    def make_room(self, n: int) -> int:
+        """Evicts until ``n`` host slots are free (or nothing more can go); how many of
+        the ``n`` fit."""
+        while self.mgr.num_free_pages < n and self._evict_one():
+            pass
+        return min(n, self.mgr.num_free_pages)
+
+    def _evict_one(self) -> bool:
+        """Evicts the least recently used unpinned page (spilling it); False if none."""
+        key = next((k for k in self._index if not self._pins[k]), None)
+        if key is None:
+            return False
+        ref = self._index.pop(key)
+        if self.mgr.is_valid(ref):
+            if self.below is not None:
+                self.below.spill(key, ref)
+            self.mgr.free([ref])
+        self._stats.add(evictions=1)
+        return True
+
+    def admit(self, key: int, blob: bytes) -> PageRef | None:
+        """A store blob imported as the host page of ``key`` (making room for it), or
+        None when no slot is free after every unpinned page went.
+
+        Raises:
+          PageFormatError: the blob is not a whole page of this manager (another
+            geometry, damaged framing, or some slice classes only).
+        """
+        if self.make_room(1) < 1:
+            return None
+        try:
+            ref = self.mgr.import_page(blob, key=key)
+        except PoolExhaustedError:
+            return None
+        held = self.mgr.host_pool.classes_of(ref.slot)
+        classes = len(self.mgr.plan.classes)
+        if len(held) < classes:
+            # Some slice classes only (put there by another writer): a lookup of this
+            # cache loads every class, so it could never be used.
+            self.mgr.free([ref])
+            raise PageFormatError(f"it holds slice classes {sorted(held)} of {classes}",
+                                  "bad class")
+        self.add(key, ref)
+        return ref
+
+    # -- offloads on their way in --------------------------------------------------
+
+    def offload(self, kv_caches: Sequence[jax.Array], cols: Columns, keys: list[int]
+                ) -> tuple[list[int], OffloadHandle | None]:
+        """Offloads the pages of ``keys`` not cached yet, evicting to make room.
+
+        Returns:
+          The keys being offloaded and their handle (None when there are none).
+        """
+        todo: dict[int, int] = {}  # key -> its index in the call
+        for j, key in enumerate(keys):
+            ref = self.get(key)  # a page freed behind the cache's back is put again
+            if ref is not None or key in self._pending or key in todo:
+                self._stats.add(duplicates=1)
+                if ref is not None:
+                    self.touch(key)
+                continue
+            todo[key] = j
+        if todo:  # checked before anything is evicted: in range, distinct
+            self.mgr.check_blocks(pick(cols, todo.values()), len(todo), "keys")
+        room = self.make_room(len(todo))
+        if room < len(todo):
+            self._stats.add(dropped=len(todo) - room)
+            todo = dict(list(todo.items())[:room])
+        if not todo:
+            return [], None
+        handle = self.mgr.offload(kv_caches, pick(cols, todo.values()), list(todo))
+        new = list(todo)
+        for key in new:
+            self._pending[key] = handle
+        self._offloads.append((handle, new))
+        self._stats.add(pages_put=len(new))
+        return new, handle
+
+    def collect(self) -> None:
+        """Indexes the pages of finished offloads (handing each to the tier below)."""
+        still = []
+        for handle, keys in self._offloads:
+            if not handle.done():
+                still.append((handle, keys))
+                continue
+            for key in keys:
+                self._pending.pop(key, None)
+            try:
+                refs = handle.wait()
+            except Exception as e:  # the manager freed the slots; nothing to index
+                log.warning("offload of %d cache pages failed: %s", len(keys), e)
+                continue
+            for key, ref in zip(keys, refs):
+                self.add(key, ref)
+                if self.below is not None:
+                    self.below.arrived(key, ref)
+        self._offloads = still
+
+    def wait_pending(self, key: int) -> None:
+        """Waits for the offload of ``key`` if one is in flight, and indexes it."""
+        handle = self._pending.get(key)
+        if handle is not None:
+            try:
+                handle.wait()
+            except Exception:
+                pass
+            self.collect()
+
+    def wait_all(self) -> None:
+        """Waits for every offload in flight and indexes them."""
+        for handle, _ in list(self._offloads):
+            try:
+                handle.wait()
+            except Exception:
+                pass
+        self.collect()

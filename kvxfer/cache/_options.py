@@ -1,0 +1,40 @@
+"""``HostCache``'s construction arguments, checked before anything is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvxfer.manager import KVCacheManager
+from kvxfer.store import Sealer, Store
+
+__all__ = ["check_options"]
+
+
+def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
+                  auth_key: Any, encrypt: Any) -> Sealer | None:
+    """Refuses bad arguments, naming them; the sealer ``auth_key`` asks for, or None.
+
+    Example:
+        >>> check_options(None, None, "", False, None, False)
+        Traceback (most recent call last):
+        ...
+        TypeError: mgr must be a KVCacheManager. Got NoneType
+    """
+    if not isinstance(mgr, KVCacheManager):
+        raise TypeError(f"mgr must be a KVCacheManager. Got {type(mgr).__name__}")
+    if store is not None and not isinstance(store, Store):
+        raise TypeError(f"store must be a kvxfer.store.Store or None. Got "
+                        f"{type(store).__name__}")
+    if not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str. Got {namespace!r}")
+    try:
+        namespace.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: no store could hold its keys
+        raise ValueError(f"namespace={namespace!r} is not valid UTF-8 text: {e}") from None
+    if write_through and store is None:
+        raise ValueError("write_through=True needs a store")
+    if encrypt and auth_key is None:
+        raise ValueError("encrypt=True needs auth_key (the key material)")
+    if auth_key is not None and store is None:
+        raise ValueError("auth_key seals store blobs; it needs a store")
+    return None if auth_key is None else Sealer(auth_key, encrypt=encrypt)
