@@ -1,9 +1,10 @@
 """``HostCache``: a prefix cache over a manager's host pool, with an optional store tier.
 
 Pages are named by chained keys (a page's key names its whole prefix, e.g.
-``kvxfer.demo.page_keys``). The cache keeps one host page per key in LRU order,
-finds the longest cached prefix of a request, pins what a load reads so eviction
-never takes it, and drops pages a load proves bad. Below host memory an optional
+``kvxfer.demo.page_keys``). The cache keeps one host page per key, evicted as its
+policy picks (``CachePolicy``: ``LRUPolicy``, the default, ``S3FIFOPolicy``,
+``ARCPolicy``), finds the longest cached prefix of a request, pins what a load reads
+so eviction never takes it, and drops pages a load proves bad. Below host memory an optional
 ``kvxfer.store.Store`` (local disk, Redis) receives evicted pages (or every page,
 ``write_through=True``) as blobs carrying the digests made on the device at the
 first offload; a page promoted back goes store -> host -> device and is checked on
@@ -54,12 +55,19 @@ Modules, one idea each: ``_front`` (``HostCache``, one short method per call),
 ``_hits`` (``CacheHit``, ``CacheLoad``), ``_host`` (the host tier: index, order, pins,
 offloads on their way in, eviction), ``_store_tier`` (the store tier: write-behind,
 promotion, bad store pages), ``_lookup`` (the longest prefix, agreed across ranks),
-``_settle`` (a load's hits and bad pages), ``_blocks`` (keys and block ids) and
-``_options`` (construction arguments).
+``_settle`` (loads in flight, a load's hits and bad pages), ``_policy``
+(``CachePolicy`` and LRU), ``_s3fifo`` and ``_arc`` (one policy each), ``_blocks``
+(keys and block ids) and ``_options`` (construction arguments).
 """
 
+from kvxfer.cache._arc import ARCPolicy as ARCPolicy
 from kvxfer.cache._front import HostCache as HostCache
 from kvxfer.cache._hits import CacheHit as CacheHit
 from kvxfer.cache._hits import CacheLoad as CacheLoad
+from kvxfer.cache._policy import CachePolicy as CachePolicy
+from kvxfer.cache._policy import LRUPolicy as LRUPolicy
+from kvxfer.cache._policy import PolicyName as PolicyName
+from kvxfer.cache._s3fifo import S3FIFOPolicy as S3FIFOPolicy
 
-__all__ = ["HostCache", "CacheHit", "CacheLoad"]
+__all__ = ["HostCache", "CacheHit", "CacheLoad", "CachePolicy", "LRUPolicy", "S3FIFOPolicy",
+           "ARCPolicy", "PolicyName"]

@@ -13,15 +13,15 @@ import jax
 from kvxfer._check import check_int, check_timeout
 from kvxfer._counters import Counters
 from kvxfer.cache._blocks import columns, page_keys
-from kvxfer.cache._hits import CacheHit, CacheLoad, Pin
+from kvxfer.cache._hits import CacheHit, CacheLoad, Pin, check_hit
 from kvxfer.cache._host import HostTier
 from kvxfer.cache._lookup import Finder
-from kvxfer.cache._options import check_options
-from kvxfer.cache._settle import settle
+from kvxfer.cache._options import check_options, make_policy
+from kvxfer.cache._policy import CachePolicy, PolicyName
+from kvxfer.cache._settle import Loads
 from kvxfer.cache._store_tier import StoreTier, store_key
 from kvxfer.hostpool import PageRef
-from kvxfer.manager import (Agreement, Blocks, Gate, KVCacheManager, LoadResult,
-                            check_key)
+from kvxfer.manager import Agreement, Blocks, Gate, KVCacheManager, check_key
 from kvxfer.store import Store
 
 __all__ = ["HostCache"]
@@ -42,6 +42,10 @@ class HostCache:
         or None.
       namespace: prefixes every store key (e.g. a model name): two caches share
         store pages only with equal namespaces and equal ``mgr.fingerprint``.
+      policy: which host pages eviction takes: ``"lru"`` (least recently used,
+        the default), ``"s3fifo"`` (scan-resistant: one-off pages leave first),
+        ``"arc"`` (adapts between recency and frequency), or a ``CachePolicy`` of
+        the caller's (one per cache). It orders the host tier only.
       write_through: write every page to the store once it is on host (default:
         only pages evicted from host, write-back).
       auth_key: secret bytes (at least 16; 32 random bytes is right): every blob
@@ -66,9 +70,11 @@ class HostCache:
     """
 
     def __init__(self, mgr: KVCacheManager, store: Store | None = None, *,
-                 namespace: str = "", write_through: bool = False,
-                 auth_key: bytes | None = None, encrypt: bool = False):
+                 namespace: str = "", policy: PolicyName | CachePolicy = "lru",
+                 write_through: bool = False, auth_key: bytes | None = None,
+                 encrypt: bool = False):
         sealer = check_options(mgr, store, namespace, write_through, auth_key, encrypt)
+        self.policy = make_policy(policy, mgr.plan.num_host_blocks)
         self.mgr = mgr
         self.store = store
         self.namespace = namespace
@@ -82,9 +88,9 @@ class HostCache:
         self._store = None if store is None else StoreTier(
             mgr, store, self._lock, self._stats, namespace=namespace,
             write_through=write_through, sealer=sealer)
-        self._host = HostTier(mgr, self._stats, self._store)
+        self._host = HostTier(mgr, self._stats, self._store, self.policy)
         self._finder = Finder(self._host, self._store, self._agreement)
-        self._loads: list[CacheLoad] = []
+        self._loads = Loads(self._lock, self._host, self._store, self._stats)
         self._closed = False
 
     # -- keys and index -------------------------------------------------------------
@@ -110,7 +116,8 @@ class HostCache:
             return self._host.holds(key)
 
     def keys(self) -> list[int]:
-        """The keys of the cache's host pages, least recently used first."""
+        """The keys of the cache's host pages, roughly in the order eviction would
+        take them (least recently used first under LRU)."""
         with self._lock:
             self._collect()
             return self._host.keys()
@@ -127,12 +134,7 @@ class HostCache:
         key = check_key(key, "key")
         with self._lock:
             self._collect()
-            self._host.wait_pending(key)
-            if self._host.peek(key) is not None:
-                return "host"
-            if self._store is not None and self._store.has(key):
-                return "store"
-            return None
+            return self._finder.where(key)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -141,16 +143,12 @@ class HostCache:
     def _collect(self) -> None:
         """Indexes finished offloads and settles finished loads (caller's thread)."""
         self._host.collect()
-        for load in [ld for ld in self._loads if ld.done()]:
-            try:
-                load.result()
-            except Exception:
-                pass  # settled; the caller sees the error from its own result()
+        self._loads.collect()
         if self._store is not None:
             self._store.prune()
 
     def make_room(self, n: int) -> int:
-        """Evicts least recently used unpinned pages until ``n`` host slots are free.
+        """Evicts unpinned pages (as the policy picks) until ``n`` host slots are free.
 
         Returns:
           How many of the ``n`` pages fit now (fewer when the rest is pinned or held
@@ -166,7 +164,7 @@ class HostCache:
 
     def put(self, kv_caches: Sequence[jax.Array], device_blocks: Blocks,
             keys: Sequence[Any], *, wait: bool = False) -> list[int]:
-        """Offloads the blocks whose keys are not cached yet; LRU pages make room.
+        """Offloads the blocks whose keys are not cached yet; evictions make room.
 
         Args:
           kv_caches: the current caches.
@@ -200,7 +198,8 @@ class HostCache:
         """Pins the longest cached prefix of ``keys`` (host first, then the store).
 
         Store pages are imported into host memory (promoted) on the way. The pins
-        hold until ``load(...).result()`` or ``release(hit)``. In a multi-process job
+        hold until ``load(...).result()`` or ``release(hit)``; the lookup is one use
+        of each page it pins, as the policy counts uses. In a multi-process job
         every rank must call it for the same keys, in the same order: the ranks
         agree on the hit length (the minimum over ranks) before anything is pinned.
 
@@ -221,20 +220,11 @@ class HostCache:
 
     def release(self, hit: CacheHit) -> None:
         """Unpins a hit that will not be loaded (a no-op once released or settled)."""
-        self._check_hit(hit)
+        check_hit(hit, self)
         with self._lock:
             if hit._pin.held:
                 hit._pin.held = False
                 self._host.unpin(hit.keys)
-
-    def _check_hit(self, hit: Any) -> None:
-        if not isinstance(hit, CacheHit):
-            raise TypeError(f"hit must be a CacheHit from lookup(). Got {type(hit).__name__}")
-        if hit._pin.owner is not self and (hit._pin.owner is not None or hit.keys):
-            # Its pins are another cache's: taking them here would leave that cache's
-            # pages pinned for good.
-            raise ValueError("this hit comes from another HostCache's lookup(); release or "
-                             "load it through that cache")
 
     def load(self, kv_caches: Sequence[jax.Array], hit: CacheHit,
              device_blocks: Sequence[int] | Mapping[int, Sequence[int]], *,
@@ -252,26 +242,12 @@ class HostCache:
           What ``KVCacheManager.load`` raises; the hit then stays pinned (load it
           again or ``release`` it).
         """
-        self._check_hit(hit)
+        check_hit(hit, self)
         with self._lock:
             self._check_open()
             if not hit._pin.held:
                 raise ValueError("this hit was released or loaded already; look up again")
-            new, handle = self.mgr.load(kv_caches, list(hit.pages), device_blocks,
-                                        keys=list(hit.keys), gate=gate)
-            hit._pin.held = False  # the load holds the pins now, until it settles
-            load = CacheLoad(hit, handle, self._settle)
-            self._loads.append(load)
-            return new, load
-
-    def _settle(self, load: CacheLoad, result: LoadResult | None) -> None:
-        with self._lock:
-            if load not in self._loads:
-                return  # settled already
-            self._loads.remove(load)
-            self._host.unpin(load.hit.keys)
-            if result is not None:
-                settle(self._host, self._store, self._stats, load.hit, result)
+            return self._loads.start(kv_caches, hit, device_blocks, gate)
 
     def flush(self) -> int:
         """Writes every host page the store lacks, and waits for all store writes.

@@ -9,7 +9,7 @@ from typing import Any
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import LoadHandle, LoadResult
 
-__all__ = ["CacheHit", "CacheLoad", "Pin"]
+__all__ = ["CacheHit", "CacheLoad", "Pin", "check_hit"]
 
 
 @dataclasses.dataclass
@@ -73,3 +73,15 @@ class CacheLoad:
             raise
         self._settle(self, result)
         return result
+
+
+def check_hit(hit: Any, owner: Any) -> None:
+    """Refuses what is not a ``CacheHit`` of ``owner``'s lookups (an empty hit is any
+    cache's)."""
+    if not isinstance(hit, CacheHit):
+        raise TypeError(f"hit must be a CacheHit from lookup(). Got {type(hit).__name__}")
+    if hit._pin.owner is not owner and (hit._pin.owner is not None or hit.keys):
+        # Its pins are another cache's: taking them here would leave that cache's
+        # pages pinned for good.
+        raise ValueError("this hit comes from another HostCache's lookup(); release or "
+                         "load it through that cache")

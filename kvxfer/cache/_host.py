@@ -1,9 +1,10 @@
 """The host tier: the cache's pages in the manager's host pool, their order and pins.
 
-``HostTier`` indexes one host page per key, keeps them in least-recently-used order,
-counts pins (a pinned page is never evicted), tracks offloads on their way in, and
-evicts to make room, handing each evicted page to the tier below (``StoreTier``)
-first. It holds no lock: the cache calls it under its own.
+``HostTier`` indexes one host page per key, tells its eviction policy
+(``CachePolicy``) what arrives, what lookups find and what leaves, counts pins (a
+pinned page is never evicted), tracks offloads on their way in, and evicts what the
+policy picks to make room, handing each evicted page to the tier below
+(``StoreTier``) first. It holds no lock: the cache calls it under its own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 
 from kvxfer._counters import Counters
 from kvxfer.cache._blocks import Columns, pick
+from kvxfer.cache._policy import CachePolicy
 from kvxfer.hostpool import PageRef, PoolExhaustedError
 from kvxfer.manager import KVCacheManager, OffloadHandle, PageFormatError
 
@@ -29,20 +31,23 @@ log = logging.getLogger("kvxfer")
 
 
 class HostTier:
-    """One host page per key in ``mgr``'s pool, evicted least recently used first.
+    """One host page per key in ``mgr``'s pool, evicted as ``policy`` picks.
 
     Args:
       mgr: the manager whose host pool holds the pages.
       stats: the cache's counters (``duplicates``, ``dropped``, ``evictions``,
         ``pages_put``).
       below: the store tier evicted and arriving pages are handed to, or None.
+      policy: the eviction policy, bound to this tier's capacity.
     """
 
-    def __init__(self, mgr: KVCacheManager, stats: Counters, below: StoreTier | None):
+    def __init__(self, mgr: KVCacheManager, stats: Counters, below: StoreTier | None,
+                 policy: CachePolicy):
         self.mgr = mgr
         self.below = below
+        self.policy = policy
         self._stats = stats
-        self._index: collections.OrderedDict[int, PageRef] = collections.OrderedDict()
+        self._index: dict[int, PageRef] = {}
         self._pins: collections.Counter[int] = collections.Counter()
         self._pending: dict[int, OffloadHandle] = {}  # key -> the offload of its page
         self._offloads: list[tuple[OffloadHandle, list[int]]] = []
@@ -53,11 +58,11 @@ class HostTier:
         return len(self._index)
 
     def keys(self) -> list[int]:
-        """The indexed keys, the first to be evicted first."""
-        return list(self._index)
+        """The indexed keys, roughly the first to be evicted first."""
+        return self.policy.order()
 
     def items(self) -> list[tuple[int, PageRef]]:
-        return list(self._index.items())
+        return [(k, self._index[k]) for k in self.policy.order()]
 
     def holds(self, key: int) -> bool:
         """Whether ``key`` is indexed or on its way in (its ref not checked)."""
@@ -77,7 +82,7 @@ class HostTier:
         behind the cache's back leaves the index."""
         ref = self._index.get(key)
         if ref is not None and not self.mgr.is_valid(ref):
-            del self._index[key]
+            self._unindex(key)
             return None
         return ref
 
@@ -88,9 +93,9 @@ class HostTier:
     # -- use and pins --------------------------------------------------------------
 
     def touch(self, key: int) -> None:
-        """Marks an indexed page used (most recently)."""
+        """A lookup found the indexed page ``key``: the policy counts the use."""
         if key in self._index:
-            self._index.move_to_end(key)
+            self.policy.touch(key)
 
     def pin(self, key: int) -> None:
         self._pins[key] += 1
@@ -102,38 +107,49 @@ class HostTier:
                 del self._pins[key]
 
     def add(self, key: int, ref: PageRef) -> None:
-        """Indexes a page that just arrived in host memory, most recently used."""
+        """Indexes a page that just arrived in host memory."""
+        if key in self._index:  # a page of the key, freed behind the cache's back
+            self._unindex(key)
         self._index[key] = ref
-        self._index.move_to_end(key)
+        self.policy.insert(key)
 
     def discard(self, key: int, ref: PageRef) -> bool:
         """Unindexes ``key`` if it still names ``ref`` (the page is not freed here)."""
         if self._index.get(key) != ref:
             return False
-        del self._index[key]
+        self._unindex(key)
         return True
+
+    def _unindex(self, key: int) -> None:
+        del self._index[key]
+        self.policy.remove(key)
 
     # -- room ----------------------------------------------------------------------
 
     def make_room(self, n: int) -> int:
-        """Evicts until ``n`` host slots are free (or nothing more can go); how many of
-        the ``n`` fit."""
-        while self.mgr.num_free_pages < n and self._evict_one():
-            pass
+        """Evicts what the policy picks until ``n`` host slots are free (or only pinned
+        pages are left); how many of the ``n`` fit."""
+        while self.mgr.num_free_pages < n:
+            victims = self.policy.evict(n - self.mgr.num_free_pages, self._pins)
+            if not victims:
+                break
+            for key in victims:
+                if key in self._pins or key not in self._index:
+                    why = "pinned" if key in self._pins else "not a page of this cache"
+                    raise RuntimeError(f"the {self.policy.name!r} policy evicted page "
+                                       f"{key!r}, which is {why}: a CachePolicy must "
+                                       "return unpinned keys it holds")
+                self._evict(key)
         return min(n, self.mgr.num_free_pages)
 
-    def _evict_one(self) -> bool:
-        """Evicts the least recently used unpinned page (spilling it); False if none."""
-        key = next((k for k in self._index if not self._pins[k]), None)
-        if key is None:
-            return False
+    def _evict(self, key: int) -> None:
+        """Frees an evicted page (spilling it to the store first)."""
         ref = self._index.pop(key)
         if self.mgr.is_valid(ref):
             if self.below is not None:
                 self.below.spill(key, ref)
             self.mgr.free([ref])
         self._stats.add(evictions=1)
-        return True
 
     def admit(self, key: int, blob: bytes) -> PageRef | None:
         """A store blob imported as the host page of ``key`` (making room for it), or

@@ -39,6 +39,15 @@ class Finder:
         self.store = store
         self.agreement = agreement
 
+    def where(self, key: int) -> str | None:
+        """``"host"``, ``"store"`` or None: where page ``key`` is (nothing marked used)."""
+        self.host.wait_pending(key)
+        if self.host.peek(key) is not None:
+            return "host"
+        if self.store is not None and self.store.has(key):
+            return "store"
+        return None
+
     def find(self, keys: list[int]) -> list[Found]:
         """The pinned prefix of ``keys`` (agreed across ranks in a multi-process job)."""
         if self.agreement.multiprocess:
@@ -48,8 +57,9 @@ class Finder:
     def pin_prefix(self, keys: list[int]) -> list[Found]:
         """Pins (promoting from the store) the longest prefix of ``keys`` this rank has.
 
-        A lookup is one use of every page it finds: each is marked used as it is
-        pinned.
+        A lookup is one use of every page it finds: a host page is marked used (the
+        policy's ``touch``); a page promoted from the store arrives in host memory
+        (its ``insert`` is that use).
         """
         found: list[Found] = []
         try:
@@ -60,7 +70,8 @@ class Finder:
                     ref, tier = self.store.promote(key, self.host)
                 if ref is None:
                     break
-                self.host.touch(key)
+                if tier == "host":
+                    self.host.touch(key)
                 self.host.pin(key)
                 found.append(Found(key, ref, tier))
         except BaseException:

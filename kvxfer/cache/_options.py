@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
+from kvxfer.cache._arc import ARCPolicy
+from kvxfer.cache._policy import CachePolicy, LRUPolicy, PolicyName
+from kvxfer.cache._s3fifo import S3FIFOPolicy
 from kvxfer.manager import KVCacheManager
 from kvxfer.store import Sealer, Store
 
-__all__ = ["check_options"]
+__all__ = ["check_options", "make_policy", "POLICIES"]
+
+#: The policy each name builds.
+POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy,
+                                          "arc": ARCPolicy}
+assert set(POLICIES) == set(typing.get_args(PolicyName))
+
+
+def make_policy(policy: PolicyName | CachePolicy, capacity: int) -> CachePolicy:
+    """The policy ``HostCache(policy=)`` names (or is given), bound to ``capacity``.
+
+    Example:
+        >>> make_policy("s3fifo", 8).name
+        's3fifo'
+        >>> make_policy("fifo", 8)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected policy in ('lru', 's3fifo', 'arc') or a CachePolicy. Got 'fifo' of type str
+    """
+    if isinstance(policy, str) and policy in POLICIES:
+        policy = POLICIES[policy]()
+    elif not isinstance(policy, CachePolicy):
+        raise ValueError(f"Expected policy in {typing.get_args(PolicyName)} or a "
+                         f"CachePolicy. Got {policy!r} of type {type(policy).__name__}")
+    policy.bind(capacity)
+    return policy
 
 
 def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
