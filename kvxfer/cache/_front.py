@@ -16,10 +16,10 @@ from kvxfer.cache._blocks import columns, page_keys
 from kvxfer.cache._hits import CacheHit, CacheLoad, Pin, check_hit
 from kvxfer.cache._host import HostTier
 from kvxfer.cache._lookup import Finder
-from kvxfer.cache._options import check_options, make_policy
+from kvxfer.cache._options import check_options, check_write_through, make_policy
 from kvxfer.cache._policy import CachePolicy, PolicyName
 from kvxfer.cache._settle import Loads
-from kvxfer.cache._store_tier import StoreTier, store_key
+from kvxfer.cache._store_tier import StoreTier, WriteThrough, store_key
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import Agreement, Blocks, Gate, KVCacheManager, check_key
 from kvxfer.store import Store
@@ -28,8 +28,9 @@ __all__ = ["HostCache"]
 
 _COUNTERS = ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
              "unused_pages", "pages_put", "duplicates", "dropped", "evictions",
-             "store_pages_written", "store_write_errors", "store_read_errors", "bad_pages",
-             "transfer_faults", "store_auth_failures")
+             "store_pages_written", "store_bytes_written", "store_writes_gated",
+             "store_write_errors", "store_read_errors", "bad_pages", "transfer_faults",
+             "store_auth_failures")
 
 
 class HostCache:
@@ -46,8 +47,12 @@ class HostCache:
         the default), ``"s3fifo"`` (scan-resistant: one-off pages leave first),
         ``"arc"`` (adapts between recency and frequency), or a ``CachePolicy`` of
         the caller's (one per cache). It orders the host tier only.
-      write_through: write every page to the store once it is on host (default:
-        only pages evicted from host, write-back).
+      write_through: when host pages reach the store: ``"never"`` (the default:
+        write-back, a page is written when it is evicted from host, and by
+        ``flush()``), ``"always"`` (once it is on host, and again when evicted if
+        the store lost it), or N (selective write-through: once lookups found it N
+        times; a page evicted with fewer hits is not written, so one-off prefixes
+        cost no store bandwidth). ``True``/``False`` mean ``"always"``/``"never"``.
       auth_key: secret bytes (at least 16; 32 random bytes is right): every blob
         written to the store carries an HMAC-SHA-256 over the blob and its store
         key, checked before a page is imported. A blob that fails is a miss,
@@ -71,14 +76,14 @@ class HostCache:
 
     def __init__(self, mgr: KVCacheManager, store: Store | None = None, *,
                  namespace: str = "", policy: PolicyName | CachePolicy = "lru",
-                 write_through: bool = False, auth_key: bytes | None = None,
-                 encrypt: bool = False):
+                 write_through: WriteThrough | bool = "never",
+                 auth_key: bytes | None = None, encrypt: bool = False):
         sealer = check_options(mgr, store, namespace, write_through, auth_key, encrypt)
         self.policy = make_policy(policy, mgr.plan.num_host_blocks)
         self.mgr = mgr
         self.store = store
         self.namespace = namespace
-        self.write_through = write_through
+        self.write_through = check_write_through(write_through)
         self._sealer = sealer
         # Caches are created in the same order on every rank (like managers): the
         # n-th agreement of each process meets the n-th of the others.
@@ -87,7 +92,7 @@ class HostCache:
         self._stats = Counters(_COUNTERS, ("bad_pages_by_tier",))
         self._store = None if store is None else StoreTier(
             mgr, store, self._lock, self._stats, namespace=namespace,
-            write_through=write_through, sealer=sealer)
+            write_through=self.write_through, sealer=sealer)
         self._host = HostTier(mgr, self._stats, self._store, self.policy)
         self._finder = Finder(self._host, self._store, self._agreement)
         self._loads = Loads(self._lock, self._host, self._store, self._stats)
@@ -252,6 +257,9 @@ class HostCache:
     def flush(self) -> int:
         """Writes every host page the store lacks, and waits for all store writes.
 
+        Under selective write-through (``write_through=N``) only pages found N times
+        or more are written.
+
         Returns:
           The pages this call wrote (spills already in flight are waited for, not
           counted).
@@ -269,6 +277,10 @@ class HostCache:
 
     def stats(self) -> dict[str, Any]:
         """Lookups, hits per tier, misses, evictions, store writes, bad pages by tier.
+
+        ``store_pages_written`` and ``store_bytes_written`` count the blobs the store
+        took (sealed bytes when sealing); ``store_writes_gated`` the evicted pages
+        selective write-through kept out of the store.
 
         ``pages_requested`` = ``host_hits + store_hits + misses + unused_pages`` over
         settled loads (``unused_pages``: found but not used, after a bad page,

@@ -48,6 +48,7 @@ class HostTier:
         self.policy = policy
         self._stats = stats
         self._index: dict[int, PageRef] = {}
+        self._hits: dict[int, int] = {}  # key -> lookups that found it on host
         self._pins: collections.Counter[int] = collections.Counter()
         self._pending: dict[int, OffloadHandle] = {}  # key -> the offload of its page
         self._offloads: list[tuple[OffloadHandle, list[int]]] = []
@@ -92,10 +93,24 @@ class HostTier:
 
     # -- use and pins --------------------------------------------------------------
 
+    def hits(self, key: int) -> int:
+        """How many lookups found page ``key`` on host since it arrived."""
+        return self._hits.get(key, 0)
+
     def touch(self, key: int) -> None:
-        """A lookup found the indexed page ``key``: the policy counts the use."""
+        """The indexed page ``key`` was used again (a lookup, a repeated put)."""
         if key in self._index:
             self.policy.touch(key)
+
+    def found(self, key: int) -> None:
+        """A lookup found the indexed page ``key``: one use for the policy, one hit for
+        the tier below (which may write the page once it has enough)."""
+        if key not in self._index:
+            return
+        self.policy.touch(key)
+        hits = self._hits[key] = self._hits.get(key, 0) + 1
+        if self.below is not None:
+            self.below.hit(key, self._index[key], hits)
 
     def pin(self, key: int) -> None:
         self._pins[key] += 1
@@ -122,6 +137,7 @@ class HostTier:
 
     def _unindex(self, key: int) -> None:
         del self._index[key]
+        self._hits.pop(key, None)
         self.policy.remove(key)
 
     # -- room ----------------------------------------------------------------------
@@ -145,9 +161,10 @@ class HostTier:
     def _evict(self, key: int) -> None:
         """Frees an evicted page (spilling it to the store first)."""
         ref = self._index.pop(key)
+        hits = self._hits.pop(key, 0)
         if self.mgr.is_valid(ref):
             if self.below is not None:
-                self.below.spill(key, ref)
+                self.below.spill(key, ref, hits)
             self.mgr.free([ref])
         self._stats.add(evictions=1)
 

@@ -58,8 +58,8 @@ class Finder:
         """Pins (promoting from the store) the longest prefix of ``keys`` this rank has.
 
         A lookup is one use of every page it finds: a host page is marked used (the
-        policy's ``touch``); a page promoted from the store arrives in host memory
-        (its ``insert`` is that use).
+        policy's ``touch``, and a hit for ``write_through=N``); a page promoted from
+        the store arrives in host memory (its ``insert`` is that use).
         """
         found: list[Found] = []
         try:
@@ -71,7 +71,7 @@ class Finder:
                 if ref is None:
                     break
                 if tier == "host":
-                    self.host.touch(key)
+                    self.host.found(key)
                 self.host.pin(key)
                 found.append(Found(key, ref, tier))
         except BaseException:

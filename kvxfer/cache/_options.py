@@ -5,13 +5,16 @@ from __future__ import annotations
 import typing
 from typing import Any
 
+import numpy as np
+
 from kvxfer.cache._arc import ARCPolicy
 from kvxfer.cache._policy import CachePolicy, LRUPolicy, PolicyName
 from kvxfer.cache._s3fifo import S3FIFOPolicy
+from kvxfer.cache._store_tier import WriteThrough
 from kvxfer.manager import KVCacheManager
 from kvxfer.store import Sealer, Store
 
-__all__ = ["check_options", "make_policy", "POLICIES"]
+__all__ = ["check_options", "check_write_through", "make_policy", "POLICIES"]
 
 #: The policy each name builds.
 POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy,
@@ -60,10 +63,32 @@ def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
         namespace.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate: no store could hold its keys
         raise ValueError(f"namespace={namespace!r} is not valid UTF-8 text: {e}") from None
-    if write_through and store is None:
-        raise ValueError("write_through=True needs a store")
+    if check_write_through(write_through) != "never" and store is None:
+        raise ValueError(f"write_through={write_through!r} needs a store")
     if encrypt and auth_key is None:
         raise ValueError("encrypt=True needs auth_key (the key material)")
     if auth_key is not None and store is None:
         raise ValueError("auth_key seals store blobs; it needs a store")
     return None if auth_key is None else Sealer(auth_key, encrypt=encrypt)
+
+
+def check_write_through(value: Any) -> WriteThrough:
+    """``HostCache(write_through=)`` as one of its forms (``True`` and ``False``, the
+    older spelling, are ``"always"`` and ``"never"``).
+
+    Example:
+        >>> check_write_through(True), check_write_through("never"), check_write_through(2)
+        ('always', 'never', 2)
+        >>> check_write_through(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected write_through 'always', 'never' or a hit count >= 1. Got 0 of type int
+    """
+    if isinstance(value, bool):
+        return "always" if value else "never"
+    if isinstance(value, str) and value in ("always", "never"):
+        return value
+    if isinstance(value, (int, np.integer)) and value >= 1:
+        return int(value)
+    raise ValueError(f"Expected write_through 'always', 'never' or a hit count >= 1. Got "
+                     f"{value!r} of type {type(value).__name__}")

@@ -1,7 +1,8 @@
 """The store tier: pages below host memory, written behind and promoted back.
 
 ``StoreTier`` names each page's store key, writes pages on one background thread
-(write-behind: evicted pages, or every page with write-through), reads a page back
+(write-behind: evicted pages; every page with write-through; pages found often
+enough with selective write-through, ``WriteThrough``), reads a page back
 and imports it into host memory (promotion), drops store pages that are not whole
 pages of this cache, and reads the store's counters without stalling a scrape. No
 cache lock is held across store I/O: ``unlocked`` lets go of it around every read.
@@ -15,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 
@@ -27,7 +28,13 @@ from kvxfer.store import SealError, Sealer, Store, StoreError
 if TYPE_CHECKING:
     from kvxfer.cache._host import HostTier
 
-__all__ = ["StoreTier", "store_key", "unlocked"]
+__all__ = ["StoreTier", "WriteThrough", "store_key", "unlocked"]
+
+#: When host pages reach the store: ``"always"`` (as soon as they are on host, and
+#: again when evicted), ``"never"`` (write-back: when evicted, and by ``flush()``), or
+#: a hit count N (once lookups found the page N times; evicted pages with fewer hits
+#: are not written).
+WriteThrough = Literal["always", "never"] | int
 
 log = logging.getLogger("kvxfer")
 
@@ -65,12 +72,12 @@ class StoreTier:
       lock: the cache's lock, let go of around store I/O.
       stats: the cache's counters.
       namespace: prefixes every store key.
-      write_through: write every page once it is on host (else only evicted ones).
+      write_through: when host pages are written (``WriteThrough``).
       sealer: seals blobs before they are written and opens them after reads, or None.
     """
 
     def __init__(self, mgr: KVCacheManager, store: Store, lock: threading.RLock,
-                 stats: Counters, *, namespace: str, write_through: bool,
+                 stats: Counters, *, namespace: str, write_through: WriteThrough,
                  sealer: Sealer | None):
         self.mgr = mgr
         self.store = store
@@ -95,18 +102,33 @@ class StoreTier:
 
     # -- write-behind ----------------------------------------------------------------
 
+    def wants(self, hits: int) -> bool:
+        """Whether a host page found ``hits`` times may be written (by eviction or
+        ``flush``): always, except below the hit count of selective write-through."""
+        return not isinstance(self.write_through, int) or hits >= self.write_through
+
     def arrived(self, key: int, ref: PageRef) -> None:
-        """A page just indexed on host: written now under write-through."""
-        if self.write_through:
+        """A page just indexed on host: written now under ``"always"``."""
+        if self.write_through == "always":
             self.write(key, ref)
 
-    def spill(self, key: int, ref: PageRef) -> None:
-        """A page being evicted from host: written back unless a write is queued.
+    def hit(self, key: int, ref: PageRef, hits: int) -> None:
+        """A lookup found host page ``key``, its ``hits``-th time: under a hit count N,
+        the N-th hit writes it (unless the store is known to hold it)."""
+        if hits == self.write_through and key not in self._known and \
+                key not in self._writes:
+            self.write(key, ref)
+
+    def spill(self, key: int, ref: PageRef, hits: int) -> None:
+        """A page being evicted from host, found ``hits`` times: written back unless a
+        write is queued or selective write-through leaves it out (counted).
 
         Written back even if this cache wrote it before: the store may have evicted it
         since (the put is put-if-absent).
         """
-        if key not in self._writes:
+        if not self.wants(hits):
+            self._stats.add(store_writes_gated=1)
+        elif key not in self._writes:
             self.write(key, ref)
 
     def write(self, key: int, ref: PageRef) -> concurrent.futures.Future | None:
@@ -136,7 +158,7 @@ class StoreTier:
             return False
         self._known.add(key)
         if written:
-            self._stats.add(store_pages_written=1)
+            self._stats.add(store_pages_written=1, store_bytes_written=len(blob))
         return written
 
     def writing(self, key: int) -> bool:
@@ -148,11 +170,13 @@ class StoreTier:
             del self._writes[key]
 
     def flush(self, host: HostTier) -> list[concurrent.futures.Future]:
-        """Starts writes of every valid host page the store lacks; the futures started."""
+        """Starts writes of every valid host page the store lacks (that selective
+        write-through lets through); the futures started."""
         mine = []
         for key, ref in host.items():
-            if key not in self._writes and not self.has(key) and \
-                    host.page_of(key) == ref and self.mgr.is_valid(ref):
+            if key not in self._writes and self.wants(host.hits(key)) and \
+                    not self.has(key) and host.page_of(key) == ref and \
+                    self.mgr.is_valid(ref):
                 future = self.write(key, ref)
                 if future is not None:
                     mine.append(future)
