@@ -35,6 +35,11 @@ float16 one with ``path="pinned"``:
   the caller's thread once the caches' writers are done, so such a call can wait
   for the steps: the section shows whether it did.
 
+The policy section (``--only policy``) replays the demo's workload and a scan-heavy
+trace against a small ``HostCache`` over a disk store, once per eviction policy and
+write-through setting: each policy's hit rate per tier against a cache that never
+evicts, and the store bytes each setting writes (counts, the same on any machine).
+
 The targets, printed as PASS/MISS lines (``Targets`` holds the thresholds):
 
 * on CPU, offload and load, integrity off and page, reach 0.5x memcpy in every cell;

@@ -89,7 +89,9 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
     p.add_argument("--only", choices=typing.get_args(Only),
                    help="run only this section (--only store: the store tiers, in "
                    "seconds with --quick; --only fit: the engine-fit section, call host "
-                   "time per path, the 1-page hit and warm-up in fresh processes)")
+                   "time per path, the 1-page hit and warm-up in fresh processes; --only "
+                   "policy: the eviction policies' hit rates per tier and the store bytes "
+                   "of each write-through setting, on replayed traces, in seconds)")
     p.add_argument("--no-check", action="store_true",
                    help="only report: exit 0 even when a target is missed")
     p.set_defaults(func=functools.partial(_cmd_bench, targets=targets))

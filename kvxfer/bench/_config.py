@@ -66,6 +66,8 @@ class BenchConfig:
         (at most ``store_max_blobs`` blobs: small blobs cost an fsync each).
       store_max_blobs: the most blobs a store variant writes or reads per repeat.
       store_repeats: timed repeats of the store section.
+      policy_requests: requests of each trace the policy section replays (its
+        counts do not depend on the machine; its time grows with them).
 
     Example:
         >>> cfg = BenchConfig.smoke()
@@ -111,6 +113,7 @@ class BenchConfig:
     store_bytes: int = 64 * MiB
     store_max_blobs: int = 128
     store_repeats: int = 5
+    policy_requests: int = 200
 
     def __post_init__(self) -> None:
         choices = typing.get_args(BatchedBaseline)
@@ -157,6 +160,8 @@ class BenchConfig:
                              f"sizes up to store_bytes={self.store_bytes}, and "
                              f"store_repeats={self.store_repeats} and store_max_blobs="
                              f"{self.store_max_blobs} positive")
+        if self.policy_requests < 1:
+            raise ValueError(f"policy_requests={self.policy_requests} must be positive")
         ours = {(self.call_block_bytes, d, n) for d in ("bfloat16", "float32", "float16")
                 for n in (self.call_blocks, self.cold_call_blocks)}
         clash = sorted(ours & self._other_caches())
@@ -226,7 +231,7 @@ class BenchConfig:
                    call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2, fit_pages=2,
                    fit_block_bytes=4 * KiB, fit_steps=1, fit_step_ms=1.0, fit_repeats=2,
                    store_blob_bytes=(4 * KiB, 64 * KiB), store_bytes=256 * KiB,
-                   store_repeats=2)
+                   store_repeats=2, policy_requests=24)
 
     def as_dict(self) -> dict[str, Any]:
         """The config as JSON-ready lists and numbers."""

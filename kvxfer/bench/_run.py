@@ -18,6 +18,7 @@ from kvxfer.bench import report as _report
 from kvxfer.bench._caller import first_call_section, queued_section
 from kvxfer.bench._fit import fit_section
 from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._policies import policy_section, policy_steps
 from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells, plan, prefix_sweep,
                                     throughput_cell)
 from kvxfer.bench._store import DEFAULT_STORE, store_section, store_steps
@@ -30,11 +31,13 @@ __all__ = ["run_bench", "SCHEMA", "Only"]
 #: The report's schema (2: ``block_bytes`` per layer, user load baselines, ``direction``;
 #: 3: the ``first_call`` and ``queued`` sections; 4: the ``store`` section, the pinned
 #: mover's methods and ``pinned_methods`` in throughput and sweep rows, and its
-#: caller-thread case); 5: the ``fit`` section (engine-fit calls, 1-page hit, warm-up).
-SCHEMA = "kvxfer-bench/5"
+#: caller-thread case); 5: the ``fit`` section (engine-fit calls, 1-page hit, warm-up);
+#: 6: the ``policy`` section (hit rates per eviction policy and tier, store bytes per
+#: write-through setting).
+SCHEMA = "kvxfer-bench/6"
 
 #: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
-Only = Literal["store", "fit"]
+Only = Literal["store", "fit", "policy"]
 
 
 def _preset(config: BenchConfig) -> str:
@@ -64,14 +67,17 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         in a temporary directory. The bench writes only under a temporary directory
         (inside ``DIR``) or a prefix of its own, and removes what it wrote.
       only: ``"store"`` runs the store section alone (no JAX work); ``"fit"`` the
-        engine-fit section alone (call host time, 1-page hit, warm-up).
+        engine-fit section alone (call host time, 1-page hit, warm-up); ``"policy"``
+        the policy section alone (eviction policies' hit rates, write-through's store
+        bytes, on replayed traces).
 
     Returns:
       A JSON-ready dict: ``schema``, ``meta``, ``throughput``, ``sweep``,
       ``concurrency``, ``overhead``, ``integrity_traffic``, ``cache_size``, ``memory``,
-      ``first_call``, ``queued``, ``store``, ``targets``, ``not_measured`` (and
-      ``files`` when written); with ``only="store"``: ``schema``, ``meta``, ``store``,
-      ``targets``, ``not_measured`` (and ``files``).
+      ``first_call``, ``queued``, ``store``, ``policy``, ``targets``, ``not_measured``
+      (and ``files`` when written); with ``only="store"`` (``"fit"``, ``"policy"``):
+      ``schema``, ``meta``, that section, ``targets``, ``not_measured`` (and
+      ``files``).
 
     Example:
         >>> report = run_bench(config=BenchConfig.smoke())
@@ -88,8 +94,10 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
             raise ValueError("Expected a disk or single-server Redis store for the store "
                              "section. Got a redis+cluster:// spec: Redis Cluster stores "
                              "are not benched")
-    planned = {None: plan(cfg) + ["store"] * store_steps(cfg, stores), "fit": fit_plan(),
-               "store": ["store"] * store_steps(cfg, stores)}[only]
+    planned = {None: plan(cfg) + ["store"] * store_steps(cfg, stores) +
+               ["policy"] * policy_steps(), "fit": fit_plan(),
+               "store": ["store"] * store_steps(cfg, stores),
+               "policy": ["policy"] * policy_steps()}[only]
     steps = Progress(planned,
                      progress or (lambda line: None))
     started = now()
@@ -110,8 +118,10 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         report["not_measured"] = []
     if only == "fit":
         report["fit"] = fit_section(cfg, steps)
-    else:
+    elif only in (None, "store"):
         report["store"] = store_section(cfg, stores, steps)
+    if only in (None, "policy"):
+        report["policy"] = policy_section(steps, requests=cfg.policy_requests)
     report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
     if out_dir is not None:

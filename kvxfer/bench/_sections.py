@@ -31,7 +31,8 @@ __all__ = ["StepKind", "ordered_cells", "plan", "fit_plan", "throughput_cell", "
 
 #: The kinds of step a run's progress counts (each timed alike, for the estimate).
 StepKind = Literal["throughput", "concurrency", "overhead", "sweep", "cache size",
-                   "first call", "queued steps", "store", "engine fit", "warm-up"]
+                   "first call", "queued steps", "store", "engine fit", "warm-up",
+                   "policy"]
 
 #: Pages held as load sources, by (integrity, path) of their manager.
 _Held = dict[tuple[IntegrityMode, PathMode], list[PageRef]]

@@ -288,9 +288,10 @@ class HostCache:
         copy was intact, which ``transfer_faults`` counts apart); ``host_pages`` is
         the cache's pages in host memory, ``pinned_pages`` those pinned by a hit or a
         load; ``store`` holds the store's own counters (when there is a store), read
-        on a thread of their own: a store that does not answer within 40 ms gives
-        its last counters with ``stale: True``. Takes no lock a transfer or store
-        read holds: cheap enough for every scrape, and it never blocks.
+        on a thread of their own: a store that does not answer within 40 ms (or a
+        closed cache) gives its last counters with ``stale: True``. Takes no lock a
+        transfer or store read holds: cheap enough for every scrape, and it never
+        blocks.
         """
         out = self._stats.snapshot()  # the counters' own lock, never the cache's
         out["host_pages"] = len(self._host)

@@ -297,6 +297,7 @@ class _StatsProbe:
 
     def __init__(self, store: Store):
         self._store = store
+        self._closed = False
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._future: concurrent.futures.Future | None = None
@@ -304,6 +305,8 @@ class _StatsProbe:
 
     def read(self) -> dict[str, Any]:
         with self._lock:
+            if self._closed:  # the cache is closed: its last reading, not a new one
+                return dict(self._last, stale=True)
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="kvxfer-store-stats")
@@ -321,5 +324,7 @@ class _StatsProbe:
             return {}
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
