@@ -56,11 +56,16 @@ Modules, one idea each: ``_front`` (``HostCache``, one short method per call),
 offloads on their way in, eviction), ``_store_tier`` (the store tier: write-behind,
 promotion, bad store pages), ``_lookup`` (the longest prefix, agreed across ranks),
 ``_settle`` (loads in flight, a load's hits and bad pages), ``_policy``
-(``CachePolicy`` and LRU), ``_s3fifo`` and ``_arc`` (one policy each), ``_blocks``
-(keys and block ids) and ``_options`` (construction arguments).
+(``CachePolicy`` and LRU), ``_s3fifo`` and ``_arc`` (one policy each), ``_events``
+(``CacheEvent``s for routers, ``HostCache.subscribe``), ``_blocks`` (keys and block
+ids) and ``_options`` (construction arguments).
 """
 
 from kvxfer.cache._arc import ARCPolicy as ARCPolicy
+from kvxfer.cache._events import CacheEvent as CacheEvent
+from kvxfer.cache._events import EventKind as EventKind
+from kvxfer.cache._events import Subscription as Subscription
+from kvxfer.cache._events import Tier as Tier
 from kvxfer.cache._front import HostCache as HostCache
 from kvxfer.cache._hits import CacheHit as CacheHit
 from kvxfer.cache._hits import CacheLoad as CacheLoad
@@ -70,4 +75,4 @@ from kvxfer.cache._policy import PolicyName as PolicyName
 from kvxfer.cache._s3fifo import S3FIFOPolicy as S3FIFOPolicy
 
 __all__ = ["HostCache", "CacheHit", "CacheLoad", "CachePolicy", "LRUPolicy", "S3FIFOPolicy",
-           "ARCPolicy", "PolicyName"]
+           "ARCPolicy", "PolicyName", "CacheEvent", "EventKind", "Tier", "Subscription"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -13,6 +13,7 @@ import jax
 from kvxfer._check import check_int, check_timeout
 from kvxfer._counters import Counters
 from kvxfer.cache._blocks import columns, page_keys
+from kvxfer.cache._events import CacheEvent, EventHub, Subscription
 from kvxfer.cache._hits import CacheHit, CacheLoad, Pin, check_hit
 from kvxfer.cache._host import HostTier
 from kvxfer.cache._lookup import Finder
@@ -30,7 +31,7 @@ _COUNTERS = ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
              "unused_pages", "pages_put", "duplicates", "dropped", "evictions",
              "store_pages_written", "store_bytes_written", "store_writes_gated",
              "store_write_errors", "store_read_errors", "bad_pages", "transfer_faults",
-             "store_auth_failures")
+             "store_auth_failures", "events_dropped")
 
 
 class HostCache:
@@ -53,25 +54,24 @@ class HostCache:
         the store lost it), or N (selective write-through: once lookups found it N
         times; a page evicted with fewer hits is not written, so one-off prefixes
         cost no store bandwidth). ``True``/``False`` mean ``"always"``/``"never"``.
-      auth_key: secret bytes (at least 16; 32 random bytes is right): every blob
-        written to the store carries an HMAC-SHA-256 over the blob and its store
-        key, checked before a page is imported. A blob that fails is a miss,
-        counted (``store_auth_failures``), logged and deleted from the store. Every
-        cache that shares the store's pages needs the same key. None (default):
-        blobs as today, trusted as far as the store's writers are.
+      auth_key: secret bytes (at least 16; 32 random bytes is right): every store
+        blob carries an HMAC-SHA-256 over it and its store key, checked before a
+        page is imported; a blob that fails is a miss, counted
+        (``store_auth_failures``), logged and deleted. Caches sharing the store's
+        pages need the same key. None (default): blobs trusted as far as the
+        store's writers are.
       encrypt: also encrypt page bytes at rest (AES-256-GCM keyed from
         ``auth_key``; ``pip install 'kvxfer[crypto]'``), for stores shared across
         tenants.
 
     Thread-safe. Store writes run on one background thread; ``flush()`` waits.
+    ``subscribe(callback)`` reports where pages arrive and leave.
 
-    In a multi-process job (tensor-parallel ranks, each holding its shards of every
-    page) the ranks' caches stay identical, and every request gets the same
-    verified prefix on every rank, as long as every rank creates its managers and
-    caches in the same order, and calls ``put``, ``lookup``, ``load`` and
-    ``release`` for the same requests in the same order, then ``close``: see
-    ``kvxfer.cache`` for what the ranks agree on and what a dead rank costs. Store
-    keys carry the rank, so ranks sharing a store never read each other's shards.
+    In a multi-process job the ranks' caches stay identical and every request gets
+    the same verified prefix on every rank, as long as every rank creates its
+    managers and caches, and calls ``put``, ``lookup``, ``load`` and ``release``,
+    in the same order (``kvxfer.cache`` says what the ranks agree on). Store keys
+    carry the rank, so ranks sharing a store never read each other's shards.
     """
 
     def __init__(self, mgr: KVCacheManager, store: Store | None = None, *,
@@ -90,10 +90,11 @@ class HostCache:
         self._agreement = Agreement(timeout=mgr.agreement_timeout)
         self._lock = threading.RLock()
         self._stats = Counters(_COUNTERS, ("bad_pages_by_tier",))
+        self._events = EventHub(self._stats)
         self._store = None if store is None else StoreTier(
             mgr, store, self._lock, self._stats, namespace=namespace,
-            write_through=self.write_through, sealer=sealer)
-        self._host = HostTier(mgr, self._stats, self._store, self.policy)
+            write_through=self.write_through, sealer=sealer, events=self._events)
+        self._host = HostTier(mgr, self._stats, self._store, self.policy, self._events)
         self._finder = Finder(self._host, self._store, self._agreement)
         self._loads = Loads(self._lock, self._host, self._store, self._stats)
         self._closed = False
@@ -227,9 +228,7 @@ class HostCache:
         """Unpins a hit that will not be loaded (a no-op once released or settled)."""
         check_hit(hit, self)
         with self._lock:
-            if hit._pin.held:
-                hit._pin.held = False
-                self._host.unpin(hit.keys)
+            self._loads.release(hit)
 
     def load(self, kv_caches: Sequence[jax.Array], hit: CacheHit,
              device_blocks: Sequence[int] | Mapping[int, Sequence[int]], *,
@@ -250,9 +249,19 @@ class HostCache:
         check_hit(hit, self)
         with self._lock:
             self._check_open()
-            if not hit._pin.held:
-                raise ValueError("this hit was released or loaded already; look up again")
             return self._loads.start(kv_caches, hit, device_blocks, gate)
+
+    def subscribe(self, callback: Callable[[list[CacheEvent]], object]) -> Subscription:
+        """Calls ``callback`` with batches of ``CacheEvent``s (``kind``: ``"stored"``,
+        ``"evicted"`` or ``"removed"``; ``key``; ``tier``: ``"host"`` or ``"store"``)
+        from now on, in order, on a thread of the cache's own, never under its lock;
+        a callback's exception is logged (see ``kvxfer.cache``'s ``_events``).
+
+        Returns:
+          The subscription: ``unsubscribe()`` ends it, ``wait(timeout)`` waits until
+          every event so far was delivered.
+        """
+        return self._events.subscribe(callback)
 
     def flush(self) -> int:
         """Writes every host page the store lacks, and waits for all store writes.
@@ -280,9 +289,8 @@ class HostCache:
 
         ``store_pages_written`` and ``store_bytes_written`` count the blobs the store
         took (sealed bytes when sealing); ``store_writes_gated`` the evicted pages
-        selective write-through kept out of the store.
-
-        ``pages_requested`` = ``host_hits + store_hits + misses + unused_pages`` over
+        selective write-through kept out of the store; ``events_dropped`` the events
+        subscribers were too slow for. ``pages_requested`` = ``host_hits + store_hits + misses + unused_pages`` over
         settled loads (``unused_pages``: found but not used, after a bad page,
         refused for their key, or delivered wrong by the transfer while their host
         copy was intact, which ``transfer_faults`` counts apart); ``host_pages`` is
@@ -301,11 +309,11 @@ class HostCache:
         return out
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Indexes offloads in flight and gives queued store writes ``timeout`` seconds
-        in all (one deadline, not one per write); writes not done by then are dropped
-        (logged). The manager and the store stay open. In a multi-process job it then
-        waits (up to the manager's ``agreement_timeout``) for every rank to close its
-        cache."""
+        """Indexes offloads in flight and gives queued store writes, then the events not
+        delivered yet, ``timeout`` seconds in all (one deadline, not one per write);
+        writes not done by then are dropped (logged). The manager and the store stay
+        open. In a multi-process job it then waits (up to the manager's
+        ``agreement_timeout``) for every rank to close its cache."""
         if self._closed:
             return
         timeout = check_timeout(timeout, "timeout")
@@ -317,4 +325,6 @@ class HostCache:
             writes = [] if self._store is None else self._store.stop_writes()
         if self._store is not None:
             self._store.close(writes, timeout, deadline)
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        self._events.close(left)  # events of the last writes included
         self._agreement.meet("close")

@@ -18,6 +18,7 @@ import jax
 
 from kvxfer._counters import Counters
 from kvxfer.cache._blocks import Columns, pick
+from kvxfer.cache._events import EventHub
 from kvxfer.cache._policy import CachePolicy
 from kvxfer.hostpool import PageRef, PoolExhaustedError
 from kvxfer.manager import KVCacheManager, OffloadHandle, PageFormatError
@@ -39,14 +40,16 @@ class HostTier:
         ``pages_put``).
       below: the store tier evicted and arriving pages are handed to, or None.
       policy: the eviction policy, bound to this tier's capacity.
+      events: where the tier's ``stored``/``evicted``/``removed`` events go.
     """
 
     def __init__(self, mgr: KVCacheManager, stats: Counters, below: StoreTier | None,
-                 policy: CachePolicy):
+                 policy: CachePolicy, events: EventHub):
         self.mgr = mgr
         self.below = below
         self.policy = policy
         self._stats = stats
+        self._events = events
         self._index: dict[int, PageRef] = {}
         self._hits: dict[int, int] = {}  # key -> lookups that found it on host
         self._pins: collections.Counter[int] = collections.Counter()
@@ -127,6 +130,7 @@ class HostTier:
             self._unindex(key)
         self._index[key] = ref
         self.policy.insert(key)
+        self._events.emit("stored", key, "host")
 
     def discard(self, key: int, ref: PageRef) -> bool:
         """Unindexes ``key`` if it still names ``ref`` (the page is not freed here)."""
@@ -139,6 +143,7 @@ class HostTier:
         del self._index[key]
         self._hits.pop(key, None)
         self.policy.remove(key)
+        self._events.emit("removed", key, "host")
 
     # -- room ----------------------------------------------------------------------
 
@@ -167,6 +172,7 @@ class HostTier:
                 self.below.spill(key, ref, hits)
             self.mgr.free([ref])
         self._stats.add(evictions=1)
+        self._events.emit("evicted", key, "host")
 
     def admit(self, key: int, blob: bytes) -> PageRef | None:
         """A store blob imported as the host page of ``key`` (making room for it), or

@@ -35,12 +35,20 @@ class Loads:
               gate: Gate) -> tuple[list[jax.Array], CacheLoad]:
         """Loads a pinned hit's pages (the caller holds the lock); the load holds the
         pins from here until it settles."""
+        if not hit._pin.held:
+            raise ValueError("this hit was released or loaded already; look up again")
         new, handle = self._host.mgr.load(kv_caches, list(hit.pages), device_blocks,
                                           keys=list(hit.keys), gate=gate)
         hit._pin.held = False
         load = CacheLoad(hit, handle, self.settle)
         self._loads.append(load)
         return new, load
+
+    def release(self, hit: CacheHit) -> None:
+        """Unpins a hit that will not be loaded (once; the caller holds the lock)."""
+        if hit._pin.held:
+            hit._pin.held = False
+            self._host.unpin(hit.keys)
 
     def collect(self) -> None:
         """Settles the loads that are done (their callers see errors from ``result()``)."""

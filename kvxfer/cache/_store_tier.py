@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import jax
 
 from kvxfer._counters import Counters
+from kvxfer.cache._events import EventHub
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import KVCacheManager, PageFormatError
 from kvxfer.store import SealError, Sealer, Store, StoreError
@@ -74,11 +75,12 @@ class StoreTier:
       namespace: prefixes every store key.
       write_through: when host pages are written (``WriteThrough``).
       sealer: seals blobs before they are written and opens them after reads, or None.
+      events: where the tier's ``stored``/``removed`` events go.
     """
 
     def __init__(self, mgr: KVCacheManager, store: Store, lock: threading.RLock,
                  stats: Counters, *, namespace: str, write_through: WriteThrough,
-                 sealer: Sealer | None):
+                 sealer: Sealer | None, events: EventHub):
         self.mgr = mgr
         self.store = store
         self.namespace = namespace
@@ -86,6 +88,7 @@ class StoreTier:
         self._lock = lock
         self._stats = stats
         self._sealer = sealer
+        self._events = events
         self._writes: dict[int, concurrent.futures.Future] = {}
         self._known: set[int] = set()  # keys this cache knows the store holds
         self._writer = concurrent.futures.ThreadPoolExecutor(
@@ -159,6 +162,7 @@ class StoreTier:
         self._known.add(key)
         if written:
             self._stats.add(store_pages_written=1, store_bytes_written=len(blob))
+            self._events.emit("stored", key, "store")
         return written
 
     def writing(self, key: int) -> bool:
@@ -262,7 +266,8 @@ class StoreTier:
     def delete(self, key: int) -> None:
         self._known.discard(key)
         try:
-            self.store.delete(self.key(key))
+            if self.store.delete(self.key(key)):
+                self._events.emit("removed", key, "store")
         except (StoreError, OSError) as e:
             log.warning("page %#x could not be deleted from the %s store: %s", key,
                         self.name, e)
