@@ -31,7 +31,7 @@ D2H_METHODS = {"offload_off", "offload_page", "offload_pinned_off", "offload_pin
     USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
             "integrity_traffic", "cache_size", "memory", "first_call", "queued", "fit",
-            "store", "store_lookup", "targets", "not_measured", "files"}
+            "store", "store_lookup", "policy", "targets", "not_measured", "files"}
 # The caller-thread sections' cases on XLA:CPU: (path asked for, dtype, movers taken).
 CALL_CASES = [("staged", "bfloat16", ["staged"]), ("auto", "float32", ["raw"]),
               ("pinned", "float16", ["pinned"])]
@@ -101,7 +101,7 @@ def test_report_has_every_section(run):
     said = [PROGRESS.match(line).group(4) for line in lines if PROGRESS.match(line)]
     for section in ("throughput", "memory", "concurrency", "host overhead", "prefix sweep",
                     "cache size", "first call", "queued steps", "engine fit", "warm-up",
-                    "store"):
+                    "store", "policies"):
         assert any(line.startswith(section) for line in said), section
 
 
@@ -381,9 +381,60 @@ def test_bad_store_specs_are_refused_by_name():
     with pytest.raises(StoreError, match="store directory '/nonexistent/dir' does not exist"):
         bench.run_bench(config=bench.BenchConfig.smoke(), only="store",
                         stores=["/nonexistent/dir"])
-    with pytest.raises(ValueError, match="Expected only in \\('store', 'fit', 'model'\\) or "
-                       "None. Got 'all'"):
+    with pytest.raises(ValueError, match="Expected only in \\('store', 'fit', 'model', "
+                       "'policy'\\) or None. Got 'all'"):
         bench.run_bench(config=bench.BenchConfig.smoke(), only="all")
+
+
+def check_policy_rows(rows, requests):
+    """Every (trace, policy, write-through) case, with counts that add up."""
+    from kvxfer.bench import _policies
+
+    assert [(r["trace"], r["policy"], r["write_through"]) for r in rows] == [
+        (t, p, w) for t in _policies.TRACES for p in _policies.POLICIES
+        for w in _policies.WRITE_THROUGH]
+    for r in rows:
+        assert r["requests"] == requests and r["dropped"] == 0
+        assert r["pages_requested"] == r["host_hits"] + r["store_hits"] + r["misses"]
+        assert r["hit_rate"] == pytest.approx(r["host_hit_rate"] + r["store_hit_rate"])
+        assert 0 < r["hit_rate"] <= r["ideal_hit_rate"] <= 1
+        assert (r["store_bytes_written"] > 0) == (r["store_pages_written"] > 0)
+        if not isinstance(r["write_through"], int):  # only a hit count gates writes
+            assert r["store_writes_gated"] == 0
+
+
+def test_the_policy_section_replays_every_case(run):
+    report, _, _ = run
+    check_policy_rows(report["policy"], bench.BenchConfig.smoke().policy_requests)
+    text = bench.format_report(report)
+    assert "Eviction policies and write-through" in text
+    for r in report["policy"]:
+        assert re.search(rf"{r['trace']}\s+{r['policy']}\s+{r['write_through']}\s+"
+                         rf"{r['requests']}\s+{r['pages_requested']}\s+"
+                         rf"{r['host_hit_rate']:.3f}\s+{r['store_hit_rate']:.3f}", text)
+
+
+def test_on_a_scan_s3fifo_keeps_the_shared_prefixes_and_a_hit_count_saves_store_bytes():
+    # Counts of a deterministic replay, not timings: the same on every machine.
+    from kvxfer.bench import _policies
+
+    rows = {(r["policy"], r["write_through"]): r for r in _policies.policy_section(
+        requests=120, traces=("scan",), policies=("lru", "s3fifo"),
+        write_through=("never", 2))}
+    lru, s3 = rows[("lru", "never")], rows[("s3fifo", "never")]
+    assert s3["host_hit_rate"] > 2 * lru["host_hit_rate"]
+    assert s3["host_hit_rate"] > 0.9 * s3["ideal_hit_rate"]
+    gated = rows[("s3fifo", 2)]
+    assert gated["store_bytes_written"] * 20 < s3["store_bytes_written"]
+    assert gated["hit_rate"] > 0.9 * s3["hit_rate"] and gated["store_writes_gated"] > 0
+
+
+def test_only_policy_runs_that_section_alone():
+    rc, stdout, stderr = run_cli("bench", "--smoke", "--json", "--only", "policy")
+    report = json.loads(stdout)
+    assert set(report) == {"schema", "meta", "policy", "targets", "not_measured"}
+    assert rc == 0 and report["meta"]["only"] == "policy" and report["targets"] == []
+    check_policy_rows(report["policy"], bench.BenchConfig.smoke().policy_requests)
 
 
 def test_every_figure_is_positive_and_finite(run):

@@ -10,12 +10,14 @@ from kvxfer import testing
 from kvxfer.integrity import key_from_bytes
 
 
-@pytest.fixture
-def rig():
+# Every behaviour here holds under each eviction policy (tests/test_cache_policy.py
+# has what tells them apart).
+@pytest.fixture(params=["lru", "s3fifo", "arc"])
+def rig(request):
     caches = testing.random_caches(2, 16, (4, 32), "float32")
     want = [testing.bits(c) for c in caches]
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-    cache = kvxfer.HostCache(mgr)
+    cache = kvxfer.HostCache(mgr, policy=request.param)
     state = {"caches": caches}
     yield mgr, cache, state, want
     cache.close()
@@ -48,10 +50,12 @@ def test_one_page_per_key(rig):
     assert cache.stats()["duplicates"] == 2
 
 
-def test_lru_eviction_order_follows_use(rig):
+def test_eviction_order_follows_use(rig):
+    # LRU: 10 is the most recently used; S3-FIFO: the only page looked up (the rest
+    # leave the small queue first); ARC: the only page in T2.
     mgr, cache, state, _ = rig
     _put(cache, state, [0, 1, 2, 3], [10, 11, 12, 13])
-    cache.release(cache.lookup([10]))  # 10 is now the most recently used
+    cache.release(cache.lookup([10]))
     _put(cache, state, [4, 5], [14, 15])  # a full pool: two pages must go
     assert [k in cache for k in (10, 11, 12, 13, 14, 15)] == [True, False, False, True,
                                                              True, True]

@@ -1,4 +1,4 @@
-"""The README's engine-facing example runs as it is printed."""
+"""The README's examples run as they are printed."""
 
 import pathlib
 import re
@@ -19,3 +19,10 @@ def test_engine_example_runs(capsys):
     exec(compile(_block("<!-- engine-example -->"), "README.md:engine-example", "exec"), {})
     out = capsys.readouterr().out
     assert "stored in slots [7, 8]" in out
+
+
+def test_cache_events_example_runs(capsys):
+    exec(compile(_block("<!-- cache-events-example -->"), "README.md:cache-events-example",
+                 "exec"), {})
+    out = capsys.readouterr().out
+    assert out.strip() == "[(11, ['store']), (12, ['host', 'store']), (13, ['host', 'store'])]"

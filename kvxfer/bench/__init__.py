@@ -41,6 +41,11 @@ shapes, ``sglang-llama3-8b-p1`` with one token per page, ``vllm-tpu-llama3-8b``,
 offload and load of whole pages with integrity off and page against the limit in the
 same run, with the host time per page.
 
+The policy section (``--only policy``) replays the demo's workload and a scan-heavy
+trace against a small ``HostCache`` over a disk store, once per eviction policy and
+write-through setting: each policy's hit rate per tier against a cache that never
+evicts, and the store bytes each setting writes (counts, the same on any machine).
+
 The targets, printed as PASS/MISS lines (``Targets`` holds the thresholds):
 
 * on CPU, offload and load, integrity off and page, reach 0.5x memcpy in every cell;

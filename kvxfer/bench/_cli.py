@@ -12,7 +12,7 @@ from typing import Any
 from kvxfer.bench import report as _report
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._run import Only, run_bench
-from kvxfer.store._open import SPEC_FORMS
+from kvxfer.store import SPEC_FORMS
 
 __all__ = ["register_cli"]
 
@@ -102,7 +102,9 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
                    help="run only this section (--only store: the store tiers and the "
                    "Redis prefix lookup, in seconds with --quick; --only fit: the "
                    "engine-fit section, call host time per path, the 1-page hit and "
-                   "warm-up in fresh processes; --only model: the --model configs)")
+                   "warm-up in fresh processes; --only model: the --model configs; --only "
+                   "policy: the eviction policies' hit rates per tier and the store bytes "
+                   "of each write-through setting, on replayed traces, in seconds)")
     p.add_argument("--no-check", action="store_true",
                    help="only report: exit 0 even when a target is missed")
     p.set_defaults(func=functools.partial(_cmd_bench, targets=targets))

@@ -71,6 +71,8 @@ class BenchConfig:
         sizes it is measured at; lookup_reference_bytes: the one of them its target is
         checked at (32 KiB: a page of the demo's ``tiny_llama``, 4 layers of 8 KiB
         blocks); lookup_repeats: its timed repeats.
+      policy_requests: requests of each trace the policy section replays (its
+        counts do not depend on the machine; its time grows with them).
 
     Example:
         >>> cfg = BenchConfig.smoke()
@@ -120,6 +122,7 @@ class BenchConfig:
     lookup_blob_bytes: tuple[int, ...] = (4 * KiB, 32 * KiB, 256 * KiB)
     lookup_reference_bytes: int = 32 * KiB
     lookup_repeats: int = 30
+    policy_requests: int = 200
 
     def __post_init__(self) -> None:
         choices = typing.get_args(BatchedBaseline)
@@ -174,6 +177,8 @@ class BenchConfig:
         if self.lookup_reference_bytes not in self.lookup_blob_bytes:
             raise ValueError(f"lookup_reference_bytes={self.lookup_reference_bytes} must be "
                              f"one of lookup_blob_bytes={self.lookup_blob_bytes!r}")
+        if self.policy_requests < 1:
+            raise ValueError(f"policy_requests={self.policy_requests} must be positive")
         ours = {(self.call_block_bytes, d, n) for d in ("bfloat16", "float32", "float16")
                 for n in (self.call_blocks, self.cold_call_blocks)}
         clash = sorted(ours & self._other_caches())
@@ -244,7 +249,7 @@ class BenchConfig:
                    fit_block_bytes=4 * KiB, fit_steps=1, fit_step_ms=1.0, fit_repeats=2,
                    store_blob_bytes=(4 * KiB, 64 * KiB), store_bytes=256 * KiB,
                    store_repeats=2, lookup_pages=4, lookup_blob_bytes=(4 * KiB,),
-                   lookup_reference_bytes=4 * KiB, lookup_repeats=3)
+                   lookup_reference_bytes=4 * KiB, lookup_repeats=3, policy_requests=24)
 
     def as_dict(self) -> dict[str, Any]:
         """The config as JSON-ready lists and numbers."""

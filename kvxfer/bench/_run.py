@@ -19,6 +19,7 @@ from kvxfer.bench._caller import first_call_section, queued_section
 from kvxfer.bench._fit import fit_section
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._model import model_section
+from kvxfer.bench._policies import policy_section, policy_steps
 from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells, plan, prefix_sweep,
                                     throughput_cell)
 from kvxfer.bench._store import DEFAULT_STORE, lookup_section, store_section, store_steps
@@ -32,12 +33,14 @@ __all__ = ["run_bench", "SCHEMA", "Only"]
 #: 3: the ``first_call`` and ``queued`` sections; 4: the ``store`` section, the pinned
 #: mover's methods and ``pinned_methods`` in throughput and sweep rows, and its
 #: caller-thread case); 5: the ``fit`` section (engine-fit calls, 1-page hit, warm-up);
-#: 6: the ``store_lookup`` section (a prefix lookup per page and batched, per Redis store)
-#: and the ``models`` section (a model config's own caches, with ``models=``).
+#: 6: the ``store_lookup`` section (a prefix lookup per page and batched, per Redis store),
+#: the ``models`` section (a model config's own caches, with ``models=``) and the
+#: ``policy`` section (hit rates per eviction policy and tier, store bytes per
+#: write-through setting).
 SCHEMA = "kvxfer-bench/6"
 
 #: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
-Only = Literal["store", "fit", "model"]
+Only = Literal["store", "fit", "model", "policy"]
 
 
 def _preset(config: BenchConfig) -> str:
@@ -71,7 +74,9 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         ``DIR``) or a prefix of its own, and removes what it wrote.
       only: ``"store"`` runs the store section alone (no JAX work); ``"fit"`` the
         engine-fit section alone (call host time, 1-page hit, warm-up); ``"model"`` the
-        models section alone (``models`` must name one config at least).
+        models section alone (``models`` must name one config at least); ``"policy"``
+        the policy section alone (eviction policies' hit rates, write-through's store
+        bytes, on replayed traces).
       models: model configs (``configs/`` names or TOML files) whose own caches the
         models section moves: offload and load of ``batch_bytes`` per call, integrity
         off and page, against the limit in the same run, and the host time per page.
@@ -79,16 +84,18 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     Returns:
       A JSON-ready dict: ``schema``, ``meta``, ``throughput``, ``sweep``,
       ``concurrency``, ``overhead``, ``integrity_traffic``, ``cache_size``, ``memory``,
-      ``first_call``, ``queued``, ``store``, ``store_lookup``, ``targets``,
+      ``first_call``, ``queued``, ``store``, ``store_lookup``, ``policy``, ``targets``,
       ``not_measured`` (and ``files`` when written); with ``only="store"``: ``schema``,
-      ``meta``, ``store``, ``store_lookup``, ``targets``, ``not_measured`` (and ``files``).
-      With ``models``, also ``models`` (one row per config); with ``only="model"``:
-      ``schema``, ``meta``, ``models``, ``targets``, ``not_measured`` (and ``files``).
+      ``meta``, ``store``, ``store_lookup``, ``targets``, ``not_measured`` (and
+      ``files``); with ``only="fit"`` or ``"policy"``: ``schema``, ``meta``, that
+      section, ``targets``, ``not_measured`` (and ``files``). With ``models``, also
+      ``models`` (one row per config); with ``only="model"``: ``schema``, ``meta``,
+      ``models``, ``targets``, ``not_measured`` (and ``files``).
 
     Raises:
-      ValueError: a bad ``only``, a Redis Cluster store, ``only="model"`` without
-        ``models`` or ``models`` with another ``only``; ``ConfigError`` (a ValueError) for a model config that does not
-        load. All before anything is measured.
+      ValueError: a bad ``only``, ``only="model"`` without ``models`` or ``models``
+        with another ``only``; ``ConfigError`` (a ValueError) for a model config that
+        does not load. All before anything is measured.
 
     Example:
         >>> report = run_bench(config=BenchConfig.smoke())
@@ -115,9 +122,10 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     for spec in stores:  # before any section runs: a typo must not cost a whole run
         parse_spec(spec)
     model_steps = ["model"] * len(models)
-    planned = {None: plan(cfg) + model_steps + ["store"] * store_steps(cfg, stores),
-               "fit": fit_plan(), "store": ["store"] * store_steps(cfg, stores),
-               "model": model_steps}[only]
+    policy_plan = ["policy"] * policy_steps()
+    planned = {None: plan(cfg) + model_steps + ["store"] * store_steps(cfg, stores) +
+               policy_plan, "fit": fit_plan(), "store": ["store"] * store_steps(cfg, stores),
+               "model": model_steps, "policy": policy_plan}[only]
     steps = Progress(planned,
                      progress or (lambda line: None))
     started = now()
@@ -141,9 +149,11 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         report["models"] = model_section(cfg, models, steps)
     if only == "fit":
         report["fit"] = fit_section(cfg, steps)
-    elif only != "model":
+    elif only in (None, "store"):
         report["store"] = store_section(cfg, stores, steps)
         report["store_lookup"] = lookup_section(cfg, stores, steps)
+    if only in (None, "policy"):
+        report["policy"] = policy_section(steps, requests=cfg.policy_requests)
     report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
     if out_dir is not None:

@@ -21,7 +21,7 @@ from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._rig import LOAD_VARIANTS, Rig, check_loaded, load_name, make_caches
 from kvxfer.bench.limits import Limit, limit_figures
 from kvxfer.bench.timing import Progress, interleaved, now, stats
-from kvxfer.engine._batch import bucket
+from kvxfer.engine import bucket
 from kvxfer.hostpool import DIGEST_SLOTS, PageRef
 from kvxfer.integrity import IDENTITY_WORDS
 from kvxfer.manager import IntegrityMode, PathMode
@@ -31,7 +31,8 @@ __all__ = ["StepKind", "ordered_cells", "plan", "fit_plan", "throughput_cell", "
 
 #: The kinds of step a run's progress counts (each timed alike, for the estimate).
 StepKind = Literal["throughput", "concurrency", "overhead", "sweep", "cache size",
-                   "first call", "queued steps", "store", "engine fit", "warm-up", "model"]
+                   "first call", "queued steps", "store", "engine fit", "warm-up", "model",
+                   "policy"]
 
 #: Pages held as load sources, by (integrity, path) of their manager.
 _Held = dict[tuple[IntegrityMode, PathMode], list[PageRef]]

@@ -21,15 +21,20 @@ from typing import Any, NamedTuple
 
 from kvxfer._text import format_bytes, table
 from kvxfer.bench._config import MiB
+from kvxfer.bench._policies import policy_lines
 
 __all__ = ["Targets", "evaluate_targets", "missed", "ZERO_OK", "iter_figures",
            "format_report", "pinned_figures", "Variant", "VARIANTS", "PANELS", "figure",
            "plot"]
 
-#: Figures that may legitimately be zero: differences, and the fraction of calls that
-#: returned after the queued steps were done (all others are > 0).
+#: Figures that may legitimately be zero: differences, the fraction of calls that
+#: returned after the queued steps were done, and the policy section's counts (a tier
+#: a case never hits, a write-through setting that gates nothing); all others are > 0.
 ZERO_OK = frozenset({"host_transient_bytes", "device_persistent_bytes",
-                     "device_transient_bytes", "steps_done_at_return"})
+                     "device_transient_bytes", "steps_done_at_return", "host_hits",
+                     "store_hits", "misses", "host_hit_rate", "store_hit_rate", "hit_rate",
+                     "evictions", "store_pages_written", "store_bytes_written",
+                     "store_writes_gated", "dropped"})
 
 
 # ---------------------------------------------------------------------------
@@ -349,6 +354,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines += _store_lines(report["store"])
     if report.get("store_lookup"):
         lines += _lookup_lines(report["store_lookup"])
+    if "policy" in report:
+        lines += policy_lines(report["policy"])
 
     lines += ["", "Targets"]
     for t in report["targets"]:

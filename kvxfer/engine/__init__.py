@@ -20,24 +20,44 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
 Movers work shard by shard on the devices that own the shards; replicas of a
 replicated layer are stored once and loaded into every replica.
 
-This package exports the interface and the movers; helpers (``_batch.bucket``,
-``_raw.shared_buffers``, ``_pinned.pinned_mode``, ...) are imported from their modules.
+This package exports the interface, the movers and the few helpers other parts of
+kvxfer build on (the manager, the bench, the fault injectors): how block counts are
+padded (``bucket``), running under no context mesh (``own_context``), a shard typed
+as a one-device array (``local``), an array without its buffers (``abstract``), a
+block dim's split over groups (``BlockGroups``), buffers shared between arrays
+(``shared_buffers``), whether a mover can take an array (``raw_capable``,
+``pinned_capable``, ``pallas_refusal``), compiles collected to run side by side
+(``deferred_compiles``) and the digest programs' chunk (``DIGEST_CHUNK``). Nothing
+outside the package imports its private modules.
 """
 
 from kvxfer.engine._batch import PageBatch as PageBatch
 from kvxfer.engine._batch import ShardedLayer as ShardedLayer
+from kvxfer.engine._batch import abstract as abstract
+from kvxfer.engine._batch import bucket as bucket
+from kvxfer.engine._batch import local as local
+from kvxfer.engine._batch import own_context as own_context
 from kvxfer.engine._auto import RawOrPinnedMover as RawOrPinnedMover
 from kvxfer.engine._emulated import EmulatedMover as EmulatedMover
+from kvxfer.engine._grouped import BlockGroups as BlockGroups
 from kvxfer.engine._grouped import GroupedMover as GroupedMover
 from kvxfer.engine._mover import LoadRequest as LoadRequest
 from kvxfer.engine._mover import Mover as Mover
 from kvxfer.engine._mover import Pending as Pending
 from kvxfer.engine._mover import TransferError as TransferError
 from kvxfer.engine._pallas import PallasMover as PallasMover
+from kvxfer.engine._pallas import pallas_refusal as pallas_refusal
 from kvxfer.engine._pinned import PinnedMover as PinnedMover
+from kvxfer.engine._pinned import pinned_capable as pinned_capable
+from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
+from kvxfer.engine._programs import deferred_compiles as deferred_compiles
 from kvxfer.engine._raw import RawMover as RawMover
+from kvxfer.engine._raw import raw_capable as raw_capable
+from kvxfer.engine._raw import shared_buffers as shared_buffers
 from kvxfer.engine._staged import StagedMover as StagedMover
 
 __all__ = ["Mover", "LoadRequest", "Pending", "PageBatch", "ShardedLayer", "TransferError",
            "StagedMover", "RawMover", "PinnedMover", "PallasMover", "EmulatedMover",
-           "GroupedMover", "RawOrPinnedMover"]
+           "GroupedMover", "RawOrPinnedMover", "bucket", "own_context", "local", "abstract",
+           "BlockGroups", "shared_buffers", "raw_capable", "pinned_capable", "pallas_refusal",
+           "deferred_compiles", "DIGEST_CHUNK"]

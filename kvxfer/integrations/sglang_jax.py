@@ -45,13 +45,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvxfer.engine import PageBatch, TransferError
-from kvxfer.engine._batch import bucket
+from kvxfer.engine import PageBatch, TransferError, bucket
 from kvxfer.hostpool import PageRef, PoolError
 from kvxfer.manager import KVCacheManager, OffloadHandle
 
 if TYPE_CHECKING:  # what mgr.prefetch returns; not a name kvxfer.manager exports
-    from kvxfer.manager._prefetch import PrefetchHandle
+    from kvxfer.manager import PrefetchHandle
 
 __all__ = ["KvxferHostKVPool", "FlushLoadResult", "ENGINE_COMMIT"]
 

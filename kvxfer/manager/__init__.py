@@ -7,10 +7,21 @@ pages by hand: free, read and write a layer's bytes, export and import),
 ``_handles`` (what a transfer hands back), ``_prefetch`` (staged loads),
 ``_verify`` (per-layer verification), ``_agree`` (lockstep agreement on each load's
 verified prefix and bad pages across processes), ``_select`` (which mover moves each slice class),
-``_pages`` (pages as blobs for tiers below host memory) and ``_stats`` (counters).
+``_pages`` (pages as blobs for tiers below host memory). Counters are shared with the
+cache (``kvxfer._counters``).
+
+Besides the manager and what it hands back, the package exports what the cache and
+the fault injectors build on: ``check_key`` (a page key as the manager takes it),
+``Agreement`` and ``describe_keys`` (lockstep rounds across processes, which a
+``HostCache`` lookup takes part in too), ``first_span`` (where a page blob's bytes
+start) and ``PrefetchHandle``. Nothing outside the package imports its private
+modules.
 """
 
+from kvxfer.manager._agree import Agreement as Agreement
 from kvxfer.manager._agree import AgreementError as AgreementError
+from kvxfer.manager._agree import describe_keys as describe_keys
+from kvxfer.manager._checks import check_key as check_key
 from kvxfer.manager._handles import Gate as Gate
 from kvxfer.manager._handles import IntegrityError as IntegrityError
 from kvxfer.manager._handles import LoadHandle as LoadHandle
@@ -20,6 +31,8 @@ from kvxfer.manager._manager import Blocks as Blocks
 from kvxfer.manager._manager import IntegrityMode as IntegrityMode
 from kvxfer.manager._manager import KVCacheManager as KVCacheManager
 from kvxfer.manager._pages import PageFormatError as PageFormatError
+from kvxfer.manager._pages import first_span as first_span
+from kvxfer.manager._prefetch import PrefetchHandle as PrefetchHandle
 from kvxfer.manager._select import AUTO_RULES as AUTO_RULES
 from kvxfer.manager._select import PATHS as PATHS
 from kvxfer.manager._select import PathMode as PathMode
@@ -27,4 +40,5 @@ from kvxfer.manager._verify import TransferHook as TransferHook
 
 __all__ = ["KVCacheManager", "OffloadHandle", "LoadHandle", "LoadResult", "IntegrityError",
            "Gate", "IntegrityMode", "PathMode", "PATHS", "AUTO_RULES", "TransferHook", "Blocks",
-           "PageFormatError", "AgreementError"]
+           "PageFormatError", "AgreementError", "PrefetchHandle", "Agreement", "describe_keys",
+           "check_key", "first_span"]

@@ -19,8 +19,7 @@ import numpy as np
 
 from kvxfer import integrity as _integrity
 from kvxfer._check import check_int, check_timeout
-from kvxfer.engine import PageBatch, ShardedLayer
-from kvxfer.engine._grouped import BlockGroups
+from kvxfer.engine import BlockGroups, PageBatch, ShardedLayer
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
 from kvxfer.manager._select import check_path

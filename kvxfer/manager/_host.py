@@ -17,7 +17,7 @@ from kvxfer import integrity as _integrity
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.manager._checks import check_key
 from kvxfer.manager._pages import PageFormatError, decode, encode
-from kvxfer.manager._stats import Counters
+from kvxfer._counters import Counters
 from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["HostPages", "host_copy_intact"]

@@ -20,17 +20,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.engine import LoadRequest, Mover, PageBatch, ShardedLayer, TransferError
-from kvxfer.engine._batch import own_context
-from kvxfer.engine._grouped import GroupedMover
-from kvxfer.engine._raw import shared_buffers
+from kvxfer.engine import (GroupedMover, LoadRequest, Mover, PageBatch, ShardedLayer,
+                           TransferError, own_context, shared_buffers)
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement, describe_keys
 from kvxfer.manager._checks import Checks, check_key, page_batches
 from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
 from kvxfer.manager._host import host_copy_intact
 from kvxfer.manager._prefetch import PrefetchHandle
-from kvxfer.manager._stats import Counters, reason_kind
+from kvxfer._counters import Counters, reason_kind
 from kvxfer.manager._verify import DigestJob, DigestStarter, LoadVerifier, TransferHook
 from kvxfer.plan import Plan
 

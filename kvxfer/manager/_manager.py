@@ -23,10 +23,8 @@ import jax
 import numpy as np
 
 from kvxfer._check import check_int
-from kvxfer.engine import Mover, ShardedLayer
-from kvxfer.engine._batch import abstract, bucket, own_context
-from kvxfer.engine._programs import deferred_compiles
-from kvxfer.engine._grouped import BlockGroups, GroupedMover
+from kvxfer.engine import (BlockGroups, GroupedMover, Mover, ShardedLayer, abstract, bucket,
+                           deferred_compiles, own_context)
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement
 from kvxfer.manager._checks import Checks, check_construction
@@ -38,7 +36,7 @@ from kvxfer.manager._offload import Offloads
 from kvxfer.manager._pages import fingerprint
 from kvxfer.manager._prefetch import PrefetchHandle
 from kvxfer.manager._select import PathMode, plan_path, select_movers
-from kvxfer.manager._stats import Counters
+from kvxfer._counters import Counters
 from kvxfer.manager._verify import LoadVerifier, TransferHook
 from kvxfer.plan import LayerSpec, Plan, make_plan
 
@@ -273,9 +271,36 @@ class KVCacheManager:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _check_blocks(self, device_blocks: Any, n: int, what: str) -> dict[int, np.ndarray]:
-        """Block ids checked as ``offload`` checks them (``HostCache`` checks before it
-        evicts)."""
+    @property
+    def agreement_timeout(self) -> float:
+        """Seconds a multi-process agreement waits for every process (the constructor's
+        ``agreement_timeout``)."""
+        return self._agreement.timeout
+
+    def check_blocks(self, device_blocks: Blocks, n: int, what: str = "keys"
+                     ) -> dict[int, np.ndarray]:
+        """Checks ``n`` block ids as ``offload`` checks them, moving nothing.
+
+        A caller that must act before it offloads (a cache evicting to make room)
+        refuses bad ids first. ``what`` names the ids' counterpart in the message.
+
+        Returns:
+          The ids per slice class, ``{class index: ids}``.
+
+        Raises:
+          ValueError: an id out of range or repeated, or not ``n`` of them.
+
+        Example:
+            >>> import jax.numpy as jnp, kvxfer
+            >>> mgr = kvxfer.KVCacheManager([jnp.zeros((8, 128))], num_host_blocks=2)
+            >>> {c: ids.tolist() for c, ids in mgr.check_blocks([3, 5], 2).items()}
+            {0: [3, 5]}
+            >>> mgr.check_blocks([3, 99], 2)
+            Traceback (most recent call last):
+            ...
+            ValueError: device_blocks[1] = 99 is out of range for layer 0 (8 blocks)
+            >>> mgr.close()
+        """
         return self._checks.blocks(device_blocks, n, what)
 
     # -- offload ----------------------------------------------------------------

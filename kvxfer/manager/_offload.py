@@ -16,12 +16,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.engine import Mover, PageBatch, ShardedLayer, TransferError
-from kvxfer.engine._batch import own_context
+from kvxfer.engine import Mover, PageBatch, ShardedLayer, TransferError, own_context
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._checks import Checks, check_key, page_batches
 from kvxfer.manager._handles import OffloadHandle
-from kvxfer.manager._stats import Counters
+from kvxfer._counters import Counters
 from kvxfer.manager._verify import LoadVerifier
 from kvxfer.plan import Plan
 

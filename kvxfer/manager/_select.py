@@ -8,10 +8,8 @@ from typing import Literal, get_args
 import jax
 
 from kvxfer.engine import (EmulatedMover, Mover, PallasMover, PinnedMover, RawMover,
-                           RawOrPinnedMover, StagedMover)
-from kvxfer.engine._pallas import pallas_refusal
-from kvxfer.engine._pinned import pinned_capable
-from kvxfer.engine._raw import raw_capable
+                           RawOrPinnedMover, StagedMover, pallas_refusal, pinned_capable,
+                           raw_capable)
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 

@@ -16,8 +16,7 @@ import jax
 import numpy as np
 
 from kvxfer import integrity as _integrity
-from kvxfer.engine import Mover, PageBatch, Pending, ShardedLayer
-from kvxfer.engine._programs import DIGEST_CHUNK
+from kvxfer.engine import DIGEST_CHUNK, Mover, PageBatch, Pending, ShardedLayer
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
 from kvxfer.plan import Plan, SliceClass

@@ -33,9 +33,12 @@ from kvxfer.store._base import StoreBatchError as StoreBatchError
 from kvxfer.store._base import StoreError as StoreError
 from kvxfer.store._cluster import RedisClusterStore as RedisClusterStore
 from kvxfer.store._disk import DiskStore as DiskStore
+from kvxfer.store._open import SPEC_FORMS as SPEC_FORMS
 from kvxfer.store._open import open_store as open_store
 from kvxfer.store._open import parse_spec as parse_spec
 from kvxfer.store._redis import RedisStore as RedisStore
+from kvxfer.store._seal import SealError as SealError
+from kvxfer.store._seal import Sealer as Sealer
 
 __all__ = ["Store", "StoreError", "StoreBatchError", "DiskStore", "RedisStore",
-           "RedisClusterStore", "open_store", "parse_spec"]
+           "RedisClusterStore", "open_store", "parse_spec", "SPEC_FORMS", "Sealer", "SealError"]

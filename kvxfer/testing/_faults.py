@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvxfer.engine._batch import local
+from kvxfer.engine import local
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import KVCacheManager, TransferHook
 

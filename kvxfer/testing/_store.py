@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvxfer.manager._pages import first_span
+from kvxfer.manager import first_span
 from kvxfer.store import Store
 
 __all__ = ["flip_stored_bit"]

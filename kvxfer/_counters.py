@@ -1,4 +1,7 @@
-"""Counters and transfer-time percentiles, kept cheaply and read as one snapshot."""
+"""Counters and timing percentiles, kept cheaply and read as one snapshot.
+
+Shared by the manager (transfers) and the host cache (hits per tier, store writes).
+"""
 
 from __future__ import annotations
 

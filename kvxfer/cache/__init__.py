@@ -1,0 +1,78 @@
+"""``HostCache``: a prefix cache over a manager's host pool, with an optional store tier.
+
+Pages are named by chained keys (a page's key names its whole prefix, e.g.
+``kvxfer.demo.page_keys``). The cache keeps one host page per key, evicted as its
+policy picks (``CachePolicy``: ``LRUPolicy``, the default, ``S3FIFOPolicy``,
+``ARCPolicy``), finds the longest cached prefix of a request, pins what a load reads
+so eviction never takes it, and drops pages a load proves bad. Below host memory an optional
+``kvxfer.store.Store`` (local disk, Redis) receives evicted pages (or every page,
+``write_through=True``) as blobs carrying the digests made on the device at the
+first offload; a page promoted back goes store -> host -> device and is checked on
+the device against those digests. Store keys carry the manager's geometry
+fingerprint, so two models or two dtypes never share a page.
+
+Example:
+    >>> import jax.numpy as jnp, kvxfer
+    >>> caches = [jnp.ones((8, 4, 128), jnp.float32) * i for i in range(2)]
+    >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    >>> cache = kvxfer.HostCache(mgr)
+    >>> cache.put(caches, [0, 1], keys=[11, 12], wait=True)
+    [11, 12]
+    >>> cache.put(caches, [2, 1], keys=[13, 12])  # 12 is cached; 11, least recent, goes
+    [13]
+    >>> hit = cache.lookup([12, 13, 14])
+    >>> hit.num_pages, hit.tiers
+    (2, ('host', 'host'))
+    >>> caches, load = cache.load(caches, hit, [5, 6])
+    >>> load.result().verified_prefix
+    2
+    >>> cache.lookup([11]).num_pages, cache.stats()["evictions"]
+    (0, 1)
+    >>> cache.close(); mgr.close()
+
+Several ranks. In a multi-process job (tensor-parallel ranks, each holding its
+shards of every page) every rank creates its managers and caches in the same order
+and calls ``put``, ``lookup``, ``load`` and ``release`` for the same requests in the
+same order, then ``close``. Then:
+
+* ``lookup`` agrees on the hit length across ranks (the minimum, as SGLang's
+  HiCache all-reduces its prefix length) before anything is pinned, so every rank
+  loads the same pages or misses alike;
+* a load agrees on its verified prefix, and a page proven bad on any rank is freed
+  on every rank (each deletes its own store copy, once);
+* a delivery fault (the device got wrong bytes from an intact host copy) is a miss
+  for that load only, on every rank; the page stays in host and store;
+* rounds of different requests never pair silently: each carries the keys it is
+  about, and mismatched ones raise ``AgreementError`` on every rank;
+* ``close`` waits (up to the manager's ``agreement_timeout``) for every rank.
+
+A rank that dies is named in a ``TransferError`` by the others' next agreement,
+after ``agreement_timeout``; ``jax.distributed`` itself aborts the surviving
+processes once the dead rank misses its heartbeats (100 s by default), and at once
+if the dead rank is rank 0, which hosts the coordination service.
+
+Modules, one idea each: ``_front`` (``HostCache``, one short method per call),
+``_hits`` (``CacheHit``, ``CacheLoad``), ``_host`` (the host tier: index, order, pins,
+offloads on their way in, eviction), ``_store_tier`` (the store tier: write-behind,
+promotion, bad store pages), ``_lookup`` (the longest prefix, agreed across ranks),
+``_settle`` (loads in flight, a load's hits and bad pages), ``_policy``
+(``CachePolicy`` and LRU), ``_s3fifo`` and ``_arc`` (one policy each), ``_events``
+(``CacheEvent``s for routers, ``HostCache.subscribe``), ``_blocks`` (keys and block
+ids) and ``_options`` (construction arguments).
+"""
+
+from kvxfer.cache._arc import ARCPolicy as ARCPolicy
+from kvxfer.cache._events import CacheEvent as CacheEvent
+from kvxfer.cache._events import EventKind as EventKind
+from kvxfer.cache._events import Subscription as Subscription
+from kvxfer.cache._events import Tier as Tier
+from kvxfer.cache._front import HostCache as HostCache
+from kvxfer.cache._hits import CacheHit as CacheHit
+from kvxfer.cache._hits import CacheLoad as CacheLoad
+from kvxfer.cache._policy import CachePolicy as CachePolicy
+from kvxfer.cache._policy import LRUPolicy as LRUPolicy
+from kvxfer.cache._policy import PolicyName as PolicyName
+from kvxfer.cache._s3fifo import S3FIFOPolicy as S3FIFOPolicy
+
+__all__ = ["HostCache", "CacheHit", "CacheLoad", "CachePolicy", "LRUPolicy", "S3FIFOPolicy",
+           "ARCPolicy", "PolicyName", "CacheEvent", "EventKind", "Tier", "Subscription"]

@@ -1,0 +1,330 @@
+"""``HostCache``: the cache's face, one short method per call, over its tiers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from kvxfer._check import check_int, check_timeout
+from kvxfer._counters import Counters
+from kvxfer.cache._blocks import columns, page_keys
+from kvxfer.cache._events import CacheEvent, EventHub, Subscription
+from kvxfer.cache._hits import CacheHit, CacheLoad, Pin, check_hit
+from kvxfer.cache._host import HostTier
+from kvxfer.cache._lookup import Finder
+from kvxfer.cache._options import check_options, check_write_through, make_policy
+from kvxfer.cache._policy import CachePolicy, PolicyName
+from kvxfer.cache._settle import Loads
+from kvxfer.cache._store_tier import StoreTier, WriteThrough, store_key
+from kvxfer.hostpool import PageRef
+from kvxfer.manager import Agreement, Blocks, Gate, KVCacheManager, check_key
+from kvxfer.store import Store
+
+__all__ = ["HostCache"]
+
+_COUNTERS = ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
+             "unused_pages", "pages_put", "duplicates", "dropped", "evictions",
+             "store_pages_written", "store_bytes_written", "store_writes_gated",
+             "store_write_errors", "store_read_errors", "bad_pages", "transfer_faults",
+             "store_auth_failures", "events_dropped")
+
+
+class HostCache:
+    """A prefix cache of KV pages in a manager's host pool, over an optional store.
+
+    Args:
+      mgr: the manager whose host pool holds the pages; the cache's capacity is the
+        pool's (pages the caller holds outside the cache are never evicted by it).
+      store: a tier below host memory (``kvxfer.store.DiskStore``, ``RedisStore``),
+        or None.
+      namespace: prefixes every store key (e.g. a model name): two caches share
+        store pages only with equal namespaces and equal ``mgr.fingerprint``.
+      policy: which host pages eviction takes: ``"lru"`` (least recently used,
+        the default), ``"s3fifo"`` (scan-resistant: one-off pages leave first),
+        ``"arc"`` (adapts between recency and frequency), or a ``CachePolicy`` of
+        the caller's (one per cache). It orders the host tier only.
+      write_through: when host pages reach the store: ``"never"`` (the default:
+        write-back, a page is written when it is evicted from host, and by
+        ``flush()``), ``"always"`` (once it is on host, and again when evicted if
+        the store lost it), or N (selective write-through: once lookups found it N
+        times; a page evicted with fewer hits is not written, so one-off prefixes
+        cost no store bandwidth). ``True``/``False`` mean ``"always"``/``"never"``.
+      auth_key: secret bytes (at least 16; 32 random bytes is right): every store
+        blob carries an HMAC-SHA-256 over it and its store key, checked before a
+        page is imported; a blob that fails is a miss, counted
+        (``store_auth_failures``), logged and deleted. Caches sharing the store's
+        pages need the same key. None (default): blobs trusted as far as the
+        store's writers are.
+      encrypt: also encrypt page bytes at rest (AES-256-GCM keyed from
+        ``auth_key``; ``pip install 'kvxfer[crypto]'``), for stores shared across
+        tenants.
+
+    Thread-safe. Store writes run on one background thread; ``flush()`` waits.
+    ``subscribe(callback)`` reports where pages arrive and leave.
+
+    In a multi-process job the ranks' caches stay identical and every request gets
+    the same verified prefix on every rank, as long as every rank creates its
+    managers and caches, and calls ``put``, ``lookup``, ``load`` and ``release``,
+    in the same order (``kvxfer.cache`` says what the ranks agree on). Store keys
+    carry the rank, so ranks sharing a store never read each other's shards.
+    """
+
+    def __init__(self, mgr: KVCacheManager, store: Store | None = None, *,
+                 namespace: str = "", policy: PolicyName | CachePolicy = "lru",
+                 write_through: WriteThrough | bool = "never",
+                 auth_key: bytes | None = None, encrypt: bool = False):
+        sealer = check_options(mgr, store, namespace, write_through, auth_key, encrypt)
+        self.policy = make_policy(policy, mgr.plan.num_host_blocks)
+        self.mgr = mgr
+        self.store = store
+        self.namespace = namespace
+        self.write_through = check_write_through(write_through)
+        self._sealer = sealer
+        # Caches are created in the same order on every rank (like managers): the
+        # n-th agreement of each process meets the n-th of the others.
+        self._agreement = Agreement(timeout=mgr.agreement_timeout)
+        self._lock = threading.RLock()
+        self._stats = Counters(_COUNTERS, ("bad_pages_by_tier",))
+        self._events = EventHub(self._stats)
+        self._store = None if store is None else StoreTier(
+            mgr, store, self._lock, self._stats, namespace=namespace,
+            write_through=self.write_through, sealer=sealer, events=self._events)
+        self._host = HostTier(mgr, self._stats, self._store, self.policy, self._events)
+        self._finder = Finder(self._host, self._store, self._agreement)
+        self._loads = Loads(self._lock, self._host, self._store, self._stats)
+        self._closed = False
+
+    # -- keys and index -------------------------------------------------------------
+
+    def store_key(self, key: Any) -> str:
+        """The store key of page ``key``: namespace, geometry fingerprint, page key.
+
+        Pages of a manager with ``integrity="off"`` carry no digests: they get keys of
+        their own, so a verifying cache never finds them. In a multi-process job the
+        key names the rank too (each rank's page holds that rank's shards).
+        """
+        return store_key(self.namespace, self.mgr, self._sealer, check_key(key, "key"))
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._collect()
+            return len(self._host)
+
+    def __contains__(self, key: Any) -> bool:
+        key = check_key(key, "key")
+        with self._lock:
+            self._collect()
+            return self._host.holds(key)
+
+    def keys(self) -> list[int]:
+        """The keys of the cache's host pages, roughly in the order eviction would
+        take them (least recently used first under LRU)."""
+        with self._lock:
+            self._collect()
+            return self._host.keys()
+
+    def page_of(self, key: Any) -> PageRef | None:
+        """The host page cached under ``key`` (not pinned, not marked used), or None."""
+        key = check_key(key, "key")
+        with self._lock:
+            self._collect()
+            return self._host.page_of(key)
+
+    def find(self, key: Any) -> str | None:
+        """Where page ``key`` is: ``"host"``, ``"store"`` or None (not marking it used)."""
+        key = check_key(key, "key")
+        with self._lock:
+            self._collect()
+            return self._finder.where(key)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the HostCache is closed; create a new one")
+
+    def _collect(self) -> None:
+        """Indexes finished offloads and settles finished loads (caller's thread)."""
+        self._host.collect()
+        self._loads.collect()
+        if self._store is not None:
+            self._store.prune()
+
+    def make_room(self, n: int) -> int:
+        """Evicts unpinned pages (as the policy picks) until ``n`` host slots are free.
+
+        Returns:
+          How many of the ``n`` pages fit now (fewer when the rest is pinned or held
+          outside the cache): a caller that must choose which pages to ``put`` picks
+          that many.
+        """
+        with self._lock:
+            self._check_open()
+            self._collect()
+            return self._host.make_room(check_int(n, "n", minimum=0))
+
+    # -- the engine's calls --------------------------------------------------------
+
+    def put(self, kv_caches: Sequence[jax.Array], device_blocks: Blocks,
+            keys: Sequence[Any], *, wait: bool = False) -> list[int]:
+        """Offloads the blocks whose keys are not cached yet; evictions make room.
+
+        Args:
+          kv_caches: the current caches.
+          device_blocks: one block id per key, as ``KVCacheManager.offload`` takes
+            them: one list for every slice class, or a mapping ``{class index: ids}``
+            naming every class (a cached page holds every class).
+          keys: the pages' keys: ints in [0, 2**64) or bytes (hashed as the manager
+            hashes them).
+          wait: return only once the pages are on host (else they are indexed as
+            soon as their offload ends; a lookup meanwhile waits for them).
+
+        Returns:
+          The keys being offloaded, as ints (keys cached already, repeated, or that
+          found no room after every unpinned page was evicted are left out).
+        """
+        with self._lock:
+            self._check_open()
+            self._collect()
+            keys = page_keys(keys, "keys")
+            cols = columns(device_blocks, len(keys), len(self.mgr.plan.classes))
+            new, handle = self._host.offload(kv_caches, cols, keys)
+        if wait and handle is not None:
+            try:
+                handle.wait()
+            finally:
+                with self._lock:
+                    self._collect()
+        return new
+
+    def lookup(self, keys: Sequence[Any]) -> CacheHit:
+        """Pins the longest cached prefix of ``keys`` (host first, then the store).
+
+        Store pages are imported into host memory (promoted) on the way. The pins
+        hold until ``load(...).result()`` or ``release(hit)``; the lookup is one use
+        of each page it pins, as the policy counts uses. In a multi-process job
+        every rank must call it for the same keys, in the same order: the ranks
+        agree on the hit length (the minimum over ranks) before anything is pinned.
+
+        Raises:
+          AgreementError: another rank's lookup in the same turn was for other keys.
+          TransferError: another rank did not take part within the manager's
+            ``agreement_timeout``.
+        """
+        with self._lock:
+            self._check_open()
+            self._collect()
+            keys = page_keys(keys, "keys")
+            found = self._finder.find(keys)
+            self._stats.add(lookups=1, pages_requested=len(keys),
+                            misses=len(keys) - len(found))
+            return CacheHit(tuple(f.key for f in found), tuple(f.ref for f in found),
+                            tuple(f.tier for f in found), Pin(owner=self))
+
+    def release(self, hit: CacheHit) -> None:
+        """Unpins a hit that will not be loaded (a no-op once released or settled)."""
+        check_hit(hit, self)
+        with self._lock:
+            self._loads.release(hit)
+
+    def load(self, kv_caches: Sequence[jax.Array], hit: CacheHit,
+             device_blocks: Sequence[int] | Mapping[int, Sequence[int]], *,
+             gate: Gate = "all") -> tuple[list[jax.Array], CacheLoad]:
+        """Loads a hit's pages into ``device_blocks`` (see ``KVCacheManager.load``).
+
+        ``device_blocks``: one id per page, one list for every slice class or
+        ``{class index: ids}``, as ``KVCacheManager.load`` takes them.
+
+        Returns:
+          ``(new caches, CacheLoad)``; its ``result()`` gives the verified prefix and
+          releases the hit's pins.
+
+        Raises:
+          What ``KVCacheManager.load`` raises; the hit then stays pinned (load it
+          again or ``release`` it).
+        """
+        check_hit(hit, self)
+        with self._lock:
+            self._check_open()
+            return self._loads.start(kv_caches, hit, device_blocks, gate)
+
+    def subscribe(self, callback: Callable[[list[CacheEvent]], object]) -> Subscription:
+        """Calls ``callback`` with batches of ``CacheEvent``s (``kind``: ``"stored"``,
+        ``"evicted"`` or ``"removed"``; ``key``; ``tier``: ``"host"`` or ``"store"``)
+        from now on, in order, on a thread of the cache's own, never under its lock;
+        a callback's exception is logged (see ``kvxfer.cache``'s ``_events``).
+
+        Returns:
+          The subscription: ``unsubscribe()`` ends it, ``wait(timeout)`` waits until
+          every event so far was delivered.
+        """
+        return self._events.subscribe(callback)
+
+    def flush(self) -> int:
+        """Writes every host page the store lacks, and waits for all store writes.
+
+        Under selective write-through (``write_through=N``) only pages found N times
+        or more are written.
+
+        Returns:
+          The pages this call wrote (spills already in flight are waited for, not
+          counted).
+        """
+        if self._store is None:
+            return 0
+        with self._lock:
+            self._check_open()
+            self._host.wait_all()
+            self._collect()
+            mine = self._store.flush(self._host)
+            futures = self._store.pending()
+        concurrent.futures.wait(futures)
+        return sum(1 for f in mine if f.result())
+
+    def stats(self) -> dict[str, Any]:
+        """Lookups, hits per tier, misses, evictions, store writes, bad pages by tier.
+
+        ``store_pages_written`` and ``store_bytes_written`` count the blobs the store
+        took (sealed bytes when sealing); ``store_writes_gated`` the evicted pages
+        selective write-through kept out of the store; ``events_dropped`` the events
+        subscribers were too slow for. ``pages_requested`` = ``host_hits + store_hits + misses + unused_pages`` over
+        settled loads (``unused_pages``: found but not used, after a bad page,
+        refused for their key, or delivered wrong by the transfer while their host
+        copy was intact, which ``transfer_faults`` counts apart); ``host_pages`` is
+        the cache's pages in host memory, ``pinned_pages`` those pinned by a hit or a
+        load; ``store`` holds the store's own counters (when there is a store), read
+        on a thread of their own: a store that does not answer within 40 ms (or a
+        closed cache) gives its last counters with ``stale: True``. Takes no lock a
+        transfer or store read holds: cheap enough for every scrape, and it never
+        blocks.
+        """
+        out = self._stats.snapshot()  # the counters' own lock, never the cache's
+        out["host_pages"] = len(self._host)
+        out["pinned_pages"] = self._host.num_pinned
+        if self._store is not None:
+            out["store"] = self._store.stats()
+        return out
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Indexes offloads in flight and gives queued store writes, then the events not
+        delivered yet, ``timeout`` seconds in all (one deadline, not one per write);
+        writes not done by then are dropped (logged). The manager and the store stay
+        open. In a multi-process job it then waits (up to the manager's
+        ``agreement_timeout``) for every rank to close its cache."""
+        if self._closed:
+            return
+        timeout = check_timeout(timeout, "timeout")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._host.wait_all()  # write-through pages of those offloads start writes
+            self._collect()
+            self._closed = True
+            writes = [] if self._store is None else self._store.stop_writes()
+        if self._store is not None:
+            self._store.close(writes, timeout, deadline)
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        self._events.close(left)  # events of the last writes included
+        self._agreement.meet("close")

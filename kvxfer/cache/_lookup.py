@@ -1,0 +1,126 @@
+"""Finding a request's longest cached prefix: host first, then the store, pinned.
+
+In a multi-process job the ranks agree on the hit length before anything is
+pinned (the minimum over ranks, as SGLang's HiCache all-reduces its prefix length),
+so every rank loads the same pages or misses alike.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvxfer.cache._host import HostTier
+from kvxfer.cache._store_tier import StoreTier
+from kvxfer.hostpool import PageRef
+from kvxfer.manager import Agreement, describe_keys
+
+__all__ = ["Found", "Finder"]
+
+
+class Found(NamedTuple):
+    """One page of a prefix found: its key, its host page, the tier it was found in."""
+
+    key: int
+    ref: PageRef
+    tier: str
+
+
+class Finder:
+    """Pins the longest prefix of a request's keys that the cache holds.
+
+    Args:
+      host: the host tier.
+      store: the store tier, or None.
+      agreement: the cache's agreement with the other ranks.
+    """
+
+    def __init__(self, host: HostTier, store: StoreTier | None, agreement: Agreement):
+        self.host = host
+        self.store = store
+        self.agreement = agreement
+
+    def where(self, key: int) -> str | None:
+        """``"host"``, ``"store"`` or None: where page ``key`` is (nothing marked used)."""
+        self.host.wait_pending(key)
+        if self.host.peek(key) is not None:
+            return "host"
+        if self.store is not None and self.store.has(key):
+            return "store"
+        return None
+
+    def find(self, keys: list[int]) -> list[Found]:
+        """The pinned prefix of ``keys`` (agreed across ranks in a multi-process job)."""
+        if self.agreement.multiprocess:
+            return self._together(keys)
+        return self.pin_prefix(keys)
+
+    def pin_prefix(self, keys: list[int]) -> list[Found]:
+        """Pins (promoting from the store) the longest prefix of ``keys`` this rank has.
+
+        A lookup is one use of every page it finds: a host page is marked used (the
+        policy's ``touch``, and a hit for ``write_through=N``); a page promoted from
+        the store arrives in host memory (its ``insert`` is that use).
+        """
+        found: list[Found] = []
+        try:
+            for key in keys:
+                self.host.wait_pending(key)
+                ref, tier = self.host.get(key), "host"
+                if ref is None and self.store is not None:
+                    ref, tier = self.store.promote(key, self.host)
+                if ref is None:
+                    break
+                if tier == "host":
+                    self.host.found(key)
+                self.host.pin(key)
+                found.append(Found(key, ref, tier))
+        except BaseException:
+            self.host.unpin([f.key for f in found])
+            raise
+        return found
+
+    def local_length(self, keys: list[int]) -> tuple[int, bool]:
+        """How long a prefix this rank holds (nothing pinned or promoted), and whether
+        some of it is only in the store."""
+        n, in_store = 0, False
+        for key in keys:
+            self.host.wait_pending(key)
+            if self.host.get(key) is not None:
+                n += 1
+                continue
+            if self.store is None or not self.store.has(key):
+                break
+            n, in_store = n + 1, True
+        return n, in_store
+
+    def _together(self, keys: list[int]) -> list[Found]:
+        """The ranks agree on the hit length first.
+
+        A promotion can still fail after the agreement (a store read error, no
+        room): when any rank's hit reaches into the store, a second round agrees
+        on what every rank actually pinned, and the extra pins are dropped.
+        """
+        agreement = self.agreement
+        subject = describe_keys("lookup", keys)
+        first = agreement.next_round()
+        try:
+            n, in_store = self.local_length(keys)
+        except BaseException:
+            agreement.agree(first, 0, subject=subject)
+            raise
+        agreed = agreement.agree(first, n, subject=subject, flag=in_store)
+        if not agreed.flagged:
+            return self.pin_prefix(keys[:agreed.value])
+        second = agreement.next_round()
+        try:
+            found = self.pin_prefix(keys[:agreed.value])
+        except BaseException:
+            agreement.agree(second, 0, subject=subject)
+            raise
+        try:
+            pinned = agreement.agree(second, len(found), subject=subject).value
+        except BaseException:
+            self.host.unpin([f.key for f in found])
+            raise
+        self.host.unpin([f.key for f in found[pinned:]])
+        return found[:pinned]

@@ -1,0 +1,94 @@
+"""``HostCache``'s construction arguments, checked before anything is built."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import numpy as np
+
+from kvxfer.cache._arc import ARCPolicy
+from kvxfer.cache._policy import CachePolicy, LRUPolicy, PolicyName
+from kvxfer.cache._s3fifo import S3FIFOPolicy
+from kvxfer.cache._store_tier import WriteThrough
+from kvxfer.manager import KVCacheManager
+from kvxfer.store import Sealer, Store
+
+__all__ = ["check_options", "check_write_through", "make_policy", "POLICIES"]
+
+#: The policy each name builds.
+POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy,
+                                          "arc": ARCPolicy}
+assert set(POLICIES) == set(typing.get_args(PolicyName))
+
+
+def make_policy(policy: PolicyName | CachePolicy, capacity: int) -> CachePolicy:
+    """The policy ``HostCache(policy=)`` names (or is given), bound to ``capacity``.
+
+    Example:
+        >>> make_policy("s3fifo", 8).name
+        's3fifo'
+        >>> make_policy("fifo", 8)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected policy in ('lru', 's3fifo', 'arc') or a CachePolicy. Got 'fifo' of type str
+    """
+    if isinstance(policy, str) and policy in POLICIES:
+        policy = POLICIES[policy]()
+    elif not isinstance(policy, CachePolicy):
+        raise ValueError(f"Expected policy in {typing.get_args(PolicyName)} or a "
+                         f"CachePolicy. Got {policy!r} of type {type(policy).__name__}")
+    policy.bind(capacity)
+    return policy
+
+
+def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
+                  auth_key: Any, encrypt: Any) -> Sealer | None:
+    """Refuses bad arguments, naming them; the sealer ``auth_key`` asks for, or None.
+
+    Example:
+        >>> check_options(None, None, "", False, None, False)
+        Traceback (most recent call last):
+        ...
+        TypeError: mgr must be a KVCacheManager. Got NoneType
+    """
+    if not isinstance(mgr, KVCacheManager):
+        raise TypeError(f"mgr must be a KVCacheManager. Got {type(mgr).__name__}")
+    if store is not None and not isinstance(store, Store):
+        raise TypeError(f"store must be a kvxfer.store.Store or None. Got "
+                        f"{type(store).__name__}")
+    if not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str. Got {namespace!r}")
+    try:
+        namespace.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: no store could hold its keys
+        raise ValueError(f"namespace={namespace!r} is not valid UTF-8 text: {e}") from None
+    if check_write_through(write_through) != "never" and store is None:
+        raise ValueError(f"write_through={write_through!r} needs a store")
+    if encrypt and auth_key is None:
+        raise ValueError("encrypt=True needs auth_key (the key material)")
+    if auth_key is not None and store is None:
+        raise ValueError("auth_key seals store blobs; it needs a store")
+    return None if auth_key is None else Sealer(auth_key, encrypt=encrypt)
+
+
+def check_write_through(value: Any) -> WriteThrough:
+    """``HostCache(write_through=)`` as one of its forms (``True`` and ``False``, the
+    older spelling, are ``"always"`` and ``"never"``).
+
+    Example:
+        >>> check_write_through(True), check_write_through("never"), check_write_through(2)
+        ('always', 'never', 2)
+        >>> check_write_through(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected write_through 'always', 'never' or a hit count >= 1. Got 0 of type int
+    """
+    if isinstance(value, bool):
+        return "always" if value else "never"
+    if isinstance(value, str) and value in ("always", "never"):
+        return value
+    if isinstance(value, (int, np.integer)) and value >= 1:
+        return int(value)
+    raise ValueError(f"Expected write_through 'always', 'never' or a hit count >= 1. Got "
+                     f"{value!r} of type {type(value).__name__}")

@@ -1,0 +1,335 @@
+"""The store tier: pages below host memory, written behind and promoted back.
+
+``StoreTier`` names each page's store key, writes pages on one background thread
+(write-behind: evicted pages; every page with write-through; pages found often
+enough with selective write-through, ``WriteThrough``), reads a page back
+and imports it into host memory (promotion), drops store pages that are not whole
+pages of this cache, and reads the store's counters without stalling a scrape. No
+cache lock is held across store I/O: ``unlocked`` lets go of it around every read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+import jax
+
+from kvxfer._counters import Counters
+from kvxfer.cache._events import EventHub
+from kvxfer.hostpool import PageRef
+from kvxfer.manager import KVCacheManager, PageFormatError
+from kvxfer.store import SealError, Sealer, Store, StoreError
+
+if TYPE_CHECKING:
+    from kvxfer.cache._host import HostTier
+
+__all__ = ["StoreTier", "WriteThrough", "store_key", "unlocked"]
+
+#: When host pages reach the store: ``"always"`` (as soon as they are on host, and
+#: again when evicted), ``"never"`` (write-back: when evicted, and by ``flush()``), or
+#: a hit count N (once lookups found the page N times; evicted pages with fewer hits
+#: are not written).
+WriteThrough = Literal["always", "never"] | int
+
+log = logging.getLogger("kvxfer")
+
+_STATS_WAIT_S = 0.04  # stats() waits this long for the store's counters
+
+
+def store_key(namespace: str, mgr: KVCacheManager, sealer: Sealer | None, key: int) -> str:
+    """The store key of page ``key``: namespace, geometry fingerprint, mode, rank, key."""
+    mode = "" if mgr.integrity == "page" else "-nodigest"
+    if sealer is not None:  # sealed pages never meet unsealed readers
+        mode += f"-{sealer.mode}"
+    # Each rank of a multi-process job holds its own shards of a page.
+    rank = f"-rank{jax.process_index()}of{jax.process_count()}" \
+        if jax.process_count() > 1 else ""
+    return f"{namespace}{mgr.fingerprint}{mode}{rank}:{key:016x}"
+
+
+@contextlib.contextmanager
+def unlocked(lock: threading.RLock) -> Iterator[None]:
+    """Lets go of ``lock`` (however deeply this thread holds it) around store or network
+    I/O, so a stalled store never stalls lookups of host pages, puts or ``stats()``."""
+    state = lock._release_save()  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        lock._acquire_restore(state)  # type: ignore[attr-defined]
+
+
+class StoreTier:
+    """A cache's pages in ``store``: write-behind, promotion, bad pages dropped.
+
+    Args:
+      mgr: the cache's manager (its pages' export, import and fingerprint).
+      store: the store.
+      lock: the cache's lock, let go of around store I/O.
+      stats: the cache's counters.
+      namespace: prefixes every store key.
+      write_through: when host pages are written (``WriteThrough``).
+      sealer: seals blobs before they are written and opens them after reads, or None.
+      events: where the tier's ``stored``/``removed`` events go.
+    """
+
+    def __init__(self, mgr: KVCacheManager, store: Store, lock: threading.RLock,
+                 stats: Counters, *, namespace: str, write_through: WriteThrough,
+                 sealer: Sealer | None, events: EventHub):
+        self.mgr = mgr
+        self.store = store
+        self.namespace = namespace
+        self.write_through = write_through
+        self._lock = lock
+        self._stats = stats
+        self._sealer = sealer
+        self._events = events
+        self._writes: dict[int, concurrent.futures.Future] = {}
+        self._known: set[int] = set()  # keys this cache knows the store holds
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvxfer-store")
+        self._probe = _StatsProbe(store)
+        self._closed = False  # no write starts once the cache closes
+
+    @property
+    def name(self) -> str:
+        return self.store.name
+
+    def key(self, key: int) -> str:
+        return store_key(self.namespace, self.mgr, self._sealer, key)
+
+    # -- write-behind ----------------------------------------------------------------
+
+    def wants(self, hits: int) -> bool:
+        """Whether a host page found ``hits`` times may be written (by eviction or
+        ``flush``): always, except below the hit count of selective write-through."""
+        return not isinstance(self.write_through, int) or hits >= self.write_through
+
+    def arrived(self, key: int, ref: PageRef) -> None:
+        """A page just indexed on host: written now under ``"always"``."""
+        if self.write_through == "always":
+            self.write(key, ref)
+
+    def hit(self, key: int, ref: PageRef, hits: int) -> None:
+        """A lookup found host page ``key``, its ``hits``-th time: under a hit count N,
+        the N-th hit writes it (unless the store is known to hold it)."""
+        if hits == self.write_through and key not in self._known and \
+                key not in self._writes:
+            self.write(key, ref)
+
+    def spill(self, key: int, ref: PageRef, hits: int) -> None:
+        """A page being evicted from host, found ``hits`` times: written back unless a
+        write is queued or selective write-through leaves it out (counted).
+
+        Written back even if this cache wrote it before: the store may have evicted it
+        since (the put is put-if-absent).
+        """
+        if not self.wants(hits):
+            self._stats.add(store_writes_gated=1)
+        elif key not in self._writes:
+            self.write(key, ref)
+
+    def write(self, key: int, ref: PageRef) -> concurrent.futures.Future | None:
+        """Exports a page now and stores it on the writer thread."""
+        if self._closed:
+            return None
+        try:
+            blob = self.mgr.export_page(ref)
+        except Exception as e:
+            log.warning("page %#x could not be exported for the %s store: %s",
+                        key, self.name, e)
+            self._stats.add(store_write_errors=1)
+            return None
+        future = self._writes[key] = self._writer.submit(self._put, key, blob)
+        return future
+
+    def _put(self, key: int, blob: bytes) -> bool:
+        """Stores one blob (writer thread); whether it was written (not there before)."""
+        skey = self.key(key)
+        try:
+            if self._sealer is not None:
+                blob = self._sealer.seal(skey, blob)
+            written = self.store.put(skey, blob)
+        except (StoreError, ValueError, OSError) as e:
+            log.warning("page %#x was not written to the %s store: %s", key, self.name, e)
+            self._stats.add(store_write_errors=1)
+            return False
+        self._known.add(key)
+        if written:
+            self._stats.add(store_pages_written=1, store_bytes_written=len(blob))
+            self._events.emit("stored", key, "store")
+        return written
+
+    def writing(self, key: int) -> bool:
+        return key in self._writes
+
+    def prune(self) -> None:
+        """Forgets finished writes."""
+        for key in [k for k, f in self._writes.items() if f.done()]:
+            del self._writes[key]
+
+    def flush(self, host: HostTier) -> list[concurrent.futures.Future]:
+        """Starts writes of every valid host page the store lacks (that selective
+        write-through lets through); the futures started."""
+        mine = []
+        for key, ref in host.items():
+            if key not in self._writes and self.wants(host.hits(key)) and \
+                    not self.has(key) and host.page_of(key) == ref and \
+                    self.mgr.is_valid(ref):
+                future = self.write(key, ref)
+                if future is not None:
+                    mine.append(future)
+        return mine
+
+    def pending(self) -> list[concurrent.futures.Future]:
+        return list(self._writes.values())
+
+    # -- reads and promotion -------------------------------------------------------
+
+    def has(self, key: int) -> bool:
+        """Whether the store holds page ``key`` (or a write of it is queued)."""
+        if key in self._writes:
+            return True
+        try:
+            with unlocked(self._lock):
+                return self.store.contains(self.key(key))
+        except (StoreError, OSError) as e:
+            log.warning("the %s store could not be asked for page %#x: %s",
+                        self.name, key, e)
+            self._stats.add(store_read_errors=1)
+            return False
+
+    def promote(self, key: int, host: HostTier) -> tuple[PageRef | None, str]:
+        """The store's page ``key`` imported into host memory, or None (a miss); and its
+        tier (``"host"`` when another thread brought it into host memory meanwhile).
+
+        One read per page, outside the cache lock.
+        """
+        skey = self.key(key)
+        blob = self._read(key, skey)
+        ref = host.peek(key)
+        if ref is not None:
+            return ref, "host"
+        if blob is not None and self._sealer is not None:
+            try:
+                blob = self._sealer.open(skey, blob)
+            except SealError as e:
+                self._stats.add(store_auth_failures=1)
+                self.drop(key, f"{e}; a writer without the key changed it")
+                return None, "store"
+        if blob is None:
+            return None, "store"
+        try:
+            ref = host.admit(key, blob)
+        except PageFormatError as e:
+            self.drop(key, str(e))
+            return None, "store"
+        if ref is not None:
+            self._known.add(key)
+        return ref, "store"
+
+    def _read(self, key: int, skey: str) -> bytes | None:
+        """The stored blob of ``key`` (after a queued write of it), or None; unlocked."""
+        fut = self._writes.get(key)
+        with unlocked(self._lock):
+            if fut is not None:
+                fut.result()
+            try:
+                return self.store.get(skey)
+            except (StoreError, OSError) as e:
+                log.warning("the %s store could not be read for page %#x: %s",
+                            self.name, key, e)
+                self._stats.add(store_read_errors=1)
+                return None
+
+    # -- bad pages -----------------------------------------------------------------
+
+    def drop(self, key: int, why: str) -> None:
+        """A store page that is not a whole page of this cache: a miss, deleted."""
+        log.warning("page %#x in the %s store is bad (%s); dropped from the store", key,
+                    self.name, why)
+        self._stats.add(bad_pages=1)
+        self._stats.add_labelled("bad_pages_by_tier", self.name)
+        self.delete(key)
+
+    def forget(self, key: int, tier: str) -> None:
+        """A page proven bad: deleted from the store if it came from there or this cache
+        wrote it."""
+        if tier == "store" or key in self._known:
+            self.delete(key)
+
+    def delete(self, key: int) -> None:
+        self._known.discard(key)
+        try:
+            if self.store.delete(self.key(key)):
+                self._events.emit("removed", key, "store")
+        except (StoreError, OSError) as e:
+            log.warning("page %#x could not be deleted from the %s store: %s", key,
+                        self.name, e)
+
+    # -- counters and close --------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return self._probe.read()
+
+    def stop_writes(self) -> list[concurrent.futures.Future]:
+        """No write starts from now on; the writes queued (for ``close``)."""
+        self._closed = True
+        return self.pending()
+
+    def close(self, writes: list[concurrent.futures.Future], timeout: float | None,
+              deadline: float | None) -> None:
+        """Gives ``writes`` until ``deadline`` (``time.monotonic()``; None: forever), then
+        stops the writer; late writes are dropped (logged)."""
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        _, late = concurrent.futures.wait(writes, left)
+        if late:
+            log.warning("%d store writes did not finish within %g s of close(); "
+                        "dropped (the pages stay in host memory until the manager "
+                        "frees them)", len(late), timeout)
+        self._writer.shutdown(wait=not late, cancel_futures=True)
+        self._probe.close()
+
+
+class _StatsProbe:
+    """A store's counters, read on a thread of their own and waited for briefly: a
+    stalled store gives its last counters, marked ``stale``, not a stalled scrape."""
+
+    def __init__(self, store: Store):
+        self._store = store
+        self._closed = False
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._last: dict[str, Any] = {}
+
+    def read(self) -> dict[str, Any]:
+        with self._lock:
+            if self._closed:  # the cache is closed: its last reading, not a new one
+                return dict(self._last, stale=True)
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="kvxfer-store-stats")
+            fresh = self._future is None or self._future.done()
+            if fresh:
+                self._future = self._pool.submit(self._store.stats)
+            future = self._future
+        try:  # a probe still stuck from an earlier call is not waited for again
+            self._last = future.result(timeout=_STATS_WAIT_S if fresh else 0)
+            return dict(self._last)
+        except concurrent.futures.TimeoutError:
+            return dict(self._last, stale=True)
+        except Exception as e:  # a closed or unreachable store: its counters only
+            log.warning("the %s store's counters could not be read: %s", self._store.name, e)
+            return {}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
