@@ -20,15 +20,16 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
 Movers work shard by shard on the devices that own the shards; replicas of a
 replicated layer are stored once and loaded into every replica.
 
-This package exports the interface, the movers and the few helpers other parts of
-kvxfer build on (the manager, the bench, the fault injectors): how block counts are
-padded (``bucket``), running under no context mesh (``own_context``), a shard typed
-as a one-device array (``local``), an array without its buffers (``abstract``), a
-block dim's split over groups (``BlockGroups``), buffers shared between arrays
-(``shared_buffers``), whether a mover can take an array (``raw_capable``,
-``pinned_capable``, ``pallas_refusal``), compiles collected to run side by side
-(``deferred_compiles``) and the digest programs' chunk (``DIGEST_CHUNK``). Nothing
-outside the package imports its private modules.
+``__all__`` is the interface and the movers. The package also names, outside
+``__all__``, the few helpers other parts of kvxfer build on (the manager, the bench,
+the fault injectors): how block counts are padded (``bucket``), running under no
+context mesh (``own_context``), a shard typed as a one-device array (``local``), an
+array without its buffers (``abstract``), a block dim's split over groups
+(``BlockGroups``), buffers shared between arrays (``shared_buffers``), whether a mover
+can take an array (``raw_capable``, ``pinned_capable``, ``pallas_refusal``), compiles
+collected to run side by side (``deferred_compiles``) and the digest programs' chunk
+(``DIGEST_CHUNK``). They are imported from here, so nothing outside the package imports
+its private modules.
 """
 
 from kvxfer.engine._batch import PageBatch as PageBatch
@@ -58,6 +59,4 @@ from kvxfer.engine._staged import StagedMover as StagedMover
 
 __all__ = ["Mover", "LoadRequest", "Pending", "PageBatch", "ShardedLayer", "TransferError",
            "StagedMover", "RawMover", "PinnedMover", "PallasMover", "EmulatedMover",
-           "GroupedMover", "RawOrPinnedMover", "bucket", "own_context", "local", "abstract",
-           "BlockGroups", "shared_buffers", "raw_capable", "pinned_capable", "pallas_refusal",
-           "deferred_compiles", "DIGEST_CHUNK"]
+           "GroupedMover", "RawOrPinnedMover"]
