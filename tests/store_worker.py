@@ -8,6 +8,7 @@ Usage: python store_worker.py SCENARIO SPEC ARGS...
                           read checked; prints {"bad": [...], "hits": n, "puts": n}
   race SPEC WHO N         put keys race-0..race-N-1 (no replace) with WHO's blobs;
                           prints {"won": [...]}
+  race_many SPEC WHO N B  the same keys with put_many, B keys a batch; prints {"won": [...]}
   put SPEC N SIZE         put keys shared-0.. with version-0 blobs; prints "done"
   get SPEC N SIZE         read those keys; prints {"whole": n, "missing": [...]}
 SPEC is what kvxfer.store.open_store takes (a Redis URL may end in #PREFIX). Each
@@ -93,6 +94,17 @@ def main(argv: list[str]) -> None:
         with _open(spec, prefix=prefix) as store:
             _ready()
             won = [i for i in range(n) if store.put(f"race-{i}", make_blob(f"race-{i}", who, 64))]
+        print(json.dumps({"won": won}))
+    elif scenario == "race_many":
+        who, n, batch = int(args[0]), int(args[1]), int(args[2])
+        won = []
+        with _open(spec, prefix=prefix) as store:
+            _ready()
+            for start in range(0, n, batch):
+                ids = range(start, min(n, start + batch))
+                wrote = store.put_many([(f"race-{i}", make_blob(f"race-{i}", who, 64))
+                                        for i in ids])
+                won += [i for i, w in zip(ids, wrote) if w]
         print(json.dumps({"won": won}))
     elif scenario == "put":
         n, size = int(args[0]), int(args[1])

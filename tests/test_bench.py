@@ -31,7 +31,7 @@ D2H_METHODS = {"offload_off", "offload_page", "offload_pinned_off", "offload_pin
     USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
             "integrity_traffic", "cache_size", "memory", "first_call", "queued", "fit",
-            "store", "targets", "not_measured", "files"}
+            "store", "store_lookup", "targets", "not_measured", "files"}
 # The caller-thread sections' cases on XLA:CPU: (path asked for, dtype, movers taken).
 CALL_CASES = [("staged", "bfloat16", ["staged"]), ("auto", "float32", ["raw"]),
               ("pinned", "float16", ["pinned"])]
@@ -203,7 +203,7 @@ def check_store_rows(rows, cfg, stores):
         assert r["blobs"] == max(1, min(cfg.store_bytes // r["blob_bytes"], cfg.store_max_blobs))
         assert r["bytes"] == r["blobs"] * r["blob_bytes"]
         ops = {"disk": {"write", "write_not_durable", "read", "read_cold"},
-               "redis": {"write", "read"}}[r["store"]]
+               "redis": {"write", "read"}, "redis-cluster": {"write", "read"}}[r["store"]]
         assert set(r["methods"]) == ops and set(r["limit"]) == ops - {"write_not_durable"}
         for op, m in r["methods"].items():
             limit = r["limit"]["write" if op == "write_not_durable" else op]
@@ -220,10 +220,29 @@ def check_store_rows(rows, cfg, stores):
                     m["gbps"] / sealing["memcpy"]["gbps"])
 
 
+def check_lookup_rows(rows, cfg, stores):
+    """Each Redis store's prefix lookup at each page size: per page and batched, each
+    against its own limit, and the speed-up of one over the other."""
+    assert [(r["spec"], r["blob_bytes"]) for r in rows] == \
+        [(spec, size) for spec in stores for size in cfg.lookup_blob_bytes]
+    for r in rows:
+        assert r["pages"] == cfg.lookup_pages and r["bytes"] == r["pages"] * r["blob_bytes"]
+        assert r["reference"] == (r["blob_bytes"] == cfg.lookup_reference_bytes)
+        assert set(r["methods"]) == set(r["limit"]) == {"per_page", "batched"}
+        for op, m in r["methods"].items():
+            assert m["n"] == r["limit"][op]["n"] == cfg.lookup_repeats
+            assert m["fraction_of_limit"] == pytest.approx(m["gbps"] / r["limit"][op]["gbps"])
+        m = r["methods"]
+        assert r["speedup"] == pytest.approx(m["per_page"]["p50_s"] / m["batched"]["p50_s"])
+        assert r["speedup_best"] == pytest.approx(m["per_page"]["best_s"] /
+                                                  m["batched"]["best_s"])
+
+
 def test_store_section_measures_a_temporary_disk_store_by_default(run):
     report, _, _ = run
     cfg = bench.BenchConfig.smoke()
     assert report["meta"]["stores"] == ["temporary directory"]
+    assert report["store_lookup"] == []  # a disk store has no round trips to batch
     check_store_rows(report["store"], cfg, ["temporary directory"])
     for r in report["store"]:
         assert r["store"] == "disk" and not os.path.exists(r["path"])  # removed after
@@ -248,11 +267,14 @@ def test_only_store_runs_the_store_section_on_the_stores_given(tmp_path, redis_s
     rc, stdout, stderr = run_cli("bench", "--smoke", "--json", "--only", "store",
                                  "--store", str(own), "--store", redis_server)
     report = json.loads(stdout)
-    assert rc == 0 and set(report) == {"schema", "meta", "store", "targets", "not_measured"}
+    assert rc == 0 and set(report) == {"schema", "meta", "store", "store_lookup", "targets",
+                                       "not_measured"}
+    # (--smoke looks up 4 pages: too few for the lookup's target, which wants 32.)
     assert report["meta"]["only"] == "store" and report["targets"] == []
     cfg = bench.BenchConfig.smoke()
     check_store_rows(report["store"], cfg, [str(own), redis_server])
     assert [r["store"] for r in report["store"]] == ["disk"] * 2 + ["redis"] * 2
+    check_lookup_rows(report["store_lookup"], cfg, [redis_server])
     # What the directory and the server held before is all they hold after.
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in own.iterdir()} == before
     import redis
@@ -262,8 +284,44 @@ def test_only_store_runs_the_store_section_on_the_stores_given(tmp_path, redis_s
     text = bench.format_report(report)
     assert "--only store" in text and "Offload throughput" not in text
     assert "0 of 0 targets met" in text
+    r = report["store_lookup"][0]
+    row = next(line for line in text.split("\nPrefix lookup from a Redis store", 1)[1]
+               .splitlines() if line.startswith("redis "))
+    assert f"{r['speedup']:.1f}x ({r['speedup_best']:.1f}x)" in row and "4 KiB *" in row
     lines = [line for line in stderr.splitlines() if PROGRESS.match(line)]
-    assert len(lines) == 4 and all("store: " in line for line in lines)
+    assert len(lines) == 5 and all("store: " in line for line in lines)
+    assert "lookup of a 4-page prefix of 4 KiB pages" in lines[-1]
+
+
+def test_only_store_measures_a_redis_cluster_store_and_its_lookup(redis_cluster):
+    import redis
+
+    cfg = bench.BenchConfig.smoke()
+    report = bench.run_bench(config=cfg, only="store", stores=[redis_cluster.spec])
+    check_store_rows(report["store"], cfg, [redis_cluster.spec])
+    assert {r["store"] for r in report["store"]} == {"redis-cluster"}
+    check_lookup_rows(report["store_lookup"], cfg, [redis_cluster.spec])
+    assert "redis-cluster limit: redis-py's cluster client" in bench.format_report(report)
+    for port in redis_cluster.ports:  # nothing the bench wrote is left on any node
+        with redis.Redis(host="127.0.0.1", port=port) as raw:
+            assert not list(raw.scan_iter(match="*kvxfer-bench-*"))
+
+
+def test_the_lookup_target_is_checked_at_the_reference_page_size_of_32_pages():
+    def report(pages, reference, speedup):
+        return {"store_lookup": [{"store": "redis", "spec": "redis://h:1/0", "pages": pages,
+                                  "blob_bytes": 32768, "reference": reference,
+                                  "speedup": speedup}]}
+
+    (t,) = bench.evaluate_targets(report(32, True, 3.4))
+    assert t["status"] == "PASS" and t["value"] == 3.4 and t["threshold"] == 3.0
+    assert t["name"] == ("redis: 32-page prefix lookup, one get_many >= 3x as fast as one "
+                         "get per page") and "32 KiB pages, redis://h:1/0" in t["where"]
+    assert bench.evaluate_targets(report(32, True, 2.9))[0]["status"] == "MISS"
+    assert bench.evaluate_targets(report(32, True, 2.9),
+                                  bench.Targets(store_lookup_speedup=2.5))[0]["status"] == "PASS"
+    assert bench.evaluate_targets(report(32, False, 1.0)) == []  # another page size
+    assert bench.evaluate_targets(report(4, True, 1.0)) == []  # --smoke's 4 pages
 
 
 def test_bad_store_specs_are_refused_by_name():

@@ -69,7 +69,9 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
         "CPU, pinned host<->device copy on GPU), what users write today (per-page "
         "device_get, jitted gather -> pinned_host, device_put + donated scatter) and "
         "KVCacheManager offload/load with integrity off/page and gate all/layer, and the "
-        "store tiers' put/get against the same disk or Redis server; prints tables and "
+        "store tiers' put/get against the same disk, Redis server or Redis Cluster, with "
+        "a prefix lookup from each Redis store one get per page against one get_many; "
+        "prints tables and "
         "PASS/MISS target lines. Exits 1 when a target is missed (2 on an error), unless "
         "--no-check.")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -87,8 +89,8 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
                    "writes only in a new temporary directory inside DIR, or under a key "
                    "prefix of its own, and removes what it wrote")
     p.add_argument("--only", choices=typing.get_args(Only),
-                   help="run only this section (--only store: the store tiers, in "
-                   "seconds with --quick; --only fit: the engine-fit section, call host "
+                   help="run only this section (--only store: the store tiers and "
+                   "the Redis prefix lookup, in seconds with --quick; --only fit: the engine-fit section, call host "
                    "time per path, the 1-page hit and warm-up in fresh processes)")
     p.add_argument("--no-check", action="store_true",
                    help="only report: exit 0 even when a target is missed")

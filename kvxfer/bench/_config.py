@@ -66,6 +66,11 @@ class BenchConfig:
         (at most ``store_max_blobs`` blobs: small blobs cost an fsync each).
       store_max_blobs: the most blobs a store variant writes or reads per repeat.
       store_repeats: timed repeats of the store section.
+      lookup_pages: pages of the prefix lookup each Redis store is measured with (one
+        ``get`` per page against one ``get_many``); lookup_blob_bytes: the page blob
+        sizes it is measured at; lookup_reference_bytes: the one of them its target is
+        checked at (32 KiB: a page of the demo's ``tiny_llama``, 4 layers of 8 KiB
+        blocks); lookup_repeats: its timed repeats.
 
     Example:
         >>> cfg = BenchConfig.smoke()
@@ -111,6 +116,10 @@ class BenchConfig:
     store_bytes: int = 64 * MiB
     store_max_blobs: int = 128
     store_repeats: int = 5
+    lookup_pages: int = 32
+    lookup_blob_bytes: tuple[int, ...] = (4 * KiB, 32 * KiB, 256 * KiB)
+    lookup_reference_bytes: int = 32 * KiB
+    lookup_repeats: int = 30
 
     def __post_init__(self) -> None:
         choices = typing.get_args(BatchedBaseline)
@@ -157,6 +166,14 @@ class BenchConfig:
                              f"sizes up to store_bytes={self.store_bytes}, and "
                              f"store_repeats={self.store_repeats} and store_max_blobs="
                              f"{self.store_max_blobs} positive")
+        if self.lookup_pages < 1 or not self.lookup_blob_bytes or \
+                min(self.lookup_blob_bytes) < 1 or self.lookup_repeats < 1:
+            raise ValueError(f"lookup_pages={self.lookup_pages}, lookup_blob_bytes="
+                             f"{self.lookup_blob_bytes!r} and lookup_repeats="
+                             f"{self.lookup_repeats} must be positive")
+        if self.lookup_reference_bytes not in self.lookup_blob_bytes:
+            raise ValueError(f"lookup_reference_bytes={self.lookup_reference_bytes} must be "
+                             f"one of lookup_blob_bytes={self.lookup_blob_bytes!r}")
         ours = {(self.call_block_bytes, d, n) for d in ("bfloat16", "float32", "float16")
                 for n in (self.call_blocks, self.cold_call_blocks)}
         clash = sorted(ours & self._other_caches())
@@ -226,13 +243,14 @@ class BenchConfig:
                    call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2, fit_pages=2,
                    fit_block_bytes=4 * KiB, fit_steps=1, fit_step_ms=1.0, fit_repeats=2,
                    store_blob_bytes=(4 * KiB, 64 * KiB), store_bytes=256 * KiB,
-                   store_repeats=2)
+                   store_repeats=2, lookup_pages=4, lookup_blob_bytes=(4 * KiB,),
+                   lookup_reference_bytes=4 * KiB, lookup_repeats=3)
 
     def as_dict(self) -> dict[str, Any]:
         """The config as JSON-ready lists and numbers."""
         d = dataclasses.asdict(self)
         d["cells"] = [list(c) for c in self.cells]
         d["reference"] = list(self.reference)
-        for k in ("prefix_pages", "concurrency", "store_blob_bytes"):
+        for k in ("prefix_pages", "concurrency", "store_blob_bytes", "lookup_blob_bytes"):
             d[k] = list(d[k])
         return d

@@ -20,7 +20,7 @@ from kvxfer.bench._fit import fit_section
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells, plan, prefix_sweep,
                                     throughput_cell)
-from kvxfer.bench._store import DEFAULT_STORE, store_section, store_steps
+from kvxfer.bench._store import DEFAULT_STORE, lookup_section, store_section, store_steps
 from kvxfer.bench.limits import make_limit
 from kvxfer.bench.timing import Progress, now
 from kvxfer.store import parse_spec
@@ -30,8 +30,9 @@ __all__ = ["run_bench", "SCHEMA", "Only"]
 #: The report's schema (2: ``block_bytes`` per layer, user load baselines, ``direction``;
 #: 3: the ``first_call`` and ``queued`` sections; 4: the ``store`` section, the pinned
 #: mover's methods and ``pinned_methods`` in throughput and sweep rows, and its
-#: caller-thread case); 5: the ``fit`` section (engine-fit calls, 1-page hit, warm-up).
-SCHEMA = "kvxfer-bench/5"
+#: caller-thread case); 5: the ``fit`` section (engine-fit calls, 1-page hit, warm-up);
+#: 6: the ``store_lookup`` section (a prefix lookup per page and batched, per Redis store).
+SCHEMA = "kvxfer-bench/6"
 
 #: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
 Only = Literal["store", "fit"]
@@ -60,18 +61,20 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         elapsed and, after the first step, an estimate of the time left.
       targets: the thresholds the run is checked against (default: kvxfer's).
       stores: the stores the store section measures, as ``kvxfer.store.open_store``
-        specs (``DIR``, ``file://DIR``, ``redis://HOST:PORT[/DB]``); none: a disk store
-        in a temporary directory. The bench writes only under a temporary directory
-        (inside ``DIR``) or a prefix of its own, and removes what it wrote.
+        specs (``DIR``, ``file://DIR``, ``redis://HOST:PORT[/DB]``,
+        ``redis+cluster://HOST:PORT[,...]``); none: a disk store in a temporary
+        directory. Each Redis store also gets the prefix-lookup case
+        (``store_lookup``). The bench writes only under a temporary directory (inside
+        ``DIR``) or a prefix of its own, and removes what it wrote.
       only: ``"store"`` runs the store section alone (no JAX work); ``"fit"`` the
         engine-fit section alone (call host time, 1-page hit, warm-up).
 
     Returns:
       A JSON-ready dict: ``schema``, ``meta``, ``throughput``, ``sweep``,
       ``concurrency``, ``overhead``, ``integrity_traffic``, ``cache_size``, ``memory``,
-      ``first_call``, ``queued``, ``store``, ``targets``, ``not_measured`` (and
-      ``files`` when written); with ``only="store"``: ``schema``, ``meta``, ``store``,
-      ``targets``, ``not_measured`` (and ``files``).
+      ``first_call``, ``queued``, ``store``, ``store_lookup``, ``targets``,
+      ``not_measured`` (and ``files`` when written); with ``only="store"``: ``schema``,
+      ``meta``, ``store``, ``store_lookup``, ``targets``, ``not_measured`` (and ``files``).
 
     Example:
         >>> report = run_bench(config=BenchConfig.smoke())
@@ -84,10 +87,7 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
                          f"of type {type(only).__name__}")
     stores = list(stores)
     for spec in stores:  # before any section runs: a typo must not cost a whole run
-        if parse_spec(spec)[0] == "redis-cluster":  # no raw-client limit to measure it by
-            raise ValueError("Expected a disk or single-server Redis store for the store "
-                             "section. Got a redis+cluster:// spec: Redis Cluster stores "
-                             "are not benched")
+        parse_spec(spec)
     planned = {None: plan(cfg) + ["store"] * store_steps(cfg, stores), "fit": fit_plan(),
                "store": ["store"] * store_steps(cfg, stores)}[only]
     steps = Progress(planned,
@@ -112,6 +112,7 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         report["fit"] = fit_section(cfg, steps)
     else:
         report["store"] = store_section(cfg, stores, steps)
+        report["store_lookup"] = lookup_section(cfg, stores, steps)
     report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
     if out_dir is not None:

@@ -6,8 +6,15 @@ limit of the same medium measured in the same run.
   put durable before it returns), and read back in blob-sized reads: from the page
   cache (``read``), and after asking the kernel to drop the files' cached pages
   (``read_cold``, both sides alike: ``posix_fadvise(DONTNEED)``).
-* **redis** (``RedisStore``): the limit is redis-py's plain ``SET`` / ``GET`` of the
-  same bytes against the same server, from a client of its own.
+* **redis** (``RedisStore``) and **redis-cluster** (``RedisClusterStore``): the limit
+  is redis-py's plain ``SET`` / ``GET`` of the same bytes against the same server (the
+  same cluster, through redis-py's cluster client), from a client of its own.
+
+For each Redis store, ``lookup_section`` then measures a prefix lookup: the pages of a
+``lookup_pages``-page prefix read with one ``get`` per page (a round trip each, as
+``HostCache`` promotes them today) against one ``get_many`` of them all, with
+redis-py's plain per-key ``GET`` and its pipelined ``GET`` of the same bytes as their
+limits, every variant interleaved.
 
 Every put goes to a new key (the previous round's are deleted before the timer
 starts); every variant of a size runs interleaved, round by round.
@@ -33,23 +40,44 @@ import numpy as np
 from kvxfer._text import format_bytes
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench.timing import Progress, interleaved, now, stats
+<<<<<<< HEAD
 from kvxfer.store import DiskStore, RedisStore, Sealer, Store, StoreError, parse_spec
+=======
+from kvxfer.store import (DiskStore, RedisClusterStore, RedisStore, Store, StoreError,
+                          parse_spec)
+from kvxfer.store._seal import Sealer
+>>>>>>> main
 
-__all__ = ["store_section", "store_steps", "OPS", "DEFAULT_STORE"]
+__all__ = ["store_section", "store_steps", "lookup_section", "OPS", "DEFAULT_STORE"]
 
 #: How the report names the store the section measures when given none: a disk store
 #: in a new temporary directory of the system's (removed afterwards).
 DEFAULT_STORE = "temporary directory"
 #: What each store kind measures, per blob size.
 OPS = {"disk": ("write", "write_not_durable", "read", "read_cold"),
-       "redis": ("write", "read")}
+       "redis": ("write", "read"), "redis-cluster": ("write", "read")}
 #: The limit each operation is measured against (when not its own).
 _LIMIT_OF = {"write_not_durable": "write"}
 
 
 def store_steps(cfg: BenchConfig, stores: Sequence[str]) -> int:
-    """How many steps the section takes (one per store and blob size)."""
-    return max(1, len(stores)) * len(cfg.store_blob_bytes)
+    """How many steps the section takes (one per store and blob size, and one per Redis
+    store for its prefix lookup)."""
+    lookups = sum(parse_spec(spec)[0] != "disk" for spec in stores)
+    return max(1, len(stores)) * len(cfg.store_blob_bytes) + \
+        lookups * len(cfg.lookup_blob_bytes)
+
+
+def _raw_client(store: RedisStore | RedisClusterStore) -> Any:
+    """A plain redis-py client of the same server or cluster, for the limits."""
+    import redis
+    import redis.cluster
+
+    if isinstance(store, RedisStore):
+        return redis.Redis.from_url(store.url)
+    # redis+cluster://[CRED@]HOST:PORT,...: redis-py's cluster client from its first node.
+    cred, at, nodes = store.spec.partition("://")[2].rpartition("@")
+    return redis.cluster.RedisCluster.from_url(f"redis://{cred}{at}{nodes.split(',')[0]}")
 
 
 def _filesystem(path: str) -> str | None:
@@ -172,11 +200,9 @@ def _disk_variants(store: DiskStore, blob: bytes, n: int, tag: str
              "limit_read_cold": limit_read_cold, "store_read_cold": store_read_cold}, close)
 
 
-def _redis_variants(store: RedisStore, blob: bytes, n: int, tag: str
+def _redis_variants(store: RedisStore | RedisClusterStore, blob: bytes, n: int, tag: str
                     ) -> tuple[dict[str, Callable[[], float]], Callable[[], None]]:
-    import redis
-
-    raw = redis.Redis.from_url(store.url)
+    raw = _raw_client(store)
     raw_prefix = f"{store.prefix}limit:{tag}:"
     writes, raw_writes = _Keys(f"{tag}-w", n), _Keys(raw_prefix + "w", n)
     reads = [f"{tag}-r-{i}" for i in range(n)]
@@ -237,13 +263,16 @@ def _opened(spec: str | None) -> Iterator[tuple[Store, dict[str, Any]]]:
     """
     kind, where = ("disk", None) if spec is None else parse_spec(spec)
     tmp = None
+    prefix = f"kvxfer-bench-{uuid.uuid4().hex[:8]}:"
     if kind == "disk":  # never opened as a store itself: that would clean it
         if where is not None and not os.path.isdir(where):
             raise StoreError(f"bench: store directory {where!r} does not exist")
         tmp = tempfile.mkdtemp(prefix="kvxfer-bench-store-", dir=where)
         store: Store = DiskStore(tmp)
+    elif kind == "redis-cluster":
+        store = RedisClusterStore(where, prefix=prefix)
     else:
-        store = RedisStore(where, prefix=f"kvxfer-bench-{uuid.uuid4().hex[:8]}:")
+        store = RedisStore(where, prefix=prefix)
     try:
         info: dict[str, Any] = {"store": store.name,
                                 "spec": DEFAULT_STORE if spec is None else spec}
@@ -254,7 +283,7 @@ def _opened(spec: str | None) -> Iterator[tuple[Store, dict[str, Any]]]:
             info["spec"] = store.stats()["url"]  # the password hidden
         yield store, info
     finally:
-        if isinstance(store, RedisStore):
+        if isinstance(store, (RedisStore, RedisClusterStore)):
             store.clear()
         store.close()
         if tmp is not None:
@@ -305,6 +334,95 @@ def store_section(cfg: BenchConfig, stores: Sequence[str], progress: Progress
                 rows.append({**where, "blob_bytes": size, "blobs": n, "bytes": nbytes,
                              "limit": limit, "methods": methods, "sealing": sealing[size]})
     return rows
+
+
+def _lookup_variants(store: RedisStore | RedisClusterStore, blob: bytes, pages: int
+                     ) -> tuple[dict[str, Callable[[], float]], Callable[[], None]]:
+    raw = _raw_client(store)
+    tag = f"lookup-{len(blob)}"
+    keys = [f"{tag}-{i}" for i in range(pages)]
+    raw_keys = [f"{store.prefix}limit:{tag}-{i}" for i in range(pages)]
+    if store.put_many([(k, blob) for k in keys], replace=True) != [True] * pages:
+        raise RuntimeError("bench: the lookup's pages were not all written")
+    for k in raw_keys:
+        raw.set(k, blob)
+
+    def timed(read: Callable[[], list[Any]], what: str) -> Callable[[], float]:
+        def run() -> float:
+            t0 = now()
+            got = read()
+            elapsed = now() - t0
+            if sum(b is not None and len(b) == len(blob) for b in got) != pages:
+                raise RuntimeError(f"bench: the {what} lookup lost pages of the "
+                                   f"{store.name} store")
+            return elapsed
+        return run
+
+    def raw_pipelined() -> list[Any]:
+        pipe = raw.pipeline(transaction=False)
+        for k in raw_keys:
+            pipe.get(k)
+        return pipe.execute()
+
+    def close() -> None:
+        raw.delete(*raw_keys)
+        raw.close()
+        for k in keys:
+            store.delete(k)
+
+    return ({"limit_per_page": timed(lambda: [raw.get(k) for k in raw_keys], "raw"),
+             "store_per_page": timed(lambda: [store.get(k) for k in keys], "per-page"),
+             "limit_batched": timed(raw_pipelined, "raw pipelined"),
+             "store_batched": timed(lambda: store.get_many(keys), "batched")}, close)
+
+
+def lookup_section(cfg: BenchConfig, stores: Sequence[str], progress: Progress
+                   ) -> list[dict[str, Any]]:
+    """A ``lookup_pages``-page prefix lookup from each Redis store of ``stores`` (disk
+    stores are skipped), per page size of ``lookup_blob_bytes``: one ``get`` per page
+    against one ``get_many``.
+
+    Returns:
+      One row per Redis store and page size: ``store``, ``spec``, ``pages``,
+      ``blob_bytes``, ``bytes``, ``reference`` (the size the target is checked at);
+      ``methods`` (``per_page``, ``batched``) and ``limit`` (redis-py's per-key
+      ``GET`` and its pipelined ``GET``s of the same bytes), the stats of every
+      repeat, ``methods`` with ``fraction_of_limit``; ``speedup`` (per-page p50 over
+      batched p50) and ``speedup_best`` (over the best repeats).
+    """
+    rng = np.random.default_rng(1)
+    rows = []
+    for spec in stores:
+        if parse_spec(spec)[0] == "disk":
+            continue
+        with _opened(spec) as (store, where):
+            for size in cfg.lookup_blob_bytes:
+                rows.append(_lookup_row(cfg, store, where, size, rng, progress))
+    return rows
+
+
+def _lookup_row(cfg: BenchConfig, store: RedisStore | RedisClusterStore,
+                where: dict[str, Any], size: int, rng: np.random.Generator,
+                progress: Progress) -> dict[str, Any]:
+    pages = cfg.lookup_pages
+    progress.step("store", f"store: {store.name} ({where['spec']}), lookup of a "
+                  f"{pages}-page prefix of {format_bytes(size)} pages, per page and batched")
+    blob = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+    variants, close = _lookup_variants(store, blob, pages)
+    try:
+        t = interleaved(variants, cfg.lookup_repeats)
+    finally:
+        close()
+    nbytes = pages * size
+    methods = {m: stats(t[f"store_{m}"]["s"], nbytes) for m in ("per_page", "batched")}
+    limit = {m: stats(t[f"limit_{m}"]["s"], nbytes) for m in ("per_page", "batched")}
+    for m in methods:
+        methods[m]["fraction_of_limit"] = methods[m]["gbps"] / limit[m]["gbps"]
+    return {**where, "pages": pages, "blob_bytes": size, "bytes": nbytes,
+            "reference": size == cfg.lookup_reference_bytes, "methods": methods,
+            "limit": limit,
+            "speedup": methods["per_page"]["p50_s"] / methods["batched"]["p50_s"],
+            "speedup_best": methods["per_page"]["best_s"] / methods["batched"]["best_s"]}
 
 
 def _sealing(blob: bytes, repeats: int) -> dict[str, Any]:

@@ -57,6 +57,10 @@ class Targets:
       gpu_fraction_8mib: on GPU, the same from 8 MiB up to 64 MiB per call.
       gpu_over_device_get: on GPU, offload is this many times as fast as the
         per-page ``jax.device_get`` loop.
+      store_lookup_speedup: a prefix lookup from each Redis store measured (32 pages
+        of the reference page size, ``BenchConfig.lookup_reference_bytes``) with one
+        ``get_many`` is this many times as fast as with one ``get`` per page (p50 over
+        p50; not checked below 32 pages, as ``--smoke`` measures).
 
     Example:
         >>> Targets().host_overhead_ms, Targets(host_overhead_ms=0.5).host_overhead_ms
@@ -77,6 +81,7 @@ class Targets:
     hit_ms_cpu: float = 1.0
     warmup_s_cpu: float = 10.0
     warmup_cached_s: float = 3.0
+    store_lookup_speedup: float = 3.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -144,6 +149,14 @@ def evaluate_targets(report: dict[str, Any], targets: Targets = Targets()
         out += _transfer_targets(report, targets)
     if "fit" in report:
         out += _fit_targets(report, targets)
+    for r in report.get("store_lookup", ()):
+        # Fewer pages (--smoke) have less to batch: not a target.
+        if r["reference"] and r["pages"] >= 32:
+            out.append(_target(
+                f"{r['store']}: {r['pages']}-page prefix lookup, one get_many >= "
+                f"{targets.store_lookup_speedup:g}x as fast as one get per page",
+                r["speedup"], ">=", targets.store_lookup_speedup,
+                f"p50 over p50, {format_bytes(r['blob_bytes'])} pages, {r['spec']}"))
     return out
 
 
@@ -332,6 +345,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines += _fit_lines(report["fit"])
     if "store" in report:
         lines += _store_lines(report["store"])
+    if report.get("store_lookup"):
+        lines += _lookup_lines(report["store_lookup"])
 
     lines += ["", "Targets"]
     for t in report["targets"]:
@@ -475,6 +490,9 @@ def _store_lines(rows: list[dict[str, Any]]) -> list[str]:
                   "each put (against the same write limit)"]
     if "redis" in kinds:
         lines.append("  redis limit: redis-py SET / GET of the same bytes on the same server")
+    if "redis-cluster" in kinds:
+        lines.append("  redis-cluster limit: redis-py's cluster client SET / GET of the same "
+                     "bytes on the same cluster")
     table_rows = []
     for r in rows:
         where = r["spec"] if r["store"] != "disk" else \
@@ -501,6 +519,29 @@ def _store_lines(rows: list[dict[str, Any]]) -> list[str]:
             seal_rows.append(cells)
         lines.append(table(seal_rows, ["blob", "copy", "auth seal", "auth open",
                                        "encrypt seal", "encrypt open"]))
+    return lines
+
+
+def _lookup_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The prefix-lookup table: one get per page against one get_many, per Redis store."""
+    lines = ["", "Prefix lookup from a Redis store: every page of the prefix read with one "
+             "get per page (a round trip each) and with one get_many; ms per lookup "
+             "(p50/p99 over the repeats), (x) = fraction of the limit's MB/s in the same run",
+             "  limits: redis-py GET per key, and redis-py's pipelined GETs, of the same "
+             "bytes on the same server or cluster; speed-up = per-page p50 / batched p50 "
+             "(best / best); * the reference page size, where the target is checked"]
+    table_rows = []
+    for r in rows:
+        m, lim = r["methods"], r["limit"]
+        page = format_bytes(r["blob_bytes"]) + (" *" if r["reference"] else "")
+        table_rows.append([r["store"], r["spec"], r["pages"], page,
+                           _p50_p99(lim["per_page"]),
+                           f"{_p50_p99(m['per_page'])} ({m['per_page']['fraction_of_limit']:.2f}x)",
+                           _p50_p99(lim["batched"]),
+                           f"{_p50_p99(m['batched'])} ({m['batched']['fraction_of_limit']:.2f}x)",
+                           f"{r['speedup']:.1f}x ({r['speedup_best']:.1f}x)"])
+    lines.append(table(table_rows, ["store", "where", "pages", "page", "limit GET each",
+                                    "get each", "limit pipelined", "get_many", "speed-up"]))
     return lines
 
 

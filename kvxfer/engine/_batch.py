@@ -93,8 +93,12 @@ def abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
 
 
 @functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=4096)
 def layer_nums(device: Any, layers: tuple[int, ...]) -> jax.Array:
-    """Device copies of layer-number vectors, made once (there are few distinct ones)."""
+    """Device copies of layer-number vectors, made once (there are few distinct ones:
+    a class's layers, and its groups of ``DIGEST_CHUNK``); each digest program of a
+    load takes one, and a device_put per program cost more host time than the program's
+    own dispatch."""
     return jax.device_put(np.asarray(layers, dtype=np.uint32), device)
 
 
@@ -198,7 +202,14 @@ class PageBatch:
             base = np.zeros((size, integrity.IDENTITY_WORDS), dtype=np.uint32)
             base[:n] = self._base[:n]
             base[:, 4] = shard
-            self._device[key] = (jax.device_put(ids, device), jax.device_put(base, device))
+            # One transfer call for the arrays (and the count, once per device): each
+            # device_put call costs tens of microseconds of host time on its own.
+            if device in self._count:
+                ids_d, base_d = jax.device_put([ids, base], device)
+            else:
+                ids_d, base_d, self._count[device] = jax.device_put(
+                    [ids, base, np.int32(self.k)], device)
+            self._device[key] = (ids_d, base_d)
         return self._device[key]
 
     def count_on(self, device: Any) -> jax.Array:

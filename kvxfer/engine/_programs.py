@@ -370,13 +370,18 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
 
 
 def _run(kind: str, arrays: tuple[jax.Array, ...], *args, with_digest: bool = False,
-         options: tuple = ()):
+         options: tuple = (), ballast: list | None = None):
+    """Runs program ``kind``; its ballast output (an array ready once the program has
+    run), where it has one, is appended to ``ballast``."""
     formats = tuple(a.format for a in arrays)
     program, ballasted = _program(kind, formats, needs_raw_bits(arrays[0]), with_digest,
                                   options)
     if not ballasted:
         return program(arrays, *args)
-    return program(arrays, *args, _SEED)[0]
+    out, done = program(arrays, *args, _SEED)
+    if ballast is not None:
+        ballast.append(done)
+    return out
 
 
 _deferred = threading.local()
@@ -469,13 +474,15 @@ def scatter(arrays, ids, pages):
 
 
 
-def staged_load(arrays, ids, pages, count):
+def staged_load(arrays, ids, pages, count, ballast: list | None = None):
     """Writes ``pages[j, l]`` into block ``ids[j]`` of layer ``l`` for ``j < count``, in
     place (donated): one dynamic-update-slice per block (XLA:CPU).
 
     ``pages`` is page-major ``[n, L, *block]``; entries past ``count`` are never read.
+    With ``ballast``, an array that is ready once the program has read ``pages`` is
+    appended to it (where the program has one).
     """
-    return _run("staged_load", arrays, ids, pages, count)
+    return _run("staged_load", arrays, ids, pages, count, ballast=ballast)
 
 
 def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...]):

@@ -288,10 +288,12 @@ class LoadHandle(_Transfer):
         super().__init__()
         self.gate = gate
         self.num_pages = num_pages
-        self._events = [threading.Event() for _ in range(num_layers)]
-        # None until the layer is released: a layer released with prefix 0 (its first
-        # page bad) is released all the same, and says so.
+        # One condition for every layer (a handle is made per load call; an Event per
+        # layer cost 32 lock pairs per call). None until the layer is released: a layer
+        # released with prefix 0 (its first page bad) is released all the same.
+        self._layers = threading.Condition(threading.Lock())
         self._released: list[int | None] = [None] * num_layers
+        self._over = False  # set when the load ended: no layer is released after it
         self._error: BaseException | None = None
         self._ends_cancelled = False
 
@@ -299,8 +301,9 @@ class LoadHandle(_Transfer):
 
     def _release(self, layer: int, prefix: int) -> None:
         """Marks layer ``layer`` verified with pages ``[0, prefix)`` (transfer thread)."""
-        self._released[layer] = prefix
-        self._events[layer].set()
+        with self._layers:
+            self._released[layer] = prefix
+            self._layers.notify_all()
 
     def _finish(self, result: LoadResult | None, error: BaseException | None,
                 cancelled: bool = False) -> None:
@@ -314,8 +317,9 @@ class LoadHandle(_Transfer):
             failure = AgreementError(f"load failed: {error}", subjects=error.subjects) \
                 if isinstance(error, AgreementError) else TransferError(f"load failed: {error}")
             failure.__cause__ = error
-        for e in self._events:
-            e.set()
+        with self._layers:
+            self._over = True
+            self._layers.notify_all()
         self._end(result, failure, cancelled)
 
     def _abort(self, error: BaseException, cancelled: bool) -> None:
@@ -324,8 +328,8 @@ class LoadHandle(_Transfer):
     # -- caller side ----------------------------------------------------------
 
     def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < len(self._events):
-            raise IndexError(f"layer {layer} out of range [0, {len(self._events)})")
+        if not 0 <= layer < len(self._released):
+            raise IndexError(f"layer {layer} out of range [0, {len(self._released)})")
 
     def is_layer_ready(self, layer: int) -> bool:
         """Whether layer ``layer`` is verified and released; never blocks.
@@ -353,9 +357,11 @@ class LoadHandle(_Transfer):
         """
         self._check_layer(layer)
         timeout = check_timeout(timeout)
-        if not self._events[layer].wait(timeout):
-            raise TimeoutError(f"layer {layer} not ready after {timeout} s")
-        prefix = self._released[layer]
+        with self._layers:
+            if not self._layers.wait_for(
+                    lambda: self._released[layer] is not None or self._over, timeout):
+                raise TimeoutError(f"layer {layer} not ready after {timeout} s")
+            prefix = self._released[layer]
         if prefix is None:
             if self._ends_cancelled:
                 raise concurrent.futures.CancelledError(

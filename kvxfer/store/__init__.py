@@ -12,15 +12,24 @@
   ``redis://HOST:PORT[/DB]`` or ``redis+cluster://HOST:PORT[,HOST:PORT...]``
   (``parse_spec(spec)`` checks one and says which, opening nothing).
 
+Every store also takes batches: ``get_many(keys)``, ``put_many(items)`` and
+``contains_many(keys)`` give, in order, what the single-key calls give, with one
+round trip per Redis server (one pass over the files on disk). A key that cannot be
+done (a server down) fails its batch with a ``StoreBatchError`` that still holds every
+other key's result; a blob that fails its checks is a miss for its key only.
+
 Example:
     >>> import tempfile
     >>> from kvxfer import store
     >>> with tempfile.TemporaryDirectory() as d, store.open_store("file://" + d) as s:
     ...     s.name, s.put("k", b"page"), s.get("k"), s.contains("nope")
+    ...     s.put_many([("k", b"new"), ("j", b"jay")]), s.get_many(["j", "no", "k"])
     ('disk', True, b'page', False)
+    ([False, True], [b'jay', None, b'page'])
 """
 
 from kvxfer.store._base import Store as Store
+from kvxfer.store._base import StoreBatchError as StoreBatchError
 from kvxfer.store._base import StoreError as StoreError
 from kvxfer.store._cluster import RedisClusterStore as RedisClusterStore
 from kvxfer.store._disk import DiskStore as DiskStore
@@ -31,5 +40,5 @@ from kvxfer.store._redis import RedisStore as RedisStore
 from kvxfer.store._seal import SealError as SealError
 from kvxfer.store._seal import Sealer as Sealer
 
-__all__ = ["Store", "StoreError", "DiskStore", "RedisStore", "RedisClusterStore", "open_store",
-           "parse_spec", "SPEC_FORMS", "Sealer", "SealError"]
+__all__ = ["Store", "StoreError", "StoreBatchError", "DiskStore", "RedisStore",
+           "RedisClusterStore", "open_store", "parse_spec", "SPEC_FORMS", "Sealer", "SealError"]

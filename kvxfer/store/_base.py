@@ -4,18 +4,109 @@ A store maps string keys to opaque page blobs (``KVCacheManager.export_page``
 makes them; ``import_page`` checks them). A store never interprets a blob: the
 identity, geometry fingerprint and device digests inside it are checked by the
 manager, and the bytes are checked on the device when the page is loaded.
+
+The batched calls (``get_many``, ``put_many``, ``contains_many``) have defaults here
+that loop over the single-key calls, so any ``Store`` has them; the stores of this
+package override them with one round trip (Redis: per server) or one pass (disk).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["Store", "StoreError"]
+__all__ = ["Store", "StoreError", "StoreBatchError", "batch_keys", "batch_items"]
 
 
 class StoreError(OSError):
     """A store that cannot be reached or written (never reported as a miss)."""
+
+
+class StoreBatchError(StoreError):
+    """A batched call some of whose keys failed with a ``StoreError`` (a server that
+    cannot be reached or written, say); every other key was done.
+
+    Attributes:
+      results: what the call would have returned, in order, with ``None`` at each
+        position that failed.
+      errors: the error of each position that failed (its index in the batch).
+    """
+
+    def __init__(self, what: str, results: list[Any], errors: dict[int, StoreError]):
+        first = errors[min(errors)]
+        super().__init__(f"{what}: {len(errors)} of {len(results)} keys failed; the first, "
+                         f"at position {min(errors)}: {first}")
+        self.results, self.errors = results, errors
+
+
+def _check_key(key: Any, where: str) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"Expected a str key{where}. Got {key!r} of type "
+                        f"{type(key).__name__}")
+    if not key:
+        raise ValueError(f"Expected a non-empty key{where}. Got ''")
+    return key
+
+
+def batch_keys(keys: Iterable[str]) -> list[str]:
+    """``keys`` as a list, each checked (a non-empty str) before anything is done.
+
+    Raises:
+      TypeError: ``keys`` is a single str (not a batch of them), or a key is no str.
+      ValueError: a key is empty.
+
+    Example:
+        >>> batch_keys(iter(["a", "b"]))
+        ['a', 'b']
+        >>> batch_keys(["a", 7])
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected a str key at position 1. Got 7 of type int
+    """
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"Expected an iterable of str keys. Got one {type(keys).__name__} "
+                        f"{keys!r}: pass [key]")
+    out = list(keys)
+    for i, k in enumerate(out):
+        _check_key(k, f" at position {i}")
+    return out
+
+
+def batch_items(items: Iterable[tuple[str, Any]] | Mapping[str, Any]
+                ) -> list[tuple[str, Any]]:
+    """``items`` (``(key, blob)`` pairs, or a mapping) as a list of pairs, each key and
+    blob checked (a non-empty str, a bytes-like object) before anything is written.
+
+    Raises:
+      TypeError: an item that is not a pair, a key that is no str, a blob that is not
+        bytes-like.
+      ValueError: a key is empty.
+
+    Example:
+        >>> batch_items({"a": b"x", "b": bytearray(b"yz")})
+        [('a', b'x'), ('b', bytearray(b'yz'))]
+    """
+    if isinstance(items, Mapping):
+        items = items.items()
+    elif isinstance(items, (str, bytes)):
+        raise TypeError(f"Expected (key, blob) pairs or a mapping. Got a "
+                        f"{type(items).__name__}")
+    out = []
+    for i, item in enumerate(items):
+        try:
+            key, blob = item
+        except (TypeError, ValueError):
+            raise TypeError(f"Expected a (key, blob) pair at position {i}. Got "
+                            f"{type(item).__name__}") from None
+        _check_key(key, f" at position {i}")
+        try:
+            memoryview(blob)
+        except TypeError:
+            raise TypeError(f"Expected a bytes-like blob for key {key!r} (position {i}). "
+                            f"Got {type(blob).__name__}") from None
+        out.append((key, blob))
+    return out
 
 
 class Store(abc.ABC):
@@ -49,6 +140,74 @@ class Store(abc.ABC):
     def contains(self, key: str) -> bool:
         """Whether a whole blob is stored under ``key`` (not marking it used)."""
 
+    # -- batches: defaults over the single-key calls ----------------------------------
+
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        """The blob (or None) of each key, in order, each marked recently used, as
+        ``get`` gives them; a key given twice is read once (and counted once).
+
+        A blob that fails the store's own checks (a file cut short, say) is a miss for
+        its key only. Keys are checked (non-empty str) before any is read.
+
+        Raises:
+          StoreBatchError: some keys could not be read (``results`` holds the others'
+            blobs).
+        """
+        keys = batch_keys(keys)
+        got: dict[str, bytes | None] = {}
+        errors: dict[str, StoreError] = {}
+        for k in dict.fromkeys(keys):
+            try:
+                got[k] = self.get(k)
+            except StoreError as e:
+                errors[k] = e
+        return _gather("get_many", keys, got, errors)
+
+    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes], *,
+                 replace: bool = False) -> list[bool]:
+        """``put`` of each ``(key, blob)`` (or of a mapping's items); whether each was
+        written, in order, with ``put``'s semantics per key: put-if-absent with exactly
+        one winner across every client (``replace=True`` overwrites).
+
+        A key given twice is written once: without ``replace`` its first blob, where it
+        first appears (its later positions report False, as a second ``put`` would);
+        with ``replace`` its last, where it last appears (every position reports what
+        that put did). Keys and blobs are checked before any is written.
+
+        Raises:
+          ValueError: a blob alone exceeds the capacity (this store's ``put`` decides:
+            the stores of this package check every blob before writing any).
+          StoreBatchError: some keys could not be written (``results`` holds the
+            others'; the failed ones may or may not have been written).
+        """
+        pairs = batch_items(items)
+        order = _writes(pairs, replace)
+        done: dict[str, bool] = {}
+        errors: dict[str, StoreError] = {}
+        for k, blob in order.items():
+            try:
+                done[k] = self.put(k, blob, replace=replace)
+            except StoreError as e:
+                errors[k] = e
+        return _gather_puts(pairs, done, errors, replace)
+
+    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+        """``contains`` of each key, in order (not marking them used).
+
+        Raises:
+          StoreBatchError: some keys could not be asked about (``results`` holds the
+            others' answers).
+        """
+        keys = batch_keys(keys)
+        got: dict[str, bool] = {}
+        errors: dict[str, StoreError] = {}
+        for k in dict.fromkeys(keys):
+            try:
+                got[k] = self.contains(k)
+            except StoreError as e:
+                errors[k] = e
+        return _gather("contains_many", keys, got, errors)
+
     @abc.abstractmethod
     def delete(self, key: str) -> bool:
         """Removes ``key``; returns whether it was there."""
@@ -66,3 +225,49 @@ class Store(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# -- what the batched calls share --------------------------------------------------
+
+
+def _writes(pairs: list[tuple[str, Any]], replace: bool) -> dict[str, Any]:
+    """The blob each distinct key of a batch writes, in the order they are written: its
+    first (where it first appears), or with ``replace`` its last (where it last
+    appears: its recency is that of its last put)."""
+    order: dict[str, Any] = {}
+    for k, blob in pairs:
+        if replace:
+            order.pop(k, None)
+            order[k] = blob
+        elif k not in order:
+            order[k] = blob
+    return order
+
+
+def _gather(what: str, keys: list[str], got: dict[str, Any],
+            errors: dict[str, StoreError]) -> list[Any]:
+    """Per position, what its key got; raises ``StoreBatchError`` if some key failed."""
+    results = [got.get(k) for k in keys]
+    if errors:
+        raise StoreBatchError(what, results, {i: errors[k] for i, k in enumerate(keys)
+                                              if k in errors})
+    return results
+
+
+def _gather_puts(pairs: list[tuple[str, Any]], done: dict[str, bool],
+                 errors: dict[str, StoreError], replace: bool) -> list[bool]:
+    """Per position, whether its put wrote (see ``Store.put_many`` for keys given twice)."""
+    results: list[Any] = []
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in errors:
+            results.append(None)
+        elif replace:
+            results.append(done[k])
+        else:
+            results.append(done[k] if k not in seen else False)
+        seen.add(k)
+    if errors:
+        raise StoreBatchError("put_many", results,
+                              {i: errors[k] for i, (k, _) in enumerate(pairs) if k in errors})
+    return results

@@ -6,7 +6,10 @@ store in one slot, on one node. So the store is split into ``D`` accounting doma
 (16 by default), domain ``d`` under the hash tag ``{P:d}``: its blobs ``{P:d}b:KEY``
 and its ``{P:d}m:lru``, ``{P:d}m:sizes``, ``{P:d}m:bytes`` and ``{P:d}m:clock`` share
 one slot, and the single-server store's scripts and transactions
-(``kvxfer/store/_keyspace.py``) run per domain, unchanged. A key's domain is
+(``kvxfer/store/_keyspace.py``) run per domain, unchanged. A batch sends each primary
+the transactions of its domains in one write, to every primary at once, straight to
+the node the client's slot map names (a slot that moved meanwhile, MOVED or ASK, sends
+that domain's keys one by one through the client, which follows the redirection). A key's domain is
 ``crc32(key) % D``, the same in every client. The tag is decodable (the last ``:``
 ends the prefix), so prefixes never share a domain, nested ones included.
 
@@ -28,7 +31,10 @@ When a primary dies (with no replica to fail over to), its domains are unreachab
 a ``get`` or ``contains`` of their keys is a miss (counted as ``read_errors``, and
 logged once per outage of a domain), never an exception, while the other domains
 keep serving; puts and deletes there raise ``StoreError``, which ``HostCache``
-counts as a write error. A domain that failed is not tried again for
+counts as a write error. A batch (``get_many``, ``contains_many``) gets misses for the
+keys of a dead node's domains and every other key's blob; a ``put_many`` writes the
+live domains' keys and raises a ``StoreBatchError`` naming the others (its
+``results`` say what the written ones did). A domain that failed is not tried again for
 ``retry_down_s`` (1 s), so a page of a dead node costs a connection attempt once a
 second, not one (and its retries) per page. The other primaries serve only with
 ``cluster-require-full-coverage no``; by default the whole cluster refuses while a
@@ -193,6 +199,9 @@ class RedisClusterStore(KeyspaceStore):
                 retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 2))
         except errors as e:
             raise StoreError(f"{where}: cannot connect: {e}") from e
+        # A slot that moved (MOVED, ASK): the batch's keys of that domain go one by one
+        # through the client, which follows the redirection and refreshes its slot map.
+        self._redirects = (x.AskError,)  # (MovedError is an AskError)
         #: Domains that failed: when each is tried again (``time.monotonic()``).
         self._down: dict[int, float] = {}
         self._setup(client, [f"{{{prefix}:{d}}}" for d in range(self.domains)],
@@ -217,12 +226,28 @@ class RedisClusterStore(KeyspaceStore):
                         "until it returns: %s", self._where, what, domain,
                         self._node(domain), e)
 
-    def _unreachable(self, domain: int, what: str, e: BaseException) -> None:
-        """A read of a dead domain: counted, logged once per outage, a miss."""
+    def _unreachable(self, domain: int, what: str, e: BaseException, n: int = 1) -> None:
+        """A read of ``n`` keys of a dead domain: counted, logged once per outage,
+        misses."""
         if not isinstance(e, self._outages):
             raise self._fail(what, e) from e
-        self._count(read_errors=1)
+        self._count(read_errors=n)
         self._mark_down(domain, what, e)
+
+    def _lost(self, e: BaseException) -> None:
+        """A batch lost a node: the slot map is read again (as the client does when
+        one of its own commands loses a node), so a replica promoted in its place is
+        found."""
+        try:
+            self._client.nodes_manager.initialize()
+        except Exception:  # no node answers: the next command tries again
+            pass
+
+    def _route(self, domain: int) -> tuple[str, Any]:
+        """The primary that holds ``domain``'s slot now (from the client's slot map),
+        and its client."""
+        node = self._client.get_node_from_key(self._spaces[domain].root)
+        return node.name, self._client.get_redis_connection(node)
 
     def _unwritable(self, domain: int, what: str, e: BaseException) -> StoreError:
         if isinstance(e, self._outages):

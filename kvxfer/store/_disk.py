@@ -44,10 +44,12 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvxfer._check import check_int
-from kvxfer.store._base import Store, StoreError
+from kvxfer.store._base import (Store, StoreError, _gather, _gather_puts, _writes,
+                                batch_items, batch_keys)
 
 log = logging.getLogger("kvxfer")
 
@@ -331,13 +333,11 @@ class DiskStore(Store):
 
     # -- the Store interface ------------------------------------------------------
 
-    def put(self, key: str, blob: bytes, *, replace: bool = False) -> bool:
-        """Stores ``blob`` under ``key`` (see ``Store.put``); whole on disk once it
-        returns, and (``durable``) its name too."""
+    def _checked(self, key: str, blob: Any) -> tuple[bytes, memoryview, str, int]:
+        """``key``'s bytes, ``blob``'s view, its file name and file size, checked
+        against ``capacity_bytes`` and ``max_blob_bytes``."""
         kb = _key_bytes(key)
         view = _blob_view(blob)
-        name = _name(key, kb)
-        final = os.path.join(self.path, name)
         size = FRAME_BYTES + len(kb) + view.nbytes
         if self.capacity_bytes is not None and size > self.capacity_bytes:
             raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} takes a file of "
@@ -345,51 +345,152 @@ class DiskStore(Store):
         if self.max_blob_bytes is not None and view.nbytes > self.max_blob_bytes:
             raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} is larger than "
                              f"max_blob_bytes={self.max_blob_bytes}")
+        return kb, view, _name(key, kb), size
+
+    def put(self, key: str, blob: bytes, *, replace: bool = False) -> bool:
+        """Stores ``blob`` under ``key`` (see ``Store.put``); whole on disk once it
+        returns, and (``durable``) its name too."""
+        kb, view, name, size = self._checked(key, blob)
         self._check_writable(key)
         with self._lock:
             self._counts["puts"] += 1
         try:
-            if not replace and self._whole(final, kb):
-                return False
             dir_before = os.fstat(self._dir_fd).st_mtime_ns
-            for attempt in range(3):
-                try:
-                    stamp = self._write(final, kb, view, replace)
-                    break
-                except FileNotFoundError:
-                    # Another process's open took our temporary file for a dead
-                    # writer's between its creation and our lock: write it again.
-                    if attempt == 2 or not os.path.isdir(self.path):
-                        raise
+            stamp = self._place(name, kb, view, replace)
             if stamp is None:
                 return False
             if self.durable:
                 os.fsync(self._dir_fd)
-            with self._lock:
-                self._note_own_change(dir_before)
-                self._remember(name, size, stamp)
-                self._maybe_rescan()
-                if self.capacity_bytes is not None and self._used > self.capacity_bytes:
-                    with self._dir_locked():
-                        self._evict(keep=name)
+            self._placed([(name, size, stamp)], dir_before)
             return True
         except OSError as e:
             raise StoreError(f"disk store {self.path!r}: cannot write key {key!r}: {e}") from e
 
+    def _place(self, name: str, kb: bytes, view: memoryview, replace: bool) -> int | None:
+        """Writes one blob's file and puts it in place (its stamp), or None: a whole
+        file was there and ``replace`` is False."""
+        final = os.path.join(self.path, name)
+        if not replace and self._whole(final, kb):
+            return None
+        for attempt in range(3):
+            try:
+                return self._write(final, kb, view, replace)
+            except FileNotFoundError:
+                # Another process's open took our temporary file for a dead
+                # writer's between its creation and our lock: write it again.
+                if attempt == 2 or not os.path.isdir(self.path):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _placed(self, files: list[tuple[str, int, int]], dir_before: int) -> None:
+        """Indexes the files just placed (name, size, stamp), then evicts past the
+        capacity (sparing the last of them, as each put spares its own)."""
+        with self._lock:
+            self._note_own_change(dir_before)
+            for name, size, stamp in files:
+                self._remember(name, size, stamp)
+            self._maybe_rescan()
+            if self.capacity_bytes is not None and self._used > self.capacity_bytes:
+                with self._dir_locked():
+                    self._evict(keep=files[-1][0])
+
+    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes], *,
+                 replace: bool = False) -> list[bool]:
+        """``put`` of each ``(key, blob)``, with its semantics per key (see
+        ``Store.put_many``), in one pass: every file written, placed and indexed (and
+        the least recently used evicted past the capacity) in turn, then one fsync of
+        the directory (``durable``) for the whole batch.
+
+        Every key and blob is checked (against ``capacity_bytes`` and
+        ``max_blob_bytes`` too) before any is written.
+
+        Raises:
+          ValueError: a blob is too large for the capacity or ``max_blob_bytes``.
+          StoreBatchError: some keys could not be written (``results`` holds the
+            others').
+        """
+        pairs = batch_items(items)
+        order = {k: self._checked(k, blob) for k, blob in _writes(pairs, replace).items()}
+        if not order:
+            return []
+        self._check_writable(next(iter(order)))
+        with self._lock:
+            self._counts["puts"] += len(order)
+        done: dict[str, bool] = {}
+        errors: dict[str, StoreError] = {}
+        for key, (kb, view, name, size) in order.items():
+            try:
+                dir_before = os.fstat(self._dir_fd).st_mtime_ns
+                stamp = self._place(name, kb, view, replace)
+                done[key] = stamp is not None
+                if stamp is not None:
+                    # Indexed (and evicting) key by key, as a loop of puts would: a key
+                    # the batch's own puts evict is absent when a later one comes.
+                    self._placed([(name, size, stamp)], dir_before)
+            except OSError as e:
+                errors[key] = StoreError(f"disk store {self.path!r}: cannot write key "
+                                         f"{key!r}: {e}")
+        if self.durable and any(done.values()):
+            try:
+                os.fsync(self._dir_fd)
+            except OSError as e:  # placed, but not known to be durable: not reported done
+                err = StoreError(f"disk store {self.path!r}: cannot sync the directory "
+                                 f"after writing {sum(done.values())} keys: {e}")
+                for key in [k for k, wrote in done.items() if wrote]:
+                    errors[key] = err
+                    del done[key]
+        return _gather_puts(pairs, done, errors, replace)
+
     def get(self, key: str) -> bytes | None:
         """The whole blob under ``key`` (and marks it recently used), or None."""
         kb = _key_bytes(key)
-        name = _name(key, kb)
         self._check_open()
+        blob, hit = self._read(key, kb, _name(key, kb))
+        if hit is not None:
+            self._remember(*hit, gets=1, hits=1)
+        return blob
+
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        """The blob (or None) of each key, in order, each marked recently used (see
+        ``Store.get_many``), in one pass over their files. A file that fails its checks
+        (not whole, another key's, over ``max_blob_bytes``) is a miss for its key only,
+        counted as ``get`` counts it; a key given twice is read once.
+
+        Raises:
+          StoreBatchError: some files could not be read (``results`` holds the others').
+        """
+        keys = batch_keys(keys)
+        self._check_open()
+        got: dict[str, bytes | None] = {}
+        errors: dict[str, StoreError] = {}
+        hits = []
+        for key in dict.fromkeys(keys):
+            kb = _key_bytes(key)
+            try:
+                got[key], hit = self._read(key, kb, _name(key, kb))
+            except StoreError as e:
+                errors[key] = e
+                continue
+            if hit is not None:
+                hits.append(hit)
+        with self._lock:
+            for hit in hits:
+                self._remember(*hit, gets=1, hits=1)
+        return _gather("get_many", keys, got, errors)
+
+    def _read(self, key: str, kb: bytes, name: str
+              ) -> tuple[bytes | None, tuple[str, int, int] | None]:
+        """The blob of ``key`` (its file marked used) and its index entry (name, size,
+        stamp) to remember, or ``(None, None)``: a miss, counted (a get)."""
         try:
             fd = _open_regular(os.path.join(self.path, name))
         except FileNotFoundError:
             self._forget(name, gets=1)
-            return None
+            return None, None
         except _Unreadable as e:
             self._skip(name, str(e))
             self._count(gets=1)
-            return None
+            return None, None
         except OSError as e:
             raise StoreError(f"disk store {self.path!r}: cannot read key {key!r}: {e}") from e
         try:
@@ -401,7 +502,7 @@ class DiskStore(Store):
                                 "than max_blob_bytes=%d: a miss, not read", key, self.path,
                                 frame.blob_len, self.max_blob_bytes)
                     self._count(gets=1, oversized=1)
-                    return None
+                    return None, None
                 blob = _pread_all(fd, frame.blob_len, frame.blob_offset)
             if blob is None:
                 # (A whole file of another key with the same hashed name is a plain miss.)
@@ -412,7 +513,7 @@ class DiskStore(Store):
                     log.warning("blob under key %r in the disk store %s is damaged (not a "
                                 "whole frame): a miss", key, self.path)
                 self._forget(name, gets=1, incomplete=int(damaged))
-                return None
+                return None, None
             stamp = self._stamp()
             try:
                 os.utime(fd, ns=(stamp, stamp))
@@ -425,8 +526,7 @@ class DiskStore(Store):
             raise StoreError(f"disk store {self.path!r}: cannot read key {key!r}: {e}") from e
         finally:
             os.close(fd)
-        self._remember(name, frame.size, stamp, gets=1, hits=1)
-        return blob
+        return blob, (name, frame.size, stamp)
 
     def contains(self, key: str) -> bool:
         """Whether a whole blob is stored under ``key`` (not marking it used)."""

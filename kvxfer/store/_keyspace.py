@@ -26,6 +26,13 @@ key used. Redis runs a transaction whole, without interleaving another client's
 commands, so under any number of concurrent clients exactly one put-if-absent of a key
 wins, the byte count is exact and eviction takes the least recently used blob of the
 domain; the blob never passes through Lua (no extra copy on the server).
+
+A batch (``get_many``, ``put_many``, ``contains_many``) is one round trip per server
+(``kvxfer/store/_pipeline.py``): per domain, one transaction holds every key's commands
+(a put's script and ``SET NX`` in turn; for reads one ``MGET`` and one script that marks
+the keys used, in the batch's order), every domain of a server goes out in one write,
+and every server's at once. A transaction of several puts runs as the same puts one
+after another would, so every guarantee above holds key by key.
 """
 
 from __future__ import annotations
@@ -36,9 +43,19 @@ import threading
 import zlib
 from typing import Any
 
-from kvxfer.store._base import Store, StoreError
+from collections.abc import Iterable, Mapping
 
-__all__ = ["Keyspace", "KeyspaceStore"]
+from kvxfer.store._base import (Store, StoreError, _gather, _gather_puts, _writes,
+                                batch_items, batch_keys)
+from kvxfer.store._pipeline import Block, BlockReply, exchange
+
+__all__ = ["Keyspace", "KeyspaceStore", "MARKER"]
+
+#: The most keys, and blob bytes, one transaction of a batch holds (a larger batch is
+#: several transactions, still in the same round trip): a server queues a transaction
+#: whole before it runs it.
+_CHUNK_KEYS = 256
+_CHUNK_BYTES = 64 << 20
 
 # KEYS: blob, lru, sizes, bytes, clock. ARGV: key, size, replace (0/1), capacity (-1:
 # none), blob-key prefix, marker. Returns -1 when the key is there and not replaced (the
@@ -82,8 +99,15 @@ if redis.call('STRLEN', KEYS[1]) == string.len(ARGV[1]) and
 end
 return 0
 """
-_MARK = "kvxfer: a put whose accounting failed; never a blob"
-_MARK_BYTES = _MARK.encode()
+#: What a put whose accounting failed leaves in its blob's place until its writer
+#: removes it: a miss to every reader.
+MARKER = "kvxfer: a put whose accounting failed; never a blob"
+_MARKER_BYTES = MARKER.encode()
+
+
+def _is_marker(blob: bytes | None) -> bool:
+    return blob is not None and len(blob) == len(_MARKER_BYTES) and blob == _MARKER_BYTES
+
 
 # KEYS: blob, lru, sizes, bytes, clock. ARGV: key. Marks a present blob used; drops the
 # bookkeeping of one that is gone (deleted or evicted by the server).
@@ -100,6 +124,27 @@ if s then
   redis.call('DECRBY', KEYS[4], tonumber(s))
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
+return 0
+"""
+
+# KEYS: lru, sizes, bytes, clock, then the blob of each key. ARGV: the keys. _TOUCH of
+# each key in turn (so a batch's keys are marked used in its order).
+_TOUCH_MANY = """
+local lru, sizes, total, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+for i, key in ipairs(ARGV) do
+  if redis.call('EXISTS', KEYS[4 + i]) == 1 then
+    if redis.call('ZSCORE', lru, key) then
+      redis.call('ZADD', lru, 'XX', redis.call('INCR', clock), key)
+    end
+  else
+    local s = redis.call('HGET', sizes, key)
+    if s then
+      redis.call('HDEL', sizes, key)
+      redis.call('DECRBY', total, tonumber(s))
+    end
+    redis.call('ZREM', lru, key)
+  end
+end
 return 0
 """
 
@@ -142,11 +187,11 @@ class Keyspace:
         with client.pipeline(transaction=True) as pipe:
             # EVAL by name: redis-py's cluster pipeline has no eval(), and routes this.
             pipe.execute_command("EVAL", _PUT, 5, bkey, *self.meta, key, view.nbytes,
-                                 int(replace), cap, self.blobs, _MARK)
+                                 int(replace), cap, self.blobs, MARKER)
             pipe.set(bkey, view, nx=True)
             evicted, stored = pipe.execute()
         if int(evicted) == -2:  # the failure path only: the common put stays two commands
-            client.execute_command("EVAL", _UNMARK, 1, bkey, _MARK)
+            client.execute_command("EVAL", _UNMARK, 1, bkey, MARKER)
         return int(evicted), bool(stored)
 
     def get(self, client: Any, key: str) -> bytes | None:
@@ -155,12 +200,51 @@ class Keyspace:
             pipe.get(bkey)
             pipe.execute_command("EVAL", _TOUCH, 5, bkey, *self.meta, key)
             blob, _ = pipe.execute()
-        if blob is not None and len(blob) == len(_MARK_BYTES) and blob == _MARK_BYTES:
-            return None  # a failed put's marker, before its writer removed it
-        return blob
+        return None if _is_marker(blob) else blob  # (a failed put's, not yet removed)
 
     def contains(self, client: Any, key: str) -> bool:
         return bool(client.exists(self.blobs + key))
+
+    # -- batches: the commands of one transaction (or block), and what they replied --
+
+    def get_block(self, keys: list[str]) -> Block:
+        """``MGET`` of the blobs, then ``_TOUCH_MANY``, in one transaction."""
+        bkeys = [self.blobs + k for k in keys]
+        return Block([("MGET", *bkeys),
+                      ("EVAL", _TOUCH_MANY, 4 + len(keys), *self.meta, *bkeys, *keys)],
+                     atomic=True)
+
+    @staticmethod
+    def got(replies: list[Any]) -> list[bytes | None]:
+        """The blobs a ``get_block`` read (a failed put's marker is a miss).
+
+        Raises:
+          ResponseError: a command of the block failed (the touch script, say).
+        """
+        blobs, touched = replies
+        for r in (blobs, touched):
+            if isinstance(r, BaseException):
+                raise r
+        return [None if _is_marker(b) else b for b in blobs]
+
+    def contains_block(self, keys: list[str]) -> Block:
+        return Block([("EXISTS", self.blobs + k) for k in keys])
+
+    def put_block(self, items: list[tuple[str, memoryview]], replace: bool,
+                  capacity: int | None) -> Block:
+        """Each key's ``_PUT`` and ``SET NX`` in turn, in one transaction."""
+        cap = -1 if capacity is None else capacity
+        commands: list[tuple[Any, ...]] = []
+        for key, view in items:
+            bkey = self.blobs + key
+            commands.append(("EVAL", _PUT, 5, bkey, *self.meta, key, view.nbytes,
+                             int(replace), cap, self.blobs, MARKER))
+            commands.append(("SET", bkey, view, "NX"))
+        return Block(commands, atomic=True)
+
+    def unmark(self, client: Any, key: str) -> None:
+        """Removes the marker a put whose accounting failed left under ``key``."""
+        client.execute_command("EVAL", _UNMARK, 1, self.blobs + key, MARKER)
 
     def delete(self, client: Any, key: str) -> bool:
         return bool(client.execute_command("EVAL", _DELETE, 4, self.blobs + key,
@@ -217,8 +301,9 @@ class KeyspaceStore(Store):
     def _fail(self, what: str, e: BaseException) -> StoreError:
         return StoreError(f"{self._where}: {what}: {e}")
 
-    def _unreachable(self, domain: int, what: str, e: BaseException) -> None:
-        """A read of ``domain`` failed with ``e``: raises, or returns for a miss."""
+    def _unreachable(self, domain: int, what: str, e: BaseException, n: int = 1) -> None:
+        """A read of ``n`` keys of ``domain`` failed with ``e``: raises, or returns for
+        misses."""
         raise self._fail(what, e) from e
 
     def _unwritable(self, domain: int, what: str, e: BaseException) -> StoreError:
@@ -231,6 +316,21 @@ class KeyspaceStore(Store):
 
     def _reached(self, domain: int) -> None:
         """A command on ``domain`` succeeded."""
+
+    def _refuse(self, domain: int, what: str) -> StoreError:
+        """The error of a write to ``domain`` while it is held (``_held``)."""
+        return StoreError(f"{self._where}: {what}: domain {domain} is down")
+
+    def _route(self, domain: int) -> tuple[str, Any]:
+        """The server ``domain`` lives on: its name and a ``redis.Redis`` client of it
+        (one server here; a cluster store looks the domain's slot up)."""
+        return "", self._client
+
+    def _lost(self, e: BaseException) -> None:
+        """A batch's round trip to a server failed with ``e`` (a connection error)."""
+
+    #: Errors of a block that mean "ask the client's own routing" (a cluster's MOVED).
+    _redirects: tuple[type[BaseException], ...] = ()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -245,20 +345,8 @@ class KeyspaceStore(Store):
 
     def put(self, key: str, blob: bytes, *, replace: bool = False) -> bool:
         """Stores ``blob`` under ``key`` (see ``Store.put``); atomic across all clients."""
-        d = self._domain(key)
-        try:
-            view = memoryview(blob).cast("B")
-        except TypeError:
-            raise TypeError(f"Expected a bytes-like blob. Got {type(blob).__name__}") from None
+        d, view = self._blob(key, blob)
         cap = self._caps[d]
-        if cap is not None and view.nbytes > cap:
-            if len(self._spaces) == 1:
-                raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} is more than "
-                                 f"capacity_bytes={cap}")
-            raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} is more than "
-                             f"its domain's share of the capacity ({cap} bytes: "
-                             f"capacity_bytes={sum(self._caps)} over "
-                             f"{len(self._spaces)} domains)")
         self._check_open()
         space = self._spaces[d]
         try:
@@ -309,6 +397,245 @@ class KeyspaceStore(Store):
             raise self._unwritable(d, f"cannot delete key {key!r}", e) from e
         self._reached(d)
         return found
+
+    # -- batches --------------------------------------------------------------------
+
+    def _blob(self, key: str, blob: Any) -> tuple[int, memoryview]:
+        """``key``'s domain and ``blob`` as bytes, checked against the domain's share."""
+        d = self._domain(key)
+        try:
+            view = memoryview(blob).cast("B")
+        except TypeError:
+            raise TypeError(f"Expected a bytes-like blob. Got {type(blob).__name__}") from None
+        cap = self._caps[d]
+        if cap is not None and view.nbytes > cap:
+            if len(self._spaces) == 1:
+                raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} is more than "
+                                 f"capacity_bytes={cap}")
+            raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} is more than "
+                             f"its domain's share of the capacity ({cap} bytes: "
+                             f"capacity_bytes={sum(self._caps)} over "
+                             f"{len(self._spaces)} domains)")
+        return d, view
+
+    def _run(self, plan: dict[int, list[Block]]
+             ) -> dict[int, list[BlockReply] | BaseException]:
+        """Each domain's blocks, every server's in one round trip: per domain, its
+        blocks' replies or the error that kept them from running (no route to its
+        server, a connection lost)."""
+        out: dict[int, list[BlockReply] | BaseException] = {}
+        servers: dict[str, tuple[Any, list[int]]] = {}
+        for d in plan:
+            try:
+                name, client = self._route(d)
+            except self._errors as e:
+                out[d] = e
+                continue
+            servers.setdefault(name, (client, []))[1].append(d)
+        work = [(client, [b for d in ds for b in plan[d]]) for client, ds in servers.values()]
+        replies = exchange(work)
+        lost = next((r for r in replies if isinstance(r, BaseException)), None)
+        if lost is not None:
+            self._lost(lost)
+        for (_, ds), got in zip(servers.values(), replies):
+            at = 0
+            for d in ds:
+                n = len(plan[d])
+                out[d] = got if isinstance(got, BaseException) else got[at:at + n]
+                at += n
+        return out
+
+    def _by_domain(self, keys: Iterable[str]) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for k in keys:
+            out.setdefault(self._domain(k), []).append(k)
+        return out
+
+    @staticmethod
+    def _chunks(keys: list[str]) -> list[list[str]]:
+        return [keys[i:i + _CHUNK_KEYS] for i in range(0, len(keys), _CHUNK_KEYS)]
+
+    @staticmethod
+    def _names(keys: list[str]) -> str:
+        return repr(keys[0]) if len(keys) == 1 else f"{keys[0]!r} and {len(keys) - 1} more"
+
+    def _read_failed(self, d: int, keys: list[str], e: BaseException,
+                     errors: dict[str, StoreError]) -> None:
+        """A batch's read of ``keys`` (domain ``d``) failed: misses (an outage of a
+        cluster node, counted and logged) or each key's ``StoreError``."""
+        try:
+            self._unreachable(d, f"cannot read keys {self._names(keys)}", e, len(keys))
+        except StoreError as err:
+            errors.update(dict.fromkeys(keys, err))
+
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        """The blob (or None) of each key, in order, each marked recently used (see
+        ``Store.get_many``): one transaction per domain, one round trip per server.
+
+        A key given twice is read once. Keys of a domain that cannot be read are
+        ``StoreBatchError``s here (misses in ``RedisClusterStore`` when their node is
+        down), never an error that loses the other keys.
+        """
+        keys = batch_keys(keys)
+        self._check_open()
+        domains = self._by_domain(dict.fromkeys(keys))
+        got: dict[str, bytes | None] = {}
+        errors: dict[str, StoreError] = {}
+        plan: dict[int, list[Block]] = {}
+        for d, ks in domains.items():
+            if self._held(d):  # (only a cluster store holds domains: it counts read_errors)
+                self._count(gets=len(ks), read_errors=len(ks))
+                continue
+            plan[d] = [self._spaces[d].get_block(c) for c in self._chunks(ks)]
+        for d, replies in self._run(plan).items():
+            ks = domains[d]
+            if isinstance(replies, BaseException):
+                self._read_failed(d, ks, replies, errors)
+                self._count(gets=len(ks) - sum(k in errors for k in ks))
+                continue
+            if any(isinstance(r.error, self._redirects) for r in replies):
+                self._one_by_one(ks, self.get, got, errors)  # the client's routing
+                continue
+            try:
+                blobs = [b for r in replies for b in self._replied(r, self._spaces[d].got)]
+            except self._errors as e:
+                self._read_failed(d, ks, e, errors)
+                self._count(gets=len(ks) - sum(k in errors for k in ks))
+                continue
+            self._reached(d)
+            got.update(zip(ks, blobs))
+            self._count(gets=len(ks), hits=sum(b is not None for b in blobs))
+        return _gather("get_many", keys, got, errors)
+
+    @staticmethod
+    def _replied(reply: BlockReply, parse: Any) -> Any:
+        if reply.error is not None:
+            raise reply.error
+        return parse(reply.replies)
+
+    @staticmethod
+    def _one_by_one(keys: list[str], call: Any, got: dict[str, Any],
+                    errors: dict[str, StoreError]) -> None:
+        for k in keys:
+            try:
+                got[k] = call(k)
+            except StoreError as e:
+                errors[k] = e
+
+    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+        """Whether a blob is stored under each key, in order (not marking them used):
+        one round trip per server."""
+        keys = batch_keys(keys)
+        self._check_open()
+        domains = self._by_domain(dict.fromkeys(keys))
+        got: dict[str, bool] = {}
+        errors: dict[str, StoreError] = {}
+        plan: dict[int, list[Block]] = {}
+        for d, ks in domains.items():
+            if self._held(d):
+                self._count(read_errors=len(ks))
+                got.update(dict.fromkeys(ks, False))
+                continue
+            plan[d] = [self._spaces[d].contains_block(c) for c in self._chunks(ks)]
+        for d, replies in self._run(plan).items():
+            ks = domains[d]
+            if not isinstance(replies, BaseException) and \
+                    any(isinstance(r.error, self._redirects) for r in replies):
+                self._one_by_one(ks, self.contains, got, errors)
+                continue
+            try:
+                if isinstance(replies, BaseException):
+                    raise replies
+                found = [r for b in replies for r in self._replied(b, list)]
+                for r in found:
+                    if isinstance(r, BaseException):
+                        raise r
+            except self._errors as e:
+                self._read_failed(d, ks, e, errors)
+                got.update((k, False) for k in ks if k not in errors)
+                continue
+            self._reached(d)
+            got.update((k, bool(r)) for k, r in zip(ks, found))
+        return _gather("contains_many", keys, got, errors)
+
+    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes], *,
+                 replace: bool = False) -> list[bool]:
+        """``put`` of each ``(key, blob)``, with its semantics per key (see
+        ``Store.put_many``): one transaction per domain, one round trip per server.
+
+        Every key and blob is checked (and every blob against its domain's share of
+        the capacity) before any is written.
+
+        Raises:
+          ValueError: a blob is larger than the capacity (its domain's share).
+          StoreBatchError: the keys of some domain could not be written (``results``
+            holds the others').
+        """
+        pairs = batch_items(items)
+        order = _writes(pairs, replace)
+        domains: dict[int, list[tuple[str, memoryview]]] = {}
+        for k, blob in order.items():
+            d, view = self._blob(k, blob)
+            domains.setdefault(d, []).append((k, view))
+        self._check_open()
+        done: dict[str, bool] = {}
+        errors: dict[str, StoreError] = {}
+        plan: dict[int, list[Block]] = {}
+        for d, kv in domains.items():
+            if self._held(d):
+                err = self._refuse(d, f"cannot write keys {self._names([k for k, _ in kv])}")
+                errors.update((k, err) for k, _ in kv)
+                continue
+            plan[d] = [self._spaces[d].put_block(c, replace, self._caps[d])
+                       for c in _put_chunks(kv)]
+        for d, replies in self._run(plan).items():
+            kv = domains[d]
+            ks = [k for k, _ in kv]
+            if isinstance(replies, BaseException):
+                err = self._unwritable(d, f"cannot write keys {self._names(ks)}", replies)
+                errors.update(dict.fromkeys(ks, err))
+                continue
+            if any(isinstance(r.error, self._redirects) for r in replies):
+                views = dict(kv)
+                self._one_by_one(ks, lambda k: self.put(k, views[k], replace=replace),
+                                 done, errors)
+                continue
+            self._put_replies(d, kv, replies, done, errors)
+        return _gather_puts(pairs, done, errors, replace)
+
+    def _put_replies(self, d: int, kv: list[tuple[str, memoryview]],
+                     replies: list[BlockReply], done: dict[str, bool],
+                     errors: dict[str, StoreError]) -> None:
+        """What each put of domain ``d`` did, from its transactions' replies."""
+        space = self._spaces[d]
+        flat: list[Any] = []
+        chunks = _put_chunks(kv)
+        for chunk, r in zip(chunks, replies):
+            flat += [r.error] * (2 * len(chunk)) if r.error is not None else r.replies
+        evictions, written, reached = 0, 0, False
+        for i, (key, _) in enumerate(kv):
+            evicted, stored = flat[2 * i], flat[2 * i + 1]
+            failed = next((r for r in (evicted, stored) if isinstance(r, BaseException)), None)
+            if failed is not None:
+                errors[key] = self._unwritable(d, f"cannot write key {key!r}", failed)
+                continue
+            reached = True
+            if int(evicted) == -2:
+                try:
+                    space.unmark(self._client, key)
+                except self._errors:
+                    pass  # a marker is a miss to every reader; the next put replaces it
+                errors[key] = StoreError(
+                    f"{self._where}: cannot write key {key!r}: its byte counter "
+                    f"{space.meta[2]!r} is not an integer (another client overwrote it); "
+                    "nothing was written")
+                continue
+            done[key] = stored is not None and not isinstance(stored, BaseException)
+            evictions += max(0, int(evicted))
+            written += 1
+        if reached:
+            self._reached(d)
+        self._count(puts=written, evictions=evictions)
 
     def keys(self) -> list[str]:
         """The keys of the store, least recently used first (domain by domain, when
@@ -371,3 +698,16 @@ class KeyspaceStore(Store):
         if not self._closed:
             self._closed = True
             self._client.close()
+
+
+def _put_chunks(kv: list[tuple[str, memoryview]]) -> list[list[tuple[str, memoryview]]]:
+    """``kv`` in transactions of at most ``_CHUNK_KEYS`` keys and about ``_CHUNK_BYTES``."""
+    out: list[list[tuple[str, memoryview]]] = []
+    size = 0
+    for item in kv:
+        if not out or len(out[-1]) == _CHUNK_KEYS or size + item[1].nbytes > _CHUNK_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += item[1].nbytes
+    return out

@@ -7,7 +7,9 @@ prefix in braces, so stores of different prefixes never share a key, nested pref
 such as ``kv:`` and ``kv:b:`` included. Puts and hits are ``MULTI``/``EXEC``
 transactions around Lua scripts, so under any number of concurrent clients exactly one
 put-if-absent of a key wins, the byte count is exact and eviction takes the least
-recently used blob of the whole store.
+recently used blob of the whole store. A batch (``get_many``, ``put_many``,
+``contains_many``) is one round trip: the same transactions, one per batch, packed
+into one write.
 
 Why not the server's ``maxmemory-policy``: it is sampled, approximate LRU over every
 key of the server (other applications' too, and this store's own bookkeeping), and
