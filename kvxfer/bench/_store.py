@@ -40,13 +40,8 @@ import numpy as np
 from kvxfer._text import format_bytes
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench.timing import Progress, interleaved, now, stats
-<<<<<<< HEAD
-from kvxfer.store import DiskStore, RedisStore, Sealer, Store, StoreError, parse_spec
-=======
-from kvxfer.store import (DiskStore, RedisClusterStore, RedisStore, Store, StoreError,
-                          parse_spec)
-from kvxfer.store._seal import Sealer
->>>>>>> main
+from kvxfer.store import (DiskStore, RedisClusterStore, RedisStore, Sealer, Store,
+                          StoreError, parse_spec)
 
 __all__ = ["store_section", "store_steps", "lookup_section", "OPS", "DEFAULT_STORE"]
 
