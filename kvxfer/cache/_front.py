@@ -18,6 +18,7 @@ from kvxfer.cache._host import HostTier
 from kvxfer.cache._lookup import Finder
 from kvxfer.cache._options import check_options, make_policy
 from kvxfer.cache._policy import CachePolicy, PolicyName
+from kvxfer.cache._prefetch import Prefetcher
 from kvxfer.cache._settle import Loads
 from kvxfer.cache._store_tier import StoreTier, store_key
 from kvxfer.hostpool import PageRef
@@ -59,6 +60,7 @@ class HostCache:
         tenants.
 
     Thread-safe. Store writes run on one background thread; ``flush()`` waits.
+    Prefetches (``prefetch``) run on another.
 
     In a multi-process job (tensor-parallel ranks, each holding its shards of every
     page) the ranks' caches stay identical, and every request gets the same
@@ -90,6 +92,7 @@ class HostCache:
             write_through=write_through, sealer=sealer)
         self._host = HostTier(mgr, self._stats, self._store, self.policy)
         self._finder = Finder(self._host, self._store, self._agreement)
+        self._prefetch = Prefetcher(self._lock, self._finder, self._host, self._stats)
         self._loads = Loads(self._lock, self._host, self._store, self._stats)
         self._closed = False
 
@@ -197,11 +200,16 @@ class HostCache:
     def lookup(self, keys: Sequence[Any]) -> CacheHit:
         """Pins the longest cached prefix of ``keys`` (host first, then the store).
 
-        Store pages are imported into host memory (promoted) on the way. The pins
-        hold until ``load(...).result()`` or ``release(hit)``; the lookup is one use
-        of each page it pins, as the policy counts uses. In a multi-process job
-        every rank must call it for the same keys, in the same order: the ranks
-        agree on the hit length (the minimum over ranks) before anything is pinned.
+        Store pages are imported into host memory (promoted) on the way: the pages
+        past the host hit that are not in host memory are read in one batch (one
+        ``get_many``, no lock held), then each is opened, checked and imported in
+        order; the first that is missing or bad ends the prefix (a bad one is dropped
+        from the store). Pages a ``prefetch`` is still promoting are waited for, not
+        read again. The pins hold until ``load(...).result()`` or ``release(hit)``;
+        the lookup is one use of each page it pins, as the policy counts uses. In a
+        multi-process job every rank must call it for the same keys, in the same
+        order: the ranks agree on the hit length (the minimum over ranks) before
+        anything is pinned, each asking its store once (``contains_many``).
 
         Raises:
           AgreementError: another rank's lookup in the same turn was for other keys.
@@ -212,11 +220,70 @@ class HostCache:
             self._check_open()
             self._collect()
             keys = page_keys(keys, "keys")
+            self._prefetch.wait_for(keys)
+            self._check_open()
             found = self._finder.find(keys)
             self._stats.add(lookups=1, pages_requested=len(keys),
                             misses=len(keys) - len(found))
             return CacheHit(tuple(f.key for f in found), tuple(f.ref for f in found),
                             tuple(f.tier for f in found), Pin(owner=self))
+
+    def prefetch(self, keys: Sequence[Any]) -> concurrent.futures.Future:
+        """Starts promoting the store pages of the longest cached prefix of ``keys`` into
+        host memory, in the background, so that a later ``lookup(keys)`` finds them there.
+
+        The prefix is found as ``lookup`` finds it (the store pages past the pages in
+        host memory read in one batch, with no lock held, each checked as a lookup
+        checks it), but nothing stays pinned and no page is marked used: the pages are
+        ordinary host pages, which eviction may take again before the lookup comes. A
+        lookup that needs pages a prefetch is still promoting waits for it, so each
+        page is read once and takes one host slot. Prefetches run one at a time, in
+        the order they were asked for.
+
+        A prefetch never makes a lookup fail: store errors and bad pages are counted
+        and logged as a lookup's are (``store_read_errors``, ``bad_pages``,
+        ``store_auth_failures``), anything else in ``prefetch_errors`` and the returned
+        future. ``stats()`` counts ``prefetches`` and ``pages_prefetched`` (pages
+        brought from the store; a lookup then counts them as host pages). ``close()``
+        cancels the prefetches not started and gives the running one its timeout.
+
+        In a multi-process job a prefetch is this rank's alone: it takes part in no
+        agreement and moves pages into this rank's host memory only. ``lookup``
+        remains what the ranks agree on (the minimum), so a rank whose prefetch did
+        less still gets the same hit as the others; call it on every rank for the
+        same keys to keep the ranks' host tiers alike.
+
+        Returns:
+          A ``concurrent.futures.Future`` whose result is how long a prefix of
+          ``keys`` it left in host memory (pages it promoted and pages already there).
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp, kvxfer
+            >>> from kvxfer import store
+            >>> caches = [jnp.ones((8, 4, 128), jnp.float32)]
+            >>> tmp = tempfile.TemporaryDirectory()
+            >>> disk = store.DiskStore(tmp.name)
+            >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+            >>> cache = kvxfer.HostCache(mgr, disk)
+            >>> cache.put(caches, [0, 1], keys=[11, 12], wait=True)
+            [11, 12]
+            >>> cache.flush()
+            2
+            >>> cache.close(); mgr.close()  # a restart: host memory starts cold
+            >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+            >>> cache = kvxfer.HostCache(mgr, disk)
+            >>> cache.prefetch([11, 12, 13]).result()  # 13 was never stored
+            2
+            >>> reads = disk.stats()["gets"]
+            >>> cache.lookup([11, 12]).tiers, disk.stats()["gets"] - reads
+            (('host', 'host'), 0)
+            >>> cache.stats()["pages_prefetched"]
+            2
+            >>> cache.close(); mgr.close(); disk.close(); tmp.cleanup()
+        """
+        with self._lock:
+            self._check_open()
+            return self._prefetch.start(page_keys(keys, "keys"))
 
     def release(self, hit: CacheHit) -> None:
         """Unpins a hit that will not be loaded (a no-op once released or settled)."""
@@ -288,9 +355,10 @@ class HostCache:
         return out
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Indexes offloads in flight and gives queued store writes ``timeout`` seconds
-        in all (one deadline, not one per write); writes not done by then are dropped
-        (logged). The manager and the store stay open. In a multi-process job it then
+        """Indexes offloads in flight, cancels prefetches not started, and gives the
+        running prefetch and queued store writes ``timeout`` seconds in all (one
+        deadline, not one per write); writes not done by then are dropped (logged), and
+        a prefetch still reading then imports nothing. The manager and the store stay open. In a multi-process job it then
         waits (up to the manager's ``agreement_timeout``) for every rank to close its
         cache."""
         if self._closed:
@@ -302,6 +370,7 @@ class HostCache:
             self._collect()
             self._closed = True
             writes = [] if self._store is None else self._store.stop_writes()
+        self._prefetch.close(timeout, deadline)
         if self._store is not None:
             self._store.close(writes, timeout, deadline)
         self._agreement.meet("close")
