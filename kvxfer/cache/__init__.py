@@ -54,7 +54,8 @@ if the dead rank is rank 0, which hosts the coordination service.
 Modules, one idea each: ``_front`` (``HostCache``, one short method per call),
 ``_hits`` (``CacheHit``, ``CacheLoad``), ``_host`` (the host tier: index, order, pins,
 offloads on their way in, eviction), ``_store_tier`` (the store tier: write-behind,
-promotion, bad store pages), ``_lookup`` (the longest prefix, agreed across ranks),
+promotion, bad store pages), ``_lookup`` (the longest prefix, agreed across ranks,
+its store pages read in one batch), ``_prefetch`` (prefetches, on a thread of their own),
 ``_settle`` (loads in flight, a load's hits and bad pages), ``_policy``
 (``CachePolicy`` and LRU), ``_s3fifo`` and ``_arc`` (one policy each), ``_blocks``
 (keys and block ids) and ``_options`` (construction arguments).
