@@ -59,8 +59,8 @@ class HostCache:
         ``auth_key``; ``pip install 'kvxfer[crypto]'``), for stores shared across
         tenants.
 
-    Thread-safe. Store writes run on one background thread; ``flush()`` waits.
-    Prefetches (``prefetch``) run on another.
+    Thread-safe. Store writes run on one background thread (``flush()`` waits),
+    prefetches on another.
 
     In a multi-process job (tensor-parallel ranks, each holding its shards of every
     page) the ranks' caches stay identical, and every request gets the same
@@ -200,16 +200,13 @@ class HostCache:
     def lookup(self, keys: Sequence[Any]) -> CacheHit:
         """Pins the longest cached prefix of ``keys`` (host first, then the store).
 
-        Store pages are imported into host memory (promoted) on the way: the pages
-        past the host hit that are not in host memory are read in one batch (one
-        ``get_many``, no lock held), then each is opened, checked and imported in
-        order; the first that is missing or bad ends the prefix (a bad one is dropped
-        from the store). Pages a ``prefetch`` is still promoting are waited for, not
-        read again. The pins hold until ``load(...).result()`` or ``release(hit)``;
-        the lookup is one use of each page it pins, as the policy counts uses. In a
-        multi-process job every rank must call it for the same keys, in the same
-        order: the ranks agree on the hit length (the minimum over ranks) before
-        anything is pinned, each asking its store once (``contains_many``).
+        Store pages are imported into host memory (promoted) on the way, read in one
+        ``get_many`` (no lock held) and checked page by page: the first missing or bad
+        one ends the prefix. Pages a ``prefetch`` is promoting are waited for. The pins
+        hold until ``load(...).result()`` or ``release(hit)``; the lookup is one use
+        of each page it pins, as the policy counts uses. In a multi-process job
+        every rank must call it for the same keys, in the same order: the ranks
+        agree on the hit length (the minimum over ranks) before anything is pinned.
 
         Raises:
           AgreementError: another rank's lookup in the same turn was for other keys.
@@ -230,56 +227,13 @@ class HostCache:
 
     def prefetch(self, keys: Sequence[Any]) -> concurrent.futures.Future:
         """Starts promoting the store pages of the longest cached prefix of ``keys`` into
-        host memory, in the background, so that a later ``lookup(keys)`` finds them there.
-
-        The prefix is found as ``lookup`` finds it (the store pages past the pages in
-        host memory read in one batch, with no lock held, each checked as a lookup
-        checks it), but nothing stays pinned and no page is marked used: the pages are
-        ordinary host pages, which eviction may take again before the lookup comes. A
-        lookup that needs pages a prefetch is still promoting waits for it, so each
-        page is read once and takes one host slot. Prefetches run one at a time, in
-        the order they were asked for.
-
-        A prefetch never makes a lookup fail: store errors and bad pages are counted
-        and logged as a lookup's are (``store_read_errors``, ``bad_pages``,
-        ``store_auth_failures``), anything else in ``prefetch_errors`` and the returned
-        future. ``stats()`` counts ``prefetches`` and ``pages_prefetched`` (pages
-        brought from the store; a lookup then counts them as host pages). ``close()``
-        cancels the prefetches not started and gives the running one its timeout.
-
-        In a multi-process job a prefetch is this rank's alone: it takes part in no
-        agreement and moves pages into this rank's host memory only. ``lookup``
-        remains what the ranks agree on (the minimum), so a rank whose prefetch did
-        less still gets the same hit as the others; call it on every rank for the
-        same keys to keep the ranks' host tiers alike.
+        host memory in the background, so that a later ``lookup(keys)`` finds them there
+        (see Prefetch in ``kvxfer.cache``: an example, lookups meanwhile, errors, close,
+        several ranks).
 
         Returns:
-          A ``concurrent.futures.Future`` whose result is how long a prefix of
-          ``keys`` it left in host memory (pages it promoted and pages already there).
-
-        Example:
-            >>> import tempfile, jax.numpy as jnp, kvxfer
-            >>> from kvxfer import store
-            >>> caches = [jnp.ones((8, 4, 128), jnp.float32)]
-            >>> tmp = tempfile.TemporaryDirectory()
-            >>> disk = store.DiskStore(tmp.name)
-            >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-            >>> cache = kvxfer.HostCache(mgr, disk)
-            >>> cache.put(caches, [0, 1], keys=[11, 12], wait=True)
-            [11, 12]
-            >>> cache.flush()
-            2
-            >>> cache.close(); mgr.close()  # a restart: host memory starts cold
-            >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-            >>> cache = kvxfer.HostCache(mgr, disk)
-            >>> cache.prefetch([11, 12, 13]).result()  # 13 was never stored
-            2
-            >>> reads = disk.stats()["gets"]
-            >>> cache.lookup([11, 12]).tiers, disk.stats()["gets"] - reads
-            (('host', 'host'), 0)
-            >>> cache.stats()["pages_prefetched"]
-            2
-            >>> cache.close(); mgr.close(); disk.close(); tmp.cleanup()
+          A ``concurrent.futures.Future`` of how long a prefix of ``keys`` it left in
+          host memory (pages it promoted and pages already there).
         """
         with self._lock:
             self._check_open()
@@ -356,11 +310,10 @@ class HostCache:
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Indexes offloads in flight, cancels prefetches not started, and gives the
-        running prefetch and queued store writes ``timeout`` seconds in all (one
-        deadline, not one per write); writes not done by then are dropped (logged), and
-        a prefetch still reading then imports nothing. The manager and the store stay open. In a multi-process job it then
-        waits (up to the manager's ``agreement_timeout``) for every rank to close its
-        cache."""
+        running one and queued store writes ``timeout`` seconds in all (one deadline);
+        writes not done by then are dropped (logged), a late prefetch imports nothing.
+        The manager and the store stay open. In a multi-process job it then waits (up
+        to the manager's ``agreement_timeout``) for every rank to close its cache."""
         if self._closed:
             return
         timeout = check_timeout(timeout, "timeout")
