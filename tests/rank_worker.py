@@ -3,7 +3,8 @@
 Usage: python rank_worker.py RANK PORT SCENARIO:STORE_DIR
   SCENARIO: faults (a one-rank bit flip, a one-rank delivery fault, lookups out of
   step, then rank 0 closes first) | mismatch (the ranks load different requests
-  through the manager)
+  through the manager) | prefetch (after a restart, rank 0 prefetches a prefix from
+  the store and rank 1 does not; both look it up)
 The caches are global arrays sharded over KV heads across the two processes, and
 the cache writes through to a disk store both ranks share. Prints one JSON line.
 """
@@ -128,6 +129,27 @@ elif scenario == "mismatch":
         out["error"] = str(e)
     caches, handle = mgr.load(caches, pages, [8, 9, 10, 11])
     out["next"] = handle.result(30).verified_prefix
+    cache.close()
+    mgr.close()
+elif scenario == "prefetch":
+    cache.put(caches, src, chain, wait=True)  # written through to the store
+    cache.close()
+    mgr.close()
+    # A restart: cold host memory on both ranks, every page in the store.
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, agreement_timeout=20)
+    counted = testing.CountingStore(store)
+    cache = kvxfer.HostCache(mgr, counted)
+    if rank == 0:  # a prefetch is one rank's own: no agreement, nothing on rank 1
+        out["prefetched"] = cache.prefetch(chain).result(30)
+    counted.calls.clear()
+    hit = cache.lookup(chain + [999])
+    out["calls"] = dict(counted.calls)
+    out["tiers"] = list(hit.tiers)
+    caches, load = cache.load(caches, hit, [8, 9, 10, 11][:hit.num_pages])
+    n = load.result(30).verified_prefix
+    out["prefix"] = n
+    out["exact"] = all(np.array_equal(local_bits(caches[i], [8, 9, 10, 11][:n]),
+                                      expected(i, src[:n])) for i in range(3))
     cache.close()
     mgr.close()
 else:

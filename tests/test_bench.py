@@ -284,6 +284,15 @@ def check_lookup_rows(rows, cfg, stores):
         assert r["speedup"] == pytest.approx(m["per_page"]["p50_s"] / m["batched"]["p50_s"])
         assert r["speedup_best"] == pytest.approx(m["per_page"]["best_s"] /
                                                   m["batched"]["best_s"])
+        # The same prefix through HostCache.lookup: one get_many against one get a page.
+        c = r["cache"]
+        assert c["blob_bytes"] > r["blob_bytes"] // 2
+        assert c["methods"]["batched"]["calls"] == {"get_many": 1}
+        assert c["methods"]["per_page"]["calls"] == {"get": r["pages"], "get_many": 1}
+        for m in c["methods"].values():
+            assert m["n"] == cfg.lookup_repeats and m["bytes"] == r["pages"] * c["blob_bytes"]
+        assert c["speedup"] == pytest.approx(c["methods"]["per_page"]["p50_s"] /
+                                             c["methods"]["batched"]["p50_s"])
 
 
 def test_store_section_measures_a_temporary_disk_store_by_default(run):

@@ -251,7 +251,9 @@ def test_store_errors_neither_leak_pins_nor_lose_a_load_result(tmp_path, caplog)
     cache.close(), mgr.close(), disk.close()
 
 
-def test_a_page_the_store_evicted_is_written_back_again(tmp_path):
+def test_a_page_the_store_lost_is_written_back_once_the_cache_finds_out(tmp_path):
+    # A page the cache knows the store holds is never written again (no store call);
+    # flush() and lookups ask the store, and a page found missing is written again.
     caches = _caches()
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
     disk = store.DiskStore(tmp_path / "pages")
@@ -259,9 +261,16 @@ def test_a_page_the_store_evicted_is_written_back_again(tmp_path):
     cache.put(caches, [0, 1], [10, 11], wait=True)
     cache.flush()
     assert disk.delete(cache.store_key(10))  # the store's own LRU (another writer, say)
+    assert cache.flush() == 1 and disk.contains(cache.store_key(10))  # asked: written
+    assert disk.delete(cache.store_key(11))
     cache.put(caches, [2, 3], [12, 13], wait=True)  # evicts 10 and 11 from host
     cache.flush()
-    assert disk.contains(cache.store_key(10)) and disk.contains(cache.store_key(11))
+    assert cache.stats()["store_writes_skipped"] == 2  # both known: no store call
+    assert not disk.contains(cache.store_key(11))  # lost behind the cache's back
+    assert cache.lookup([11]).num_pages == 0  # the lookup finds it missing...
+    cache.put(caches, [1], [11], wait=True)  # ...so putting it again writes it
+    cache.flush()
+    assert disk.contains(cache.store_key(11)) and disk.contains(cache.store_key(10))
     cache.close(), mgr.close(), disk.close()
 
 

@@ -14,7 +14,12 @@ For each Redis store, ``lookup_section`` then measures a prefix lookup: the page
 ``lookup_pages``-page prefix read with one ``get`` per page (a round trip each, as
 ``HostCache`` promotes them today) against one ``get_many`` of them all, with
 redis-py's plain per-key ``GET`` and its pipelined ``GET`` of the same bytes as their
-limits, every variant interleaved.
+limits, every variant interleaved. In the same rounds it measures what a cache gains end
+to end: ``HostCache.lookup`` of the same number of pages, each about the same size,
+promoted from the store into host memory (read, opened, imported), with the cache's
+batched read against the same cache over the per-page path (``CountingStore(store,
+batched=False)``: one ``get`` per page, as lookups read before), with the store calls
+each lookup made.
 
 Every put goes to a new key (the previous round's are deleted before the timer
 starts); every variant of a size runs interleaved, round by round.
@@ -37,9 +42,12 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer import testing
 from kvxfer._text import format_bytes
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench.timing import Progress, interleaved, now, stats
+from kvxfer.cache import HostCache
+from kvxfer.manager import KVCacheManager
 from kvxfer.store import (DiskStore, RedisClusterStore, RedisStore, Sealer, Store,
                           StoreError, parse_spec)
 
@@ -331,7 +339,63 @@ def store_section(cfg: BenchConfig, stores: Sequence[str], progress: Progress
     return rows
 
 
-def _lookup_variants(store: RedisStore | RedisClusterStore, blob: bytes, pages: int
+#: The cache lookup's caches: layers of bf16 blocks of 128 columns.
+_CACHE_LAYERS, _CACHE_COLUMNS = 4, 128
+
+
+class _CacheLookup:
+    """``HostCache.lookup`` of a ``pages``-page prefix promoted from ``store``, each page
+    about ``page_bytes`` (4 bf16 layers): the pages are written to the store once; each
+    run looks the prefix up (timed) then evicts it from host memory again (not timed;
+    the cache knows the store holds those pages, so eviction writes nothing).
+
+    ``batched=False`` puts the cache over ``CountingStore(store, batched=False)``: one
+    ``get`` per page. ``calls`` counts the store calls of the timed lookups.
+    """
+
+    def __init__(self, store: Store, page_bytes: int, pages: int, *, batched: bool):
+        rows = max(1, page_bytes // (_CACHE_LAYERS * _CACHE_COLUMNS * 2))
+        caches = testing.random_caches(_CACHE_LAYERS, pages, (rows, _CACHE_COLUMNS),
+                                       "bfloat16", seed=2)
+        self.keys = list(range(1, pages + 1))
+        with KVCacheManager(caches, num_host_blocks=pages) as writer:
+            cache = HostCache(writer, store, namespace="bench-cache:", write_through=True)
+            cache.put(caches, list(range(pages)), self.keys, wait=True)
+            cache.flush()
+            self.blob_bytes = len(store.get(cache.store_key(self.keys[0])) or b"")
+            cache.close()
+        self.mgr = KVCacheManager(caches, num_host_blocks=pages)
+        self.store = testing.CountingStore(store, batched=batched)
+        self.cache = HostCache(self.mgr, self.store, namespace="bench-cache:")
+        self.calls: dict[str, int] = {}
+        self.runs = 0
+
+    def __call__(self) -> float:
+        self.store.calls.clear()
+        t0 = now()
+        hit = self.cache.lookup(self.keys)
+        elapsed = now() - t0
+        calls = dict(self.store.calls)
+        self.cache.release(hit)
+        if hit.tiers != ("store",) * len(self.keys):
+            raise RuntimeError(f"bench: the cache lookup found {hit.tiers.count('store')} "
+                               f"of {len(self.keys)} pages in the {self.store.name} store")
+        self.cache.make_room(len(self.keys))  # every page back out of host memory
+        self.runs += 1
+        for name, n in calls.items():
+            self.calls[name] = self.calls.get(name, 0) + n
+        return elapsed
+
+    def calls_per_lookup(self) -> dict[str, float]:
+        return {name: n / self.runs for name, n in sorted(self.calls.items())}
+
+    def close(self) -> None:
+        self.cache.close()
+        self.mgr.close()
+
+
+def _lookup_variants(store: RedisStore | RedisClusterStore, blob: bytes, pages: int,
+                     cached: dict[str, _CacheLookup]
                      ) -> tuple[dict[str, Callable[[], float]], Callable[[], None]]:
     raw = _raw_client(store)
     tag = f"lookup-{len(blob)}"
@@ -359,16 +423,23 @@ def _lookup_variants(store: RedisStore | RedisClusterStore, blob: bytes, pages: 
             pipe.get(k)
         return pipe.execute()
 
+    cached["per_page"] = _CacheLookup(store, len(blob), pages, batched=False)
+    cached["batched"] = _CacheLookup(store, len(blob), pages, batched=True)
+
     def close() -> None:
         raw.delete(*raw_keys)
         raw.close()
         for k in keys:
             store.delete(k)
+        for c in cached.values():
+            c.close()
 
     return ({"limit_per_page": timed(lambda: [raw.get(k) for k in raw_keys], "raw"),
              "store_per_page": timed(lambda: [store.get(k) for k in keys], "per-page"),
              "limit_batched": timed(raw_pipelined, "raw pipelined"),
-             "store_batched": timed(lambda: store.get_many(keys), "batched")}, close)
+             "store_batched": timed(lambda: store.get_many(keys), "batched"),
+             "cache_per_page": cached["per_page"], "cache_batched": cached["batched"]},
+            close)
 
 
 def lookup_section(cfg: BenchConfig, stores: Sequence[str], progress: Progress
@@ -383,7 +454,10 @@ def lookup_section(cfg: BenchConfig, stores: Sequence[str], progress: Progress
       ``methods`` (``per_page``, ``batched``) and ``limit`` (redis-py's per-key
       ``GET`` and its pipelined ``GET``s of the same bytes), the stats of every
       repeat, ``methods`` with ``fraction_of_limit``; ``speedup`` (per-page p50 over
-      batched p50) and ``speedup_best`` (over the best repeats).
+      batched p50) and ``speedup_best`` (over the best repeats); ``cache``: the
+      ``HostCache.lookup`` of as many pages (``blob_bytes``: each page's blob),
+      ``methods`` ``per_page`` and ``batched`` (stats of every repeat, each with
+      ``calls``: its store calls per lookup), ``speedup`` and ``speedup_best``.
     """
     rng = np.random.default_rng(1)
     rows = []
@@ -403,7 +477,13 @@ def _lookup_row(cfg: BenchConfig, store: RedisStore | RedisClusterStore,
     progress.step("store", f"store: {store.name} ({where['spec']}), lookup of a "
                   f"{pages}-page prefix of {format_bytes(size)} pages, per page and batched")
     blob = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-    variants, close = _lookup_variants(store, blob, pages)
+    cached: dict[str, _CacheLookup] = {}
+    try:
+        variants, close = _lookup_variants(store, blob, pages, cached)
+    except BaseException:
+        for c in cached.values():
+            c.close()
+        raise
     try:
         t = interleaved(variants, cfg.lookup_repeats)
     finally:
@@ -413,7 +493,13 @@ def _lookup_row(cfg: BenchConfig, store: RedisStore | RedisClusterStore,
     limit = {m: stats(t[f"limit_{m}"]["s"], nbytes) for m in ("per_page", "batched")}
     for m in methods:
         methods[m]["fraction_of_limit"] = methods[m]["gbps"] / limit[m]["gbps"]
-    return {**where, "pages": pages, "blob_bytes": size, "bytes": nbytes,
+    page_bytes = cached["batched"].blob_bytes
+    through = {m: dict(stats(t[f"cache_{m}"]["s"], pages * page_bytes),
+                       calls=cached[m].calls_per_lookup()) for m in ("per_page", "batched")}
+    cache = {"blob_bytes": page_bytes, "methods": through,
+             "speedup": through["per_page"]["p50_s"] / through["batched"]["p50_s"],
+             "speedup_best": through["per_page"]["best_s"] / through["batched"]["best_s"]}
+    return {**where, "pages": pages, "blob_bytes": size, "bytes": nbytes, "cache": cache,
             "reference": size == cfg.lookup_reference_bytes, "methods": methods,
             "limit": limit,
             "speedup": methods["per_page"]["p50_s"] / methods["batched"]["p50_s"],

@@ -578,6 +578,24 @@ def _lookup_lines(rows: list[dict[str, Any]]) -> list[str]:
                            f"{r['speedup']:.1f}x ({r['speedup_best']:.1f}x)"])
     lines.append(table(table_rows, ["store", "where", "pages", "page", "limit GET each",
                                     "get each", "limit pipelined", "get_many", "speed-up"]))
+    cached = [r for r in rows if "cache" in r]
+    if cached:
+        lines += ["", "The same prefix through HostCache.lookup: the pages read, opened and "
+                  "imported into host memory, over the per-page path (one get per page) and "
+                  "with the cache's one get_many; ms per lookup (p50/p99), store calls per "
+                  "lookup; speed-up = per-page p50 / batched p50 (best / best)"]
+        cache_rows = []
+        for r in cached:
+            c = r["cache"]
+            cells = [r["store"], r["spec"], r["pages"], format_bytes(c["blob_bytes"])]
+            for m in ("per_page", "batched"):
+                calls = ", ".join(f"{n:g} {name}" for name, n in c["methods"][m]["calls"].items())
+                cells += [_p50_p99(c["methods"][m]), calls]
+            cells.append(f"{c['speedup']:.1f}x ({c['speedup_best']:.1f}x)")
+            cache_rows.append(cells)
+        lines.append(table(cache_rows, ["store", "where", "pages", "page blob",
+                                        "lookup per page", "its calls", "lookup batched",
+                                        "its calls", "speed-up"]))
     return lines
 
 

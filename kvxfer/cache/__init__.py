@@ -30,6 +30,37 @@ Example:
     (0, 1)
     >>> cache.close(); mgr.close()
 
+Prefetch. ``cache.prefetch(keys)`` finds the prefix of ``keys`` as a lookup would,
+on a background thread, and returns a ``concurrent.futures.Future`` of its length in
+host memory; it pins nothing and marks no page used, so a later lookup finds host pages
+unless eviction took them first. A lookup that needs pages a prefetch is still
+promoting waits for it (no lock held), so each page is read once and takes one slot;
+prefetches run one at a time, in order. A prefetch never makes a lookup fail: store
+errors and bad pages are counted and logged as a lookup's are, anything else in
+``prefetch_errors`` and its future. ``stats()`` counts ``prefetches`` and
+``pages_prefetched``; a lookup counts those pages as host hits. ``close()`` cancels
+the prefetches not started and gives the running one its timeout.
+
+    >>> import tempfile
+    >>> from kvxfer import store
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> disk = store.DiskStore(tmp.name)
+    >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    >>> cache = kvxfer.HostCache(mgr, disk)
+    >>> cache.put(caches, [0, 1], keys=[11, 12], wait=True)
+    [11, 12]
+    >>> cache.flush()
+    2
+    >>> cache.close(); mgr.close()  # a restart: host memory starts cold
+    >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    >>> cache = kvxfer.HostCache(mgr, disk)
+    >>> cache.prefetch([11, 12, 13]).result()  # 13 was never stored
+    2
+    >>> reads = disk.stats()["gets"]
+    >>> cache.lookup([11, 12]).tiers, disk.stats()["gets"] - reads  # no store read
+    (('host', 'host'), 0)
+    >>> cache.close(); mgr.close(); disk.close(); tmp.cleanup()
+
 Several ranks. In a multi-process job (tensor-parallel ranks, each holding its
 shards of every page) every rank creates its managers and caches in the same order
 and calls ``put``, ``lookup``, ``load`` and ``release`` for the same requests in the
@@ -44,7 +75,10 @@ same order, then ``close``. Then:
   for that load only, on every rank; the page stays in host and store;
 * rounds of different requests never pair silently: each carries the keys it is
   about, and mismatched ones raise ``AgreementError`` on every rank;
-* ``close`` waits (up to the manager's ``agreement_timeout``) for every rank.
+* ``close`` waits (up to the manager's ``agreement_timeout``) for every rank;
+* a ``prefetch`` is the calling rank's own: it takes part in no agreement and moves
+  pages into this rank's host memory only, and the next lookup still agrees on the
+  minimum (call it on every rank for the same keys to keep the host tiers alike).
 
 A rank that dies is named in a ``TransferError`` by the others' next agreement,
 after ``agreement_timeout``; ``jax.distributed`` itself aborts the surviving
@@ -54,7 +88,8 @@ if the dead rank is rank 0, which hosts the coordination service.
 Modules, one idea each: ``_front`` (``HostCache``, one short method per call),
 ``_hits`` (``CacheHit``, ``CacheLoad``), ``_host`` (the host tier: index, order, pins,
 offloads on their way in, eviction), ``_store_tier`` (the store tier: write-behind,
-promotion, bad store pages), ``_lookup`` (the longest prefix, agreed across ranks),
+promotion, bad store pages), ``_lookup`` (the longest prefix, agreed across ranks,
+its store pages read in one batch), ``_prefetch`` (prefetches, on a thread of their own),
 ``_settle`` (loads in flight, a load's hits and bad pages), ``_policy``
 (``CachePolicy`` and LRU), ``_s3fifo`` and ``_arc`` (one policy each), ``_events``
 (``CacheEvent``s for routers, ``HostCache.subscribe``), ``_blocks`` (keys and block

@@ -19,8 +19,10 @@ from kvxfer.cache._host import HostTier
 from kvxfer.cache._lookup import Finder
 from kvxfer.cache._options import check_options, check_write_through, make_policy
 from kvxfer.cache._policy import CachePolicy, PolicyName
+from kvxfer.cache._prefetch import Prefetcher
 from kvxfer.cache._settle import Loads
 from kvxfer.cache._store_tier import StoreTier, WriteThrough, store_key
+from kvxfer.cache._views import IndexViews
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import Agreement, Blocks, Gate, KVCacheManager, check_key
 from kvxfer.store import Store
@@ -34,7 +36,7 @@ _COUNTERS = ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
              "store_auth_failures", "events_dropped")
 
 
-class HostCache:
+class HostCache(IndexViews):
     """A prefix cache of KV pages in a manager's host pool, over an optional store.
 
     Args:
@@ -64,8 +66,8 @@ class HostCache:
         ``auth_key``; ``pip install 'kvxfer[crypto]'``), for stores shared across
         tenants.
 
-    Thread-safe. Store writes run on one background thread; ``flush()`` waits.
-    ``subscribe(callback)`` reports where pages arrive and leave.
+    Thread-safe. Store writes run on one background thread (``flush()`` waits),
+    prefetches on another. ``subscribe(callback)`` reports where pages arrive and leave.
 
     In a multi-process job the ranks' caches stay identical and every request gets
     the same verified prefix on every rank, as long as every rank creates its
@@ -96,6 +98,7 @@ class HostCache:
             write_through=self.write_through, sealer=sealer, events=self._events)
         self._host = HostTier(mgr, self._stats, self._store, self.policy, self._events)
         self._finder = Finder(self._host, self._store, self._agreement)
+        self._prefetch = Prefetcher(self._lock, self._finder, self._host, self._stats)
         self._loads = Loads(self._lock, self._host, self._store, self._stats)
         self._closed = False
 
@@ -109,38 +112,6 @@ class HostCache:
         key names the rank too (each rank's page holds that rank's shards).
         """
         return store_key(self.namespace, self.mgr, self._sealer, check_key(key, "key"))
-
-    def __len__(self) -> int:
-        with self._lock:
-            self._collect()
-            return len(self._host)
-
-    def __contains__(self, key: Any) -> bool:
-        key = check_key(key, "key")
-        with self._lock:
-            self._collect()
-            return self._host.holds(key)
-
-    def keys(self) -> list[int]:
-        """The keys of the cache's host pages, roughly in the order eviction would
-        take them (least recently used first under LRU)."""
-        with self._lock:
-            self._collect()
-            return self._host.keys()
-
-    def page_of(self, key: Any) -> PageRef | None:
-        """The host page cached under ``key`` (not pinned, not marked used), or None."""
-        key = check_key(key, "key")
-        with self._lock:
-            self._collect()
-            return self._host.page_of(key)
-
-    def find(self, key: Any) -> str | None:
-        """Where page ``key`` is: ``"host"``, ``"store"`` or None (not marking it used)."""
-        key = check_key(key, "key")
-        with self._lock:
-            self._collect()
-            return self._finder.where(key)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -203,7 +174,9 @@ class HostCache:
     def lookup(self, keys: Sequence[Any]) -> CacheHit:
         """Pins the longest cached prefix of ``keys`` (host first, then the store).
 
-        Store pages are imported into host memory (promoted) on the way. The pins
+        Store pages are imported into host memory (promoted) on the way, read in one
+        ``get_many`` (no lock held) and checked page by page: the first missing or bad
+        one ends the prefix. Pages a ``prefetch`` is promoting are waited for. The pins
         hold until ``load(...).result()`` or ``release(hit)``; the lookup is one use
         of each page it pins, as the policy counts uses. In a multi-process job
         every rank must call it for the same keys, in the same order: the ranks
@@ -218,11 +191,27 @@ class HostCache:
             self._check_open()
             self._collect()
             keys = page_keys(keys, "keys")
+            self._prefetch.wait_for(keys)
+            self._check_open()
             found = self._finder.find(keys)
             self._stats.add(lookups=1, pages_requested=len(keys),
                             misses=len(keys) - len(found))
             return CacheHit(tuple(f.key for f in found), tuple(f.ref for f in found),
                             tuple(f.tier for f in found), Pin(owner=self))
+
+    def prefetch(self, keys: Sequence[Any]) -> concurrent.futures.Future:
+        """Starts promoting the store pages of the longest cached prefix of ``keys`` into
+        host memory in the background, so that a later ``lookup(keys)`` finds them there
+        (see Prefetch in ``kvxfer.cache``: an example, lookups meanwhile, errors, close,
+        several ranks).
+
+        Returns:
+          A ``concurrent.futures.Future`` of how long a prefix of ``keys`` it left in
+          host memory (pages it promoted and pages already there).
+        """
+        with self._lock:
+            self._check_open()
+            return self._prefetch.start(page_keys(keys, "keys"))
 
     def release(self, hit: CacheHit) -> None:
         """Unpins a hit that will not be loaded (a no-op once released or settled)."""
@@ -309,10 +298,11 @@ class HostCache:
         return out
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Indexes offloads in flight and gives queued store writes, then the events not
-        delivered yet, ``timeout`` seconds in all (one deadline, not one per write);
-        writes not done by then are dropped (logged). The manager and the store stay
-        open. In a multi-process job it then waits (up to the manager's
+        """Indexes offloads in flight, cancels prefetches not started, and gives the
+        running one, queued store writes, then the events not delivered yet, ``timeout``
+        seconds in all (one deadline, not one per write); writes not done by then are
+        dropped (logged), a late prefetch imports nothing. The manager and the store
+        stay open. In a multi-process job it then waits (up to the manager's
         ``agreement_timeout``) for every rank to close its cache."""
         if self._closed:
             return
@@ -323,6 +313,7 @@ class HostCache:
             self._collect()
             self._closed = True
             writes = [] if self._store is None else self._store.stop_writes()
+        self._prefetch.close(timeout, deadline)
         if self._store is not None:
             self._store.close(writes, timeout, deadline)
         left = None if deadline is None else max(deadline - time.monotonic(), 0)

@@ -81,6 +81,10 @@ class HostTier:
         ref = self._index.get(key)
         return ref if ref is not None and self.mgr.is_valid(ref) else None
 
+    def arriving(self, key: int) -> bool:
+        """Whether an offload of ``key``'s page is in flight (not indexed yet)."""
+        return key in self._pending
+
     def get(self, key: int) -> PageRef | None:
         """The valid host page of ``key``, or None: an entry whose page was freed
         behind the cache's back leaves the index."""

@@ -1,5 +1,10 @@
 """Finding a request's longest cached prefix: host first, then the store, pinned.
 
+The pages past the host hit that are not in host memory are read from the store in one
+batch (``get_many``; ``contains_many`` where a lookup only measures), with no cache
+lock held, then opened, checked and imported page by page: a page that fails ends the
+prefix there, as one read per page would have.
+
 In a multi-process job the ranks agree on the hit length before anything is
 pinned (the minimum over ranks, as SGLang's HiCache all-reduces its prefix length),
 so every rank loads the same pages or misses alike.
@@ -54,41 +59,75 @@ class Finder:
             return self._together(keys)
         return self.pin_prefix(keys)
 
-    def pin_prefix(self, keys: list[int]) -> list[Found]:
+    def pin_prefix(self, keys: list[int], *, use: bool = True) -> list[Found]:
         """Pins (promoting from the store) the longest prefix of ``keys`` this rank has.
 
         A lookup is one use of every page it finds: a host page is marked used (the
         policy's ``touch``, and a hit for ``write_through=N``); a page promoted from
-        the store arrives in host memory (its ``insert`` is that use).
+        the store arrives in host memory (its ``insert`` is that use). ``use=False`` (a
+        prefetch) marks nothing used. Each page is pinned as it is found, so promoting
+        the next never evicts it.
         """
         found: list[Found] = []
         try:
             for key in keys:
-                self.host.wait_pending(key)
-                ref, tier = self.host.get(key), "host"
-                if ref is None and self.store is not None:
-                    ref, tier = self.store.promote(key, self.host)
+                ref = self._host_page(key)
                 if ref is None:
                     break
-                if tier == "host":
-                    self.host.found(key)
-                self.host.pin(key)
-                found.append(Found(key, ref, tier))
+                self._take(found, key, ref, "host", use)
+            rest = keys[len(found):]
+            if rest and self.store is not None:
+                self._promote(rest, found, use)
         except BaseException:
             self.host.unpin([f.key for f in found])
             raise
         return found
 
+    def _promote(self, rest: list[int], found: list[Found], use: bool) -> None:
+        """Extends ``found`` over ``rest`` (past the host hit): the store pages among
+        them read in one batch, then imported in order up to the first miss."""
+        assert self.store is not None
+        batch = self.store.read_many(self._not_on_host(rest))  # the lock let go of
+        for key in rest:
+            ref, tier = self._host_page(key), "host"  # (maybe promoted meanwhile)
+            if ref is None:
+                ref, tier = self.store.admit(key, batch, self.host), "store"
+            if ref is None:
+                break
+            self._take(found, key, ref, tier, use)
+
+    def _host_page(self, key: int) -> PageRef | None:
+        """The host page of ``key`` once an offload of it in flight is indexed, or None."""
+        self.host.wait_pending(key)
+        return self.host.get(key)
+
+    def _not_on_host(self, keys: list[int]) -> list[int]:
+        """The keys whose pages are neither in host memory nor on their way there."""
+        return [k for k in keys if self.host.peek(k) is None and not self.host.arriving(k)]
+
+    def _take(self, found: list[Found], key: int, ref: PageRef, tier: str,
+              use: bool) -> None:
+        if use and tier == "host":
+            self.host.found(key)  # one use, and a hit for write_through=N
+        self.host.pin(key)
+        found.append(Found(key, ref, tier))
+
     def local_length(self, keys: list[int]) -> tuple[int, bool]:
         """How long a prefix this rank holds (nothing pinned or promoted), and whether
-        some of it is only in the store."""
-        n, in_store = 0, False
-        for key in keys:
-            self.host.wait_pending(key)
-            if self.host.get(key) is not None:
+        some of it is only in the store: the store asked once, for every page past the
+        host hit that is not in host memory."""
+        n = 0
+        while n < len(keys) and self._host_page(keys[n]) is not None:
+            n += 1
+        if n == len(keys) or self.store is None:
+            return n, False
+        rest, in_store = keys[n:], False
+        batch = self.store.has_many(self._not_on_host(rest))  # the lock let go of
+        for key in rest:
+            if self._host_page(key) is not None:
                 n += 1
                 continue
-            if self.store is None or not self.store.has(key):
+            if not self.store.holds(key, batch):
                 break
             n, in_store = n + 1, True
         return n, in_store

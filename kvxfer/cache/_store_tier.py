@@ -2,10 +2,16 @@
 
 ``StoreTier`` names each page's store key, writes pages on one background thread
 (write-behind: evicted pages; every page with write-through; pages found often
-enough with selective write-through, ``WriteThrough``), reads a page back
-and imports it into host memory (promotion), drops store pages that are not whole
-pages of this cache, and reads the store's counters without stalling a scrape. No
-cache lock is held across store I/O: ``unlocked`` lets go of it around every read.
+enough with selective write-through, ``WriteThrough``), reads pages back in batches
+(one ``get_many`` or ``contains_many`` per lookup) and imports them into host memory
+(promotion), drops store pages that are not whole pages of this cache, and reads the
+store's counters without stalling a scrape. No cache lock is held across store I/O:
+``unlocked`` lets go of it around every read.
+
+It remembers which pages the store holds as far as this cache knows (it wrote them, or
+read them from there), so a page it knows is there is never written again: no store
+call at all. A page leaves that memory when this cache deletes it from the store, or
+finds it missing there.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import jax
 
@@ -24,12 +30,12 @@ from kvxfer._counters import Counters
 from kvxfer.cache._events import EventHub
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import KVCacheManager, PageFormatError
-from kvxfer.store import SealError, Sealer, Store, StoreError
+from kvxfer.store import SealError, Sealer, Store, StoreBatchError, StoreError
 
 if TYPE_CHECKING:
     from kvxfer.cache._host import HostTier
 
-__all__ = ["StoreTier", "WriteThrough", "store_key", "unlocked"]
+__all__ = ["StoreTier", "Batch", "WriteThrough", "store_key", "unlocked"]
 
 #: When host pages reach the store: ``"always"`` (as soon as they are on host, and
 #: again when evicted), ``"never"`` (write-back: when evicted, and by ``flush()``), or
@@ -64,6 +70,15 @@ def unlocked(lock: threading.RLock) -> Iterator[None]:
         lock._acquire_restore(state)  # type: ignore[attr-defined]
 
 
+class Batch(NamedTuple):
+    """What one batched store call said of each page it asked about: ``got`` (a blob or
+    None for a read, a bool for ``contains``), ``errors`` (the pages it could not answer
+    for, each with its error)."""
+
+    got: dict[int, Any]
+    errors: dict[int, OSError]
+
+
 class StoreTier:
     """A cache's pages in ``store``: write-behind, promotion, bad pages dropped.
 
@@ -91,6 +106,7 @@ class StoreTier:
         self._events = events
         self._writes: dict[int, concurrent.futures.Future] = {}
         self._known: set[int] = set()  # keys this cache knows the store holds
+        stats.add(store_writes_skipped=0)
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvxfer-store")
         self._probe = _StatsProbe(store)
@@ -126,8 +142,9 @@ class StoreTier:
         """A page being evicted from host, found ``hits`` times: written back unless a
         write is queued or selective write-through leaves it out (counted).
 
-        Written back even if this cache wrote it before: the store may have evicted it
-        since (the put is put-if-absent).
+        Not written when this cache knows the store holds it (it wrote it, or promoted
+        it from there): a store that evicted it behind the cache's back is not asked
+        again (``flush`` asks).
         """
         if not self.wants(hits):
             self._stats.add(store_writes_gated=1)
@@ -135,8 +152,12 @@ class StoreTier:
             self.write(key, ref)
 
     def write(self, key: int, ref: PageRef) -> concurrent.futures.Future | None:
-        """Exports a page now and stores it on the writer thread."""
+        """Exports a page now and stores it on the writer thread; no store call for a
+        page this cache knows the store holds."""
         if self._closed:
+            return None
+        if key in self._known:
+            self._stats.add(store_writes_skipped=1)
             return None
         try:
             blob = self.mgr.export_page(ref)
@@ -197,55 +218,99 @@ class StoreTier:
             return True
         try:
             with unlocked(self._lock):
-                return self.store.contains(self.key(key))
+                there = self.store.contains(self.key(key))
         except (StoreError, OSError) as e:
             log.warning("the %s store could not be asked for page %#x: %s",
                         self.name, key, e)
             self._stats.add(store_read_errors=1)
             return False
+        if not there:
+            self._known.discard(key)
+        return there
 
-    def promote(self, key: int, host: HostTier) -> tuple[PageRef | None, str]:
-        """The store's page ``key`` imported into host memory, or None (a miss); and its
-        tier (``"host"`` when another thread brought it into host memory meanwhile).
+    def has_many(self, keys: list[int]) -> Batch:
+        """Whether the store holds each of ``keys`` (a queued write of it counts), asked
+        in one ``contains_many`` with no cache lock held."""
+        ask = [k for k in dict.fromkeys(keys) if k not in self._writes]
+        with unlocked(self._lock):
+            batch = self._batch(self.store.contains_many, ask)
+        batch.got.update((k, True) for k in keys if k not in batch.got)
+        return batch
 
-        One read per page, outside the cache lock.
+    def holds(self, key: int, batch: Batch) -> bool:
+        """Whether ``has_many``'s ``batch`` says the store holds ``key``; a page it could
+        not answer for is counted and logged (not held)."""
+        if self._failed(key, batch, "asked"):
+            return False
+        there = bool(batch.got.get(key))
+        if not there and key in batch.got:
+            self._known.discard(key)
+        return there
+
+    def read_many(self, keys: list[int]) -> Batch:
+        """The stored blobs of ``keys`` in one ``get_many`` (once the queued writes of
+        them are done), with no cache lock held: a lookup's whole promotion is one read.
         """
-        skey = self.key(key)
-        blob = self._read(key, skey)
-        ref = host.peek(key)
-        if ref is not None:
-            return ref, "host"
-        if blob is not None and self._sealer is not None:
+        keys = list(dict.fromkeys(keys))
+        writes = [f for f in map(self._writes.get, keys) if f is not None]
+        with unlocked(self._lock):
+            concurrent.futures.wait(writes)
+            return self._batch(self.store.get_many, keys)
+
+    def _batch(self, call: Callable[[list[str]], list[Any]], keys: list[int]) -> Batch:
+        """One batched store call over ``keys``' store keys; what it said of each page."""
+        if not keys:
+            return Batch({}, {})
+        errors: dict[int, OSError] = {}
+        try:
+            results = call([self.key(k) for k in keys])
+        except StoreBatchError as e:  # the other keys were answered
+            results = e.results
+            errors = {keys[i]: err for i, err in e.errors.items()}
+        except (StoreError, OSError) as e:
+            results, errors = [None] * len(keys), dict.fromkeys(keys, e)
+        return Batch(dict(zip(keys, results)), errors)
+
+    def _failed(self, key: int, batch: Batch, what: str) -> bool:
+        """Whether ``batch`` has no answer for ``key`` because of a store error (counted
+        and logged: the one page a lookup stops at, as one read of it would have)."""
+        error = batch.errors.get(key)
+        if error is None:
+            return False
+        log.warning("the %s store could not be %s for page %#x: %s", self.name, what,
+                    key, error)
+        self._stats.add(store_read_errors=1)
+        return True
+
+    def admit(self, key: int, batch: Batch, host: HostTier) -> PageRef | None:
+        """Page ``key`` of ``read_many``'s ``batch`` imported into host memory, or None:
+        not read, not stored, unreadable, failing its seal or not a whole page of this
+        cache (those two are dropped from the store), no room, or the cache closed.
+
+        Opening the seal and importing are per page: one bad blob is a miss of its page
+        alone (the caller's prefix ends there).
+        """
+        if self._closed or key not in batch.got or self._failed(key, batch, "read"):
+            return None
+        blob = batch.got[key]
+        if blob is None:
+            self._known.discard(key)  # evicted from the store, or never there
+            return None
+        if self._sealer is not None:
             try:
-                blob = self._sealer.open(skey, blob)
+                blob = self._sealer.open(self.key(key), blob)
             except SealError as e:
                 self._stats.add(store_auth_failures=1)
                 self.drop(key, f"{e}; a writer without the key changed it")
-                return None, "store"
-        if blob is None:
-            return None, "store"
+                return None
         try:
             ref = host.admit(key, blob)
         except PageFormatError as e:
             self.drop(key, str(e))
-            return None, "store"
+            return None
         if ref is not None:
             self._known.add(key)
-        return ref, "store"
-
-    def _read(self, key: int, skey: str) -> bytes | None:
-        """The stored blob of ``key`` (after a queued write of it), or None; unlocked."""
-        fut = self._writes.get(key)
-        with unlocked(self._lock):
-            if fut is not None:
-                fut.result()
-            try:
-                return self.store.get(skey)
-            except (StoreError, OSError) as e:
-                log.warning("the %s store could not be read for page %#x: %s",
-                            self.name, key, e)
-                self._stats.add(store_read_errors=1)
-                return None
+        return ref
 
     # -- bad pages -----------------------------------------------------------------
 

@@ -32,7 +32,8 @@ verification can catch it, and each has one meaning:
   applies to every mover alike.
 
 ``one-process`` corruption in a multi-process job is ``bitflip`` applied on one
-rank only. ``flip_stored_bit`` damages a page at rest in a store tier. The faults
+rank only. ``flip_stored_bit`` damages a page at rest in a store tier;
+``CountingStore`` counts the calls made to a real store. The faults
 act through ``KVCacheManager.set_transfer_hook`` and the host pool's public views.
 
     >>> import kvxfer
@@ -63,9 +64,10 @@ from kvxfer.testing._faults import reuse_slot as reuse_slot
 from kvxfer.testing._faults import tear as tear
 from kvxfer.testing._faults import wrong_keys as wrong_keys
 from kvxfer.testing._faults import zero_dma as zero_dma
+from kvxfer.testing._store import CountingStore as CountingStore
 from kvxfer.testing._store import flip_stored_bit as flip_stored_bit
 
 __all__ = ["bits", "same_bits", "random_bits", "block_shape", "random_caches", "FAULTS",
            "Fault", "InjectedTransferError", "flip_bit", "wrong_keys", "misfile",
            "reuse_slot", "corrupt_shard", "tear", "failing_transfer", "zero_dma", "inject",
-           "flip_stored_bit"]
+           "flip_stored_bit", "CountingStore"]
