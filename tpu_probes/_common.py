@@ -75,6 +75,18 @@ _py_logging.getLogger("jax._src.xla_bridge").setLevel(_py_logging.WARNING)
 # ---------------------------------------------------------------------------
 
 
+def chosen_methods(probe: str, given: list[str], known: tuple[str, ...]) -> list[str] | None:
+    """The ``--methods`` a probe was given, stripped; None (after saying why on stderr)
+    when one is unknown or none is left."""
+    methods = [m.strip() for m in given if m.strip()]
+    bad = [m for m in methods if m not in known]
+    if bad or not methods:
+        print(f"{probe}: --methods {','.join(bad) or '(empty)'}: choose from "
+              f"{', '.join(known)}", file=sys.stderr)
+        return None
+    return methods
+
+
 def device() -> Any:
     """The device the probes use: the first device of the default backend."""
     return jax.devices()[0]

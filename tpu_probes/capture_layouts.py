@@ -201,11 +201,8 @@ def default_out() -> Path:
 
 def main(argv: list[str]) -> int:
     del argv  # flags only: common.parse_flags refuses other arguments
-    methods = [m.strip() for m in FLAGS.methods if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        print(f"capture_layouts: --methods {','.join(bad) or '(empty)'}: choose from "
-              f"{', '.join(METHODS)}", file=sys.stderr)
+    methods = common.chosen_methods("capture_layouts", FLAGS.methods, METHODS)
+    if methods is None:
         return 2
     names = common.split_names(FLAGS.config) or common.config_names()
     try:

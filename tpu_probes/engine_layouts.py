@@ -202,11 +202,8 @@ def print_table(report: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     del argv  # flags only: common.parse_flags refuses other arguments
-    methods = [m.strip() for m in FLAGS.methods if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        print(f"engine_layouts: --methods {','.join(bad) or '(empty)'}: choose from "
-              f"{', '.join(METHODS)}", file=sys.stderr)
+    methods = common.chosen_methods("engine_layouts", FLAGS.methods, METHODS)
+    if methods is None:
         return 2
     try:
         report = capture(FLAGS.catalog, FLAGS.max_blocks, methods)

@@ -13,7 +13,7 @@ package override them with one round trip (Redis: per server) or one pass (disk)
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = ["Store", "StoreError", "StoreBatchError", "batch_keys", "batch_items"]
@@ -154,14 +154,7 @@ class Store(abc.ABC):
             blobs).
         """
         keys = batch_keys(keys)
-        got: dict[str, bytes | None] = {}
-        errors: dict[str, StoreError] = {}
-        for k in dict.fromkeys(keys):
-            try:
-                got[k] = self.get(k)
-            except StoreError as e:
-                errors[k] = e
-        return _gather("get_many", keys, got, errors)
+        return _gather("get_many", keys, *_each(self.get, keys))
 
     def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes], *,
                  replace: bool = False) -> list[bool]:
@@ -199,14 +192,7 @@ class Store(abc.ABC):
             others' answers).
         """
         keys = batch_keys(keys)
-        got: dict[str, bool] = {}
-        errors: dict[str, StoreError] = {}
-        for k in dict.fromkeys(keys):
-            try:
-                got[k] = self.contains(k)
-            except StoreError as e:
-                errors[k] = e
-        return _gather("contains_many", keys, got, errors)
+        return _gather("contains_many", keys, *_each(self.contains, keys))
 
     @abc.abstractmethod
     def delete(self, key: str) -> bool:
@@ -242,6 +228,19 @@ def _writes(pairs: list[tuple[str, Any]], replace: bool) -> dict[str, Any]:
         elif k not in order:
             order[k] = blob
     return order
+
+
+def _each(call: Callable[[str], Any], keys: list[str]
+          ) -> tuple[dict[str, Any], dict[str, StoreError]]:
+    """``call(key)`` once per distinct key: the results and the ``StoreError``s, by key."""
+    got: dict[str, Any] = {}
+    errors: dict[str, StoreError] = {}
+    for k in dict.fromkeys(keys):
+        try:
+            got[k] = call(k)
+        except StoreError as e:
+            errors[k] = e
+    return got, errors
 
 
 def _gather(what: str, keys: list[str], got: dict[str, Any],
