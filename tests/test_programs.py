@@ -73,7 +73,7 @@ def test_grouped_digest_loops_equal_the_vectorized_digest(dtype):
     base = rng.integers(0, 2**32, (n, integrity.IDENTITY_WORDS), dtype=np.uint32)
     layer_nums = np.array([3, 9, 27], np.uint32)
     g = _programs._digest_group(caches[0], n)
-    assert g == 128
+    assert g == _programs.DIGEST_LOOP_BYTES // 8192 and g > 1  # several pages an iteration
     vectorized = jax.jit(functools.partial(_programs._digest_impl,
                                            raw=_programs.needs_raw_bits(caches[0]),
                                            loop=False))
