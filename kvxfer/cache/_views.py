@@ -10,6 +10,7 @@ from kvxfer.manager import check_key
 
 if TYPE_CHECKING:
     import threading
+    from collections.abc import Callable
 
     from kvxfer.cache._host import HostTier
     from kvxfer.cache._lookup import Finder
@@ -20,12 +21,11 @@ __all__ = ["IndexViews"]
 class IndexViews:
     """What ``HostCache`` answers about its index without moving a page."""
 
+    # What the cache itself provides (``HostCache.__init__`` and ``HostCache._collect``).
     _lock: threading.RLock
     _host: HostTier
     _finder: Finder
-
-    def _collect(self) -> None:
-        raise NotImplementedError
+    _collect: Callable[[], None]
 
     def __len__(self) -> int:
         with self._lock:

@@ -526,9 +526,7 @@ class KvxferHostKVPool:
         if not ids:
             return
         with self._lock:
-            for i in ids:
-                self._require_allocated(i)
-            gens = [self._generation[i] for i in ids]
+            gens = self._epochs(ids)
             waits = {id(g): g for i in ids if (g := self._orphans.get(i)) is not None}
         self._require_device_pages(device_indices)
         for g in waits.values():
@@ -620,9 +618,7 @@ class KvxferHostKVPool:
         if not ids:
             return
         with self._lock:
-            for i in ids:
-                self._require_allocated(i)
-            gens = [self._generation[i] for i in ids]
+            gens = self._epochs(ids)
             pages = [self._pages[i] for i in ids]
             reasons = [self._dropped[i] for i in ids]
         for i, page, reason in zip(ids, pages, reasons):
@@ -820,6 +816,16 @@ class KvxferHostKVPool:
     def _check_range(self, i: int) -> None:
         if not 0 <= i < self._pool_size:
             raise ValueError(f"host page id={i} outside pool range [0, {self._pool_size})")
+
+    def _epochs(self, ids: list[int]) -> list[int]:
+        """The allocation epoch of each id (the lock held), once all are allocated.
+
+        Raises:
+          ValueError / RuntimeError: an id out of range, or not allocated.
+        """
+        for i in ids:
+            self._require_allocated(i)
+        return [self._generation[i] for i in ids]
 
     def _require_allocated(self, i: int) -> None:
         self._check_range(i)

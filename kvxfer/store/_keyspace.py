@@ -363,40 +363,39 @@ class KeyspaceStore(Store):
 
     def get(self, key: str) -> bytes | None:
         """The whole blob under ``key`` (and marks it recently used), or None."""
-        d = self._domain(key)
-        self._check_open()
-        try:
-            blob = self._spaces[d].get(self._client, key)
-        except self._errors as e:
-            self._unreachable(d, f"cannot read key {key!r}", e)
-            self._count(gets=1)
-            return None
-        self._reached(d)
+        d, error, blob = self._on_domain(key, "get")
+        if error is not None:
+            self._unreachable(d, f"cannot read key {key!r}", error)
         self._count(gets=1, hits=blob is not None)
         return blob
 
     def contains(self, key: str) -> bool:
         """Whether a blob is stored under ``key`` (not marking it used)."""
-        d = self._domain(key)
-        self._check_open()
-        try:
-            found = self._spaces[d].contains(self._client, key)
-        except self._errors as e:
-            self._unreachable(d, f"cannot read key {key!r}", e)
+        d, error, found = self._on_domain(key, "contains")
+        if error is not None:
+            self._unreachable(d, f"cannot read key {key!r}", error)
             return False
-        self._reached(d)
         return found
 
     def delete(self, key: str) -> bool:
         """Removes ``key``; returns whether it was there."""
+        d, error, found = self._on_domain(key, "delete")
+        if error is not None:
+            raise self._unwritable(d, f"cannot delete key {key!r}", error) from error
+        return found
+
+    def _on_domain(self, key: str, op: str) -> tuple[int, BaseException | None, Any]:
+        """``op`` of ``key`` on its domain's space: ``(domain, None, result)``, or
+        ``(domain, the connection error, None)`` when the domain's server is out of
+        reach (the caller says what that means for its call)."""
         d = self._domain(key)
         self._check_open()
         try:
-            found = self._spaces[d].delete(self._client, key)
+            out = getattr(self._spaces[d], op)(self._client, key)
         except self._errors as e:
-            raise self._unwritable(d, f"cannot delete key {key!r}", e) from e
+            return d, e, None
         self._reached(d)
-        return found
+        return d, None, out
 
     # -- batches --------------------------------------------------------------------
 
