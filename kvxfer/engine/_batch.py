@@ -196,21 +196,34 @@ class PageBatch:
         size = len(self.padded) if size is None else size
         key = (device, shard, size)
         if key not in self._device:
-            ids = np.full(size, self.padded[0], dtype=np.int32)
-            n = min(size, len(self.padded))
-            ids[:n] = self.padded[:n]
-            base = np.zeros((size, integrity.IDENTITY_WORDS), dtype=np.uint32)
-            base[:n] = self._base[:n]
-            base[:, 4] = shard
-            # One transfer call for the arrays (and the count, once per device): each
-            # device_put call costs tens of microseconds of host time on its own.
-            if device in self._count:
-                ids_d, base_d = jax.device_put([ids, base], device)
-            else:
-                ids_d, base_d, self._count[device] = jax.device_put(
-                    [ids, base, np.int32(self.k)], device)
-            self._device[key] = (ids_d, base_d)
+            self._put(device, shard, size, [])
         return self._device[key]
+
+    def on_with(self, device: Any, shard: int, size: int | None,
+                extra: Sequence[np.ndarray]) -> list[jax.Array]:
+        """``extra`` (a mover's own index arrays) on ``device``, in the transfer call
+        that puts ``on(device, shard, size)`` there where that is not there yet."""
+        size = len(self.padded) if size is None else size
+        if (device, shard, size) in self._device:
+            return jax.device_put(list(extra), device) if extra else []
+        return self._put(device, shard, size, list(extra))
+
+    def _put(self, device: Any, shard: int, size: int, extra: list[np.ndarray]
+             ) -> list[jax.Array]:
+        ids = np.full(size, self.padded[0], dtype=np.int32)
+        n = min(size, len(self.padded))
+        ids[:n] = self.padded[:n]
+        base = np.zeros((size, integrity.IDENTITY_WORDS), dtype=np.uint32)
+        base[:n] = self._base[:n]
+        base[:, 4] = shard
+        # One transfer call for the arrays (and the count, once per device): each
+        # device_put call costs tens of microseconds of host time on its own.
+        count = [] if device in self._count else [np.int32(self.k)]
+        out = jax.device_put([ids, base, *count, *extra], device)
+        self._device[(device, shard, size)] = (out[0], out[1])
+        if count:
+            self._count[device] = out[2]
+        return out[2 + len(count):]
 
     def count_on(self, device: Any) -> jax.Array:
         """The page count ``k`` as an ``int32`` scalar on ``device`` (a loop's trip count)."""

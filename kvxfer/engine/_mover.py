@@ -51,12 +51,20 @@ class LoadRequest:
       on_written: called as ``on_written(pos, new_array)`` once layer ``pos`` holds its
         loaded bytes, so its digest can start while later layers are written (movers
         that write every layer at once need not call it).
+      on_digested: where the load wants its digests and a mover may compute them in
+        the program that writes the pages (no program of their own for a small load
+        to dispatch): called as ``on_digested(shard, replica, digests)`` with
+        ``uint32[L, n, D]`` digests of the blocks written (rows past the batch's ``k``
+        ignored), for every shard and replica of the class, before any ``written``;
+        a mover that does not call it leaves the digests to their own programs. None:
+        the load wants no digests, or wants them from the arrays its hooks see.
     """
 
     batch: PageBatch
     slots: np.ndarray
     shared: frozenset[int] = frozenset()
     on_written: Callable[[int, jax.Array], None] | None = None
+    on_digested: Callable[[int, int, jax.Array], None] | None = None
 
     def written(self, pos: int, array: jax.Array) -> None:
         """Tells the load that layer ``pos`` of the class holds its bytes (``array``)."""

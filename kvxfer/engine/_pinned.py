@@ -46,9 +46,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from kvxfer.engine._batch import assemble, device_of, loop_pages
-from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _count_abstract, \
-    _sds
+from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
+from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _batch_abstract, \
+    _count_abstract, _sds
 from kvxfer.engine._programs import compile_ahead, compile_zeros, pinned_gather, pinned_load, \
     pinned_write, zeros
 from kvxfer.engine._raw import RowCopy
@@ -204,8 +204,9 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
             device = device_of(arrays[0])
             if self._direct(device):
                 size = self._direct_pages(batch.k, arrays[0])
+                rows_d, = batch.on_with(device, s, size,
+                                        [self._padded(np.asarray(slots), size)])
                 ids_d, _ = batch.on(device, s, size)
-                rows_d = jax.device_put(self._padded(np.asarray(slots), size), device)
                 with self.pool.lock:
                     new, done = pinned_write(arrays, self.pool.array, ids_d, rows_d,
                                              batch.count_on(device), self._pool_offsets(s))
@@ -254,7 +255,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 device = device_of(layers[0].shards[s][r])
                 if self._direct(device):
                     pages = self._direct_pages(k, layers[0].shards[s][r])
-                    rows = jax.device_put(self._padded(slots, pages), device)
+                    rows, = batch.on_with(device, s, pages, [self._padded(slots, pages)])
                     work.append(PinnedInputs(s, r, None, rows))
                     continue
                 # Pinned memory belongs to a device: this replica's pages are copied
@@ -277,15 +278,21 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
                                                     for _ in layers]
         done = []
+        # Where every replica reads the pool itself (XLA:CPU), the load's programs
+        # digest what they wrote: a small load then dispatches one program, not five.
+        fused = request.on_digested is not None and all(src is None for *_, src, _ in staged)
         for shard, replica, src, rows in staged:
             local = tuple(layer.shards[shard][replica] for layer in layers)
             device = device_of(local[0])
-            ids_d, _ = request.batch.on(device, shard, rows.shape[0])  # sized as staged
+            ids_d, base_d = request.batch.on(device, shard, rows.shape[0])  # sized as staged
             count = request.batch.count_on(device)
             if src is None:
+                digest = (base_d, layer_nums(device, tuple(self.cls.layers))) if fused else None
                 with self.pool.lock:  # the pool array of the moment, before any donation
-                    out, d = pinned_load(local, self.pool.array, ids_d, rows, count,
-                                         self._pool_offsets(shard))
+                    out, d, *digests = pinned_load(local, self.pool.array, ids_d, rows, count,
+                                                   self._pool_offsets(shard), digest=digest)
+                if fused:
+                    request.on_digested(shard, replica, digests[0])
             else:
                 out, d = pinned_load(local, src, ids_d, rows, count, self._packed_offsets(),
                                      self._stream(device), loop=self._in_place)
@@ -296,9 +303,11 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         return new, PinnedLoad(done)
 
     def finish_load_layer(self, state: PinnedLoad, pos: int) -> None:
-        # One program writes every layer of a shard replica: the first wait covers all.
-        for d in state.done:
-            d.block_until_ready()
+        # One program writes every layer of a shard replica: the first wait covers all
+        # (what was waited for is dropped, so later layers do not wait again).
+        while state.done:
+            state.done[-1].block_until_ready()
+            state.done.pop()
 
     def _stream(self, device: Any) -> jax.sharding.Sharding | None:
         # Through a copy, a program reads its pinned buffer once it is moved to the
@@ -310,6 +319,9 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
 
     def warmup(self, arrays, layers, b, with_digest):
         super().warmup(arrays, layers, b, with_digest)
+        # Loads digest in their own programs where every replica reads the pool itself.
+        fused = with_digest and all(self._direct(device_of(a))
+                                    for reps in layers[0].shards for a in reps)
         for s in range(self.cls.num_shards):
             primary = tuple(layer.primary[s] for layer in layers)
             device = device_of(primary[0])
@@ -327,8 +339,13 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 count = _count_abstract(device)
                 if self._direct(device):
                     pool = self._pool_abstract()
-                    rows = _sds((self._direct_pages(b, local[0]),), np.int32, device)
-                    compile_ahead("pinned_load", local, pool, rows, rows, count,
+                    n = self._direct_pages(b, local[0])
+                    rows = _sds((n,), np.int32, device)
+                    # With digests, the program a load without transfer hooks runs.
+                    extra = (_batch_abstract(n, device)[1],
+                             _sds((len(layers),), np.uint32, device)) if fused else ()
+                    compile_ahead("pinned_load", local, pool, rows, rows, count, *extra,
+                                  with_digest=fused,
                                   options=(pool.sharding, self._pool_offsets(s), None, True))
                     continue
                 rows = _sds((b,), np.int32, device)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -59,9 +60,17 @@ def needs_raw_bits(a: jax.Array) -> bool:
     payloads; other backends and dtypes move bits as they are. A bitcast breaks
     buffer aliasing, so it is used only where it is needed for exactness.
     """
-    return (any(d.platform == "cpu" for d in a.sharding.device_set)
-            and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4
-            and natural_bits(a.dtype) == 8 * a.dtype.itemsize)  # not fp4: no NaNs
+    return _raw_of(a.dtype, a.sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _raw_of(dtype: Any, sharding: Any) -> bool:
+    """``needs_raw_bits`` of an array of ``dtype`` placed by ``sharding`` (cached: a
+    load asks once a program)."""
+    dtype = jnp.dtype(dtype)
+    return (any(d.platform == "cpu" for d in sharding.device_set)
+            and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+            and natural_bits(dtype) == 8 * dtype.itemsize)  # not fp4: no NaNs
 
 
 def _bits(a: jax.Array, raw: bool) -> jax.Array:
@@ -286,6 +295,17 @@ def _pinned_gather_impl(arrays, ids, *, raw: bool, unit: int):
     return jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
 
 
+def _pinned_load_digest_impl(arrays, src, ids, rows, count, base, layer_nums, *, raw: bool,
+                             offsets: tuple[int, ...], stream: jax.sharding.Sharding | None,
+                             loop: bool):
+    # The load, then the digests of the blocks it wrote, read back from the caches it
+    # returns (as ``digest_blocks`` would read them, in the same program).
+    out, done = _pinned_load_impl(arrays, src, ids, rows, count, raw=raw, offsets=offsets,
+                                  stream=stream, loop=loop)
+    digests = _digest_impl(out, ids, base, layer_nums, count, raw=raw, loop=loop)
+    return out, done, digests
+
+
 def _pinned_load_impl(arrays, src, ids, rows, count, *, raw: bool, offsets: tuple[int, ...],
                       stream: jax.sharding.Sharding | None, loop: bool):
     # ``src`` is pinned host memory: the pool itself, or the request's pages. Each
@@ -370,10 +390,11 @@ def _parts(kind: str, formats: tuple, raw: bool, with_digest: bool,
                 dict(in_shardings=(formats, None), out_shardings=out))
     if kind == "pinned_load":
         src, offsets, stream, loop = options
-        return (functools.partial(_pinned_load_impl, raw=raw, offsets=offsets, stream=stream,
-                                  loop=loop),
-                dict(donate_argnums=(0,), in_shardings=(formats, src, None, None, None),
-                     out_shardings=(formats, None)))
+        impl = _pinned_load_digest_impl if with_digest else _pinned_load_impl
+        return (functools.partial(impl, raw=raw, offsets=offsets, stream=stream, loop=loop),
+                dict(donate_argnums=(0,),
+                     in_shardings=(formats, src, None, None, None) + (None, None) * with_digest,
+                     out_shardings=(formats, None) + (None,) * with_digest))
     if kind == "staged_load":
         return (functools.partial(_staged_load_impl, raw=raw),
                 dict(donate_argnums=(0,), in_shardings=(formats, None, None, None),
@@ -406,18 +427,73 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
     return jax.jit(ballasted, **kwargs), True
 
 
+# A load of 32 layers runs five programs over 64 arrays, and ``Array.format`` builds
+# a new ``Format`` on every call (microseconds each), as hashing 32 of them for the
+# program cache does again: the format of each array a program is run with, or that a
+# program returns, is kept while the array lives, and programs are found by the
+# identity of those ``Format`` objects (an array returned by a program has the same
+# objects as the arrays it was made from, so a chain of loads computes them once).
+_formats: dict[int, tuple[weakref.ref, Any]] = {}
+_by_identity: dict[tuple, tuple[tuple, tuple[Any, bool]]] = {}
+_BY_IDENTITY_SIZE = 4096
+
+# The programs whose first output is the arrays they were given, in the same formats
+# (``out_shardings=formats``), and where that output is in what they return.
+_SAME_FORMATS = {"alias": None, "scatter": None, "staged_load": None, "pinned_load": 0}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _formats.get(key)
+    if entry is not None and entry[0] is ref:
+        _formats.pop(key, None)
+
+
+def _remember(a: jax.Array, fmt: Any) -> None:
+    key = id(a)
+    _formats[key] = (weakref.ref(a, functools.partial(_forget, key)), fmt)
+
+
+def _format(a: jax.Array) -> Any:
+    """``a.format``, computed once per array."""
+    entry = _formats.get(id(a))
+    if entry is not None and entry[0]() is a:
+        return entry[1]
+    fmt = a.format
+    _remember(a, fmt)
+    return fmt
+
+
+def _program_of(kind: str, formats: tuple, raw: bool, with_digest: bool,
+                options: tuple) -> tuple[Any, bool]:
+    """``_program``, found by the identity of the ``Format`` objects first."""
+    key = (kind, raw, with_digest, options, *map(id, formats))
+    hit = _by_identity.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], formats)):
+        return hit[1]
+    found = _program(kind, formats, raw, with_digest, options)
+    if len(_by_identity) >= _BY_IDENTITY_SIZE:
+        _by_identity.clear()
+    _by_identity[key] = (formats, found)
+    return found
+
+
 def _run(kind: str, arrays: tuple[jax.Array, ...], *args, with_digest: bool = False,
          options: tuple = (), ballast: list | None = None):
     """Runs program ``kind``; its ballast output (an array ready once the program has
     run), where it has one, is appended to ``ballast``."""
-    formats = tuple(a.format for a in arrays)
-    program, ballasted = _program(kind, formats, needs_raw_bits(arrays[0]), with_digest,
-                                  options)
+    formats = tuple(map(_format, arrays))
+    program, ballasted = _program_of(kind, formats, needs_raw_bits(arrays[0]), with_digest,
+                                     options)
     if not ballasted:
-        return program(arrays, *args)
-    out, done = program(arrays, *args, _SEED)
-    if ballast is not None:
-        ballast.append(done)
+        out = program(arrays, *args)
+    else:
+        out, done = program(arrays, *args, _SEED)
+        if ballast is not None:
+            ballast.append(done)
+    if kind in _SAME_FORMATS:
+        where = _SAME_FORMATS[kind]
+        for a, fmt in zip(out if where is None else out[where], formats):
+            _remember(a, fmt)
     return out
 
 
@@ -540,7 +616,7 @@ def pinned_gather(arrays, ids, out, unit: int):
 
 
 def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...], stream=None,
-                loop: bool = True):
+                loop: bool = True, digest: tuple[jax.Array, jax.Array] | None = None):
     """Writes row ``rows[j]`` of ``src`` (pinned host words) into block ``ids[j]``.
 
     Layer ``l``'s block is read at word ``offsets[l]`` of the row; the caches are
@@ -549,11 +625,17 @@ def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...], stream=
     dynamic-update-slice per block for ``j < count`` (an ``int32`` scalar; XLA:CPU)
     rather than one scatter per layer over every entry (padding repeats a page).
 
+    ``digest``: ``(identities, layer numbers)`` as ``digest_blocks`` takes them: the
+    program also digests the blocks it wrote (``ids`` sized as the digests take them).
+
     Returns:
-      ``(new arrays, done)``: ``done`` is ready once the program has run.
+      ``(new arrays, done)``, and the digests ``uint32[L, len(ids), D]`` as a third
+      element with ``digest``: ``done`` is ready once the program has run.
     """
-    return _run("pinned_load", arrays, src, ids, rows, count,
-                options=(src.sharding, tuple(offsets), stream, loop))
+    extra = () if digest is None else tuple(digest)
+    return _run("pinned_load", arrays, src, ids, rows, count, *extra,
+                with_digest=digest is not None, options=(src.sharding, tuple(offsets), stream,
+                                                         loop))
 
 
 @functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)

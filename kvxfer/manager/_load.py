@@ -211,7 +211,8 @@ class Loads:
         if any(self._movers[c].writes_buffers for c in batches) and \
                 not self._checks.all_private(caches):
             shared = shared_buffers(caches)
-        requests = {c: LoadRequest(b, slots, shared, functools.partial(digests.written, c))
+        requests = {c: LoadRequest(b, slots, shared, functools.partial(digests.written, c),
+                                   digests.digested(c))
                     for c, b in batches.items()}
         try:
             staged = {c: prefetched[c] if c in prefetched else self._movers[c].stage_load(

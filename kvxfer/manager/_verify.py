@@ -105,6 +105,22 @@ class DigestStarter:
         self._groups = {c: [list(range(len(verifier.plan.classes[c].layers)))[a:a + size]
                             for a in range(0, len(verifier.plan.classes[c].layers), size)]
                         for c in batches}
+        # (class, position) -> its group, and (class, group) -> layers still unwritten
+        self._group_of = {(c, p): g for c, groups in self._groups.items()
+                          for g, group in enumerate(groups) for p in group}
+        self._unwritten = {(c, g): len(group) for c, groups in self._groups.items()
+                           for g, group in enumerate(groups)}
+        # class -> {(shard, replica): digests} its mover computed while writing
+        self._fused: dict[int, dict[tuple[int, int], jax.Array]] = {}
+
+    def digested(self, c: int) -> Callable[[int, int, jax.Array], None] | None:
+        """What ``LoadRequest.on_digested`` takes for class ``c``: None where the load
+        checks no pages, or where a transfer hook may stand in for what was written (its
+        digests must then read the arrays the hook returned)."""
+        if not self._active or self._verifier.hook is not None:
+            return None
+        return lambda shard, replica, d: self._fused.setdefault(c, {}).__setitem__(
+            (shard, replica), d)
 
     def written(self, c: int, pos: int, array: jax.Array) -> jax.Array:
         """Layer ``pos`` of class ``c`` holds its loaded bytes: ``array`` (once each).
@@ -123,11 +139,13 @@ class DigestStarter:
             if isinstance(new, jax.Array):  # anything else (None, say) keeps ``array``
                 array = _replacement(layer, array, new)
         self._arrays[layer] = array
-        self._layers[layer] = ShardedLayer.of(array)
-        if not self._active:
+        if not self._active or c in self._fused:
             return array
-        group = next(g for g in self._groups[c] if pos in g)
-        if all(cls.layers[p] in self._layers for p in group):
+        self._layers[layer] = ShardedLayer.of(array)
+        g = self._group_of[(c, pos)]
+        self._unwritten[(c, g)] -= 1
+        if not self._unwritten[(c, g)]:
+            group = self._groups[c][g]
             by_pos = [self._layers.get(j) for j in cls.layers]
             # Every replica of a replicated layer received the pages: check each copy.
             self._jobs.append(DigestJob(cls, group, [
@@ -151,6 +169,16 @@ class DigestStarter:
         for c in self._batches:
             for pos, i in enumerate(self._verifier.plan.classes[c].layers):
                 new[i] = self.written(c, pos, new[i])
+        for c, got in self._fused.items():
+            cls, k = self._verifier.plan.classes[c], self._batches[c].k
+            replicas = sorted({r for _, r in got})
+            if set(got) != {(s, r) for s in range(cls.num_shards) for r in replicas}:
+                raise RuntimeError(f"the {self._verifier.movers[c].name} mover digested "
+                                   f"(shard, replica) {sorted(got)} of {cls.name}: not every "
+                                   "shard of every replica")
+            self._jobs.append(DigestJob(cls, list(range(len(cls.layers))), [
+                Pending([[got[(s, r)]] for s in range(cls.num_shards)], k)
+                for r in replicas]))
         if self._gate == "layer":
             return {job.cls.layers[p]: job for job in self._jobs for p in job.positions}
         return self._jobs
@@ -206,11 +234,12 @@ class LoadVerifier:
             for job in jobs:
                 if stopped():
                     break
-                gots = [part.get() for part in job.parts]
-                for j, pos in enumerate(job.positions):
-                    self._check_layer(check, job.cls, pos, [g[j] for g in gots])
+                gots, bad = self._job_digests(check, job)
+                for j in np.flatnonzero(bad):
+                    self._check_layer(check, job.cls, job.positions[j], [g[j] for g in gots])
         else:
-            got: dict[int, list[np.ndarray]] = {}  # id(job) -> its digests, once waited
+            # id(job) -> its digests and which of its layers hold a bad page, once waited
+            got: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
             for i in range(self.num_layers):
                 cls, pos = self.layer_class[i]
                 if cls.index in batches and len(slots):
@@ -220,12 +249,31 @@ class LoadVerifier:
                 if i in jobs:
                     job = jobs[i]
                     if id(job) not in got:
-                        got[id(job)] = [part.get() for part in job.parts]
+                        got[id(job)] = self._job_digests(check, job)
+                    gots, bad = got[id(job)]
                     j = job.positions.index(pos)
-                    self._check_layer(check, cls, pos, [g[j] for g in got[id(job)]])
+                    if bad[j]:
+                        self._check_layer(check, cls, pos, [g[j] for g in gots])
+                    elif handle.gate == "layer":
+                        handle._release(i, check.prefix)
                 elif handle.gate == "layer":
                     handle._release(i, check.prefix)
         return Verified(min([check.prefix] + list(reasons)), frozenset(check.proven_bad))
+
+    def _job_digests(self, check: _LoadCheck, job: DigestJob
+                     ) -> tuple[list[np.ndarray], np.ndarray]:
+        """Waits for a job's digests (one array per replica, ``[P, S, k, D]``) and says
+        which of its layers hold a page that differs on some shard or replica
+        (``bool[P]``), comparing the whole job at once: the layers that do are checked
+        one by one (``_check_layer``) for the reasons."""
+        gots = [part.get() for part in job.parts]
+        expected = self.pool.pools[job.cls.index].digests[check.slots][
+            :, job.positions, :, :_integrity.DIGEST_WORDS]  # [k, P, S, D]
+        expected = np.moveaxis(expected, 0, 2)  # [P, S, k, D]
+        bad = np.zeros(len(job.positions), dtype=bool)
+        for got in gots:
+            bad |= (got != expected).any(axis=(1, 2, 3))
+        return gots, bad
 
     def _check_layer(self, check: _LoadCheck, cls: SliceClass, pos: int,
                      gots: list[np.ndarray]) -> None:
