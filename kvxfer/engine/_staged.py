@@ -6,17 +6,22 @@ the same program; the reverse program scatters host pages into the caches in pla
 (argument donation). XLA indexes logically, so it is correct for any layout and
 backend: the portable fallback.
 
-On XLA:CPU, whose ``device_put`` aliases an aligned numpy buffer instead of copying
-it, a load stages its pages page-major in a buffer of ``loop_pages`` pages (only the
-pages written are ever touched, so the rest is address space, not memory) and one
-loop program per class writes them into place for every transfer size, raw bits
-without a copy of the caches (see ``_programs._write_blocks``).
+On XLA:CPU device memory is host memory: the class's pool is allocated as a device
+array (``host_backing``) and a load's program reads its pages from the pool where they
+are, by slot, writing them into place in a loop (one program for every transfer size,
+raw bits without a copy of the caches, see ``_programs._write_blocks``) and digesting
+what it wrote: the caller's thread copies nothing. Where a shard's device cannot see
+the pool without a copy (or ``KVXFER_STAGED_MODE=copy``), a load stages its pages
+page-major in a buffer of ``loop_pages`` pages (only the pages written are ever
+touched, so the rest is address space, not memory), which ``device_put`` aliases.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -25,9 +30,34 @@ from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadRequest, Mover, _batch_abstract, _count_abstract, _sds
 from kvxfer.engine._raw import RowCopy
 from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, page_loops, \
-    scatter, staged_load
+    pinned_load, scatter, staged_load, zeros
+from kvxfer.hostpool import word_bytes
 
-__all__ = ["StagedMover"]
+__all__ = ["StagedMover", "staged_mode"]
+
+
+_MODES = ("in-place", "copy")
+
+
+def staged_mode() -> str:
+    """``"in-place"`` (the default) or ``"copy"``: whether staged loads on XLA:CPU read
+    the pool where it is, or copy their pages into a staging buffer first
+    (``KVXFER_STAGED_MODE``).
+
+    Example:
+        >>> import os
+        >>> staged_mode() == os.environ.get("KVXFER_STAGED_MODE", "in-place")
+        True
+    """
+    mode = os.environ.get("KVXFER_STAGED_MODE", "in-place")
+    if mode not in _MODES:
+        raise ValueError(f"KVXFER_STAGED_MODE={mode!r}; expected one of {_MODES}")
+    return mode
+
+
+def _device_pool(num_slots: int, *, words: int, dtype: Any, device: Any) -> jax.Array:
+    """A class pool of ``num_slots`` rows of ``words`` words in ``device``'s memory."""
+    return zeros((num_slots, words), dtype, jax.sharding.SingleDeviceSharding(device))
 
 
 def _staging_dtype(a: jax.Array) -> np.dtype:
@@ -119,13 +149,23 @@ class StagingArena:
 class StagedInputs(NamedTuple):
     """One shard replica's pages, already on its device (block ids come at the load):
     ``[L, bucket, *block]``, or page-major ``[loop_pages, L, *block]`` where the load
-    loops (``page_loops``)."""
+    loops (``page_loops``), or the pool itself with ``rows``."""
 
     shard: int
     replica: int
     pages: jax.Array
     #: The host buffer ``pages`` aliases, where it came from the class's arena.
     staging: np.ndarray | None = None
+    #: Where ``pages`` is the pool's words in place: the slot of each page
+    #: (``loop_pages`` entries, padding repeats the first).
+    rows: jax.Array | None = None
+
+
+class StagedLoad(NamedTuple):
+    """Outputs of the programs of a load that read the pool in place, ready once they
+    ran: waited for before the load's slots are released (emptied once waited)."""
+
+    done: list[jax.Array]
 
 
 class StagedOffload(NamedTuple):
@@ -135,7 +175,7 @@ class StagedOffload(NamedTuple):
     outs: list[tuple[jax.Array, jax.Array | None]]
 
 
-class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
+class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
     """Compiled gather / donated scatter programs; correct for every layout."""
 
     name = "staged"
@@ -143,6 +183,48 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
     def __init__(self, cls, pool):
         super().__init__(cls, pool)
         self._arena = StagingArena()
+        self._in_place_mode = staged_mode() == "in-place"
+        self._unit = word_bytes(cls)
+        self._pools: dict[Any, jax.Array | None] = {}  # device -> the pool's words there
+
+    @classmethod
+    def host_backing(cls, slice_class, layers):
+        first = layers[0].shards[0][0]
+        if not page_loops(device_of(first)) or staged_mode() != "in-place":
+            return None
+        unit = word_bytes(slice_class)
+        return functools.partial(_device_pool, words=slice_class.page_bytes // unit,
+                                 dtype=np.dtype(f"u{unit}"), device=device_of(first))
+
+    # -- the pool in place (XLA:CPU) -------------------------------------------------
+
+    def _pool_on(self, device: Any) -> jax.Array | None:
+        """The pool's words as an array on ``device`` over the pool's own buffer, or
+        None where that would be a copy (then loads stage their pages)."""
+        if not self._in_place_mode or not page_loops(device) or not len(self.pool.data):
+            return None
+        if device not in self._pools:
+            owner, got = self.pool.owner, None
+            shape = (len(self.pool.data), self.cls.page_bytes // self._unit)
+            if owner is not None and device_of(owner) == device and \
+                    owner.shape == shape and owner.dtype == np.dtype(f"u{self._unit}"):
+                got = owner  # the pool was allocated as this device's array
+            else:
+                words = self.pool.data.view(np.dtype(f"u{self._unit}"))
+                if words.ctypes.data % _ALIGN == 0:  # device_put aliases it, or copies
+                    alias = jax.device_put(words, device)
+                    if alias.unsafe_buffer_pointer() == words.ctypes.data:
+                        got = alias
+            self._pools[device] = got
+        return self._pools[device]
+
+    def _in_place(self, layers, shard: int) -> bool:
+        return all(self._pool_on(device_of(a)) is not None for a in layers[0].shards[shard])
+
+    def _pool_offsets(self, shard: int) -> tuple[int, ...]:
+        """Word offset of each layer's shard ``shard`` inside a pool row."""
+        return tuple(self.pool.shard_range(pos, shard)[0] // self._unit
+                     for pos in range(len(self.cls.layers)))
 
     def start_offload(self, layers, batch, slots, with_digest):
         out = []
@@ -176,11 +258,26 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
                                device_of(primary[0])),
                           with_digest=with_digest)
             dtype = _staging_dtype(primary[0])
+            fused = with_digest and all(self._in_place(layers, t)
+                                        for t in range(self.cls.num_shards))
             for r in range(len(layers[0].shards[s])):
                 local = tuple(layer.shards[s][r] for layer in layers)
                 device = device_of(local[0])
                 block = local[0].shape[1:]
-                if page_loops(device):
+                if self._in_place(layers, s):
+                    pool = self._pool_on(device)
+                    n = loop_pages(b, local[0].shape[0])
+                    rows = _sds((n,), np.int32, device)
+                    # With digests, the program a load without transfer hooks runs.
+                    extra = (_batch_abstract(n, device)[1],
+                             _sds((len(layers),), np.uint32, device)) if fused else ()
+                    compile_ahead("pinned_load", local,
+                                  jax.ShapeDtypeStruct(pool.shape, pool.dtype,
+                                                       sharding=pool.sharding),
+                                  rows, rows, _count_abstract(device), *extra,
+                                  with_digest=fused,
+                                  options=(pool.sharding, self._pool_offsets(s), None, True))
+                elif page_loops(device):
                     n = loop_pages(b, local[0].shape[0])
                     if r == 0:
                         self._arena.warm((n, len(layers)) + block, dtype, b)
@@ -200,6 +297,15 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
             first = layers[0].primary[s]
             dtype = _staging_dtype(first)
             devices = [device_of(a) for a in layers[0].shards[s]]
+            if self._in_place(layers, s):
+                # Nothing to copy: the load's program reads the pages from the pool.
+                n = loop_pages(k, first.shape[0])
+                padded = np.full(n, slots[0] if k else 0, dtype=np.int32)
+                padded[:k] = slots
+                for r, device in enumerate(devices):
+                    rows, = batch.on_with(device, s, n, [padded])
+                    work.append(StagedInputs(s, r, self._pool_on(device), None, rows))
+                continue
             if all(page_loops(d) for d in devices):
                 # Page-major, ``loop_pages`` pages: rows past ``k`` are never written
                 # nor read, so they cost no memory (device_put aliases the buffer).
@@ -238,10 +344,23 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
         ids_pad[:batch.k] = batch.ids
         on_device: dict[object, jax.Array] = {}
         readers: dict[int, tuple[np.ndarray, list[jax.Array]]] = {}
-        for shard, replica, pages_d, staging in staged:
+        in_place: list[jax.Array] = []
+        # Where every replica reads the pool in place, the programs digest what they
+        # wrote: a small load then dispatches one program, not five.
+        fused = request.on_digested is not None and all(x.rows is not None for x in staged)
+        for shard, replica, pages_d, staging, rows in staged:
             local = tuple(layer.shards[shard][replica] for layer in layers)
             device = device_of(local[0])
-            if page_loops(device):
+            if rows is not None:
+                ids_d, base_d = batch.on(device, shard, rows.shape[0])
+                digest = (base_d, layer_nums(device, tuple(self.cls.layers))) if fused else None
+                out, done, *digests = pinned_load(local, pages_d, ids_d, rows,
+                                                  batch.count_on(device),
+                                                  self._pool_offsets(shard), digest=digest)
+                in_place.append(done)
+                if fused:
+                    request.on_digested(shard, replica, digests[0])
+            elif page_loops(device):
                 ids_d, _ = batch.on(device, shard, pages_d.shape[0])
                 done: list[jax.Array] = []
                 out = staged_load(local, ids_d, pages_d, batch.count_on(device), done)
@@ -256,4 +375,11 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], None]):
         for staging, done in readers.values():
             self._arena.lend(staging, done)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
-        return new, None
+        return new, StagedLoad(in_place)
+
+    def finish_load_layer(self, state: StagedLoad, pos: int) -> None:
+        # A program that reads the pool writes every layer of its replica: the first
+        # wait covers them all.
+        while state.done:
+            state.done[-1].block_until_ready()
+            state.done.pop()
