@@ -87,4 +87,6 @@ class RawOrPinnedMover(RawMover):
 
     def warmup(self, arrays, layers, b, with_digest):
         super().warmup(arrays, layers, b, with_digest)
-        self._pinned.warmup(arrays, layers, b, False)  # the digests are the same programs
+        # The digest programs are the same (compiled once); with digests, the pinned
+        # load that digests what it writes.
+        self._pinned.warmup(arrays, layers, b, with_digest)

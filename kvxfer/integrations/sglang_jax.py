@@ -356,7 +356,11 @@ class KvxferHostKVPool:
         self._slot_view = _HostSlots(self)
         pools = self._mgr.host_pool.pools
         arrays = [p.array for p in pools]
-        self._class_sharding = [None if a is None else a.sharding for a in arrays]
+        # A pool that is not pinned is plain host memory, even where it is held as an
+        # XLA:CPU device array (the staged mover's, which its loads read in place).
+        self._class_sharding = [a.sharding if a is not None and
+                                getattr(a.sharding, "memory_kind", None) == "pinned_host"
+                                else None for a in arrays]
         first, _ = self._mgr.plan.class_of_layer(0)
         self._copy_sharding = self._class_sharding[first.index]
         # The stage_backup running on each thread, for the gather point its offload
