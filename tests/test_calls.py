@@ -76,7 +76,9 @@ def test_auto_takes_the_raw_path_when_ready():
         pages = mgr.offload(caches, [1], [1]).wait()
         caches, h = mgr.load(caches, pages, [2])
         assert h.result().verified_prefix == 1
-        assert mgr._movers[0].fallbacks == {"offload": 0, "load": 0}
+        # Raw offloads when ready; loads run the pinned in-place program (as fast, and
+        # enqueued only).
+        assert mgr._movers[0].fallbacks == {"offload": 0, "load": 1}
         # A raw page loads through the pinned programs, and the other way round.
         caches = _slow(caches)
         caches, h = mgr.load(caches, pages, [4])

@@ -1,13 +1,21 @@
-"""``path="auto"`` on XLA:CPU: raw copies when the caches are ready, else pinned programs.
+"""``path="auto"`` on XLA:CPU: raw offloads when the caches are ready, pinned programs
+for every load and for offloads behind pending writers.
 
 The raw mover copies bytes of device buffers on the caller's thread, so it must wait
 for whatever is still writing them (a decode step dispatched just before the call):
 that would block the caller on device work queued before it. When any cache of the
-class still has a pending writer (``not is_ready()``), this mover moves that call
+class still has a pending writer (``not is_ready()``), this mover moves that offload
 through the pinned mover's programs instead (enqueued, ordered by XLA after the
 writers), over the same pool: the class's pool is allocated in ``pinned_host``
 memory, which on XLA:CPU is host memory that ``pool.data`` views, so raw copies and
 pinned programs read and write the same bytes.
+
+Loads always run the pinned mover's in-place program (it reads the pages from the
+pool, writes them into the donated caches and digests what it wrote): on XLA:CPU it
+moves pages as fast as raw copies or faster (256 MiB per call: 1.0-1.75x, integrity
+on or off) and the call returns once it is enqueued (3-7 ms against 43-107 ms of raw
+copying on the caller's thread). Raw offloads stay: with digests they move 1.7x the
+bytes per second of the pinned offload program.
 """
 
 from __future__ import annotations
@@ -40,9 +48,10 @@ class _Staged(NamedTuple):
 
 
 class RawOrPinnedMover(RawMover):
-    """Raw copies for ready caches; the pinned mover's programs for caches still written.
+    """Raw offloads of ready caches; the pinned mover's programs for loads (where they
+    read the pool in place) and for caches still written.
 
-    Reported as ``raw`` (``mgr.paths``): the pinned programs stand in for one call.
+    Reported as ``raw`` (``mgr.paths``): the pool and its bytes are the raw mover's.
     """
 
     pinned_pool = True
@@ -50,7 +59,8 @@ class RawOrPinnedMover(RawMover):
     def __init__(self, cls: SliceClass, pool: ClassPool):
         super().__init__(cls, pool)
         self._pinned = PinnedMover(cls, pool)
-        #: Calls moved through the pinned programs, by direction (for tests and stats).
+        #: Calls moved through the pinned programs, by direction (for tests and stats):
+        #: every load where they read the pool in place.
         self.fallbacks = {"offload": 0, "load": 0}
 
     def start_offload(self, layers, batch, slots, with_digest):
@@ -67,7 +77,10 @@ class RawOrPinnedMover(RawMover):
     def stage_load(self, layers, request: LoadRequest) -> _Staged | None:
         if any(not isinstance(a, jax.Array) for reps in layers[0].shards for a in reps):
             return None  # a prefetch (abstract layers): the load picks the mover
-        if caches_ready(layers):
+        # Buffers shared by several arrays (one cache passed as two layers, XLA:CPU's
+        # replicas of a replicated device_put) cannot be donated twice to one program:
+        # the raw load gives them private copies first.
+        if caches_ready(layers) and (not self._pinned.reads_pool_in_place or request.shared):
             return _Staged(False, super().stage_load(layers, request))
         self.fallbacks["load"] += 1
         return _Staged(True, self._pinned.stage_load(layers, request))

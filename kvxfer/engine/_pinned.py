@@ -164,6 +164,11 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         """Word offset of each layer inside a row of one shard's pages."""
         return tuple(pos * self._words for pos in range(len(self.cls.layers)))
 
+    @property
+    def reads_pool_in_place(self) -> bool:
+        """Whether loads read the pool itself (in place mode), not copies of pages."""
+        return self._in_place
+
     def _direct(self, device: Any) -> bool:
         """Whether programs on ``device`` reach the pool itself."""
         return self._in_place and device == self.pool.device
