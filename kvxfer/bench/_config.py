@@ -60,7 +60,9 @@ class BenchConfig:
       fit_block_bytes: block size of the engine-fit section (bfloat16 caches).
       fit_steps: donating steps queued before each queued call of the engine-fit
         section; fit_step_ms: the time each aims at.
-      fit_repeats: timed repeats of the engine-fit section.
+      fit_repeats: timed repeats of the engine-fit section (15: a call's host time on
+        XLA:CPU varies by 1-2 ms with what the program it enqueued does to the same
+        cores, and the median of 7 moved by as much between variants of one code path).
       store_blob_bytes: blob sizes of the store section (a blob is one exported page).
       store_bytes: bytes each store variant writes or reads per repeat, per blob size
         (at most ``store_max_blobs`` blobs: small blobs cost an fsync each).
@@ -113,7 +115,7 @@ class BenchConfig:
     fit_block_bytes: int = 64 * KiB
     fit_steps: int = 3
     fit_step_ms: float = 150.0
-    fit_repeats: int = 7
+    fit_repeats: int = 15
     store_blob_bytes: tuple[int, ...] = (64 * KiB, 1 * MiB, 8 * MiB)
     store_bytes: int = 64 * MiB
     store_max_blobs: int = 128
