@@ -262,6 +262,9 @@ def test_every_replica_is_verified(gate):
     def corrupt_second_replica(event, layer, array):
         if event != "loaded_layer":
             return
+        # The bytes are written behind XLA's back: once the program writing them ran
+        # (auto loads through an enqueued program where the replicas' buffers differ).
+        array.block_until_ready()
         replica = array.addressable_shards[1].data
         view = np.ctypeslib.as_array(
             (__import__("ctypes").c_uint8 * replica.nbytes).from_address(

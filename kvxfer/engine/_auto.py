@@ -92,6 +92,11 @@ class RawOrPinnedMover(RawMover):
             return self._pinned.start_load(arrays, layers, request, staged.staged)
         return super().start_load(arrays, layers, request, staged.staged)
 
+    def load_layer_waits(self, state, pos):
+        if isinstance(state, PinnedLoad):
+            return self._pinned.load_layer_waits(state, pos)
+        return False  # a raw load copied every layer in the call
+
     def finish_load_layer(self, state, pos):
         if isinstance(state, PinnedLoad):
             self._pinned.finish_load_layer(state, pos)

@@ -232,6 +232,9 @@ class GroupedMover(Mover[GroupedOffload[OffloadT], list[StagedT], list[LoadT]]):
                 out.append(array)
         return out
 
+    def load_layer_waits(self, state: list[LoadT], pos: int) -> bool:
+        return any(self.inner.load_layer_waits(inner, pos) for inner in state)
+
     def finish_load_layer(self, state: list[LoadT], pos: int) -> None:
         for inner in state:
             self.inner.finish_load_layer(inner, pos)

@@ -182,6 +182,11 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
     def finish_load_layer(self, state: LoadT, pos: int) -> None:
         """Waits until layer ``pos`` of the class is in place (transfer thread)."""
 
+    def load_layer_waits(self, state: LoadT, pos: int) -> bool:
+        """Whether ``finish_load_layer(state, pos)`` may wait (never blocks itself):
+        layers verified before it are released first where it may."""
+        return type(self).finish_load_layer is not Mover.finish_load_layer
+
     def digests(self, layers: Sequence[ShardedLayer], batch: PageBatch,
                 positions: Sequence[int], replica: int = 0) -> Pending:
         """Starts the device digests ``[len(positions), shards, k, D]`` of the blocks.

@@ -46,9 +46,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from kvxfer import integrity
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
-from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _batch_abstract, \
-    _count_abstract, _sds
+from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _count_abstract, \
+    _sds
 from kvxfer.engine._programs import compile_ahead, compile_zeros, pinned_gather, pinned_load, \
     pinned_write, zeros
 from kvxfer.engine._raw import RowCopy
@@ -259,8 +260,8 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
             for r in range(len(layers[0].shards[s])):
                 device = device_of(layers[0].shards[s][r])
                 if self._direct(device):
-                    pages = self._direct_pages(k, layers[0].shards[s][r])
-                    rows, = batch.on_with(device, s, pages, [self._padded(slots, pages)])
+                    # The program takes its index arrays as numpy arguments (XLA:CPU).
+                    rows = self._padded(slots, self._direct_pages(k, layers[0].shards[s][r]))
                     work.append(PinnedInputs(s, r, None, rows))
                     continue
                 # Pinned memory belongs to a device: this replica's pages are copied
@@ -289,8 +290,11 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         for shard, replica, src, rows in staged:
             local = tuple(layer.shards[shard][replica] for layer in layers)
             device = device_of(local[0])
-            ids_d, base_d = request.batch.on(device, shard, rows.shape[0])  # sized as staged
-            count = request.batch.count_on(device)
+            if src is None:
+                ids_d, base_d, count = request.batch.host(shard, rows.shape[0])
+            else:
+                ids_d, base_d = request.batch.on(device, shard, rows.shape[0])  # as staged
+                count = request.batch.count_on(device)
             if src is None:
                 digest = (base_d, layer_nums(device, tuple(self.cls.layers))) if fused else None
                 with self.pool.lock:  # the pool array of the moment, before any donation
@@ -306,6 +310,9 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 new_shards[pos][shard].append(a)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
         return new, PinnedLoad(done)
+
+    def load_layer_waits(self, state: PinnedLoad, pos: int) -> bool:
+        return any(not d.is_ready() for d in state.done)
 
     def finish_load_layer(self, state: PinnedLoad, pos: int) -> None:
         # One program writes every layer of a shard replica: the first wait covers all
@@ -345,11 +352,13 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 if self._direct(device):
                     pool = self._pool_abstract()
                     n = self._direct_pages(b, local[0])
-                    rows = _sds((n,), np.int32, device)
+                    # Its index arrays and count come as numpy arguments (``host``).
+                    rows = jax.ShapeDtypeStruct((n,), np.int32)
                     # With digests, the program a load without transfer hooks runs.
-                    extra = (_batch_abstract(n, device)[1],
+                    extra = (jax.ShapeDtypeStruct((n, integrity.IDENTITY_WORDS), np.uint32),
                              _sds((len(layers),), np.uint32, device)) if fused else ()
-                    compile_ahead("pinned_load", local, pool, rows, rows, count, *extra,
+                    compile_ahead("pinned_load", local, pool, rows, rows,
+                                  jax.ShapeDtypeStruct((), np.int32), *extra,
                                   with_digest=fused,
                                   options=(pool.sharding, self._pool_offsets(s), None, True))
                     continue

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from kvxfer import integrity
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadRequest, Mover, _batch_abstract, _count_abstract, _sds
 from kvxfer.engine._raw import RowCopy
@@ -267,14 +268,15 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                 if self._in_place(layers, s):
                     pool = self._pool_on(device)
                     n = loop_pages(b, local[0].shape[0])
-                    rows = _sds((n,), np.int32, device)
+                    # Index arrays and count as numpy arguments (see ``stage_load``).
+                    rows = jax.ShapeDtypeStruct((n,), np.int32)
                     # With digests, the program a load without transfer hooks runs.
-                    extra = (_batch_abstract(n, device)[1],
+                    extra = (jax.ShapeDtypeStruct((n, integrity.IDENTITY_WORDS), np.uint32),
                              _sds((len(layers),), np.uint32, device)) if fused else ()
                     compile_ahead("pinned_load", local,
                                   jax.ShapeDtypeStruct(pool.shape, pool.dtype,
                                                        sharding=pool.sharding),
-                                  rows, rows, _count_abstract(device), *extra,
+                                  rows, rows, jax.ShapeDtypeStruct((), np.int32), *extra,
                                   with_digest=fused,
                                   options=(pool.sharding, self._pool_offsets(s), None, True))
                 elif page_loops(device):
@@ -299,11 +301,12 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
             devices = [device_of(a) for a in layers[0].shards[s]]
             if self._in_place(layers, s):
                 # Nothing to copy: the load's program reads the pages from the pool.
+                # Its index arrays come as numpy arguments (XLA:CPU takes them for a few
+                # microseconds each; a device_put of them costs tens).
                 n = loop_pages(k, first.shape[0])
-                padded = np.full(n, slots[0] if k else 0, dtype=np.int32)
-                padded[:k] = slots
+                rows = np.full(n, slots[0] if k else 0, dtype=np.int32)
+                rows[:k] = slots
                 for r, device in enumerate(devices):
-                    rows, = batch.on_with(device, s, n, [padded])
                     work.append(StagedInputs(s, r, self._pool_on(device), None, rows))
                 continue
             if all(page_loops(d) for d in devices):
@@ -352,10 +355,9 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
             local = tuple(layer.shards[shard][replica] for layer in layers)
             device = device_of(local[0])
             if rows is not None:
-                ids_d, base_d = batch.on(device, shard, rows.shape[0])
-                digest = (base_d, layer_nums(device, tuple(self.cls.layers))) if fused else None
-                out, done, *digests = pinned_load(local, pages_d, ids_d, rows,
-                                                  batch.count_on(device),
+                ids, base, count = batch.host(shard, rows.shape[0])
+                digest = (base, layer_nums(device, tuple(self.cls.layers))) if fused else None
+                out, done, *digests = pinned_load(local, pages_d, ids, rows, count,
                                                   self._pool_offsets(shard), digest=digest)
                 in_place.append(done)
                 if fused:
@@ -376,6 +378,9 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
             self._arena.lend(staging, done)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
         return new, StagedLoad(in_place)
+
+    def load_layer_waits(self, state: StagedLoad, pos: int) -> bool:
+        return any(not d.is_ready() for d in state.done)
 
     def finish_load_layer(self, state: StagedLoad, pos: int) -> None:
         # A program that reads the pool writes every layer of its replica: the first

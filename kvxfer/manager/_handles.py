@@ -10,7 +10,7 @@ import threading
 from concurrent.futures._base import CANCELLED as _CANCELLED
 from concurrent.futures._base import CANCELLED_AND_NOTIFIED as _CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from kvxfer._check import check_timeout
@@ -301,8 +301,13 @@ class LoadHandle(_Transfer):
 
     def _release(self, layer: int, prefix: int) -> None:
         """Marks layer ``layer`` verified with pages ``[0, prefix)`` (transfer thread)."""
+        self._release_many([(layer, prefix)])
+
+    def _release_many(self, released: Sequence[tuple[int, int]]) -> None:
+        """Marks each ``(layer, prefix)`` released, waking the waiters once."""
         with self._layers:
-            self._released[layer] = prefix
+            for layer, prefix in released:
+                self._released[layer] = prefix
             self._layers.notify_all()
 
     def _finish(self, result: LoadResult | None, error: BaseException | None,

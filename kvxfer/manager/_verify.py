@@ -48,6 +48,14 @@ class _LoadCheck:
     reasons: dict[int, str]
     prefix: int
     proven_bad: set[int] = dataclasses.field(default_factory=set)
+    #: (layer, prefix) verified and not yet released (``release_held``)
+    held: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def release_held(self) -> None:
+        """Releases the layers verified so far, with one wake-up of the waiters."""
+        if self.held:
+            self.handle._release_many(self.held)
+            self.held = []
 
 
 class Verified(NamedTuple):
@@ -238,27 +246,50 @@ class LoadVerifier:
                 for j in np.flatnonzero(bad):
                     self._check_layer(check, job.cls, job.positions[j], [g[j] for g in gots])
         else:
-            # id(job) -> its digests and which of its layers hold a bad page, once waited
-            got: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
-            for i in range(self.num_layers):
-                cls, pos = self.layer_class[i]
-                if cls.index in batches and len(slots):
-                    self._finish_layer(states, new, i)
-                if stopped():
-                    continue
-                if i in jobs:
-                    job = jobs[i]
-                    if id(job) not in got:
-                        got[id(job)] = self._job_digests(check, job)
-                    gots, bad = got[id(job)]
-                    j = job.positions.index(pos)
-                    if bad[j]:
-                        self._check_layer(check, cls, pos, [g[j] for g in gots])
-                    elif handle.gate == "layer":
-                        handle._release(i, check.prefix)
-                elif handle.gate == "layer":
-                    handle._release(i, check.prefix)
+            try:
+                self._verify_layers(check, states, new, jobs, batches, stopped)
+            finally:
+                check.release_held()  # what was verified stays released, whatever follows
         return Verified(min([check.prefix] + list(reasons)), frozenset(check.proven_bad))
+
+    def _verify_layers(self, check: _LoadCheck, states: dict[int, Any], new: list[jax.Array],
+                       jobs: dict[int, DigestJob] | list[DigestJob],
+                       batches: dict[int, PageBatch], stopped: Callable[[], bool]) -> None:
+        """Waits for and checks layer after layer (``gate="layer"``, or no digests).
+
+        The layers of one digest job are released together once the job's last layer
+        is checked (one wake-up of the waiters, not one per layer; a job's digests
+        cover all of its layers at once), or before a wait that may block (a layer's
+        program, a hook), other layers as they come.
+        """
+        handle = check.handle
+        # id(job) -> its digests and which of its layers hold a bad page, once waited
+        got: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
+        for i in range(self.num_layers):
+            cls, pos = self.layer_class[i]
+            if cls.index in batches and len(check.slots):
+                if check.held and (self.hook is not None or self.movers[cls.index].
+                                   load_layer_waits(states[cls.index], pos)):
+                    check.release_held()  # what was verified is not held behind a wait
+                self._finish_layer(states, new, i)
+            if stopped():
+                continue
+            if i in jobs:
+                job = jobs[i]
+                if id(job) not in got:
+                    check.release_held()  # before waiting for another job's digests
+                    got[id(job)] = self._job_digests(check, job)
+                gots, bad = got[id(job)]
+                j = job.positions.index(pos)
+                if bad[j]:
+                    self._check_layer(check, cls, pos, [g[j] for g in gots])
+                elif handle.gate == "layer":
+                    check.held.append((i, check.prefix))
+                if pos == job.positions[-1]:
+                    check.release_held()
+            elif handle.gate == "layer":
+                check.held.append((i, check.prefix))
+                check.release_held()
 
     def _job_digests(self, check: _LoadCheck, job: DigestJob
                      ) -> tuple[list[np.ndarray], np.ndarray]:
@@ -290,7 +321,7 @@ class LoadVerifier:
                                                          [b[:, j] for b in per_replica])
             check.prefix = min(check.prefix, int(j))
         if check.handle.gate == "layer":
-            check.handle._release(i, check.prefix)
+            check.held.append((i, check.prefix))
 
     def _finish_layer(self, states: dict[int, Any], new: list[jax.Array], layer: int) -> None:
         cls, pos = self.layer_class[layer]
@@ -312,8 +343,7 @@ class LoadVerifier:
         for its holders.
         """
         if handle.gate == "all":
-            for i in range(self.num_layers):
-                handle._release(i, first_bad)
+            handle._release_many([(i, first_bad) for i in range(self.num_layers)])
         invalid = tuple(range(first_bad, len(pages)))
         freed = []
         for j in invalid:
