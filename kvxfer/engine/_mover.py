@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Generic, TypeVar, cast
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, cast
 
 import jax
 import numpy as np
@@ -16,7 +16,7 @@ from kvxfer.engine._programs import DIGEST_CHUNK, compile_ahead, digest_blocks, 
 from kvxfer.hostpool import ClassPool, HostBacking
 from kvxfer.plan import SliceClass
 
-__all__ = ["TransferError", "Mover", "LoadRequest", "Pending", "OffloadT", "StagedT", "LoadT"]
+__all__ = ["TransferError", "Mover", "LoadRequest", "LoadDone", "Pending", "OffloadT", "StagedT", "LoadT"]
 
 OffloadT = TypeVar("OffloadT")
 """What ``start_offload`` hands ``finish_offload`` (the mover's named offload state)."""
@@ -108,12 +108,33 @@ class Pending:
                          for chunks in self._parts], axis=1)
 
 
+class LoadDone(NamedTuple):
+    """Outputs of a load's programs that the caller never holds: ready once they ran.
+
+    The transfer thread waits for them before the load's host slots are released,
+    since the programs read the pool (or buffers filled from it) as they run. What
+    was waited for is dropped, so later layers do not wait again.
+    """
+
+    done: list[jax.Array]
+
+    def pending(self) -> bool:
+        """Whether a program has not run yet (never blocks)."""
+        return any(not d.is_ready() for d in self.done)
+
+    def wait(self) -> None:
+        """Waits for every program (one writes every layer of a shard replica)."""
+        while self.done:
+            self.done[-1].block_until_ready()
+            self.done.pop()
+
+
 class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
     """Moves the pages of one slice class between device shards and its host pool.
 
     Generic over the state passed between its halves: ``Mover[OffloadT, StagedT,
     LoadT]``, each a named type of the mover (``StagedMover`` is a
-    ``Mover[StagedOffload, list[StagedInputs], None]``).
+    ``Mover[StagedOffload, list[StagedInputs], StagedLoad]``).
 
     Every device program of a transfer is enqueued on the caller's thread, before
     ``offload()`` / ``load()`` returns, so XLA orders it against whatever the caller

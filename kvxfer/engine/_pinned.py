@@ -48,8 +48,8 @@ import numpy as np
 
 from kvxfer import integrity
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
-from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _count_abstract, \
-    _sds
+from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, TransferError, \
+    _count_abstract, _sds
 from kvxfer.engine._programs import compile_ahead, compile_zeros, pinned_gather, pinned_load, \
     pinned_write, zeros
 from kvxfer.engine._raw import RowCopy
@@ -129,14 +129,8 @@ class PinnedInputs(NamedTuple):
     rows: jax.Array
 
 
-class PinnedLoad(NamedTuple):
-    """Outputs of a load's programs that the caller never holds: ready once they ran.
-
-    The transfer thread waits for them before the load's host slots are released,
-    since the programs read the pinned pool (or buffers filled from it) as they run.
-    """
-
-    done: list[jax.Array]
+class PinnedLoad(LoadDone):
+    """What the pinned mover's load programs return that the caller never holds."""
 
 
 class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
@@ -312,14 +306,10 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         return new, PinnedLoad(done)
 
     def load_layer_waits(self, state: PinnedLoad, pos: int) -> bool:
-        return any(not d.is_ready() for d in state.done)
+        return state.pending()
 
     def finish_load_layer(self, state: PinnedLoad, pos: int) -> None:
-        # One program writes every layer of a shard replica: the first wait covers all
-        # (what was waited for is dropped, so later layers do not wait again).
-        while state.done:
-            state.done[-1].block_until_ready()
-            state.done.pop()
+        state.wait()
 
     def _stream(self, device: Any) -> jax.sharding.Sharding | None:
         # Through a copy, a program reads its pinned buffer once it is moved to the

@@ -28,7 +28,8 @@ import numpy as np
 
 from kvxfer import integrity
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
-from kvxfer.engine._mover import LoadRequest, Mover, _batch_abstract, _count_abstract, _sds
+from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, _batch_abstract, \
+    _count_abstract, _sds
 from kvxfer.engine._raw import RowCopy
 from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, page_loops, \
     pinned_load, scatter, staged_load, zeros
@@ -162,11 +163,8 @@ class StagedInputs(NamedTuple):
     rows: jax.Array | None = None
 
 
-class StagedLoad(NamedTuple):
-    """Outputs of the programs of a load that read the pool in place, ready once they
-    ran: waited for before the load's slots are released (emptied once waited)."""
-
-    done: list[jax.Array]
+class StagedLoad(LoadDone):
+    """What the staged mover's load programs that read the pool in place return."""
 
 
 class StagedOffload(NamedTuple):
@@ -380,11 +378,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
         return new, StagedLoad(in_place)
 
     def load_layer_waits(self, state: StagedLoad, pos: int) -> bool:
-        return any(not d.is_ready() for d in state.done)
+        return state.pending()
 
     def finish_load_layer(self, state: StagedLoad, pos: int) -> None:
-        # A program that reads the pool writes every layer of its replica: the first
-        # wait covers them all.
-        while state.done:
-            state.done[-1].block_until_ready()
-            state.done.pop()
+        state.wait()
