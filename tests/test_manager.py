@@ -353,6 +353,36 @@ def test_caches_must_keep_the_layout_and_sharding_they_were_registered_with(tiny
         mgr.load(relaid, pages, [2])
 
 
+@pytest.mark.parametrize("path", ["staged", "pinned"])
+def test_a_steps_outputs_are_checked_with_one_format_read_each(tiny_caches, monkeypatch, path):
+    # An engine hands every call the fresh arrays its last step returned: each costs
+    # one ``Array.format`` (compared with the registered one), not one per check and
+    # another per program.
+    from jax._src import array as jax_array
+
+    _, caches = tiny_caches
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path=path)
+    before = [bits(c) for c in caches]
+    step = jax.jit(lambda cs: [c + 0 for c in cs], donate_argnums=0)
+    caches = step(caches)
+    # Once first: a program's first call reads its arguments' formats in JAX itself.
+    caches, _ = mgr.load(caches, mgr.offload(caches, [3], keys=[8]).wait(), [3])
+    caches = step(caches)
+    reads = []
+    prop = jax_array.ArrayImpl.format
+    monkeypatch.setattr(jax_array.ArrayImpl, "format",
+                        property(lambda a: reads.append(a) or prop.fget(a)))
+    pages = mgr.offload(caches, [3], keys=[7]).wait()
+    assert len(reads) == len(caches)
+    caches = step(caches)
+    reads.clear()
+    caches, handle = mgr.load(caches, pages, [9])
+    assert len(reads) == len(caches) and handle.result().verified_prefix == 1
+    monkeypatch.undo()
+    check_loaded(caches, before, [3], [9])
+    mgr.close()
+
+
 def test_closed_manager_refuses_work_without_leaking(tiny_caches):
     _, caches = tiny_caches
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)

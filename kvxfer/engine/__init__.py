@@ -27,9 +27,9 @@ context mesh (``own_context``), a shard typed as a one-device array (``local``),
 array without its buffers (``abstract``), a block dim's split over groups
 (``BlockGroups``), buffers shared between arrays (``shared_buffers``), whether a mover
 can take an array (``raw_capable``, ``pinned_capable``, ``pallas_refusal``), compiles
-collected to run side by side (``deferred_compiles``) and the digest programs' chunk
-(``DIGEST_CHUNK``). They are imported from here, so nothing outside the package imports
-its private modules.
+collected to run side by side (``deferred_compiles``), an array's format handed to the
+programs (``known_format``) and the digest programs' chunk (``DIGEST_CHUNK``). They
+are imported from here, so nothing outside the package imports its private modules.
 """
 
 from kvxfer.engine._batch import PageBatch as PageBatch
@@ -52,6 +52,7 @@ from kvxfer.engine._pinned import PinnedMover as PinnedMover
 from kvxfer.engine._pinned import pinned_capable as pinned_capable
 from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
 from kvxfer.engine._programs import deferred_compiles as deferred_compiles
+from kvxfer.engine._programs import known_format as known_format
 from kvxfer.engine._raw import RawMover as RawMover
 from kvxfer.engine._raw import raw_capable as raw_capable
 from kvxfer.engine._raw import shared_buffers as shared_buffers

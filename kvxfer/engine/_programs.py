@@ -453,6 +453,15 @@ def _remember(a: jax.Array, fmt: Any) -> None:
     _formats[key] = (weakref.ref(a, functools.partial(_forget, key)), fmt)
 
 
+def known_format(a: jax.Array, fmt: Any) -> None:
+    """Tells the programs ``a.format`` (equal to ``fmt``) so they need not compute it.
+
+    Passing one ``Format`` object for many arrays (those equal to the one a manager
+    was built for) lets programs be found by its identity instead of by hashing.
+    """
+    _remember(a, fmt)
+
+
 def _format(a: jax.Array) -> Any:
     """``a.format``, computed once per array."""
     entry = _formats.get(id(a))

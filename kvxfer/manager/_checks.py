@@ -19,7 +19,7 @@ import numpy as np
 
 from kvxfer import integrity as _integrity
 from kvxfer._check import check_int, check_timeout
-from kvxfer.engine import BlockGroups, PageBatch, ShardedLayer
+from kvxfer.engine import BlockGroups, PageBatch, ShardedLayer, known_format
 from kvxfer.hostpool import HostPool, PageRef, PoolError
 from kvxfer.layout import Layout, shape_text
 from kvxfer.manager._select import check_path
@@ -201,6 +201,9 @@ class Checks:
         # buffers are known to be their own skip the sharing scan of raw loads. Held
         # weakly: a manager must not keep a caller's old caches alive.
         self._formats = [(a.sharding, Layout.of(a), tuple(a.shape)) for a in caches]
+        # An array whose format equals the registered one (what a jitted step returns)
+        # passes with one comparison, and its programs get that one Format object.
+        self._registered = [a.format for a in caches]
         self._validated: list[weakref.ref | None] = [None] * len(caches)
         self._private: list[weakref.ref | None] = [None] * len(caches)
 
@@ -238,15 +241,22 @@ class Checks:
             if _is(self._validated[i], a):
                 continue  # checked (or returned by a load) before: skip the costly part
             sharding, layout, shape = self._formats[i]
+            fmt = a.format
+            if fmt == self._registered[i] and tuple(a.shape) == shape and \
+                    a.dtype.name == spec.dtype:
+                known_format(a, self._registered[i])
+                self._validated[i] = weakref.ref(a)
+                continue
             if tuple(a.shape) != shape or a.dtype.name != spec.dtype:
                 raise ValueError(f"layer {i}: got {shape_text(a.shape, a.dtype)}, the manager "
                                  f"was built for {shape_text(shape, spec.dtype)}")
             if not a.sharding.is_equivalent_to(sharding, a.ndim):
                 raise ValueError(f"layer {i}: sharding {a.sharding} differs from the one the "
                                  f"manager was built for ({sharding})")
-            if Layout.of(a) != layout:
-                raise ValueError(f"layer {i}: layout {Layout.of(a)} differs from the one the "
-                                 f"manager was built for ({layout})")
+            if Layout.of(fmt) != layout:
+                raise ValueError(f"layer {i}: layout {Layout.of(fmt)} differs from the one "
+                                 f"the manager was built for ({layout})")
+            known_format(a, fmt)
             self._validated[i] = weakref.ref(a)
         return caches
 
