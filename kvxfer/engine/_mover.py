@@ -16,7 +16,8 @@ from kvxfer.engine._programs import DIGEST_CHUNK, compile_ahead, digest_blocks, 
 from kvxfer.hostpool import ClassPool, HostBacking
 from kvxfer.plan import SliceClass
 
-__all__ = ["TransferError", "Mover", "LoadRequest", "LoadDone", "Pending", "OffloadT", "StagedT", "LoadT"]
+__all__ = ["TransferError", "Mover", "LoadRequest", "LoadDone", "Pending", "OffloadT",
+           "StagedT", "LoadT"]
 
 OffloadT = TypeVar("OffloadT")
 """What ``start_offload`` hands ``finish_offload`` (the mover's named offload state)."""
@@ -80,6 +81,21 @@ def _batch_abstract(b: int, device: Any) -> tuple[jax.ShapeDtypeStruct, jax.Shap
     """What ``PageBatch.on`` puts on ``device`` for ``b`` padded pages, abstractly."""
     return (_sds((b,), np.int32, device),
             _sds((b, integrity.IDENTITY_WORDS), np.uint32, device))
+
+
+def _pool_load_abstract(n: int, layers: int, device: Any, digest: bool
+                        ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The arguments after the pool of a load that reads the pool in place, abstractly.
+
+    Ids, rows and count come as numpy arguments (``PageBatch.host``: uncommitted); with
+    ``digest``, the identities and the layer numbers of the digests it computes too.
+    """
+    out = (jax.ShapeDtypeStruct((n,), np.int32), jax.ShapeDtypeStruct((n,), np.int32),
+           jax.ShapeDtypeStruct((), np.int32))
+    if digest:
+        out += (jax.ShapeDtypeStruct((n, integrity.IDENTITY_WORDS), np.uint32),
+                _sds((layers,), np.uint32, device))
+    return out
 
 
 def _count_abstract(device: Any) -> jax.ShapeDtypeStruct:

@@ -46,10 +46,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from kvxfer import integrity
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, TransferError, \
-    _count_abstract, _sds
+    _count_abstract, _pool_load_abstract, _sds
 from kvxfer.engine._programs import compile_ahead, compile_zeros, pinned_gather, pinned_load, \
     pinned_write, zeros
 from kvxfer.engine._raw import RowCopy
@@ -280,7 +279,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         done = []
         # Where every replica reads the pool itself (XLA:CPU), the load's programs
         # digest what they wrote: a small load then dispatches one program, not five.
-        fused = request.on_digested is not None and all(src is None for *_, src, _ in staged)
+        fused = request.on_digested is not None and self._digests_in_load(layers)
         for shard, replica, src, rows in staged:
             local = tuple(layer.shards[shard][replica] for layer in layers)
             device = device_of(local[0])
@@ -305,6 +304,12 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
         return new, PinnedLoad(done)
 
+    def _digests_in_load(self, layers) -> bool:
+        """Whether a load's programs digest what they write (a load without transfer
+        hooks, with integrity on): where every replica reads the pool itself (XLA:CPU),
+        so a small load dispatches one program, not five."""
+        return all(self._direct(device_of(a)) for reps in layers[0].shards for a in reps)
+
     def load_layer_waits(self, state: PinnedLoad, pos: int) -> bool:
         return state.pending()
 
@@ -321,9 +326,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
 
     def warmup(self, arrays, layers, b, with_digest):
         super().warmup(arrays, layers, b, with_digest)
-        # Loads digest in their own programs where every replica reads the pool itself.
-        fused = with_digest and all(self._direct(device_of(a))
-                                    for reps in layers[0].shards for a in reps)
+        fused = with_digest and self._digests_in_load(layers)  # what a load runs
         for s in range(self.cls.num_shards):
             primary = tuple(layer.primary[s] for layer in layers)
             device = device_of(primary[0])
@@ -342,13 +345,8 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 if self._direct(device):
                     pool = self._pool_abstract()
                     n = self._direct_pages(b, local[0])
-                    # Its index arrays and count come as numpy arguments (``host``).
-                    rows = jax.ShapeDtypeStruct((n,), np.int32)
-                    # With digests, the program a load without transfer hooks runs.
-                    extra = (jax.ShapeDtypeStruct((n, integrity.IDENTITY_WORDS), np.uint32),
-                             _sds((len(layers),), np.uint32, device)) if fused else ()
-                    compile_ahead("pinned_load", local, pool, rows, rows,
-                                  jax.ShapeDtypeStruct((), np.int32), *extra,
+                    compile_ahead("pinned_load", local, pool,
+                                  *_pool_load_abstract(n, len(layers), device, fused),
                                   with_digest=fused,
                                   options=(pool.sharding, self._pool_offsets(s), None, True))
                     continue

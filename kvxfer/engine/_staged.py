@@ -26,10 +26,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from kvxfer import integrity
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, _batch_abstract, \
-    _count_abstract, _sds
+    _count_abstract, _pool_load_abstract, _sds
 from kvxfer.engine._raw import RowCopy
 from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, page_loops, \
     pinned_load, scatter, staged_load, zeros
@@ -249,6 +248,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
 
     def warmup(self, arrays, layers, b, with_digest):
         super().warmup(arrays, layers, b, with_digest)
+        fused = with_digest and self._digests_in_load(layers)  # what a load runs
         for s in range(self.cls.num_shards):
             primary = tuple(layer.primary[s] for layer in layers)
             ids, base = _batch_abstract(b, device_of(primary[0]))
@@ -257,8 +257,6 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                                device_of(primary[0])),
                           with_digest=with_digest)
             dtype = _staging_dtype(primary[0])
-            fused = with_digest and all(self._in_place(layers, t)
-                                        for t in range(self.cls.num_shards))
             for r in range(len(layers[0].shards[s])):
                 local = tuple(layer.shards[s][r] for layer in layers)
                 device = device_of(local[0])
@@ -266,15 +264,10 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                 if self._in_place(layers, s):
                     pool = self._pool_on(device)
                     n = loop_pages(b, local[0].shape[0])
-                    # Index arrays and count as numpy arguments (see ``stage_load``).
-                    rows = jax.ShapeDtypeStruct((n,), np.int32)
-                    # With digests, the program a load without transfer hooks runs.
-                    extra = (jax.ShapeDtypeStruct((n, integrity.IDENTITY_WORDS), np.uint32),
-                             _sds((len(layers),), np.uint32, device)) if fused else ()
                     compile_ahead("pinned_load", local,
                                   jax.ShapeDtypeStruct(pool.shape, pool.dtype,
                                                        sharding=pool.sharding),
-                                  rows, rows, jax.ShapeDtypeStruct((), np.int32), *extra,
+                                  *_pool_load_abstract(n, len(layers), device, fused),
                                   with_digest=fused,
                                   options=(pool.sharding, self._pool_offsets(s), None, True))
                 elif page_loops(device):
@@ -346,9 +339,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
         on_device: dict[object, jax.Array] = {}
         readers: dict[int, tuple[np.ndarray, list[jax.Array]]] = {}
         in_place: list[jax.Array] = []
-        # Where every replica reads the pool in place, the programs digest what they
-        # wrote: a small load then dispatches one program, not five.
-        fused = request.on_digested is not None and all(x.rows is not None for x in staged)
+        fused = request.on_digested is not None and self._digests_in_load(layers)
         for shard, replica, pages_d, staging, rows in staged:
             local = tuple(layer.shards[shard][replica] for layer in layers)
             device = device_of(local[0])
@@ -376,6 +367,12 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
             self._arena.lend(staging, done)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
         return new, StagedLoad(in_place)
+
+    def _digests_in_load(self, layers) -> bool:
+        """Whether a load's programs digest what they write (a load without transfer
+        hooks, with integrity on): where every replica reads the pool in place, so a
+        small load dispatches one program, not five."""
+        return all(self._in_place(layers, t) for t in range(self.cls.num_shards))
 
     def load_layer_waits(self, state: StagedLoad, pos: int) -> bool:
         return state.pending()
