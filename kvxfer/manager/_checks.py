@@ -200,10 +200,9 @@ class Checks:
         # arrays last checked (or returned by a load) skip the check, and those whose
         # buffers are known to be their own skip the sharing scan of raw loads. Held
         # weakly: a manager must not keep a caller's old caches alive.
-        self._formats = [(a.sharding, Layout.of(a), tuple(a.shape)) for a in caches]
         # An array whose format equals the registered one (what a jitted step returns)
         # passes with one comparison, and its programs get that one Format object.
-        self._registered = [a.format for a in caches]
+        self._formats = [(a.format, Layout.of(a), tuple(a.shape)) for a in caches]
         self._validated: list[weakref.ref | None] = [None] * len(caches)
         self._private: list[weakref.ref | None] = [None] * len(caches)
 
@@ -240,20 +239,17 @@ class Checks:
                                  "arrays returned by the step that consumed it")
             if _is(self._validated[i], a):
                 continue  # checked (or returned by a load) before: skip the costly part
-            sharding, layout, shape = self._formats[i]
-            fmt = a.format
-            if fmt == self._registered[i] and tuple(a.shape) == shape and \
-                    a.dtype.name == spec.dtype:
-                known_format(a, self._registered[i])
-                self._validated[i] = weakref.ref(a)
-                continue
+            registered, layout, shape = self._formats[i]
             if tuple(a.shape) != shape or a.dtype.name != spec.dtype:
                 raise ValueError(f"layer {i}: got {shape_text(a.shape, a.dtype)}, the manager "
                                  f"was built for {shape_text(shape, spec.dtype)}")
-            if not a.sharding.is_equivalent_to(sharding, a.ndim):
+            fmt = a.format
+            if fmt == registered:
+                fmt = registered
+            elif not a.sharding.is_equivalent_to(registered.sharding, a.ndim):
                 raise ValueError(f"layer {i}: sharding {a.sharding} differs from the one the "
-                                 f"manager was built for ({sharding})")
-            if Layout.of(fmt) != layout:
+                                 f"manager was built for ({registered.sharding})")
+            elif Layout.of(fmt) != layout:
                 raise ValueError(f"layer {i}: layout {Layout.of(fmt)} differs from the one "
                                  f"the manager was built for ({layout})")
             known_format(a, fmt)
