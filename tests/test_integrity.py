@@ -215,6 +215,25 @@ def test_digest_golden_values():
         np.testing.assert_array_equal(dev, np.array(expected, np.uint32))
 
 
+@pytest.mark.parametrize("ident_shape", [(3, I.IDENTITY_WORDS), (I.IDENTITY_WORDS,)])
+def test_digest_layers_equals_each_layers_digest(ident_shape):
+    """Layers of two page lengths (two hashing groups), in a jitted program: entry ``l``
+    is the host digest of layer ``l``'s pages under its own layer number."""
+    rng = np.random.default_rng(len(ident_shape))
+    lengths = [512, 300, 512, 300, 512]
+    words = [rng.integers(0, 2**32, (3, n), dtype=np.uint32) for n in lengths]
+    ident = rng.integers(0, 2**32, ident_shape, dtype=np.uint32)
+    layers = np.array([7, 0, 31, 2, 9], np.uint32)
+    got = np.asarray(jax.jit(I.digest_layers)([jnp.asarray(w) for w in words],
+                                              jnp.asarray(ident), jnp.asarray(layers)))
+    assert got.shape == (5, 3, I.DIGEST_WORDS)
+    for l, (w, layer) in enumerate(zip(words, layers)):
+        own = ident.copy()
+        own[..., 2] = layer
+        np.testing.assert_array_equal(got[l], I.digest_np(w, own), err_msg=f"layer {l}")
+    assert unique_rows(got.reshape(-1, I.DIGEST_WORDS)) == 15
+
+
 def test_digest_fuses_into_a_bigger_jit_program():
     rng = np.random.default_rng(5)
     cache = random_array(rng, (2, 8, 16, 4, 64), ml_dtypes.bfloat16)  # [layer, block, ...]

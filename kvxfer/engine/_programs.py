@@ -149,10 +149,8 @@ def _digest_impl(arrays, ids, base, layer_nums, count, *, raw: bool, loop: bool)
         # One digest per layer, each fused with its gather: the pages are read once. (A
         # digest over the stacked pages compiles 4-5x faster but materializes the stack
         # and ran 14x slower on XLA:CPU: 1.8 against 24.6 GB/s for 8 layers x 128 pages.)
-        return jnp.stack([integrity.digest(integrity.as_words(_bits(a, raw)[ids],
-                                                              batch_dims=1),
-                                           _with_layer(base, layer_nums[i]))
-                          for i, a in enumerate(arrays)])
+        return integrity.digest_layers([integrity.as_words(_bits(a, raw)[ids], batch_dims=1)
+                                        for a in arrays], base, layer_nums)
 
     # ``count`` pages, each layer's blocks read once (about as fast as the vectorized
     # digest on XLA:CPU, see ``_on_blocks``): ``g`` pages an iteration
@@ -162,9 +160,8 @@ def _digest_impl(arrays, ids, base, layer_nums, count, *, raw: bool, loop: bool)
     g = _digest_group(arrays[0], ids.shape[0])
 
     def page(blocks, ident):
-        return jnp.stack([integrity.digest(integrity.as_words(x, batch_dims=1),
-                                           _with_layer(ident, layer_nums[i]))
-                          for i, x in enumerate(blocks)])
+        return integrity.digest_layers([integrity.as_words(x, batch_dims=1) for x in blocks],
+                                       ident, layer_nums)
 
     def step(n):
         def none(ident):
