@@ -17,7 +17,7 @@ from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kvxfer
-from kvxfer import testing
+from kvxfer import integrity, testing
 from kvxfer.engine._pinned import IN_PLACE_PLATFORMS, pinned_mode
 
 SRC, DST = [5, 1, 6, 2], [0, 7, 3, 4]
@@ -181,6 +181,36 @@ def test_the_pinned_pool_is_updated_in_place():
         before = [testing.bits(c) for c in caches]
         mgr.free(pages)
         first = pool.array
+    mgr.close()
+
+
+@pytest.mark.skipif(pinned_mode(jax.devices()[0].platform) != "in-place",
+                    reason="offloads digest inside their write only where they write the pool "
+                           "itself")
+def test_an_offload_dispatches_one_program_that_digests_what_it_writes(monkeypatch):
+    """In place, an offload with integrity on runs ``pinned_write`` alone (no digest program
+    of its own), and the digests it stores are what a load then verifies against."""
+    from kvxfer.engine import _programs
+    caches = testing.random_caches(12, NUM_BLOCKS, (4, 128), "bfloat16", seed=11)
+    before = [testing.bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pinned")
+    ran = []
+    run = _programs._run
+    monkeypatch.setattr(_programs, "_run", lambda kind, *a, **k: ran.append(kind) or
+                        run(kind, *a, **k))
+    pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+    assert ran == ["pinned_write"]
+    keys = [1, 2, 3, 4]
+    for j, (page, b) in enumerate(zip(pages, SRC)):
+        for layer in (0, 11):
+            words = integrity.as_words_np(before[layer][b][None], 1)
+            ident = integrity.identity_words(keys[j], layer, page.generation, 0)
+            stored = mgr.host_pool.pools[0].digests[page.slot, layer, 0, :integrity.DIGEST_WORDS]
+            np.testing.assert_array_equal(stored, integrity.digest_np(words, ident)[0])
+    ran.clear()
+    caches, load = mgr.load(caches, pages, DST, gate="layer")
+    assert ran == ["pinned_load"] and load.result().verified_prefix == 4
+    check_moved(caches, before, SRC, DST)
     mgr.close()
 
 

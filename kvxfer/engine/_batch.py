@@ -93,7 +93,6 @@ def abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
 
 
 @functools.lru_cache(maxsize=1024)
-@functools.lru_cache(maxsize=4096)
 def layer_nums(device: Any, layers: tuple[int, ...]) -> jax.Array:
     """Device copies of layer-number vectors, made once (there are few distinct ones:
     a class's layers, and its groups of ``DIGEST_CHUNK``); each digest program of a
@@ -196,7 +195,7 @@ class PageBatch:
         size = len(self.padded) if size is None else size
         key = (device, shard, size)
         if key not in self._device:
-            self._put(device, shard, size, [])
+            self._put(device, shard, size)
         return self._device[key]
 
     def host(self, shard: int, size: int | None = None
@@ -220,26 +219,15 @@ class PageBatch:
         base[:, 4] = shard
         return ids, base
 
-    def on_with(self, device: Any, shard: int, size: int | None,
-                extra: Sequence[np.ndarray]) -> list[jax.Array]:
-        """``extra`` (a mover's own index arrays) on ``device``, in the transfer call
-        that puts ``on(device, shard, size)`` there where that is not there yet."""
-        size = len(self.padded) if size is None else size
-        if (device, shard, size) in self._device:
-            return jax.device_put(list(extra), device) if extra else []
-        return self._put(device, shard, size, list(extra))
-
-    def _put(self, device: Any, shard: int, size: int, extra: list[np.ndarray]
-             ) -> list[jax.Array]:
+    def _put(self, device: Any, shard: int, size: int) -> None:
         ids, base = self._host(shard, size)
         # One transfer call for the arrays (and the count, once per device): each
         # device_put call costs tens of microseconds of host time on its own.
         count = [] if device in self._count else [np.int32(self.k)]
-        out = jax.device_put([ids, base, *count, *extra], device)
+        out = jax.device_put([ids, base, *count], device)
         self._device[(device, shard, size)] = (out[0], out[1])
         if count:
             self._count[device] = out[2]
-        return out[2 + len(count):]
 
     def count_on(self, device: Any) -> jax.Array:
         """The page count ``k`` as an ``int32`` scalar on ``device`` (a loop's trip count)."""

@@ -85,10 +85,12 @@ def _batch_abstract(b: int, device: Any) -> tuple[jax.ShapeDtypeStruct, jax.Shap
 
 def _pool_load_abstract(n: int, layers: int, device: Any, digest: bool
                         ) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """The arguments after the pool of a load that reads the pool in place, abstractly.
+    """The arguments after the pool of a program that reads (a load) or writes (an
+    offload) the pool in place, abstractly.
 
-    Ids, rows and count come as numpy arguments (``PageBatch.host``: uncommitted); with
-    ``digest``, the identities and the layer numbers of the digests it computes too.
+    Ids, rows (the pool's) and count come as numpy arguments (``PageBatch.host``:
+    uncommitted); with ``digest``, the identities and the layer numbers of the digests
+    it computes too.
     """
     out = (jax.ShapeDtypeStruct((n,), np.int32), jax.ShapeDtypeStruct((n,), np.int32),
            jax.ShapeDtypeStruct((), np.int32))

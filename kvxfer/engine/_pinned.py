@@ -194,27 +194,41 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
     # -- offload ------------------------------------------------------------------
 
     def start_offload(self, layers, batch, slots, with_digest):
-        # The digests are programs of their own (the ones loads verify with): the
-        # copy programs then compile in a fraction of the time, and run as fast.
-        digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
-        copies, written = [], []
+        # Where every shard writes the pool itself (XLA:CPU), its program digests the
+        # blocks it reads: an offload dispatches one program a shard. Elsewhere the
+        # digests are programs of their own (the ones loads verify with): a copy
+        # program made per bucket compiled 5x as slowly with them inside, and ran no
+        # faster.
+        fused = with_digest and self._digests_in_offload(layers)
+        digests = self.digests(layers, batch, range(len(layers))) \
+            if with_digest and not fused else None
+        copies, written, parts = [], [], []
         for s in range(self.cls.num_shards):
             arrays = tuple(layer.primary[s] for layer in layers)
             device = device_of(arrays[0])
             if self._direct(device):
+                # Its index arrays as numpy arguments (XLA:CPU), as the load's.
                 size = self._direct_pages(batch.k, arrays[0])
-                rows_d, = batch.on_with(device, s, size,
-                                        [self._padded(np.asarray(slots), size)])
-                ids_d, _ = batch.on(device, s, size)
+                ids, base, count = batch.host(s, size)
+                digest = (base, layer_nums(device, tuple(self.cls.layers))) if fused else None
                 with self.pool.lock:
-                    new, done = pinned_write(arrays, self.pool.array, ids_d, rows_d,
-                                             batch.count_on(device), self._pool_offsets(s))
+                    new, done, *d = pinned_write(
+                        arrays, self.pool.array, ids, self._padded(np.asarray(slots), size),
+                        count, self._pool_offsets(s), digest=digest)
                     self._swap(new)
                 written.append(done)
+                parts.append(d)
             else:
                 ids_d, _ = batch.on(device, s)
                 copies.append((s, pinned_gather(arrays, ids_d, _pinned(device), self._unit)))
+        if fused:
+            digests = Pending(parts, batch.k)
         return PinnedOffload(digests, copies, written)
+
+    def _digests_in_offload(self, layers) -> bool:
+        """Whether an offload's programs digest what they read: where every shard's
+        program writes the pool itself (XLA:CPU)."""
+        return all(self._direct(device_of(a)) for a in layers[0].primary)
 
     def _swap(self, new: jax.Array) -> None:
         try:
@@ -325,15 +339,21 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
     # -- warm-up ------------------------------------------------------------------
 
     def warmup(self, arrays, layers, b, with_digest):
-        super().warmup(arrays, layers, b, with_digest)
-        fused = with_digest and self._digests_in_load(layers)  # what a load runs
+        # What the transfers run: where both directions digest inside their own
+        # programs, no digest program of its own is compiled (a transfer hook's load
+        # compiles one when it first runs).
+        fused = with_digest and self._digests_in_load(layers)
+        fused_offload = with_digest and self._digests_in_offload(layers)
+        if with_digest and not (fused and fused_offload):
+            super().warmup(arrays, layers, b, with_digest)
         for s in range(self.cls.num_shards):
             primary = tuple(layer.primary[s] for layer in layers)
             device = device_of(primary[0])
             if self._direct(device):
-                ids = _sds((self._direct_pages(b, primary[0]),), np.int32, device)
-                compile_ahead("pinned_write", primary, self._pool_abstract(), ids, ids,
-                              _count_abstract(device),
+                n = self._direct_pages(b, primary[0])
+                compile_ahead("pinned_write", primary, self._pool_abstract(),
+                              *_pool_load_abstract(n, len(layers), device, fused_offload),
+                              with_digest=fused_offload,
                               options=(self.pool.array.sharding, self._pool_offsets(s)))
             else:
                 compile_ahead("pinned_gather", primary, _sds((b,), np.int32, device),

@@ -288,6 +288,15 @@ def _pinned_write_impl(arrays, pool, ids, slots, count, *, raw: bool,
     return jax.lax.fori_loop(0, count, body, (pool, jnp.int32(0)))
 
 
+def _pinned_write_digest_impl(arrays, pool, ids, slots, count, base, layer_nums, *,
+                              raw: bool, offsets: tuple[int, ...]):
+    # The pool written, and the digests of the blocks read, in one program (as
+    # ``digest_blocks`` would compute them): an offload then dispatches one program.
+    pool, done = _pinned_write_impl(arrays, pool, ids, slots, count, raw=raw,
+                                    offsets=offsets)
+    return pool, done, _digest_impl(arrays, ids, base, layer_nums, count, raw=raw, loop=True)
+
+
 def _pinned_gather_impl(arrays, ids, *, raw: bool, unit: int):
     return jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
 
@@ -378,9 +387,11 @@ def _parts(kind: str, formats: tuple, raw: bool, with_digest: bool,
                            out_shardings=formats)
     if kind == "pinned_write":
         pool, offsets = options
-        return (functools.partial(_pinned_write_impl, raw=raw, offsets=offsets),
-                dict(donate_argnums=(1,), in_shardings=(formats, pool, None, None, None),
-                     out_shardings=(pool, None)))
+        impl = _pinned_write_digest_impl if with_digest else _pinned_write_impl
+        return (functools.partial(impl, raw=raw, offsets=offsets),
+                dict(donate_argnums=(1,),
+                     in_shardings=(formats, pool, None, None, None) + (None, None) * with_digest,
+                     out_shardings=(pool, None) + (None,) * with_digest))
     if kind == "pinned_gather":
         out, unit = options
         return (functools.partial(_pinned_gather_impl, raw=raw, unit=unit),
@@ -604,16 +615,22 @@ def staged_load(arrays, ids, pages, count, ballast: list | None = None):
     return _run("staged_load", arrays, ids, pages, count, ballast=ballast)
 
 
-def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...]):
+def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...],
+                 digest: tuple[Any, jax.Array] | None = None):
     """Writes blocks ``ids[j]`` of every layer into row ``slots[j]`` of ``pool`` in place.
 
     For ``j < count`` (an ``int32`` scalar: the arrays may be padded further).
     ``pool`` (pinned host words, donated) gets layer ``l``'s block at word
-    ``offsets[l]`` of the row. Returns ``(new pool, done)``: ``done`` (a scalar) is
-    ready once the pages are written.
+    ``offsets[l]`` of the row. ``digest``: ``(identities, layer numbers)`` as
+    ``digest_blocks`` takes them: the program also digests the blocks it reads.
+
+    Returns:
+      ``(new pool, done)``: ``done`` (a scalar) is ready once the pages are written;
+      with ``digest``, the digests ``uint32[L, len(ids), D]`` as a third element.
     """
-    return _run("pinned_write", arrays, pool, ids, slots, count,
-                options=(pool.sharding, tuple(offsets)))
+    extra = () if digest is None else tuple(digest)
+    return _run("pinned_write", arrays, pool, ids, slots, count, *extra,
+                with_digest=digest is not None, options=(pool.sharding, tuple(offsets)))
 
 
 def pinned_gather(arrays, ids, out, unit: int):
