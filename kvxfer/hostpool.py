@@ -183,6 +183,9 @@ class ClassPool:
         self.data = flat.reshape(num_slots, cls.page_bytes)
         self.digests = np.zeros((num_slots, len(cls.layers), cls.num_shards, DIGEST_SLOTS),
                                 dtype=np.uint32)
+        self._word_offsets = [tuple(self.shard_range(pos, s)[0] // self.word_bytes
+                                    for pos in range(len(cls.layers)))
+                              for s in range(cls.num_shards)]
 
     @property
     def array(self) -> Any:
@@ -215,6 +218,11 @@ class ClassPool:
         """Byte range of layer ``pos`` (all shards) inside a page."""
         size = self.cls.bytes_per_block
         return pos * size, (pos + 1) * size
+
+    def word_offsets(self, shard: int) -> tuple[int, ...]:
+        """Where shard ``shard`` of each layer starts inside a page, in words of
+        ``word_bytes`` (what programs reading or writing ``array`` in place take)."""
+        return self._word_offsets[shard]
 
     def shard_range(self, pos: int, shard: int) -> tuple[int, int]:
         """Byte range of one shard of layer ``pos`` inside a page."""

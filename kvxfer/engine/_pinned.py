@@ -149,11 +149,6 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
 
     # -- geometry -----------------------------------------------------------------
 
-    def _pool_offsets(self, shard: int) -> tuple[int, ...]:
-        """Word offset of each layer's shard ``shard`` inside a pool row."""
-        return tuple(self.pool.shard_range(pos, shard)[0] // self._unit
-                     for pos in range(len(self.cls.layers)))
-
     def _packed_offsets(self) -> tuple[int, ...]:
         """Word offset of each layer inside a row of one shard's pages."""
         return tuple(pos * self._words for pos in range(len(self.cls.layers)))
@@ -214,7 +209,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 with self.pool.lock:
                     new, done, *d = pinned_write(
                         arrays, self.pool.array, ids, self._padded(np.asarray(slots), size),
-                        count, self._pool_offsets(s), digest=digest)
+                        count, self.pool.word_offsets(s), digest=digest)
                     self._swap(new)
                 written.append(done)
                 parts.append(d)
@@ -306,7 +301,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 digest = (base_d, layer_nums(device, tuple(self.cls.layers))) if fused else None
                 with self.pool.lock:  # the pool array of the moment, before any donation
                     out, d, *digests = pinned_load(local, self.pool.array, ids_d, rows, count,
-                                                   self._pool_offsets(shard), digest=digest)
+                                                   self.pool.word_offsets(shard), digest=digest)
                 if fused:
                     request.on_digested(shard, replica, digests[0])
             else:
@@ -354,7 +349,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 compile_ahead("pinned_write", primary, self._pool_abstract(),
                               *_pool_load_abstract(n, len(layers), device, fused_offload),
                               with_digest=fused_offload,
-                              options=(self.pool.array.sharding, self._pool_offsets(s)))
+                              options=(self.pool.array.sharding, self.pool.word_offsets(s)))
             else:
                 compile_ahead("pinned_gather", primary, _sds((b,), np.int32, device),
                               options=(_pinned(device), self._unit))
@@ -368,7 +363,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                     compile_ahead("pinned_load", local, pool,
                                   *_pool_load_abstract(n, len(layers), device, fused),
                                   with_digest=fused,
-                                  options=(pool.sharding, self._pool_offsets(s), None, True))
+                                  options=(pool.sharding, self.pool.word_offsets(s), None, True))
                     continue
                 rows = _sds((b,), np.int32, device)
                 shape, dtype = self._packed_shape(b), self.pool.array.dtype

@@ -219,11 +219,6 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
     def _in_place(self, layers, shard: int) -> bool:
         return all(self._pool_on(device_of(a)) is not None for a in layers[0].shards[shard])
 
-    def _pool_offsets(self, shard: int) -> tuple[int, ...]:
-        """Word offset of each layer's shard ``shard`` inside a pool row."""
-        return tuple(self.pool.shard_range(pos, shard)[0] // self._unit
-                     for pos in range(len(self.cls.layers)))
-
     def start_offload(self, layers, batch, slots, with_digest):
         out = []
         for s in range(self.cls.num_shards):
@@ -269,7 +264,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                                                        sharding=pool.sharding),
                                   *_pool_load_abstract(n, len(layers), device, fused),
                                   with_digest=fused,
-                                  options=(pool.sharding, self._pool_offsets(s), None, True))
+                                  options=(pool.sharding, self.pool.word_offsets(s), None, True))
                 elif page_loops(device):
                     n = loop_pages(b, local[0].shape[0])
                     if r == 0:
@@ -347,7 +342,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                 ids, base, count = batch.host(shard, rows.shape[0])
                 digest = (base, layer_nums(device, tuple(self.cls.layers))) if fused else None
                 out, done, *digests = pinned_load(local, pages_d, ids, rows, count,
-                                                  self._pool_offsets(shard), digest=digest)
+                                                  self.pool.word_offsets(shard), digest=digest)
                 in_place.append(done)
                 if fused:
                     request.on_digested(shard, replica, digests[0])
