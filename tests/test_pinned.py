@@ -118,6 +118,32 @@ def test_a_corrupt_pinned_page_is_a_miss_at_that_page():
     mgr.close()
 
 
+@pytest.mark.parametrize("bad_layer", [None, 0, 5, 11])
+def test_a_one_class_layer_gated_load_releases_what_its_one_job_proves(bad_layer):
+    """One class, its digests computed by the load's one program: a clean load releases
+    every layer with the whole prefix; a bad page (in the first, a middle or the last
+    layer) releases the layers before it with the whole prefix and the rest without it."""
+    caches = testing.random_caches(12, NUM_BLOCKS, (4, 128), "bfloat16", seed=12)
+    before = [testing.bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pinned")
+    pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+    if bad_layer is not None:
+        testing.corrupt_shard(mgr, pages[2], layer=bad_layer, shard=0)
+    caches, load = mgr.load(caches, pages, DST, gate="layer")
+    result = load.result()
+    if bad_layer is None:
+        assert result.verified_prefix == 4 and not result.reasons
+        assert result.released_prefixes == (4,) * 12
+        check_moved(caches, before, SRC, DST)
+    else:
+        assert result.verified_prefix == 2
+        assert result.reasons == {2: f"digest mismatch in layer {bad_layer}"}
+        assert result.released_prefixes == (4,) * bad_layer + (2,) * (12 - bad_layer)
+        assert result.consumed_before_failure == (bad_layer > 0)
+    assert all(load.is_layer_ready(i) for i in range(12))
+    mgr.close()
+
+
 @pytest.mark.skipif(PLATFORM != "cpu", reason="the CPU rule (raw where proven)")
 def test_auto_picks_raw_where_proven_and_pinned_for_the_rest():
     caches = mixed_caches(seed=3)
