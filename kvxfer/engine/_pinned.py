@@ -283,8 +283,12 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         return work
 
     def start_load(self, arrays, layers, request: LoadRequest, staged: list[PinnedInputs]):
-        new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
-                                                    for _ in layers]
+        # On one device the program's outputs are the new arrays, with nothing to
+        # assemble: the call returns sooner after the dispatch (on XLA:CPU the program
+        # then runs on the cores the caller's thread needs).
+        single = isinstance(arrays[0].sharding, jax.sharding.SingleDeviceSharding)
+        new_shards: list[list[list[jax.Array]]] = [] if single else [
+            [[] for _ in range(self.cls.num_shards)] for _ in layers]
         done = []
         # Where every replica reads the pool itself (XLA:CPU), the load's programs
         # digest what they wrote: a small load then dispatches one program, not five.
@@ -308,6 +312,8 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 out, d = pinned_load(local, src, ids_d, rows, count, self._packed_offsets(),
                                      self._stream(device), loop=self._in_place)
             done.append(d)
+            if single:
+                return list(out), PinnedLoad(done)
             for pos, a in enumerate(out):
                 new_shards[pos][shard].append(a)
         new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]

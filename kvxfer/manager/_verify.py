@@ -175,6 +175,8 @@ class DigestStarter:
           list.
         """
         for c in self._batches:
+            if c in self._fused:
+                continue  # its program digested what it wrote: nothing to start
             for pos, i in enumerate(self._verifier.plan.classes[c].layers):
                 new[i] = self.written(c, pos, new[i])
         for c, got in self._fused.items():
