@@ -325,8 +325,11 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
         return work
 
     def start_load(self, arrays, layers, request: LoadRequest, staged: list[StagedInputs]):
-        new_shards: list[list[list[jax.Array]]] = [[[] for _ in range(self.cls.num_shards)]
-                                                    for _ in layers]
+        # On one device the program's outputs are the new arrays (nothing to assemble).
+        single = isinstance(arrays[0].sharding, jax.sharding.SingleDeviceSharding)
+        new_shards: list[list[list[jax.Array]]] = [] if single else [
+            [[] for _ in range(self.cls.num_shards)] for _ in layers]
+        new: list[jax.Array] = []
         batch = request.batch
         # Padding entries point past the end and are dropped by the scatter.
         ids_pad = np.full(len(batch.padded), np.iinfo(np.int32).max, dtype=np.int32)
@@ -356,11 +359,15 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                 if device not in on_device:
                     on_device[device] = jax.device_put(ids_pad, device)
                 out = scatter(local, on_device[device], pages_d)
+            if single:
+                new = list(out)
+                continue
             for pos, a in enumerate(out):
                 new_shards[pos][shard].append(a)
         for staging, done in readers.values():
             self._arena.lend(staging, done)
-        new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
+        if not single:
+            new = [assemble(arr, shards) for arr, shards in zip(arrays, new_shards)]
         return new, StagedLoad(in_place)
 
     def _digests_in_load(self, layers) -> bool:
