@@ -10,10 +10,12 @@ class's first shard lives), held as a JAX array of words (``ClassPool.array``).
   bytes reach the pool with no copy beside the program's own. A shard on another
   device (pinned memory belongs to a device) gets its pages in that device's
   ``pinned_host`` memory (``out_shardings``), and the transfer thread copies them into
-  the pool: one host copy. The page digests are the digest programs loads verify
-  with (``Mover.digests``), enqueued first: with the digests inside it, the copy
-  program took 5x as long to compile (2 s a bucket for 32 layers on XLA:CPU) and ran
-  no faster.
+  the pool: one host copy. Where every shard writes the pool in place, the program
+  also digests the blocks it reads, so an offload dispatches one program a shard;
+  otherwise the page digests are the digest programs loads verify with
+  (``Mover.digests``), enqueued first: with the digests inside it, a copy program
+  (made per bucket) took 5x as long to compile (2 s a bucket for 32 layers on
+  XLA:CPU) and ran no faster.
 * **Load**: one program per (class, bucket) per shard replica reads the request's
   pages and writes them into the donated caches in place. On the pool device it
   reads the pool itself; a replica on another device reads a pinned buffer of its
