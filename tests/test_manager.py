@@ -150,6 +150,30 @@ def test_duplicate_ids(mgr_with_pages):
     assert_pages_intact(mgr, caches, before, pages)
 
 
+@pytest.mark.parametrize("small", [256, -1], ids=["python", "numpy"])
+def test_block_ids_are_checked_alike_on_the_short_and_the_general_path(mgr_with_pages,
+                                                                      monkeypatch, small):
+    """Short id lists are checked in Python, others with numpy: the same ids pass, as
+    ``int32``, and the same faults are named either way."""
+    from kvxfer.manager import _checks
+    mgr, caches, before, pages = mgr_with_pages
+    monkeypatch.setattr(_checks, "_SMALL", small)
+    for ids in ([14, 12], (0, 15), [np.int64(3), 7], np.array([9, 1])):
+        got = mgr._checks.blocks(ids, 2, "pages")
+        assert [a.dtype for a in got.values()] == [np.int32] * len(got)
+        assert all(a.tolist() == [int(b) for b in ids] for a in got.values())
+    assert mgr._checks.blocks([], 0, "pages")[0].shape == (0,)
+    for ids, match in (([4, 4], r"device_blocks\[1\] = 4 duplicates device_blocks\[0\]"),
+                       ([0, 16], r"device_blocks\[1\] = 16 is out of range for layer 0"),
+                       ([-1, 2], r"device_blocks\[0\] = -1 is out of range"),
+                       ([True, 2], r"device_blocks\[0\] = True is a bool"),
+                       ([1.0, 2], r"must be a 1-D sequence of ints"),
+                       ([1], r"1 device_blocks for 2 pages")):
+        with pytest.raises(ValueError, match=match):
+            mgr._checks.blocks(ids, 2, "pages")
+    assert_pages_intact(mgr, caches, before, pages)
+
+
 def test_out_of_range_ids(mgr_with_pages):
     mgr, caches, before, pages = mgr_with_pages
     with pytest.raises(ValueError, match=r"device_blocks\[1\] = 16 is out of range for layer 0"):

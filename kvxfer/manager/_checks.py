@@ -167,6 +167,10 @@ def check_construction(kv_caches: Sequence[jax.Array], layouts: Sequence[Any] | 
     return caches, specs, num_host_blocks, ready_timeout
 
 
+#: Block id lists up to this long are checked in Python (``Checks._ids``).
+_SMALL = 256
+
+
 def page_batches(blocks: dict[int, np.ndarray], keys: Sequence[int],
                  generations: Sequence[int]) -> dict[int, PageBatch]:
     """One page batch per class moved (classes given the same ids share one)."""
@@ -205,6 +209,7 @@ class Checks:
         self._formats = [(a.format, Layout.of(a), tuple(a.shape)) for a in caches]
         self._validated: list[weakref.ref | None] = [None] * len(caches)
         self._private: list[weakref.ref | None] = [None] * len(caches)
+        self._limits: dict[tuple[int, ...], int] = {}
 
     @property
     def num_layers(self) -> int:
@@ -279,8 +284,23 @@ class Checks:
         ids = self._ids(device_blocks, n, what, range(self.num_layers), "device_blocks")
         return {c.index: ids for c in classes}
 
+    def _limit(self, layers: Sequence[int]) -> int:
+        """The fewest blocks of any of ``layers`` (computed once per set of layers)."""
+        key = tuple(layers)
+        limit = self._limits.get(key)
+        if limit is None:
+            limit = self._limits[key] = min(self.specs[i].num_blocks for i in layers)
+        return limit
+
     def _ids(self, device_blocks: Sequence[int], n: int, what: str,
              layers: Sequence[int], name: str) -> np.ndarray:
+        if type(device_blocks) in (list, tuple) and len(device_blocks) == n <= _SMALL:
+            # A short list of valid ids (a prefix hit) is checked without numpy's fixed
+            # costs; anything else takes the general path below, which names the fault.
+            limit = self._limit(layers)
+            if all(type(b) is int and 0 <= b < limit for b in device_blocks) and \
+                    len(set(device_blocks)) == n:
+                return np.array(device_blocks, dtype=np.int32)
         if isinstance(device_blocks, (list, tuple)):
             for j, b in enumerate(device_blocks):  # numpy would read True as block 1
                 if isinstance(b, (bool, np.bool_)):
@@ -290,7 +310,7 @@ class Checks:
             raise ValueError(f"{name} must be a 1-D sequence of ints. Got {device_blocks!r}")
         if len(ids) != n:
             raise ValueError(f"{len(ids)} {name} for {n} {what}")
-        limit = min(self.specs[i].num_blocks for i in layers)
+        limit = self._limit(layers)
         out = (ids < 0) | (ids >= limit)
         if out.any():
             j = int(np.flatnonzero(out)[0])
