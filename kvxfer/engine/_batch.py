@@ -157,10 +157,11 @@ class PageBatch:
         self.k = len(self.ids)
         self.padded = _pad_ids(self.ids)
         base = np.zeros((len(self.padded), integrity.IDENTITY_WORDS), dtype=np.uint32)
-        keys64 = np.asarray(list(keys), dtype=np.uint64)
-        base[:self.k, 0] = (keys64 & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        base[:self.k, 1] = (keys64 >> np.uint64(32)).astype(np.uint32)
-        base[:self.k, 3] = np.asarray(list(generations), dtype=np.uint32)
+        # Python ints: a few pages cost less than numpy's uint64 operators would.
+        keys = [int(key) for key in keys]
+        base[:self.k, 0] = [key & 0xFFFFFFFF for key in keys]
+        base[:self.k, 1] = [key >> 32 for key in keys]
+        base[:self.k, 3] = list(generations)
         self._base = base
         self._device: dict[tuple[Any, int, int], tuple[jax.Array, jax.Array]] = {}
         self._count: dict[Any, jax.Array] = {}

@@ -109,15 +109,12 @@ class DigestStarter:
         self._layers: dict[int, ShardedLayer] = {}
         self._arrays: dict[int, jax.Array] = {}  # what the load returns, by layer
         self._jobs: list[DigestJob] = []
-        size = DIGEST_CHUNK
-        self._groups = {c: [list(range(len(verifier.plan.classes[c].layers)))[a:a + size]
-                            for a in range(0, len(verifier.plan.classes[c].layers), size)]
-                        for c in batches}
-        # (class, position) -> its group, and (class, group) -> layers still unwritten
-        self._group_of = {(c, p): g for c, groups in self._groups.items()
-                          for g, group in enumerate(groups) for p in group}
-        self._unwritten = {(c, g): len(group) for c, groups in self._groups.items()
-                           for g, group in enumerate(groups)}
+        # Per class, made when its first layer is written (a class whose program
+        # digests what it wrote never needs them): its groups of layer positions,
+        # (class, position) -> its group, and (class, group) -> layers still unwritten.
+        self._groups: dict[int, list[list[int]]] = {}
+        self._group_of: dict[tuple[int, int], int] = {}
+        self._unwritten: dict[tuple[int, int], int] = {}
         # class -> {(shard, replica): digests} its mover computed while writing
         self._fused: dict[int, dict[tuple[int, int], jax.Array]] = {}
 
@@ -150,6 +147,8 @@ class DigestStarter:
         if not self._active or c in self._fused:
             return array
         self._layers[layer] = ShardedLayer.of(array)
+        if c not in self._groups:
+            self._group(c, len(cls.layers))
         g = self._group_of[(c, pos)]
         self._unwritten[(c, g)] -= 1
         if not self._unwritten[(c, g)]:
@@ -160,6 +159,16 @@ class DigestStarter:
                 self._verifier.movers[c].digests(by_pos, self._batches[c], group, replica=r)
                 for r in range(cls.replicas)]))
         return array
+
+    def _group(self, c: int, num_positions: int) -> None:
+        """Splits class ``c``'s layer positions into groups of ``DIGEST_CHUNK``."""
+        positions = list(range(num_positions))
+        self._groups[c] = [positions[a:a + DIGEST_CHUNK]
+                           for a in range(0, num_positions, DIGEST_CHUNK)]
+        for g, group in enumerate(self._groups[c]):
+            self._unwritten[(c, g)] = len(group)
+            for p in group:
+                self._group_of[(c, p)] = g
 
     def returned(self, layer: int, array: jax.Array) -> jax.Array:
         """What the load returns for ``layer``, whose mover handed back ``array``."""
