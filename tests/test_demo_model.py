@@ -35,26 +35,43 @@ def _positions(kv: jax.Array, block_ids: list[int], n: int) -> np.ndarray:
     return a.reshape(-1, *a.shape[2:])[:n]
 
 
+def _np_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _np_rope(x: np.ndarray, theta: float) -> np.ndarray:
+    """Rotate-half RoPE of ``[T, H, hd]`` at positions ``0..T-1``."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (np.arange(half) * (2.0 / x.shape[-1]))
+    ang = np.arange(len(x))[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
 def _reference_logits(model: m.Model, tokens: np.ndarray) -> np.ndarray:
-    """Dense (non-paged) causal forward over the whole sequence; last-position logits."""
-    cfg, prm = model.cfg, model.params
+    """Dense (non-paged) causal forward over the whole sequence in float64 NumPy, written
+    apart from the model's JAX code; last-position logits."""
+    cfg = model.cfg
+    prm = jax.tree.map(lambda a: np.asarray(a, np.float64), model.params)
     t = len(tokens)
-    pos = jnp.arange(t, dtype=jnp.int32)
-    x = prm.embed[jnp.asarray(tokens)]
+    x = prm.embed[np.asarray(tokens)]
+    causal = np.tril(np.ones((t, t), bool))[None]
     for p, lkv in zip(prm.layers, cfg.layers):
         hkv, hd, hq = lkv.num_kv_heads, lkv.head_dim, cfg.num_q_heads
-        h = m.rms_norm(x, p["attn_norm"], cfg.norm_eps)
-        q = m.rope((h @ p["wq"]).reshape(t, hq, hd), pos, cfg.rope_theta)
-        k = m.rope((h @ p["wk"]).reshape(t, hkv, hd), pos, cfg.rope_theta)
+        h = _np_rms_norm(x, p["attn_norm"], cfg.norm_eps)
+        q = _np_rope((h @ p["wq"]).reshape(t, hq, hd), cfg.rope_theta)
+        k = _np_rope((h @ p["wk"]).reshape(t, hkv, hd), cfg.rope_theta)
         v = (h @ p["wv"]).reshape(t, hkv, hd)
-        k, v = jnp.repeat(k, hq // hkv, axis=1), jnp.repeat(v, hq // hkv, axis=1)
-        s = jnp.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None], s, -jnp.inf)
-        a = jnp.einsum("hts,shd->thd", jax.nn.softmax(s, -1), v).reshape(t, hq * hd)
+        k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)
+        s = np.where(causal, np.einsum("thd,shd->hts", q, k) / np.sqrt(hd), -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        a = np.einsum("hts,shd->thd", e / e.sum(-1, keepdims=True), v).reshape(t, hq * hd)
         x = x + a @ p["wo"]
-        h = m.rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-    return np.asarray(model.logits(x[-1]))
+        h = _np_rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+        g = h @ p["w_gate"]
+        x = x + (g / (1.0 + np.exp(-g)) * (h @ p["w_up"])) @ p["w_down"]
+    return _np_rms_norm(x[-1], prm.final_norm, cfg.norm_eps) @ prm.unembed
 
 
 # --------------------------------------------------------------------------
