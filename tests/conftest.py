@@ -1,9 +1,24 @@
-"""Test setup: several CPU devices, so sharded caches can be tested on one machine; a
-real redis-server for the store tests."""
+"""Test setup: several CPU devices, so sharded caches can be tested on one machine;
+cheaper XLA:CPU code generation; a real redis-server for the store tests."""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Most of the suite's time is XLA:CPU compiling small programs, much of that in LLVM.
+# The tests check bytes and behaviour, never speed, so they compile with LLVM's
+# optimisation level at 0: the same HLO (same layouts, aliasing, donation and
+# fusions), cheaper machine code. (The older fusion emitters would save more, but they
+# compute a bfloat16 ``x * 1`` through float32 and so change bits the default keeps:
+# tests must run the code generation users run.) Set in the environment before JAX
+# starts, so the processes the tests start (CLI, demo, multi-process) inherit it.
+# KVXFER_TEST_XLA_DEFAULTS=1 keeps XLA's defaults.
+CHEAP_CODEGEN = ("--xla_backend_optimization_level=0",)
+if os.environ.get("KVXFER_TEST_XLA_DEFAULTS") != "1":
+    _flags = os.environ.get("XLA_FLAGS", "").split()
+    _names = {f.split("=")[0] for f in _flags}
+    os.environ["XLA_FLAGS"] = " ".join(
+        _flags + [f for f in CHEAP_CODEGEN if f.split("=")[0] not in _names])
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

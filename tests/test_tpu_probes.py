@@ -361,8 +361,8 @@ def test_bandwidth_probe_reports_positive_finite_numbers():
 
 
 def test_mover_probe_reports_per_layer_throughput_of_each_path():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
     r = subprocess.run([sys.executable, "tpu_probes/mover_probe.py", "--platform", "cpu",
                         "--config", "tiny", "--pages", "3", "--num_blocks", "8",
                         "--devices", "2", "--iters", "1", "--warmup", "0", "--json"],
