@@ -129,15 +129,28 @@ def test_fit_section_times_every_path_and_the_warmups(run):
         assert any(want in n for n in names), want
 
 
-def test_only_fit_runs_that_section_alone():
-    report = bench.run_bench(config=bench.BenchConfig.smoke(), only="fit")
+@pytest.fixture(scope="module")
+def fit_only():
+    """The engine-fit section alone through the command (a full smoke run takes twice as
+    long), with every target at 0: the report, the exit code and stderr."""
+    unmeetable = bench.Targets(call_idle_ms_cpu=0.0, call_queued_fraction=0.0,
+                               hit_ms_cpu=0.0, warmup_s_cpu=0.0, warmup_cached_s=0.0)
+    rc, stdout, stderr = run_cli("bench", "--smoke", "--json", "--only", "fit",
+                                 targets=unmeetable)
+    return json.loads(stdout), rc, stderr
+
+
+def test_only_fit_runs_that_section_alone(fit_only):
+    report, _, _ = fit_only
     assert set(report) == {"schema", "meta", "fit", "targets", "not_measured"}
+    assert report["meta"]["only"] == "fit"
     assert len(report["targets"]) == 5
     text = bench.format_report(report)
     assert "Engine fit" in text and "--only fit" in text and "Offload throughput" not in text
-    # A target that cannot be met is reported as missed.
+    # Targets are evaluated again on a report: one that cannot be met is reported as missed.
     missed = bench.evaluate_targets(report, bench.Targets(warmup_cached_s=0.0))
     assert any(t["status"] == "MISS" and "persistent" in t["name"] for t in missed)
+    assert len(bench.evaluate_targets(report, bench.Targets())) == 5
 
 
 def test_only_model_moves_each_configs_own_caches(tmp_path):
@@ -544,14 +557,9 @@ def test_no_check_reports_misses_and_exits_0(cli_run):
         assert any(t["name"] in line for line in lines)
 
 
-def test_a_missed_target_exits_1_and_is_named():
-    # The engine-fit section alone (a full smoke run takes twice as long): every target
-    # at 0 is missed, and the command names each one.
-    unmeetable = bench.Targets(call_idle_ms_cpu=0.0, call_queued_fraction=0.0,
-                               hit_ms_cpu=0.0, warmup_s_cpu=0.0, warmup_cached_s=0.0)
-    rc, stdout, stderr = run_cli("bench", "--smoke", "--json", "--only", "fit",
-                                 targets=unmeetable)
-    report = json.loads(stdout)
+def test_a_missed_target_exits_1_and_is_named(fit_only):
+    # Every target at 0 is missed, and the command names each one.
+    report, rc, stderr = fit_only
     assert len(report["targets"]) == 5 and all(t["status"] == "MISS" for t in report["targets"])
     assert rc == 1
     assert "5 of 5 targets missed:" in stderr
