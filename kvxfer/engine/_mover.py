@@ -83,6 +83,16 @@ def _batch_abstract(b: int, device: Any) -> tuple[jax.ShapeDtypeStruct, jax.Shap
             _sds((b, integrity.IDENTITY_WORDS), np.uint32, device))
 
 
+def _args_abstract(b: int, device: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """What ``PageBatch.args`` gives a program on ``device`` for ``b`` padded pages,
+    abstractly: uncommitted (numpy arguments) on XLA:CPU."""
+    if device.platform != "cpu":
+        return _batch_abstract(b, device) + (_count_abstract(device),)
+    return (jax.ShapeDtypeStruct((b,), np.int32),
+            jax.ShapeDtypeStruct((b, integrity.IDENTITY_WORDS), np.uint32),
+            jax.ShapeDtypeStruct((), np.int32))
+
+
 def _pool_load_abstract(n: int, layers: int, device: Any, digest: bool
                         ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The arguments after the pool of a program that reads (a load) or writes (an
@@ -240,8 +250,7 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         for s in range(self.cls.num_shards):
             device = device_of(layers[positions[0]].shards[s][replica])
             arrays = [tuple(layers[p].shards[s][replica] for p in chunk) for chunk in chunks]
-            ids_d, base_d = batch.on(device, s, _digest_size(batch.k, arrays[0]))
-            count = batch.count_on(device)
+            ids_d, base_d, count = batch.args(device, s, _digest_size(batch.k, arrays[0]))
             parts.append([digest_blocks(a, ids_d, base_d, layer_nums(device, tuple(
                                             self.cls.layers[p] for p in chunk)), count)
                           for a, chunk in zip(arrays, chunks)])
@@ -266,9 +275,9 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
                 device = device_of(layers[0].shards[s][r])
                 for size in chunks:
                     arrays = tuple(layers[p].shards[s][r] for p in range(size))
-                    ids, base = _batch_abstract(_digest_size(b, arrays) or b, device)
+                    ids, base, count = _args_abstract(_digest_size(b, arrays) or b, device)
                     compile_ahead("digest", arrays, ids, base, _sds((size,), np.uint32, device),
-                                  _count_abstract(device))
+                                  count)
 
     def _store_digests(self, slots: np.ndarray, shard: int, d: np.ndarray) -> None:
         # d: [L, k, D] -> pool.digests[slot, L, shard, D]

@@ -50,7 +50,7 @@ import numpy as np
 
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, TransferError, \
-    _count_abstract, _pool_load_abstract, _sds
+    _args_abstract, _pool_load_abstract, _sds
 from kvxfer.engine._programs import compile_ahead, compile_zeros, pinned_gather, pinned_load, \
     pinned_write, zeros
 from kvxfer.engine._raw import RowCopy
@@ -216,7 +216,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 written.append(done)
                 parts.append(d)
             else:
-                ids_d, _ = batch.on(device, s)
+                ids_d, _, _ = batch.args(device, s)
                 copies.append((s, pinned_gather(arrays, ids_d, _pinned(device), self._unit)))
         if fused:
             digests = Pending(parts, batch.k)
@@ -301,8 +301,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
             if src is None:
                 ids_d, base_d, count = request.batch.host(shard, rows.shape[0])
             else:
-                ids_d, base_d = request.batch.on(device, shard, rows.shape[0])  # as staged
-                count = request.batch.count_on(device)
+                ids_d, base_d, count = request.batch.args(device, shard, rows.shape[0])
             if src is None:
                 digest = (base_d, layer_nums(device, tuple(self.cls.layers))) if fused else None
                 with self.pool.lock:  # the pool array of the moment, before any donation
@@ -359,12 +358,11 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                               with_digest=fused_offload,
                               options=(self.pool.array.sharding, self.pool.word_offsets(s)))
             else:
-                compile_ahead("pinned_gather", primary, _sds((b,), np.int32, device),
+                compile_ahead("pinned_gather", primary, _args_abstract(b, device)[0],
                               options=(_pinned(device), self._unit))
             for r in range(len(layers[0].shards[s])):
                 local = tuple(layer.shards[s][r] for layer in layers)
                 device = device_of(local[0])
-                count = _count_abstract(device)
                 if self._direct(device):
                     pool = self._pool_abstract()
                     n = self._direct_pages(b, local[0])
@@ -377,6 +375,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 shape, dtype = self._packed_shape(b), self.pool.array.dtype
                 compile_zeros(shape, dtype, _pinned(device))
                 src = jax.ShapeDtypeStruct(shape, dtype, sharding=_pinned(device))
-                compile_ahead("pinned_load", local, src, rows, rows, count,
+                ids, _, count = _args_abstract(b, device)
+                compile_ahead("pinned_load", local, src, ids, rows, count,
                               options=(src.sharding, self._packed_offsets(),
                                        self._stream(device), self._in_place))

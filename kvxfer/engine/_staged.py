@@ -27,8 +27,8 @@ import jax
 import numpy as np
 
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
-from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, _batch_abstract, \
-    _count_abstract, _pool_load_abstract, _sds
+from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, _args_abstract, \
+    _pool_load_abstract, _sds
 from kvxfer.engine._raw import RowCopy
 from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, page_loops, \
     pinned_load, scatter, staged_load, zeros
@@ -224,7 +224,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
         for s in range(self.cls.num_shards):
             arrays = tuple(layer.primary[s] for layer in layers)
             device = device_of(arrays[0])
-            ids_d, base_d = batch.on(device, s)
+            ids_d, base_d, _ = batch.args(device, s)
             out.append(gather(arrays, ids_d, base_d, layer_nums(device, self.cls.layers),
                               with_digest=with_digest))
         return StagedOffload(batch.k, out)
@@ -246,7 +246,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
         fused = with_digest and self._digests_in_load(layers)  # what a load runs
         for s in range(self.cls.num_shards):
             primary = tuple(layer.primary[s] for layer in layers)
-            ids, base = _batch_abstract(b, device_of(primary[0]))
+            ids, base, _ = _args_abstract(b, device_of(primary[0]))
             compile_ahead("gather", primary, ids, base,
                           _sds((len(layers),), np.uint32,
                                device_of(primary[0])),
@@ -269,9 +269,9 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                     n = loop_pages(b, local[0].shape[0])
                     if r == 0:
                         self._arena.warm((n, len(layers)) + block, dtype, b)
-                    compile_ahead("staged_load", local, _sds((n,), np.int32, device),
-                                  _sds((n, len(layers)) + block, dtype, device),
-                                  _count_abstract(device))
+                    ids, _, count = _args_abstract(n, device)
+                    compile_ahead("staged_load", local, ids,
+                                  _sds((n, len(layers)) + block, dtype, device), count)
                 else:
                     compile_ahead("scatter", local, _sds((b,), np.int32, device),
                                   _sds((len(layers), b) + block, dtype, device))
@@ -350,9 +350,9 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                 if fused:
                     request.on_digested(shard, replica, digests[0])
             elif page_loops(device):
-                ids_d, _ = batch.on(device, shard, pages_d.shape[0])
+                ids_d, _, count = batch.args(device, shard, pages_d.shape[0])
                 done: list[jax.Array] = []
-                out = staged_load(local, ids_d, pages_d, batch.count_on(device), done)
+                out = staged_load(local, ids_d, pages_d, count, done)
                 if staging is not None:
                     readers.setdefault(id(staging), (staging, []))[1].extend(done)
             else:
