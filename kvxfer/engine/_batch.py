@@ -92,6 +92,12 @@ def abstract(a: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.format)
 
 
+def numpy_args(device: Any) -> bool:
+    """Whether programs on ``device`` take their index arrays as numpy arguments
+    (XLA:CPU: a few microseconds each, where a ``device_put`` of them costs tens)."""
+    return device.platform == "cpu"
+
+
 @functools.lru_cache(maxsize=1024)
 def layer_nums(device: Any, layers: tuple[int, ...]) -> jax.Array:
     """Device copies of layer-number vectors, made once (there are few distinct ones:
@@ -221,7 +227,7 @@ class PageBatch:
         3-5x that right after a step; a program takes numpy arguments for a few
         microseconds each.
         """
-        if device.platform == "cpu":
+        if numpy_args(device):
             return self.host(shard, size)
         ids, base = self.on(device, shard, size)
         return ids, base, self.count_on(device)

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from kvxfer import integrity
-from kvxfer.engine._batch import PageBatch, ShardedLayer, device_of, layer_nums, loop_pages
+from kvxfer.engine._batch import PageBatch, ShardedLayer, device_of, layer_nums, loop_pages, \
+    numpy_args
 from kvxfer.engine._programs import DIGEST_CHUNK, compile_ahead, digest_blocks, page_loops
 from kvxfer.hostpool import ClassPool, HostBacking
 from kvxfer.plan import SliceClass
@@ -83,14 +84,19 @@ def _batch_abstract(b: int, device: Any) -> tuple[jax.ShapeDtypeStruct, jax.Shap
             _sds((b, integrity.IDENTITY_WORDS), np.uint32, device))
 
 
-def _args_abstract(b: int, device: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """What ``PageBatch.args`` gives a program on ``device`` for ``b`` padded pages,
-    abstractly: uncommitted (numpy arguments) on XLA:CPU."""
-    if device.platform != "cpu":
-        return _batch_abstract(b, device) + (_count_abstract(device),)
+def _host_abstract(b: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """What ``PageBatch.host`` gives for ``b`` padded pages, abstractly (uncommitted)."""
     return (jax.ShapeDtypeStruct((b,), np.int32),
             jax.ShapeDtypeStruct((b, integrity.IDENTITY_WORDS), np.uint32),
             jax.ShapeDtypeStruct((), np.int32))
+
+
+def _args_abstract(b: int, device: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """What ``PageBatch.args`` gives a program on ``device`` for ``b`` padded pages,
+    abstractly."""
+    if numpy_args(device):
+        return _host_abstract(b)
+    return _batch_abstract(b, device) + (_count_abstract(device),)
 
 
 def _pool_load_abstract(n: int, layers: int, device: Any, digest: bool
@@ -102,12 +108,9 @@ def _pool_load_abstract(n: int, layers: int, device: Any, digest: bool
     uncommitted); with ``digest``, the identities and the layer numbers of the digests
     it computes too.
     """
-    out = (jax.ShapeDtypeStruct((n,), np.int32), jax.ShapeDtypeStruct((n,), np.int32),
-           jax.ShapeDtypeStruct((), np.int32))
-    if digest:
-        out += (jax.ShapeDtypeStruct((n, integrity.IDENTITY_WORDS), np.uint32),
-                _sds((layers,), np.uint32, device))
-    return out
+    ids, base, count = _host_abstract(n)
+    out = (ids, ids, count)  # the rows are the pool's, shaped as the ids
+    return out + (base, _sds((layers,), np.uint32, device)) if digest else out
 
 
 def _count_abstract(device: Any) -> jax.ShapeDtypeStruct:
