@@ -424,6 +424,18 @@ def _add4(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array
 
 def _lanes(words: jax.Array) -> jax.Array:
     """``uint32[..., W]`` -> lanes ``(A_lo, A_hi, B_lo, B_hi)`` in one fused variadic reduce."""
+    return _lanes_of(*_lane_sums(words))
+
+
+def _lanes_of(sa: jax.Array, a_hi: jax.Array, sb: jax.Array, b_hi: jax.Array) -> jax.Array:
+    """The lanes ``[..., 4]`` from the sums ``_lane_sums`` returns."""
+    a_lo = sa - (a_hi << _HALF_BITS)
+    b_lo = sb - (b_hi << _HALF_BITS)
+    return jnp.stack([a_lo, a_hi, b_lo, b_hi], axis=-1)
+
+
+def _lane_sums(words: jax.Array) -> tuple[jax.Array, ...]:
+    """``uint32[..., W]`` -> the sums ``(A, A_hi, B, B_hi)`` (one fused variadic reduce)."""
     n_words = words.shape[-1]
     axis = words.ndim - 1
     k = lax.broadcasted_iota(jnp.uint32, words.shape, axis)
@@ -435,10 +447,7 @@ def _lanes(words: jax.Array) -> jax.Array:
         mb = ((k >> _HALF_BITS) << 1) | 1
         ops = (words * m, hi * m, words * mb, hi * mb)
     zero = jnp.zeros((), jnp.uint32)
-    sa, a_hi, sb, b_hi = lax.reduce(ops, (zero,) * 4, _add4, (axis,))
-    a_lo = sa - (a_hi << _HALF_BITS)
-    b_lo = sb - (b_hi << _HALF_BITS)
-    return jnp.stack([a_lo, a_hi, b_lo, b_hi], axis=-1)
+    return tuple(lax.reduce(ops, (zero,) * 4, _add4, (axis,)))
 
 
 _NP_CHUNK_WORDS = 1 << 20  # words per numpy pass: keeps temporaries ~4 MiB each
@@ -537,8 +546,18 @@ def digest_layers(words: Sequence[jax.Array], identity: jax.Array,
         ids = jnp.broadcast_to(identity, (len(group),) + identity.shape)
         ids = ids.at[..., 2].set(nums.reshape((-1,) + (1,) * (identity.ndim - 1)))
         offsets = _identity_hash(ids, n_words, jnp)
+        # The lane sums of each layer (one reduce each), then one elementwise pass for
+        # the whole group: on XLA:CPU a finishing pass per layer was a kernel per layer.
+        sums = [_lane_sums(words[l]) for l in group]
+        lanes = _lanes_of(*(jnp.stack([s[i] for s in sums]) for i in range(4)))
+        # Each layer's lanes and offsets broadcast as ``digest`` broadcasts them:
+        # right-aligned, past the leading layer dim.
+        lanes, offsets = (x.reshape(x.shape[:1] + (1,) * (max(lanes.ndim, offsets.ndim) -
+                                                         x.ndim) + x.shape[1:])
+                          for x in (lanes, offsets))
+        out_group = _fmix32(lanes + offsets)
         for j, l in enumerate(group):
-            out[l] = _fmix32(_lanes(words[l]) + offsets[j])
+            out[l] = out_group[j]
     return jnp.stack(out)
 
 
