@@ -111,6 +111,36 @@ def test_wait_and_as_completed_over_offloads_and_loads():
             assert np.array_equal(bits(c)[[4, 5, 6, 7]], bits(c)[[0, 1, 2, 3]])
 
 
+@pytest.mark.parametrize("path", ["auto", "staged", "pinned"])
+def test_a_caller_blocked_on_a_small_load_verifies_it_itself(path):
+    """A load whose one program digests every layer is verified by the caller blocked
+    in ``layer_ready`` when it gets there first: here the transfer thread is held in
+    another transfer's done-callback, and the layers are released all the same. The
+    transfer thread still settles the load and ends the handle."""
+    caches, mgr = make(num_host_blocks=8, path=path)
+    with mgr:
+        pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
+        busy, held = threading.Event(), threading.Event()
+        first = mgr.offload(caches, [0], keys=[9])
+        first.add_done_callback(lambda f: (busy.set(), held.wait(WAIT)))
+        assert busy.wait(WAIT)  # the transfer thread is in the callback
+        before = [bits(c) for c in caches]
+        new, handle = mgr.load(caches, pages, DST, gate="layer")
+        try:
+            assert handle.layer_ready(LAYERS - 1) == 4
+            assert not held.is_set(), "the layers waited for the transfer thread"
+            assert all(handle.is_layer_ready(i) for i in range(LAYERS))
+            assert not handle.done()  # the transfer thread has not settled it yet
+        finally:
+            held.set()
+        assert handle.result(WAIT).verified_prefix == 4
+        assert handle.released_prefixes == (4,) * LAYERS
+        for old, c in zip(before, new):
+            assert np.array_equal(bits(c)[DST], old[SRC])
+        mgr.free(pages + first.result(WAIT))
+        assert mgr.num_free_pages == 8
+
+
 @pytest.mark.parametrize("gate", ["layer", "all"])
 def test_is_layer_ready_never_blocks(gate):
     caches, mgr = make()

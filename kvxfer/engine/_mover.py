@@ -135,6 +135,8 @@ class Pending:
 
     def get(self) -> np.ndarray:
         """``uint32[positions, shards, k, D]``."""
+        if len(self._parts) == 1 and len(self._parts[0]) == 1:  # one shard, one chunk
+            return np.asarray(self._parts[0][0])[:, None, :self._k]
         return np.stack([np.concatenate([np.asarray(c)[:, :self._k] for c in chunks])
                          for chunks in self._parts], axis=1)
 

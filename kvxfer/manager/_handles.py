@@ -296,6 +296,9 @@ class LoadHandle(_Transfer):
         self._over = False  # set when the load ended: no layer is released after it
         self._error: BaseException | None = None
         self._ends_cancelled = False
+        # The load's one point of verification, where it has one (``VerifyOnce``):
+        # a caller blocking in ``layer_ready`` runs it if the transfer thread has not.
+        self._verify_once: Callable[[], bool] | None = None
 
     # -- transfer-thread side ----------------------------------------------------
 
@@ -322,6 +325,7 @@ class LoadHandle(_Transfer):
             failure = AgreementError(f"load failed: {error}", subjects=error.subjects) \
                 if isinstance(error, AgreementError) else TransferError(f"load failed: {error}")
             failure.__cause__ = error
+        self._verify_once = None
         with self._layers:
             self._over = True
             self._layers.notify_all()
@@ -348,6 +352,12 @@ class LoadHandle(_Transfer):
     def layer_ready(self, layer: int, timeout: float | None = None) -> int:
         """Blocks until layer ``layer`` is verified and released.
 
+        A blocking call (``timeout=None``) on a load whose every layer one program
+        digests (a small load on one device) may verify the load on the calling
+        thread, if the transfer thread has not yet: that spares the hand-off between
+        the two threads. Settling the load and its done-callbacks stay on the
+        transfer thread.
+
         Returns:
           The verified prefix at release: pages ``[0, prefix)`` of this layer may
           be consumed (0: none may). Once released, every call returns it at once.
@@ -362,6 +372,12 @@ class LoadHandle(_Transfer):
         """
         self._check_layer(layer)
         timeout = check_timeout(timeout)
+        verify = self._verify_once
+        if timeout is None and verify is not None and self._released[layer] is None:
+            # Blocking anyway: verify here rather than wait for the transfer thread to
+            # do it and wake this one. A failure is the transfer thread's to report.
+            with contextlib.suppress(Exception):
+                verify()
         with self._layers:
             if not self._layers.wait_for(
                     lambda: self._released[layer] is not None or self._over, timeout):

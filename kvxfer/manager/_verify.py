@@ -9,6 +9,8 @@ on this process is the first bad page over every layer, shard and replica.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -21,7 +23,8 @@ from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
 from kvxfer.plan import Plan, SliceClass
 
-__all__ = ["TransferHook", "LoadVerifier", "DigestStarter", "DigestJob", "Verified"]
+__all__ = ["TransferHook", "LoadVerifier", "DigestStarter", "DigestJob", "Verified",
+           "VerifyOnce"]
 
 TransferHook = Callable[[str, int, jax.Array | None], Any]
 """``hook(event, layer, array)``: see ``KVCacheManager.set_transfer_hook``. A
@@ -56,6 +59,41 @@ class _LoadCheck:
         if self.held:
             self.handle._release_many(self.held)
             self.held = []
+
+
+class VerifyOnce:
+    """The one point of verification of a load that one digest job covers, run once,
+    by whichever thread gets to it first.
+
+    The transfer thread runs it; a caller blocked in ``LoadHandle.layer_ready``
+    runs it itself when it gets there first. On a small load that saves a thread
+    hand-off on the way to the caller: with every core busy with the load's program,
+    the transfer thread often gets one only once the program has ended, and the
+    caller then waits for it to wake, compare and wake the caller in turn. Only the
+    wait, the comparison and the release run on the caller's thread; settling the
+    pages and ending the handle (its done-callbacks) stay on the transfer thread.
+    """
+
+    def __init__(self, run: Callable[[], bool]):
+        self._run: Callable[[], bool] | None = run
+        self._lock = threading.Lock()
+        self._outcome: tuple[bool, Exception | None] | None = None
+
+    def __call__(self) -> bool:
+        """Runs the verification, or waits for the thread running it; its outcome
+        (whether it verified the load) or its exception, on every thread."""
+        with self._lock:
+            if self._outcome is None:
+                run = self._run
+                try:
+                    self._outcome = (run(), None)
+                except Exception as e:  # recorded: the transfer thread reports it
+                    self._outcome = (False, e)
+                self._run = None  # what it holds (the load's arrays) is not kept
+            verified, error = self._outcome
+        if error is not None:
+            raise error
+        return verified
 
 
 class Verified(NamedTuple):
@@ -220,7 +258,7 @@ class LoadVerifier:
     def verify(self, handle: LoadHandle, new: list[jax.Array], states: dict[int, Any],
                jobs: dict[int, DigestJob] | list[DigestJob], slots: np.ndarray,
                batches: dict[int, PageBatch], reasons: dict[int, str], *,
-               may_stop: bool = False) -> Verified:
+               may_stop: bool = False, once: VerifyOnce | None = None) -> Verified:
         """Completes a load layer by layer, checking and releasing (transfer thread).
 
         Layers of classes the load does not move are released as they come (their
@@ -236,6 +274,7 @@ class LoadVerifier:
           slots: host slot of each page moved.
           batches: the pages moved, per class moved.
           reasons: request index -> why that page is bad; filled in here.
+          once: what ``once`` made for this load, if anything.
 
         Returns:
           The local verified prefix (over every layer and shard of this process) and
@@ -258,14 +297,15 @@ class LoadVerifier:
                     self._check_layer(check, job.cls, job.positions[j], [g[j] for g in gots])
         else:
             try:
-                self._verify_layers(check, states, new, jobs, batches, stopped)
+                self._verify_layers(check, states, new, jobs, batches, stopped, once)
             finally:
                 check.release_held()  # what was verified stays released, whatever follows
         return Verified(min([check.prefix] + list(reasons)), frozenset(check.proven_bad))
 
     def _verify_layers(self, check: _LoadCheck, states: dict[int, Any], new: list[jax.Array],
                        jobs: dict[int, DigestJob] | list[DigestJob],
-                       batches: dict[int, PageBatch], stopped: Callable[[], bool]) -> None:
+                       batches: dict[int, PageBatch], stopped: Callable[[], bool],
+                       once: VerifyOnce | None = None) -> None:
         """Waits for and checks layer after layer (``gate="layer"``, or no digests).
 
         The layers of one digest job are released together once the job's last layer
@@ -273,7 +313,7 @@ class LoadVerifier:
         cover all of its layers at once), or before a wait that may block (a layer's
         program, a hook), other layers as they come.
         """
-        if self._verify_as_one(check, states, jobs, batches, stopped):
+        if once() if once is not None else self._verify_as_one(check, states, jobs, stopped):
             return
         handle = check.handle
         # id(job) -> its digests and which of its layers hold a bad page, once waited
@@ -304,9 +344,30 @@ class LoadVerifier:
                 check.held.append((i, check.prefix))
                 check.release_held()
 
+    def once(self, handle: LoadHandle, states: dict[int, Any],
+             jobs: dict[int, DigestJob] | list[DigestJob], slots: np.ndarray,
+             reasons: dict[int, str], *, may_stop: bool = False) -> VerifyOnce | None:
+        """The verification of a ``gate="layer"`` load that one digest job covers, as
+        a ``VerifyOnce`` for ``verify`` and the handle's waiters (None for others)."""
+        if handle.gate != "layer" or not self._one_job(jobs, slots):
+            return None
+        check = _LoadCheck(handle, slots, reasons, len(slots))
+        return VerifyOnce(functools.partial(
+            self._verify_as_one, check, states, jobs,
+            lambda: may_stop and handle.cancel_requested))
+
+    def _one_job(self, jobs: dict[int, DigestJob] | list[DigestJob], slots: np.ndarray
+                 ) -> bool:
+        """Whether one digest job covers every layer of a load, with no transfer hook."""
+        if self.hook is not None or not len(slots) or not isinstance(jobs, dict) or \
+                len(jobs) != self.num_layers:
+            return False
+        job = jobs[0]
+        return all(j is job for j in jobs.values())
+
     def _verify_as_one(self, check: _LoadCheck, states: dict[int, Any],
                        jobs: dict[int, DigestJob] | list[DigestJob],
-                       batches: dict[int, PageBatch], stopped: Callable[[], bool]) -> bool:
+                       stopped: Callable[[], bool]) -> bool:
         """A load whose every layer one job digests (one class, its digests computed by
         the program that wrote it) has one point of verification: the layers are
         waited for, the digests compared once and, where no page is bad, every layer
@@ -319,36 +380,45 @@ class LoadVerifier:
           where a hook is installed, the layers are not one job's, or a page is bad:
           ``_verify_layers`` then goes layer by layer.
         """
-        if self.hook is not None or not len(check.slots) or not isinstance(jobs, dict) or \
-                len(jobs) != self.num_layers:
+        if not self._one_job(jobs, check.slots):
             return False
         job = jobs[0]
-        if any(j is not job for j in jobs.values()):
-            return False
         c = job.cls.index
         mover, state = self.movers[c], states[c]
+        expected = self._expected(check, job)  # while the programs run
         for pos in range(len(job.cls.layers)):
             mover.finish_load_layer(state, pos)
         if stopped():
             return True
-        if self._job_digests(check, job)[1].any():
+        if self._job_digests(check, job, expected)[1].any():
             return False
         check.handle._release_many([(i, check.prefix) for i in range(self.num_layers)])
         return True
 
-    def _job_digests(self, check: _LoadCheck, job: DigestJob
+    def _expected(self, check: _LoadCheck, job: DigestJob) -> np.ndarray:
+        """The digests a job's pages were offloaded with, ``[P, S, k, D]`` (the slots
+        are pinned by the load: they cannot change while it runs)."""
+        digests = self.pool.pools[job.cls.index].digests[check.slots]  # [k, L, S, slots]
+        if len(job.positions) == digests.shape[1]:  # every layer (positions are in order)
+            expected = digests[..., :_integrity.DIGEST_WORDS]
+        else:
+            expected = digests[:, job.positions, :, :_integrity.DIGEST_WORDS]
+        return np.moveaxis(expected, 0, 2)
+
+    def _job_digests(self, check: _LoadCheck, job: DigestJob,
+                     expected: np.ndarray | None = None
                      ) -> tuple[list[np.ndarray], np.ndarray]:
         """Waits for a job's digests (one array per replica, ``[P, S, k, D]``) and says
         which of its layers hold a page that differs on some shard or replica
         (``bool[P]``), comparing the whole job at once: the layers that do are checked
-        one by one (``_check_layer``) for the reasons."""
+        one by one (``_check_layer``) for the reasons. ``expected``: what
+        ``_expected`` gave, where the caller computed it before waiting."""
         gots = [part.get() for part in job.parts]
-        expected = self.pool.pools[job.cls.index].digests[check.slots][
-            :, job.positions, :, :_integrity.DIGEST_WORDS]  # [k, P, S, D]
-        expected = np.moveaxis(expected, 0, 2)  # [P, S, k, D]
+        if expected is None:
+            expected = self._expected(check, job)
         bad = np.zeros(len(job.positions), dtype=bool)
         for got in gots:
-            bad |= (got != expected).any(axis=(1, 2, 3))
+            bad |= (got != expected).reshape(len(job.positions), -1).any(axis=1)
         return gots, bad
 
     def _check_layer(self, check: _LoadCheck, cls: SliceClass, pos: int,
