@@ -119,14 +119,23 @@ class RowCopy:
 
 
 def shared_buffers(arrays: Sequence[jax.Array]) -> frozenset:
-    """Buffer addresses that back more than one device array among ``arrays``."""
-    counts: dict[int, int] = {}
+    """Buffer addresses that back more than one device array among ``arrays`` (of
+    those the raw mover may copy, ``raw_capable``)."""
+    # The addresses first: proving an array raw-capable costs tens of microseconds
+    # (a layout inspection), and only arrays whose buffers repeat need the proof.
+    owners: dict[int, list[jax.Array]] = {}
     for a in arrays:
-        if raw_capable(a):
-            for s in a.addressable_shards:
-                p = s.data.unsafe_buffer_pointer()
-                counts[p] = counts.get(p, 0) + 1
-    return frozenset(p for p, c in counts.items() if c > 1)
+        try:
+            pointers = [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
+        except Exception:  # an array whose buffers have no address: never raw-capable
+            continue
+        for p in pointers:
+            owners.setdefault(p, []).append(a)
+    shared = set()
+    for p, of in owners.items():
+        if len(of) > 1 and sum(raw_capable(a) for a in of) > 1:
+            shared.add(p)
+    return frozenset(shared)
 
 
 class RawMover(Mover[RawOffload, None, None]):
