@@ -167,6 +167,30 @@ def test_save_then_load_is_bit_exact_and_reported(dtype):
         w.close()
 
 
+@pytest.mark.parametrize("unpinned", ["1", "0", None])
+def test_unpinned_host_setting_keeps_the_chunks_out_of_pinned_memory(monkeypatch, unpinned):
+    """``TPU_OFFLOAD_USE_UNPINNED_HOST=1`` (the engine's switch to unpinned host
+    memory) keeps kvxfer's pools out of pinned memory; chunks still round-trip."""
+    if unpinned is None:
+        monkeypatch.delenv("TPU_OFFLOAD_USE_UNPINNED_HOST", raising=False)
+    else:
+        monkeypatch.setenv("TPU_OFFLOAD_USE_UNPINNED_HOST", unpinned)
+    caches = make_caches()
+    want = blocks_of(caches, 2)
+    w, conn = make_worker(caches)
+    try:
+        pinned = [p.pinned for p in w.manager.host_pool.pools]
+        if unpinned == "1":
+            assert not any(pinned) and w.host_memory_kind == "unpinned_host"
+        else:  # kvxfer's choice: on XLA:CPU the auto path keeps its pools pinned
+            assert all(pinned) and w.host_memory_kind == "pinned_host"
+        step_save(w, conn, save_meta("s0", [2], [5]))
+        assert step_load(w, conn, load_meta("l0", [5], [11])) == set()
+        assert_blocks(w.runner.kv_caches, 11, want)
+    finally:
+        w.close()
+
+
 def test_a_save_stores_the_bytes_of_the_call(worker):
     w, conn, caches = worker
     want = blocks_of(caches, 4)

@@ -215,6 +215,10 @@ class KvxferOffloadWorker:
       integrity: ``"page"`` (default) digests every chunk; ``"off"`` skips digests.
       path: kvxfer's mover choice (``KVCacheManager(path=)``).
       host_memory_budget: bytes (``KVCacheManager(host_memory_budget=)``).
+      pinned: host chunks in ``pinned_host`` memory (``KVCacheManager(pinned=)``;
+        default: ``False`` when ``TPU_OFFLOAD_USE_UNPINNED_HOST=1``, as the engine
+        keeps its chunks in unpinned host memory then, else kvxfer's choice).
+        ``host_memory_kind`` says where they are once ``register_runner`` has run.
 
     Raises:
       ValueError: a non-positive ``num_cpu_chunks``.
@@ -222,7 +226,8 @@ class KvxferOffloadWorker:
 
     def __init__(self, vllm_config: Any, connector: Any, *, num_cpu_chunks: int | None = None,
                  precompile: bool | None = None, integrity: str = "page",
-                 path: str = "auto", host_memory_budget: int | None = None) -> None:
+                 path: str = "auto", host_memory_budget: int | None = None,
+                 pinned: bool | None = None) -> None:
         if num_cpu_chunks is None:
             num_cpu_chunks = int(os.getenv("TPU_OFFLOAD_NUM_CPU_CHUNKS", _DEFAULT_CHUNKS))
         if isinstance(num_cpu_chunks, bool) or not isinstance(num_cpu_chunks, (int, np.integer)) \
@@ -230,6 +235,8 @@ class KvxferOffloadWorker:
             raise ValueError(f"num_cpu_chunks must be a positive int. Got {num_cpu_chunks!r}")
         if precompile is None:
             precompile = not bool(int(os.getenv("TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", "0")))
+        if pinned is None and bool(int(os.getenv("TPU_OFFLOAD_USE_UNPINNED_HOST", "0"))):
+            pinned = False
         self.vllm_config = vllm_config
         self.connector = connector
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -238,7 +245,10 @@ class KvxferOffloadWorker:
         self.runner: Any = None
         self.mesh: Any = None
         self._options = dict(integrity=integrity, path=path,
-                             host_memory_budget=host_memory_budget)
+                             host_memory_budget=host_memory_budget, pinned=pinned)
+        #: Where the host chunks live: ``"pinned_host"`` when every class's pool is in
+        #: pinned memory, else ``"unpinned_host"`` (set by ``register_runner``).
+        self.host_memory_kind: str | None = None
         self._mgr: KVCacheManager | None = None
         self._lock = threading.Lock()
         self._chunks: dict[int, PageRef] = {}      # chunk id -> its committed page
@@ -309,6 +319,8 @@ class KvxferOffloadWorker:
         self.grouped_layer_indices = [groups[s] for s in sorted(groups, key=str)]
         self._mgr = KVCacheManager(caches, num_host_blocks=self.num_cpu_chunks,
                                    **self._options)  # type: ignore[arg-type]
+        self.host_memory_kind = ("pinned_host" if all(p.pinned for p in self._mgr.host_pool.pools)
+                                 else "unpinned_host")
         log.info("kvxfer offload worker: %d layers %s %s, %d chunks, paths %s",
                  self.num_layers, self.shape, self.dtype, self.num_cpu_chunks,
                  sorted(set(self._mgr.paths)))
