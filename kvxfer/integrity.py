@@ -552,13 +552,17 @@ def digest_layers(words: Sequence[jax.Array], identity: jax.Array,
         lanes = _lanes_of(*(jnp.stack([s[i] for s in sums]) for i in range(4)))
         # Each layer's lanes and offsets broadcast as ``digest`` broadcasts them:
         # right-aligned, past the leading layer dim.
-        lanes, offsets = (x.reshape(x.shape[:1] + (1,) * (max(lanes.ndim, offsets.ndim) -
-                                                         x.ndim) + x.shape[1:])
-                          for x in (lanes, offsets))
+        ndim = max(lanes.ndim, offsets.ndim)
+        lanes, offsets = (_unit_dims_after_first(x, ndim) for x in (lanes, offsets))
         out_group = _fmix32(lanes + offsets)
         for j, l in enumerate(group):
             out[l] = out_group[j]
     return jnp.stack(out)
+
+
+def _unit_dims_after_first(x: jax.Array, ndim: int) -> jax.Array:
+    """``x`` with unit dims inserted after its first, up to ``ndim`` dims."""
+    return x.reshape(x.shape[:1] + (1,) * (ndim - x.ndim) + x.shape[1:])
 
 
 def digest_np(words: np.ndarray, identity: np.ndarray) -> np.ndarray:

@@ -29,8 +29,7 @@ from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
 from kvxfer.manager._host import host_copy_intact
 from kvxfer.manager._prefetch import PrefetchHandle
 from kvxfer._counters import Counters, reason_kind
-from kvxfer.manager._verify import (DigestJob, DigestStarter, LoadVerifier, TransferHook,
-                                    VerifyOnce)
+from kvxfer.manager._verify import DigestJob, DigestStarter, LoadVerifier, TransferHook
 from kvxfer.plan import Plan
 
 __all__ = ["Loads"]
@@ -129,12 +128,11 @@ class Loads:
         try:
             new, states, jobs = self.start(caches, batches, slots, gate, staged)
             self._checks.loaded(new, [i for c in states for i in self._plan.classes[c].layers])
-            once = self._verifier.once(handle, states, jobs, slots, reasons,
-                                       may_stop=not self._agreement.multiprocess)
-            handle._verify_once = once
+            handle._verify_once = self._verifier.once(
+                handle, states, jobs, slots, reasons, may_stop=not self._agreement.multiprocess)
             self._worker.submit(handle.run, self.finish, round_, subject, handle, new,
                                 pages, slots, batches, states, jobs, reasons, pinned_slots,
-                                started, once)
+                                started)
         except BaseException as e:
             self._pool.release_readers(pinned_slots)
             if self._checks.closed and not isinstance(e, TransferError):
@@ -267,8 +265,7 @@ class Loads:
     def finish(self, round_: int, subject: str, handle: LoadHandle, new: list[jax.Array],
                pages: list[PageRef], slots: np.ndarray, batches: dict[int, PageBatch],
                states: dict[int, Any], jobs: dict[int, DigestJob] | list[DigestJob],
-               reasons: dict[int, str], pinned_slots: list[int], started: float,
-               once: VerifyOnce | None = None) -> None:
+               reasons: dict[int, str], pinned_slots: list[int], started: float) -> None:
         """The transfer thread's half of a load: wait, verify, agree, settle.
 
         A cancelled load still waits for every program that reads the pool; on one
@@ -279,7 +276,7 @@ class Loads:
         try:
             prefix, proven_bad = self._verifier.verify(handle, new, states, jobs, slots,
                                                        batches, reasons, may_stop=alone,
-                                                       once=once)
+                                                       once=handle._verify_once)
             proven_bad = self._triage(pages, proven_bad, reasons, set(batches))
             error: BaseException | None = None
         except Exception as e:  # a transfer or device failure is an error, not a miss
