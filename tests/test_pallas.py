@@ -9,6 +9,8 @@ other devices, and the refusals. Sizes are tiny: the interpreter simulates every
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +58,30 @@ def expect_loaded(before: list[np.ndarray], src, dst) -> list[np.ndarray]:
     return out
 
 
+def _in_the_interpreter() -> bool:
+    """Whether the running code was called from the Pallas interpreter's callbacks.
+
+    The interpreter computes indices with eager jnp ops inside its io_callbacks
+    (``jit(multiply)``, ``jit(add)``, ``jit(unstack)``, ...). Those compile on first use
+    and again whenever JAX's own caches drop them (seen once in a full suite run, on a
+    load that compiled nothing else), so they say nothing about kvxfer's programs.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "pallas/mosaic/interpret" in frame.f_code.co_filename.replace(os.sep, "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def compiled_programs():
-    """The names of the programs XLA compiles inside the block (a list, filled in)."""
+    """The names of the programs XLA compiles inside the block (a list, filled in),
+    less the interpreter's own helpers (``_in_the_interpreter``)."""
     names: list[str] = []
 
     def listen(event: str, seconds: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
+        if event == "/jax/core/compile/backend_compile_duration" and not _in_the_interpreter():
             names.append(kwargs.get("fun_name", "?"))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
@@ -302,8 +321,7 @@ def test_warmup_compiles_every_kernel_a_bucket_runs():
         for gate in ("all", "layer"):
             caches, load = mgr.load(caches, pages, [4, 5], gate=gate)
             assert load.result().verified_prefix == 2
-    # The interpreter's own scalar helpers (jit(add), ...) compile on first use.
-    assert [f for f in names if "kvxfer" in f or "digest" in f] == []
+    assert names == []
     assert mgr.warmup(2) == [1, 2]
     with compiled_programs() as names:
         caches, load = mgr.load(caches, pages, [6, 7], gate="layer")
