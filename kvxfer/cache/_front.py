@@ -23,7 +23,6 @@ from kvxfer.cache._prefetch import Prefetcher
 from kvxfer.cache._settle import Loads
 from kvxfer.cache._store_tier import StoreTier, WriteThrough, store_key
 from kvxfer.cache._views import IndexViews
-from kvxfer.hostpool import PageRef
 from kvxfer.manager import Agreement, Blocks, Gate, KVCacheManager, check_key
 from kvxfer.store import Store
 

@@ -80,7 +80,7 @@ import jax
 import numpy as np
 
 from kvxfer.engine import TransferError
-from kvxfer.hostpool import PageRef, PoolError
+from kvxfer.hostpool import PageRef
 from kvxfer.manager import KVCacheManager, OffloadHandle
 
 __all__ = ["KvxferOffloadWorker", "OffloadStats", "ENGINE_COMMIT"]
