@@ -398,7 +398,7 @@ class LoadVerifier:
     def _expected(self, check: _LoadCheck, job: DigestJob) -> np.ndarray:
         """The digests a job's pages were offloaded with, ``[P, S, k, D]`` (the slots
         are pinned by the load: they cannot change while it runs)."""
-        digests = self.pool.pools[job.cls.index].digests[check.slots]  # [k, L, S, slots]
+        digests = self.pool.pools[job.cls.index].digests[check.slots]  # [k, L, S, words]
         if len(job.positions) == digests.shape[1]:  # every layer (positions are in order)
             expected = digests[..., :_integrity.DIGEST_WORDS]
         else:
