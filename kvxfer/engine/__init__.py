@@ -24,18 +24,20 @@ replicated layer are stored once and loaded into every replica.
 ``__all__``, the few helpers other parts of kvxfer build on (the manager, the bench,
 the fault injectors): how block counts are padded (``bucket``), running under no
 context mesh (``own_context``), a shard typed as a one-device array (``local``), an
-array without its buffers (``abstract``), a block dim's split over groups
-(``BlockGroups``), buffers shared between arrays (``shared_buffers``), whether a mover
-can take an array (``raw_capable``, ``pinned_capable``, ``pallas_refusal``), compiles
-collected to run side by side (``deferred_compiles``), an array's format handed to the
-programs (``known_format``) and the digest programs' chunk (``DIGEST_CHUNK``). They
-are imported from here, so nothing outside the package imports its private modules.
+array without its buffers (``abstract``), every layer's shards at once
+(``layers_of``), a block dim's split over groups (``BlockGroups``), buffers shared
+between arrays (``shared_buffers``), whether a mover can take an array
+(``raw_capable``, ``pinned_capable``, ``pallas_refusal``), compiles collected to run
+side by side (``deferred_compiles``), an array's format handed to the programs
+(``known_format``) and the digest programs' chunk (``DIGEST_CHUNK``). They are
+imported from here, so nothing outside the package imports its private modules.
 """
 
 from kvxfer.engine._batch import PageBatch as PageBatch
 from kvxfer.engine._batch import ShardedLayer as ShardedLayer
 from kvxfer.engine._batch import abstract as abstract
 from kvxfer.engine._batch import bucket as bucket
+from kvxfer.engine._batch import layers_of as layers_of
 from kvxfer.engine._batch import local as local
 from kvxfer.engine._batch import own_context as own_context
 from kvxfer.engine._auto import RawOrPinnedMover as RawOrPinnedMover

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from kvxfer.engine import (GroupedMover, LoadRequest, Mover, PageBatch, ShardedLayer,
-                           TransferError, own_context, shared_buffers)
+                           TransferError, layers_of, own_context, shared_buffers)
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement, describe_keys
 from kvxfer.manager._checks import Checks, check_key, page_batches
@@ -203,7 +203,7 @@ class Loads:
         the arrays to continue with (loaded classes replaced, the others as given).
         """
         n = len(slots)
-        layers = [ShardedLayer.of(a) for a in caches]
+        layers = layers_of(caches)
         new = list(caches)
         states: dict[int, Any] = {}
         digests = DigestStarter(self._verifier, batches, gate)

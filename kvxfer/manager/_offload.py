@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.engine import Mover, PageBatch, ShardedLayer, TransferError, own_context
+from kvxfer.engine import Mover, PageBatch, ShardedLayer, TransferError, layers_of, own_context
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._checks import Checks, check_key, page_batches
 from kvxfer.manager._handles import OffloadHandle
@@ -96,7 +96,7 @@ class Offloads:
                 slots: np.ndarray) -> dict[int, Any]:
         """Enqueues every class's reads of the batch (caller's thread): the offload states."""
         hook = self._verifier.hook
-        layers = [ShardedLayer.of(a) for a in caches]
+        layers = layers_of(caches)
         states = {}
         for c, batch in batches.items():
             cls = self._plan.classes[c]
