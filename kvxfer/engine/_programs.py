@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -441,7 +442,13 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
 # program returns, is kept while the array lives, and programs are found by the
 # identity of those ``Format`` objects (an array returned by a program has the same
 # objects as the arrays it was made from, so a chain of loads computes them once).
+# Entries hold their arrays by plain weak references, with no callback: making one
+# costs less, an array that dies runs no Python, and the manager's own weak
+# references to the same arrays are then the same objects. Entries of dead arrays
+# are dropped when the table has grown to twice what was alive at the last sweep.
 _formats: dict[int, tuple[weakref.ref, Any]] = {}
+_FORMATS_SWEEP = 4096
+_sweep_at = _FORMATS_SWEEP
 _by_identity: dict[tuple, tuple[tuple, tuple[Any, bool]]] = {}
 _BY_IDENTITY_SIZE = 4096
 
@@ -450,15 +457,19 @@ _BY_IDENTITY_SIZE = 4096
 _SAME_FORMATS = {"alias": None, "scatter": None, "staged_load": None, "pinned_load": 0}
 
 
-def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _formats.get(key)
-    if entry is not None and entry[0] is ref:
-        _formats.pop(key, None)
+def _sweep() -> None:
+    """Drops the format table's entries whose arrays are gone."""
+    global _sweep_at
+    for key, entry in list(_formats.items()):
+        if entry[0]() is None and _formats.get(key) is entry:
+            _formats.pop(key, None)
+    _sweep_at = max(_FORMATS_SWEEP, 2 * len(_formats))
 
 
 def _remember(a: jax.Array, fmt: Any) -> None:
-    key = id(a)
-    _formats[key] = (weakref.ref(a, functools.partial(_forget, key)), fmt)
+    if len(_formats) >= _sweep_at:
+        _sweep()
+    _formats[id(a)] = (weakref.ref(a), fmt)
 
 
 def known_format(a: jax.Array, fmt: Any) -> None:
@@ -485,7 +496,7 @@ def _program_of(kind: str, formats: tuple, raw: bool, with_digest: bool,
     """``_program``, found by the identity of the ``Format`` objects first."""
     key = (kind, raw, with_digest, options, *map(id, formats))
     hit = _by_identity.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], formats)):
+    if hit is not None and all(map(operator.is_, hit[0], formats)):
         return hit[1]
     found = _program(kind, formats, raw, with_digest, options)
     if len(_by_identity) >= _BY_IDENTITY_SIZE:
