@@ -8,6 +8,7 @@ bad value.
 
 from __future__ import annotations
 
+import operator
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -179,8 +180,23 @@ def page_batches(blocks: dict[int, np.ndarray], keys: Sequence[int],
             for c, ids in blocks.items()}
 
 
-def _is(ref: weakref.ref | None, a: Any) -> bool:
-    return ref is not None and ref() is a
+def _is(ref: weakref.ref, a: Any) -> bool:
+    return ref() is a
+
+
+class _Gone:
+    pass
+
+
+#: A reference to nothing: what a layer holds before an array was checked for it.
+_NONE = weakref.ref(_Gone())
+_IS_DELETED = operator.methodcaller("is_deleted")
+
+
+def _same(refs: list[weakref.ref], arrays: list[Any]) -> bool:
+    """Whether ``arrays`` are the arrays ``refs`` refer to, one for one (no Python
+    runs per layer: a load's caller's thread checks 32 layers a call)."""
+    return all(map(operator.is_, map(weakref.ref.__call__, refs), arrays))
 
 
 class Checks:
@@ -207,8 +223,8 @@ class Checks:
         # An array whose format equals the registered one (what a jitted step returns)
         # passes with one comparison, and its programs get that one Format object.
         self._formats = [(a.format, Layout.of(a), tuple(a.shape)) for a in caches]
-        self._validated: list[weakref.ref | None] = [None] * len(caches)
-        self._private: list[weakref.ref | None] = [None] * len(caches)
+        self._validated: list[weakref.ref] = [_NONE] * len(caches)
+        self._private: list[weakref.ref] = [_NONE] * len(caches)
         self._limits: dict[tuple[int, ...], int] = {}
 
     @property
@@ -223,19 +239,21 @@ class Checks:
     def loaded(self, new: list[jax.Array], written: Sequence[int]) -> None:
         """Remembers what a load returned: every array has the registered format, and
         the buffers of the layers it wrote are their own (shared ones were copied)."""
-        self._validated = [weakref.ref(a) for a in new]
+        self._validated = list(map(weakref.ref, new))
         for i in written:
             self._private[i] = weakref.ref(new[i])
 
     def all_private(self, caches: Sequence[jax.Array]) -> bool:
         """Whether every cache is known to own its buffers (a load returned it)."""
-        return all(_is(p, a) for a, p in zip(caches, self._private))
+        return _same(self._private, caches)
 
     def caches(self, kv_caches: Sequence[jax.Array]) -> list[jax.Array]:
         caches = list(kv_caches)
         if len(caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(caches)} layers; the manager has "
                              f"{self.num_layers}")
+        if _same(self._validated, caches) and not any(map(_IS_DELETED, caches)):
+            return caches  # what the last load returned, or was checked: nothing to check
         for i, (a, spec) in enumerate(zip(caches, self.specs)):
             if not isinstance(a, jax.Array):
                 raise TypeError(f"layer {i}: expected a jax.Array. Got {type(a)}")
