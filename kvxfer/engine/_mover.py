@@ -133,6 +133,12 @@ class Pending:
         self._parts = parts
         self._k = k
 
+    def wait(self) -> None:
+        """Waits until every digest is computed, fetching none."""
+        for chunks in self._parts:
+            for c in chunks:
+                c.block_until_ready()
+
     def get(self) -> np.ndarray:
         """``uint32[positions, shards, k, D]``."""
         if len(self._parts) == 1 and len(self._parts[0]) == 1:  # one shard, one chunk
