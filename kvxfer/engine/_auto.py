@@ -105,6 +105,12 @@ class RawOrPinnedMover(RawMover):
         else:
             super().finish_load_layer(state, pos)
 
+    def finish_load(self, state, num_layers):
+        if isinstance(state, PinnedLoad):
+            self._pinned.finish_load(state, num_layers)
+        else:
+            super().finish_load(state, num_layers)
+
     def warmup(self, arrays, layers, b, with_digest):
         super().warmup(arrays, layers, b, with_digest)
         # The digest programs are the same (compiled once); with digests, the pinned

@@ -242,6 +242,12 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
     def finish_load_layer(self, state: LoadT, pos: int) -> None:
         """Waits until layer ``pos`` of the class is in place (transfer thread)."""
 
+    def finish_load(self, state: LoadT, num_layers: int) -> None:
+        """Waits until every layer of the class is in place: ``finish_load_layer`` of
+        each in order (movers whose programs write every layer at once wait once)."""
+        for pos in range(num_layers):
+            self.finish_load_layer(state, pos)
+
     def load_layer_waits(self, state: LoadT, pos: int) -> bool:
         """Whether ``finish_load_layer(state, pos)`` may wait (never blocks itself):
         layers verified before it are released first where it may."""

@@ -296,7 +296,8 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         # digest what they wrote: a small load then dispatches one program, not five.
         fused = request.on_digested is not None and self._digests_in_load(layers)
         for shard, replica, src, rows in staged:
-            local = tuple(layer.shards[shard][replica] for layer in layers)
+            local = tuple(arrays) if single else tuple(layer.shards[shard][replica]
+                                                       for layer in layers)
             device = device_of(local[0])
             if src is None:
                 ids_d, base_d, count = request.batch.host(shard, rows.shape[0])
@@ -331,6 +332,9 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
 
     def finish_load_layer(self, state: PinnedLoad, pos: int) -> None:
         state.wait()
+
+    def finish_load(self, state: PinnedLoad, num_layers: int) -> None:
+        state.wait()  # one program writes every layer of a shard replica
 
     def _stream(self, device: Any) -> jax.sharding.Sharding | None:
         # Through a copy, a program reads its pinned buffer once it is moved to the
