@@ -37,6 +37,13 @@ __all__ = ["Loads"]
 log = logging.getLogger("kvxfer")
 
 
+def _span(layers: Sequence[int]) -> slice | None:
+    """``slice(first, last + 1)`` where ``layers`` are consecutive, else None."""
+    if list(layers) == list(range(layers[0], layers[0] + len(layers))):
+        return slice(layers[0], layers[0] + len(layers))
+    return None
+
+
 class Loads:
     """The loads (and prefetches) of one manager.
 
@@ -65,6 +72,9 @@ class Loads:
         self._worker = worker
         self._agreement = agreement
         self._abstract = abstract_layers
+        # Each class's layers as a slice of the caches, where they are consecutive
+        # (a model of one kind of layer has one class of every layer).
+        self._spans = [_span(c.layers) for c in plan.classes]
 
     # -- the caller's thread ------------------------------------------------------
 
@@ -238,12 +248,13 @@ class Loads:
                      hook: TransferHook | None, c: int, request: LoadRequest,
                      staged: Any) -> None:
         """Enqueues one class's writes into the caches; ``new`` and ``states`` get them."""
-        cls, mover = self._plan.classes[c], self._movers[c]
+        cls, mover, span = self._plan.classes[c], self._movers[c], self._spans[c]
         try:
             if hook is not None:
                 hook("start_load", cls.layers[0], new[cls.layers[0]])
             out, states[c] = mover.start_load(
-                [caches[i] for i in cls.layers], [layers[i] for i in cls.layers],
+                caches[span] if span is not None else [caches[i] for i in cls.layers],
+                layers[span] if span is not None else [layers[i] for i in cls.layers],
                 request, staged)
         except Exception as e:
             # A mover that failed after consuming its inputs hands back the arrays
@@ -256,8 +267,12 @@ class Loads:
                 f"load of {len(request.slots)} pages failed in {cls.name} (layers "
                 f"{list(cls.layers)}): {e}; continue with err.kv_caches ({len(usable)} of "
                 f"{len(new)} layers usable)", kv_caches=new) from e
-        for i, a in zip(cls.layers, out):
-            new[i] = digests.returned(i, a)
+        out = digests.returned(cls.layers, out)
+        if span is not None:
+            new[span] = out
+        else:
+            for i, a in zip(cls.layers, out):
+                new[i] = a
 
     # -- the transfer thread --------------------------------------------------------
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -230,9 +232,11 @@ class DigestStarter:
             for p in group:
                 self._group_of[(c, p)] = g
 
-    def returned(self, layer: int, array: jax.Array) -> jax.Array:
-        """What the load returns for ``layer``, whose mover handed back ``array``."""
-        return self._arrays.get(layer, array)
+    def returned(self, layers: Sequence[int], arrays: Sequence[jax.Array]) -> list[jax.Array]:
+        """What the load returns for ``layers``, whose mover handed back ``arrays``."""
+        if not self._arrays:  # no layer went through ``written`` (one program digested)
+            return list(arrays)
+        return [self._arrays.get(i, a) for i, a in zip(layers, arrays)]
 
     def finish(self, new: list[jax.Array]) -> dict[int, DigestJob] | list[DigestJob]:
         """Starts what is left (movers that write everything at once report nothing).
@@ -259,7 +263,13 @@ class DigestStarter:
                 Pending([[got[(s, r)]] for s in range(cls.num_shards)], k)
                 for r in replicas]))
         if self._gate == "layer":
-            return {job.cls.layers[p]: job for job in self._jobs for p in job.positions}
+            by_layer: dict[int, DigestJob] = {}
+            for job in self._jobs:
+                layers = job.cls.layers
+                by_layer.update(dict.fromkeys(
+                    layers if len(job.positions) == len(layers) else
+                    [layers[p] for p in job.positions], job))
+            return by_layer
         return self._jobs
 
 
@@ -386,8 +396,7 @@ class LoadVerifier:
         if self.hook is not None or not len(slots) or not isinstance(jobs, dict) or \
                 len(jobs) != self.num_layers:
             return False
-        job = jobs[0]
-        return all(j is job for j in jobs.values())
+        return all(map(operator.is_, jobs.values(), itertools.repeat(jobs[0])))
 
     def _verify_as_one(self, check: _LoadCheck, states: dict[int, Any],
                        jobs: dict[int, DigestJob] | list[DigestJob],
