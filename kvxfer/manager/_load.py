@@ -10,7 +10,6 @@ processes, settles and unpins.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
 import time
@@ -28,6 +27,7 @@ from kvxfer.manager._checks import Checks, check_key, page_batches
 from kvxfer.manager._handles import Gate, LoadHandle, LoadResult
 from kvxfer.manager._host import host_copy_intact
 from kvxfer.manager._prefetch import PrefetchHandle
+from kvxfer.manager._thread import TransferThread
 from kvxfer._counters import Counters, reason_kind
 from kvxfer.manager._verify import DigestJob, DigestStarter, LoadVerifier, TransferHook
 from kvxfer.plan import Plan
@@ -61,7 +61,7 @@ class Loads:
 
     def __init__(self, plan: Plan, pool: HostPool, movers: Sequence[Mover[Any, Any, Any]],
                  verifier: LoadVerifier, checks: Checks, stats: Counters,
-                 worker: concurrent.futures.ThreadPoolExecutor, agreement: Agreement,
+                 worker: TransferThread, agreement: Agreement,
                  abstract_layers: Sequence[ShardedLayer]):
         self._plan = plan
         self._pool = pool

@@ -36,6 +36,7 @@ from kvxfer.manager._offload import Offloads
 from kvxfer.manager._pages import fingerprint
 from kvxfer.manager._prefetch import PrefetchHandle
 from kvxfer.manager._select import PathMode, plan_path, select_movers
+from kvxfer.manager._thread import TransferThread
 from kvxfer._counters import Counters
 from kvxfer.manager._verify import LoadVerifier, TransferHook
 from kvxfer.plan import LayerSpec, Plan, make_plan
@@ -155,7 +156,7 @@ class KVCacheManager:
         self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]
         self._verifier = LoadVerifier(self._plan, self._movers, self._pool,
                                       integrity == "page")
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer")
+        self._worker = TransferThread("kvxfer")
         # A shard's block shape (dim 0, the block count, sizes a deployment only).
         self._fingerprint = fingerprint(self._plan, [specs[c.layers[0]].shard_shape[1:]
                                                      for c in self._plan.classes])

@@ -8,7 +8,6 @@ and digests in and commits the pages, or releases their slots.
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,10 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.engine import Mover, PageBatch, ShardedLayer, TransferError, layers_of, own_context
+from kvxfer.engine import Mover, PageBatch, TransferError, layers_of, own_context
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._checks import Checks, check_key, page_batches
 from kvxfer.manager._handles import OffloadHandle
+from kvxfer.manager._thread import TransferThread
 from kvxfer._counters import Counters
 from kvxfer.manager._verify import LoadVerifier
 from kvxfer.plan import Plan
@@ -43,7 +43,7 @@ class Offloads:
 
     def __init__(self, plan: Plan, pool: HostPool, movers: Sequence[Mover[Any, Any, Any]],
                  verifier: LoadVerifier, checks: Checks, stats: Counters,
-                 worker: concurrent.futures.ThreadPoolExecutor, with_digest: bool):
+                 worker: TransferThread, with_digest: bool):
         self._plan = plan
         self._pool = pool
         self._movers = movers
