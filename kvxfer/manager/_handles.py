@@ -306,6 +306,13 @@ class LoadHandle(_Transfer):
         """Marks layer ``layer`` verified with pages ``[0, prefix)`` (transfer thread)."""
         self._release_many([(layer, prefix)])
 
+    def _release_all(self, prefix: int) -> None:
+        """Marks every layer released with pages ``[0, prefix)`` (transfer thread, or
+        the caller verifying in ``layer_ready``), waking the waiters once."""
+        with self._layers:
+            self._released = [prefix] * len(self._released)
+            self._layers.notify_all()
+
     def _release_many(self, released: Sequence[tuple[int, int]]) -> None:
         """Marks each ``(layer, prefix)`` released, waking the waiters once."""
         with self._layers:

@@ -424,7 +424,7 @@ class LoadVerifier:
             return True
         if self._job_digests(check, job, expected)[1].any():
             return False
-        check.handle._release_many([(i, check.prefix) for i in range(self.num_layers)])
+        check.handle._release_all(check.prefix)
         return True
 
     def _expected(self, check: _LoadCheck, job: DigestJob) -> np.ndarray:
@@ -491,7 +491,7 @@ class LoadVerifier:
         for its holders.
         """
         if handle.gate == "all":
-            handle._release_many([(i, first_bad) for i in range(self.num_layers)])
+            handle._release_all(first_bad)
         invalid = tuple(range(first_bad, len(pages)))
         freed = []
         for j in invalid:
