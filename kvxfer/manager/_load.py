@@ -129,7 +129,6 @@ class Loads:
         n = min(reasons) if reasons else len(pages)
         if prefetched is not None and staged_n != n:
             staged = {}  # fewer pages pass the load's checks: stage them again
-        subject = describe_keys("load", [p.key for p in pages], f"classes {sorted(blocks)}")
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
         batches = page_batches({c: ids[:n] for c, ids in blocks.items()},
                                [p.key for p in pages[:n]],
@@ -140,7 +139,7 @@ class Loads:
             self._checks.loaded(new, [i for c in states for i in self._plan.classes[c].layers])
             handle._verify_once = self._verifier.once(
                 handle, states, jobs, slots, reasons, may_stop=not self._agreement.multiprocess)
-            self._worker.submit(handle.run, self.finish, round_, subject, handle, new,
+            self._worker.submit(handle.run, self.finish, round_, handle, new,
                                 pages, slots, batches, states, jobs, reasons, pinned_slots,
                                 started)
         except BaseException as e:
@@ -277,7 +276,7 @@ class Loads:
     # -- the transfer thread --------------------------------------------------------
 
     @own_context
-    def finish(self, round_: int, subject: str, handle: LoadHandle, new: list[jax.Array],
+    def finish(self, round_: int, handle: LoadHandle, new: list[jax.Array],
                pages: list[PageRef], slots: np.ndarray, batches: dict[int, PageBatch],
                states: dict[int, Any], jobs: dict[int, DigestJob] | list[DigestJob],
                reasons: dict[int, str], pinned_slots: list[int], started: float) -> None:
@@ -303,6 +302,10 @@ class Loads:
             if not alone:
                 # Every rank takes part even after a local failure, so none hangs; a
                 # page proven bad anywhere is freed everywhere.
+                # What the round is about, as the other processes are told on a
+                # mismatch (made here: a process alone never needs it).
+                subject = describe_keys("load", [p.key for p in pages],
+                                        f"classes {sorted(batches)}")
                 agreed = self._agreement.agree(round_, prefix, subject=subject,
                                                bad=proven_bad)
                 if agreed.value < 0 and error is None:
