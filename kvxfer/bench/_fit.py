@@ -11,9 +11,9 @@ bfloat16 blocks per call:
 * **queued**: the same calls behind ``fit_steps`` donating steps of about
   ``fit_step_ms`` each, as a fraction of the steps' own time;
 * **1-page hit**: ``load`` of 1 page, call to the last layer verified (``gate="layer"``),
-  in a warmed process: as many hits as are timed run first, untimed (the first few
-  dozen hits of a process run 5-10 % slower, as its caches and Python's adaptive
-  interpreter warm; an engine's hits come in a process long warm);
+  in a warmed process: as many hits as are timed (``HIT_SAMPLES`` or more) run first,
+  untimed (the first few dozen hits of a process run 5-10 % slower, as its caches and
+  Python's adaptive interpreter warm; an engine's hits come in a process long warm);
 * **warm-up**: ``warmup(fit_pages)`` in a fresh process, cold (filling a persistent
   compilation cache in a new directory), then in a second process over that cache.
 """
@@ -35,7 +35,11 @@ from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._rig import Rig, check_loaded, make_caches
 from kvxfer.bench.timing import Progress, interleaved, now, stats
 
-__all__ = ["FIT_PATHS", "fit_section", "WARMUP_SCRIPT"]
+__all__ = ["FIT_PATHS", "HIT_SAMPLES", "fit_section", "WARMUP_SCRIPT"]
+
+#: The fewest 1-page hits timed (a millisecond each: the median of fewer moved by
+#: 5-10 % from run to run).
+HIT_SAMPLES = 120
 
 #: The paths the section times (``auto`` is the raw-or-pinned mover on XLA:CPU).
 FIT_PATHS = ("auto", "staged", "pinned")
@@ -133,7 +137,7 @@ def _hit(cfg: BenchConfig, path: str) -> dict[str, Any]:
             check_loaded(handle.result(), 1)
             return s
 
-        repeats = 8 * cfg.fit_repeats
+        repeats = max(HIT_SAMPLES, 8 * cfg.fit_repeats)  # a hit is cheap: --quick too
         for _ in range(repeats):
             hit()
         return {"path": path, "movers": sorted(set(mgr.paths)),
