@@ -11,8 +11,8 @@ import numpy as np
 
 from kvxfer import integrity
 
-__all__ = ["ShardedLayer", "layers_of", "PageBatch", "assemble", "bucket", "loop_pages", "LOOP_PAGES",
-           "device_of", "layer_nums", "abstract", "local", "own_context"]
+__all__ = ["ShardedLayer", "layers_of", "PageBatch", "assemble", "bucket", "loop_pages",
+           "LOOP_PAGES", "device_of", "layer_nums", "abstract", "local", "own_context"]
 
 
 def bucket(k: int) -> int:
@@ -145,6 +145,9 @@ class ShardedLayer(NamedTuple):
         return tuple(r[0] for r in self.shards)
 
 
+_tuple_new = tuple.__new__
+
+
 def layers_of(arrays: Sequence[jax.Array]) -> list[ShardedLayer]:
     """``ShardedLayer.of`` of each array: a load's caller's thread splits every layer
     (32 a call), so arrays on one device each (the common case) are taken whole at
@@ -152,9 +155,6 @@ def layers_of(arrays: Sequence[jax.Array]) -> list[ShardedLayer]:
     if all(isinstance(a.sharding, _SINGLE) for a in arrays):
         return [_tuple_new(ShardedLayer, (((a,),),)) for a in arrays]
     return [ShardedLayer.of(a) for a in arrays]
-
-
-_tuple_new = tuple.__new__
 
 
 def assemble(template: jax.Array, shard_arrays: Sequence[Sequence[jax.Array]]) -> jax.Array:
