@@ -47,6 +47,20 @@ def _round_trip(caches, path, src=(1, 9, 4), dst=(3, 12, 0)):
     return caches
 
 
+def test_layers_of_splits_every_layer_as_sharded_layer_of_does():
+    from kvxfer.engine import ShardedLayer, layers_of
+    mesh = _mesh((2, 2), ("data", "tensor"), (AxisType.Explicit,) * 2)
+    one = _caches(jax.sharding.SingleDeviceSharding(jax.devices()[1]), layers=2)
+    sharded = _caches(NamedSharding(mesh, P("data", None, "tensor")), layers=1)
+    for arrays in (one, one + sharded):
+        got, want = layers_of(arrays), [ShardedLayer.of(a) for a in arrays]
+        assert [type(x) for x in got] == [ShardedLayer] * len(arrays)
+        assert [[[id(a) for a in reps] for reps in x.shards] for x in got[:2]] == \
+            [[[id(a)]] for a in one]  # one-device arrays taken whole, as they are
+        assert [[[(a.shape, a.sharding) for a in reps] for reps in x.shards] for x in got] == \
+            [[[(a.shape, a.sharding) for a in reps] for reps in x.shards] for x in want]
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("spec", [P(None, None, "tensor"), P()], ids=["heads", "replicated"])
 @pytest.mark.parametrize("context", [False, True], ids=["plain", "set_mesh"])

@@ -437,3 +437,53 @@ def test_a_transfer_keeps_the_hook_of_its_call():
         for handle in (first, offload, second):
             handle.result(WAIT)
         assert seen == [("offload's", "gather_enqueued"), ("offload's", "host_written")]
+
+
+def test_the_transfer_thread_runs_calls_in_order_past_one_that_raises():
+    from kvxfer.manager._thread import TransferThread
+    t = TransferThread("kvxfer-test")
+    out, started = [], threading.Event()
+
+    def boom():
+        raise RuntimeError("a call's own failure")
+
+    t.submit(started.wait, WAIT)  # holds the thread while the rest is queued
+    for i in range(5):
+        t.submit(out.append, i)
+        if i == 2:
+            t.submit(boom)
+    started.set()
+    t.shutdown(wait=True)
+    assert out == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="shut down"):
+        t.submit(out.append, 5)
+    t.shutdown()  # twice: nothing happens
+
+
+def test_the_transfer_thread_shut_down_from_its_own_call_and_by_collection():
+    import gc
+    from kvxfer.manager._thread import TransferThread
+    t, done = TransferThread("kvxfer-test"), threading.Event()
+    t.submit(lambda: (t.shutdown(wait=True), done.set()))  # no join of itself
+    assert done.wait(WAIT)
+    t._thread.join(WAIT)
+    assert not t._thread.is_alive()
+
+    t = TransferThread("kvxfer-test")
+    t.submit(int)
+    thread = t._thread
+    del t
+    gc.collect()
+    thread.join(WAIT)
+    assert not thread.is_alive()
+
+
+def test_a_closed_manager_ends_its_transfer_thread():
+    caches, mgr = make()
+    pages = mgr.offload(caches, [0], keys=[3]).wait()
+    thread = mgr._worker._thread
+    assert thread.is_alive() and thread.daemon
+    mgr.close()
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.load(caches, pages, [1])

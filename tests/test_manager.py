@@ -210,6 +210,19 @@ def test_deleted_array(mgr_with_pages):
     assert_pages_intact(mgr, caches, before, pages)
 
 
+def test_a_returned_cache_donated_since_is_refused_by_the_next_load(mgr_with_pages):
+    # The caches a load returned pass the next call's checks at once, save one a step
+    # has donated since: that one is still named.
+    mgr, caches, before, pages = mgr_with_pages
+    caches, handle = mgr.load(caches, pages[:1], [14])
+    handle.result()
+    jax.jit(lambda x: x + 0, donate_argnums=0)(caches[2])
+    with pytest.raises(ValueError, match="layer 2 is a deleted array"):
+        mgr.load(caches, pages[1:], [12])
+    with pytest.raises(ValueError, match="layer 2 is a deleted array"):
+        mgr.offload(caches, [0], keys=[1])
+
+
 def test_unmaterialized_cache_times_out_naming_the_layer(tiny_caches):
     _, caches = tiny_caches
 
