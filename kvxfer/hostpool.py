@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer._hostmem import HostMemory
 from kvxfer.layout import dtype_of
 from kvxfer.plan import Plan, SliceClass
 
@@ -83,12 +84,14 @@ class PageRef:
 
 
 HostBacking = Callable[[int], Any]
-"""``make(num_slots) -> owner``: allocates a class pool as a JAX array in host memory.
+"""``make(num_slots) -> owner``: allocates a class pool the way its mover needs it.
 
-For movers whose device programs write the pool in place (the Pallas DMAs): the
-owner is a host-memory ``jax.Array`` stored row-major whose buffer is exactly the
-pool's ``num_slots * page_bytes`` bytes, page-first; ``ClassPool.data`` is a view of
-that buffer. ``make`` may return None for the default allocation.
+The owner is either a host-memory ``jax.Array`` stored row-major whose buffer is
+exactly the pool's ``num_slots * page_bytes`` bytes, page-first (for movers whose device
+programs write the pool in place: the Pallas DMAs), or a ``HostMemory`` of that size
+allocated outside XLA (for movers whose copy engines reach it directly: the DMA mover).
+``ClassPool.data`` views its bytes either way. ``make`` may return None for the
+default allocation.
 """
 
 
@@ -166,8 +169,12 @@ class ClassPool:
       cls: the slice class.
       data: ``uint8[num_slots, page_bytes]``.
       digests: ``uint32[num_slots, layers, shards, DIGEST_SLOTS]``.
-      pinned: whether ``data`` is pinned (``pinned_host`` memory of ``device``).
-      device: the device whose pinned memory holds the pool (None when not pinned).
+      pinned: whether ``data`` is pinned (``pinned_host`` memory of ``device``, or
+        ``memory`` page-locked by a copy engine).
+      device: the device whose pinned memory holds the pool, or whose mover allocated
+        it (None otherwise).
+      memory: the ``HostMemory`` holding the pool where a mover allocated it outside
+        XLA (None otherwise).
       word_bytes: the size of the words ``array`` holds (see ``word_bytes``).
       lock: held while a program reads or donates ``array`` (so it is enqueued with
         the array of the moment, and no two programs donate the same one).
@@ -179,14 +186,22 @@ class ClassPool:
         self.word_bytes = word_bytes(cls)
         nbytes = num_slots * cls.page_bytes
         owner = backing(num_slots) if backing is not None and nbytes else None
-        if owner is not None:  # the mover's own allocation (see HostBacking)
+        #: The pool's memory where it was allocated outside XLA (None otherwise).
+        self.memory: HostMemory | None = None
+        if isinstance(owner, HostMemory):  # memory the mover's copy engine reaches
+            if owner.nbytes != nbytes:
+                raise PoolError(f"host memory of {owner.nbytes} bytes cannot hold a pool of "
+                                f"{nbytes} bytes")
+            flat, self._array, self.memory = owner.view(), None, owner
+            self.pinned = owner.pinned
+        elif owner is not None:  # a host-memory JAX array (see HostBacking)
             flat, self._array = _host_view(owner, nbytes), owner
             self.pinned = getattr(owner.sharding, "memory_kind", None) == "pinned_host"
         else:
             flat, self._array = _allocate_bytes(nbytes, pinned, device, self.word_bytes,
                                                 num_slots)
             self.pinned = self._array is not None
-        self.device = device if self.pinned else None
+        self.device = device if self.pinned or backing is not None else None
         self.lock = threading.Lock()
         self.data = flat.reshape(num_slots, cls.page_bytes)
         self.digests = np.zeros((num_slots, len(cls.layers), cls.num_shards, DIGEST_SLOTS),

@@ -3,7 +3,8 @@
 A *rig* is one way an engine holds its caches: ``raw`` (single-device float32, moved
 by raw byte copies on XLA:CPU), ``staged`` (bfloat16, ``path="staged"``), ``sharded``
 (KV heads split over 4 devices, ``path="auto"``), ``pinned`` (bfloat16,
-``path="pinned"``) and ``pinned-sharded`` (the sharded caches on ``path="pinned"``).
+``path="pinned"``), ``pinned-sharded`` (the sharded caches on ``path="pinned"``),
+``dma`` (bfloat16, ``path="dma"``) and ``dma-sharded`` (the sharded caches on it).
 Each builds small caches (4 layers x 32 blocks x 16 KiB) and the manager over them.
 
 The jitted programs here are what a serving engine dispatches around kvxfer's calls:
@@ -182,6 +183,9 @@ RIGS = {
     # Three of the four shards live off the pool's device: pinned buffers of their own.
     "pinned-sharded": Rig("pinned-sharded", "float32", (8, 4, 128), "pinned", "pinned",
                           shard_dim=2),
+    # The DMA mover's programs and descriptors, run by the host copy engine.
+    "dma": Rig("dma", "bfloat16", (64, 128), "dma", "dma", mask=0xBFFF),
+    "dma-sharded": Rig("dma-sharded", "float32", (8, 4, 128), "dma", "dma", shard_dim=2),
 }
 RIG_NAMES = list(RIGS)
 

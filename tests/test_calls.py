@@ -102,13 +102,13 @@ class _Compiles:
 _COMPILES = _Compiles()
 
 
-@pytest.mark.parametrize("path", ["auto", "staged", "pinned"])
+@pytest.mark.parametrize("path", ["auto", "staged", "pinned", "dma"])
 def test_warmup_compiles_a_bounded_number_of_programs(path):
     # 12 layers (a digest group and a remainder), one class, buckets 1..8: no program
     # is per layer, and on XLA:CPU the programs that loop over the pages (digests,
     # pinned copies, staged loads) are made once for every bucket.
     # A block shape of its own per path: auto's fallback runs the pinned programs.
-    block = {"auto": (6, 128), "staged": (10, 128), "pinned": (14, 128)}[path]
+    block = {"auto": (6, 128), "staged": (10, 128), "pinned": (14, 128), "dma": (18, 128)}[path]
     caches = testing.random_caches(12, 16, block, "bfloat16", seed=3)
     with kvxfer.KVCacheManager(caches, num_host_blocks=8, path=path) as mgr:
         _COMPILES.count, _COMPILES.on = 0, True
@@ -119,8 +119,9 @@ def test_warmup_compiles_a_bounded_number_of_programs(path):
     assert buckets == [1, 2, 4, 8]
     # pinned: the write and the load, each digesting what it moves (no digest program
     # of its own); auto: those, the raw offload's 2 digest programs and its alias
-    # program; staged: the 2 digest programs, a gather per bucket and the load.
-    expected = {"auto": 5, "pinned": 2, "staged": 2 + len(buckets) + 1}[path]
+    # program; staged: the 2 digest programs, a gather per bucket and the load; dma: its
+    # offload and its load, each digesting what it moves.
+    expected = {"auto": 5, "pinned": 2, "staged": 2 + len(buckets) + 1, "dma": 2}[path]
     assert _COMPILES.count == expected, _COMPILES.count
 
 

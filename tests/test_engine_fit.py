@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kvxfer
 
-PATHS = ["auto", "staged", "pinned", "pallas"]
+PATHS = ["auto", "staged", "pinned", "pallas", "dma"]
 
 
 def _mesh(shape, names, types, devices=None):
@@ -205,7 +205,7 @@ def test_a_failed_offload_leaves_the_named_slots_free(event):
 # -- prefetched loads -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["auto", "staged", "pinned", "pallas"])
+@pytest.mark.parametrize("path", ["auto", "staged", "pinned", "pallas", "dma"])
 def test_prefetch_on_another_thread_then_load(path):
     caches, mgr = _mgr(path, host=8, layers=3)
     with mgr:
@@ -287,7 +287,7 @@ def test_data_parallel_page_axis_round_trip(case, path):
         _round_trip(caches, path, src=(1, 9, 14), dst=(12, 0, 5))
 
 
-@pytest.mark.parametrize("path", ["auto", "staged", "pinned"])
+@pytest.mark.parametrize("path", ["auto", "staged", "pinned", "dma"])
 @pytest.mark.parametrize("case", ["data2_tensor2", "data2_replicated"])
 def test_data_parallel_bad_page_is_the_verified_prefix(case, path):
     from kvxfer import testing

@@ -131,7 +131,7 @@ def test_clean_run_has_no_false_positives():
 
 @pytest.mark.parametrize("gate", ["layer", "all"])
 @pytest.mark.parametrize("mover", ["raw", "staged", "emulated", "pinned", "pinned-sharded",
-                                   "pallas"])
+                                   "pallas", "dma"])
 def test_zero_dma_is_caught_on_every_mover(mover, gate):
     """A load that silently delivers zeros into one page's block is a digest mismatch at
     that page, whichever mover moved it; the host page itself is intact."""

@@ -111,7 +111,7 @@ def test_wait_and_as_completed_over_offloads_and_loads():
             assert np.array_equal(bits(c)[[4, 5, 6, 7]], bits(c)[[0, 1, 2, 3]])
 
 
-@pytest.mark.parametrize("path", ["auto", "staged", "pinned"])
+@pytest.mark.parametrize("path", ["auto", "staged", "pinned", "dma"])
 def test_a_caller_blocked_on_a_small_load_verifies_it_itself(path):
     """A load whose one program digests every layer is verified by the caller blocked
     in ``layer_ready`` when it gets there first: here the transfer thread is held in
@@ -343,7 +343,7 @@ def test_a_raising_offload_hook_frees_the_slots(event):
         assert len(pages) == 4 and mgr.num_free_pages == 0
 
 
-@pytest.mark.parametrize("path", ["auto", "pinned", "staged"])
+@pytest.mark.parametrize("path", ["auto", "pinned", "staged", "dma"])
 def test_blocks_rewritten_while_their_gather_is_in_flight(path):
     """An engine frees and reallocates the blocks right after ``offload`` enqueued their
     gather (donating the cache to the step that rewrites them): the pages hold the

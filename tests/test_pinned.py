@@ -221,8 +221,8 @@ def test_an_offload_dispatches_one_program_that_digests_what_it_writes(monkeypat
     before = [testing.bits(c) for c in caches]
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pinned")
     ran = []
-    run = _programs._run
-    monkeypatch.setattr(_programs, "_run", lambda kind, *a, **k: ran.append(kind) or
+    run = _programs.run
+    monkeypatch.setattr(_programs, "run", lambda kind, *a, **k: ran.append(kind) or
                         run(kind, *a, **k))
     pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
     assert ran == ["pinned_write"]
@@ -284,7 +284,7 @@ class CompileCounter:
 _COUNTER = CompileCounter()
 
 
-@pytest.mark.parametrize("path", ["pinned", "staged"])
+@pytest.mark.parametrize("path", ["pinned", "staged", "dma"])
 @pytest.mark.parametrize("integrity", ["page", "off"])
 def test_warmup_compiles_every_program_a_transfer_runs(path, integrity):
     # Shapes no other test builds, so nothing is compiled before the warm-up.

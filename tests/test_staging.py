@@ -95,13 +95,13 @@ def test_overlapping_staged_loads_of_different_pages_stay_exact(mode, monkeypatc
 def _programs_run(monkeypatch) -> list[str]:
     """The kinds of the programs kvxfer runs from now on, in order."""
     kinds: list[str] = []
-    run = programs._run
+    run = programs.run
 
     def counting(kind, *args, **kwargs):
         kinds.append(kind)
         return run(kind, *args, **kwargs)
 
-    monkeypatch.setattr(programs, "_run", counting)
+    monkeypatch.setattr(programs, "run", counting)
     return kinds
 
 

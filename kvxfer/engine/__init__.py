@@ -12,6 +12,10 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
   from there into the donated caches: no pageable staging, no per-page ``device_put``.
 * ``EmulatedMover`` (emulated TPU memory): raw byte-range copies over emulated device
   images, for layouts the inspector has proven addressable.
+* ``DmaMover`` (NVIDIA GPUs with ``cuda-bindings``; XLA:CPU with a host copy engine):
+  one program per class and transfer that digests on the device and calls a
+  ``buffer_callback`` enqueuing batched copy-engine copies on XLA's own stream, between
+  the caches' blocks and a page-major pool allocated and pinned outside XLA.
 * ``PallasMover`` (TPU; Pallas interpret mode on CPU): per-block DMA kernels between
   the caches and the host pool, for layouts the inspector has proven addressable.
 * ``GroupedMover`` (a block dim sharded over data parallelism): runs another mover
@@ -27,7 +31,8 @@ context mesh (``own_context``), a shard typed as a one-device array (``local``),
 array without its buffers (``abstract``), every layer's shards at once
 (``layers_of``), a block dim's split over groups (``BlockGroups``), buffers shared
 between arrays (``shared_buffers``), whether a mover can take an array
-(``raw_capable``, ``pinned_capable``, ``pallas_refusal``), compiles collected to run
+(``raw_capable``, ``pinned_capable``, ``pallas_refusal``, ``dma_refusal``), the copy
+engine of each platform (``COPY_ENGINES``, ``copy_engine``), compiles collected to run
 side by side (``deferred_compiles``), an array's format handed to the programs
 (``known_format``) and the digest programs' chunk (``DIGEST_CHUNK``). They are
 imported from here, so nothing outside the package imports its private modules.
@@ -41,6 +46,10 @@ from kvxfer.engine._batch import layers_of as layers_of
 from kvxfer.engine._batch import local as local
 from kvxfer.engine._batch import own_context as own_context
 from kvxfer.engine._auto import RawOrPinnedMover as RawOrPinnedMover
+from kvxfer.engine._dma import COPY_ENGINES as COPY_ENGINES
+from kvxfer.engine._dma import DmaMover as DmaMover
+from kvxfer.engine._dma import copy_engine as copy_engine
+from kvxfer.engine._dma import dma_refusal as dma_refusal
 from kvxfer.engine._emulated import EmulatedMover as EmulatedMover
 from kvxfer.engine._grouped import BlockGroups as BlockGroups
 from kvxfer.engine._grouped import GroupedMover as GroupedMover
@@ -61,5 +70,5 @@ from kvxfer.engine._raw import shared_buffers as shared_buffers
 from kvxfer.engine._staged import StagedMover as StagedMover
 
 __all__ = ["Mover", "LoadRequest", "Pending", "PageBatch", "ShardedLayer", "TransferError",
-           "StagedMover", "RawMover", "PinnedMover", "PallasMover", "EmulatedMover",
+           "StagedMover", "RawMover", "PinnedMover", "DmaMover", "PallasMover", "EmulatedMover",
            "GroupedMover", "RawOrPinnedMover"]

@@ -63,6 +63,9 @@ class RawOrPinnedMover(RawMover):
         #: every load where they read the pool in place.
         self.fallbacks = {"offload": 0, "load": 0}
 
+    def host_copied(self) -> int:
+        return self.host_copy_bytes + self._pinned.host_copied()
+
     def start_offload(self, layers, batch, slots, with_digest):
         if caches_ready(layers):
             return super().start_offload(layers, batch, slots, with_digest)

@@ -1,188 +1,401 @@
-"""Pallas TPU kernels: per-block DMAs between device caches and host buffers.
+"""The DMA mover: copy-engine copies between the caches and a pinned pool, in XLA's order.
 
-Two kernels, both driven by scalar prefetch (``pltpu.PrefetchScalarGridSpec``: the
-block ids and host slots live in SMEM before the body runs, so one compiled kernel
-serves every request of a bucket):
+One jitted program per slice class, shard replica and transfer (one per bucket of page
+counts; on XLA:CPU one for every transfer of up to ``loop_pages`` pages):
 
-* ``offload``: for every layer ``l`` of a class on one device and every page ``j <
-  n``, one async copy ``cache_l[ids[j]] -> host[slots[j], l]``, each layer on its own
-  DMA semaphore; layer ``l + 1`` is started before layer ``l`` is waited for, so at
-  most two layers of copies are in flight.
-* ``load``: for one layer (``pos``), one async copy ``host[slots[j], pos] ->
-  cache[ids[j]]`` per page, into the cache in place (the cache is aliased to the
-  output and donated), on that layer's semaphore. One call per layer, so each layer
-  completes on its own.
+* **offload**: digests the blocks on the device, then calls a ``buffer_callback`` that
+  enqueues, on the stream XLA hands it, one batch of copies from the blocks to the
+  pages' host slots;
+* **load**: calls the callback with the caches aliased in to out (donated: written in
+  place), copying the pages' host slots into the blocks, then digests the landed
+  blocks on the device.
 
-``host`` is either a class's host pool itself (``[slots, L, *block]``, aliased and
-donated, so pages land in their slots) or a page buffer ``[b, L, *block]`` (slots
-``0..b-1``). Each kernel also returns ``done`` (``int32[1]`` in SMEM, ``n``), which the
-transfer thread waits for: the caches and the pool may be donated to a later program
-long before the copies finish, the token never is.
+The host pool is allocated outside XLA (``kvxfer._hostmem.HostMemory``), page-major,
+page-locked by the copy engine and placed on the device's NUMA node. No payload byte
+passes through a CPU copy and no arithmetic reads host memory: the digests read
+device buffers only. A copy engine executes the descriptors (``_copies``): the CUDA
+driver's on a GPU (``_cuda``), ``memmove`` on XLA:CPU (CI runs every line but the
+driver calls). XLA:CPU runs a program that holds a host callback on the dispatching
+thread when its inputs are ready (to avoid deadlocks with reentrant callbacks), so
+there the call itself copies; behind pending writers it is scheduled like any
+program.
 
-On TPU the host operand is in ``pl.HOST`` memory (a ``pinned_host`` array). Elsewhere
-the same kernels run in Pallas TPU interpret mode (``pltpu.InterpretParams``), which
-in jax 0.10.2 has no HOST memory space: the host operand is ``pl.ANY`` there and
-lives in the device's default memory (host RAM on CPU). The interpreter simulates
-the DMAs and semaphores; it moves bytes as numpy does, so bf16 and fp8 NaN payloads
-come through unchanged.
+Blocks of a class become one copy each, merged where adjacent on both sides. Where
+they are small (``RELAYOUT_BELOW``), the program first gathers a transfer's pages on
+the device into one page-major buffer (each page's layers side by side, as the pool
+holds them), so each page is one copy: copy engines run copies below about 28 KiB at
+a fraction of the link. ``KVXFER_DMA_RELAYOUT`` (``auto``, ``always``, ``never``)
+overrides the choice, so a device check can measure both.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.buffer_callback import buffer_callback
 
-from kvxfer.engine._programs import _PROGRAM_CACHE_SIZE
+from kvxfer._hostmem import HostMemory
+from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
+from kvxfer.engine._copies import TICKETS, CopyEngine, CopyJob, HostCopyEngine, \
+    buffer_address
+from kvxfer.engine._cuda import cuda_engine, cuda_unavailable
+from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _args_abstract, \
+    _sds
+from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _units,
+                                     compile_ahead, page_loops, register_kind, run,
+                                     unit_count)
+from kvxfer.engine._raw import private_layers
+from kvxfer.hostpool import word_bytes
+from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 
-__all__ = ["compiled", "host_sharding", "offload_program", "load_program", "reset_interpreter"]
+__all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "relayout_mode",
+           "RELAYOUT_BELOW"]
+
+#: Shard blocks smaller than this are gathered on the device first (one copy a page).
+RELAYOUT_BELOW = 64 << 10
+
+_RELAYOUT_MODES = ("auto", "always", "never")
+
+_HOST_ENGINE = HostCopyEngine()
+
+#: The copy engine of each platform, by ``device.platform`` (``copy_engine``): tests
+#: may put another engine here (CUDA's over entry points of their own, say).
+COPY_ENGINES: dict[str, Callable[[Any], CopyEngine]] = {
+    "cpu": lambda device: _HOST_ENGINE,
+    "gpu": cuda_engine,
+    "cuda": cuda_engine,
+}
 
 
-def compiled(device: Any) -> bool:
-    """Whether kernels run compiled on ``device`` (TPU), else in TPU interpret mode."""
-    return device.platform == "tpu"
+def copy_engine(device: Any) -> CopyEngine:
+    """The engine that executes the DMA mover's copies for ``device``.
 
-
-def host_sharding(device: Any) -> jax.sharding.SingleDeviceSharding:
-    """Where host buffers the kernels read and write live for ``device``.
-
-    TPU: the device's ``pinned_host`` memory, which its DMA engines reach. Interpret
-    mode cannot take ``pinned_host`` operands (jax 0.10.2 fails to lower them), so
-    there it is the device's default memory: host RAM on CPU.
+    Raises:
+      ValueError: the platform has none (naming why).
     """
-    if compiled(device):
-        return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    return jax.sharding.SingleDeviceSharding(device)
+    make = COPY_ENGINES.get(device.platform)
+    if make is None:
+        raise ValueError(f"no copy engine for the {device.platform} backend ({device})")
+    return make(device)
 
 
-def reset_interpreter() -> None:
-    """Clears TPU interpret mode's state after a kernel raised (its documented rule)."""
-    pltpu.reset_tpu_interpret_mode_state()
+def _engine_refusal(device: Any) -> str | None:
+    make = COPY_ENGINES.get(device.platform)
+    if make is None:
+        return f"no copy engine for the {device.platform} backend"
+    return cuda_unavailable(device) if make is cuda_engine else None
 
 
-def _interpret(device_compiled: bool) -> Any:
-    return False if device_compiled else pltpu.InterpretParams()
+def dma_refusal(array: jax.Array) -> str | None:
+    """Why the DMA mover cannot move ``array``'s blocks (None: it can).
 
+    Its copy engine must reach every device holding the array (XLA:CPU, or an NVIDIA
+    GPU with ``cuda-bindings``), and every block must be one byte range at a fixed
+    stride: a row-major layout of whole-byte elements (what the copy descriptors
+    address), proven addressable by the inspector.
 
-def _host_space(device_compiled: bool) -> Any:
-    return pl.HOST if device_compiled else pl.ANY
-
-
-def _offload_kernel(num_layers: int, aliased: bool, n_ref, ids_ref, slots_ref, *refs):
-    caches = refs[:num_layers]
-    host, done, sems = refs[num_layers + aliased:]
-
-    def copies(layer: int, start: bool) -> None:
-        @pl.loop(0, n_ref[0])
-        def _(j):
-            c = pltpu.make_async_copy(caches[layer].at[ids_ref[j]],
-                                      host.at[slots_ref[j], layer], sems.at[layer])
-            c.start() if start else c.wait()
-
-    copies(0, True)
-    for layer in range(1, num_layers):
-        copies(layer, True)
-        copies(layer - 1, False)
-    copies(num_layers - 1, False)
-    done[0] = n_ref[0]
-
-
-def _load_kernel(meta_ref, ids_ref, slots_ref, cache_in, host, cache, done, sems):
-    del cache_in  # aliased to ``cache``
-    pos = meta_ref[1]
-
-    def copies(start: bool) -> None:
-        @pl.loop(0, meta_ref[0])
-        def _(j):
-            c = pltpu.make_async_copy(host.at[slots_ref[j], pos], cache.at[ids_ref[j]],
-                                      sems.at[0])
-            c.start() if start else c.wait()
-
-    copies(True)
-    copies(False)
-    done[0] = meta_ref[0]
-
-
-_DONE = jax.ShapeDtypeStruct((1,), np.int32)
-
-
-@functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
-def offload_program(formats: tuple, pool_format: Any, device: Any):
-    """``f(n, ids, slots, caches, host) -> (host, done)`` on ``device``.
-
-    ``n`` (``int32[1]``, pages to move) and ``slots`` are host arrays and ``ids`` the
-    batch's device copy, as every caller passes them (a compiled-ahead program is
-    found again only for the same argument placement).
-
-    ``formats``: the caches' formats (pinned, so no cache is relaid out on the way in).
-    ``pool_format``: the pool's format when ``host`` is the pool, written in place
-    (donated, and handed back in the same format so it stays the same buffer); None
-    when ``host`` is the shape of a page buffer to return (a static
-    ``jax.ShapeDtypeStruct``).
+    Example:
+        >>> import jax.numpy as jnp
+        >>> dma_refusal(jnp.zeros((8, 128), jnp.bfloat16)) is None
+        True
     """
-    on_tpu = compiled(device)
-    space = _host_space(on_tpu)
-    num_layers, aliased = len(formats), pool_format is not None
-
-    def kvxfer_offload(n, ids, slots, caches, host):
-        shape = jax.ShapeDtypeStruct(host.shape, host.dtype)
-        if on_tpu and not aliased:
-            shape = pl.HOST(host.shape, host.dtype)
-        in_specs = [pl.BlockSpec(memory_space=pl.ANY)] * num_layers
-        operands = list(caches)
-        if aliased:
-            in_specs.append(pl.BlockSpec(memory_space=space))
-            operands.append(host)
-        return pl.pallas_call(
-            functools.partial(_offload_kernel, num_layers, aliased),
-            out_shape=(shape, _DONE),
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3, grid=(1,), in_specs=in_specs,
-                out_specs=(pl.BlockSpec(memory_space=space),
-                           pl.BlockSpec(memory_space=pltpu.SMEM)),
-                scratch_shapes=[pltpu.SemaphoreType.DMA((num_layers,))]),
-            input_output_aliases={3 + num_layers: 0} if aliased else {},
-            interpret=_interpret(on_tpu), name="kvxfer_offload",
-        )(n, ids, slots, *operands)
-
-    token = jax.sharding.SingleDeviceSharding(device)
-    if aliased:
-        return jax.jit(kvxfer_offload, donate_argnums=(4,), in_shardings=(None, None, None, formats,
-                                                               pool_format),
-                       out_shardings=(pool_format, token))
-    return jax.jit(kvxfer_offload, static_argnums=(4,), in_shardings=(None, None, None, formats),
-                   out_shardings=(host_sharding(device), token))
+    for device in array.sharding.device_set:
+        why = _engine_refusal(device)
+        if why is not None:
+            return why
+    if array.dtype.itemsize * 8 != natural_bits(array.dtype):
+        return f"{array.dtype} elements are not whole bytes"
+    try:
+        layout = Layout.of(array)
+    except LayoutError as e:
+        return str(e)
+    if layout.minor_to_major != tuple(range(array.ndim - 1, -1, -1)):
+        return f"layout {layout} is not row-major"
+    shard = array.sharding.shard_shape(array.shape)
+    geometry = inspect(shard, array.dtype, layout)
+    return None if geometry.addressable else geometry.reason
 
 
-@functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
-def load_program(cache_format: Any, device: Any):
-    """``f(meta=[n, pos], ids, slots, cache, host) -> (cache, done)``, cache donated.
+def relayout_mode() -> str:
+    """``KVXFER_DMA_RELAYOUT``: ``"auto"`` (the default), ``"always"`` or ``"never"``.
 
-    The cache keeps ``cache_format`` (its layout and sharding) on the way through.
+    Example:
+        >>> relayout_mode() == os.environ.get("KVXFER_DMA_RELAYOUT", "auto")
+        True
     """
-    on_tpu = compiled(device)
-    space = _host_space(on_tpu)
+    mode = os.environ.get("KVXFER_DMA_RELAYOUT", "auto")
+    if mode not in _RELAYOUT_MODES:
+        raise ValueError(f"KVXFER_DMA_RELAYOUT={mode!r}; expected one of {_RELAYOUT_MODES}")
+    return mode
 
-    def kvxfer_load(meta, ids, slots, cache, host):
-        return pl.pallas_call(
-            _load_kernel,
-            out_shape=(jax.ShapeDtypeStruct(cache.shape, cache.dtype), _DONE),
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3, grid=(1,),
-                in_specs=[pl.BlockSpec(memory_space=pl.ANY),
-                          pl.BlockSpec(memory_space=space)],
-                out_specs=(pl.BlockSpec(memory_space=pl.ANY),
-                           pl.BlockSpec(memory_space=pltpu.SMEM)),
-                scratch_shapes=[pltpu.SemaphoreType.DMA((1,))]),
-            input_output_aliases={3: 0},
-            interpret=_interpret(on_tpu), name="kvxfer_load",
-        )(meta, ids, slots, cache, host)
 
-    token = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(kvxfer_load, donate_argnums=(3,),
-                   in_shardings=(None, None, None, cache_format, None),
-                   out_shardings=(cache_format, token))
+# -- the programs -------------------------------------------------------------------
+
+_DONE = jax.ShapeDtypeStruct((1,), np.uint32)
+
+
+def _run_job(on_gpu: bool, ctx: Any, out: Any, token: Any, *operands: Any) -> None:
+    """Runs the ``CopyJob`` filed under ``token`` on the buffers XLA hands over."""
+    job = TICKETS.take(buffer_address(token, on_gpu))
+    if job.ids is None:  # the staging buffer: an operand (offload) or the output (load)
+        buffers = [operands[0] if job.direction == "offload" else out[0]]
+    else:  # the caches: read (offload), or written in place (load: aliased outputs)
+        buffers = operands if job.direction == "offload" else out[:-1]
+    job.run([buffer_address(b, on_gpu) for b in buffers],
+            ctx.stream if job.engine.uses_stream else None)
+
+
+def _callback_cpu(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
+    _run_job(False, ctx, out, token, *operands)
+
+
+def _callback_gpu(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
+    _run_job(True, ctx, out, token, *operands)
+
+
+def _callback(formats: tuple) -> Callable[..., None]:
+    """The program's callback: buffers are addressed as their platform offers them."""
+    on_cpu = all(d.platform == "cpu" for d in formats[0].sharding.device_set)
+    return _callback_cpu if on_cpu else _callback_gpu
+
+
+def _digests(arrays, ids, count, digest, raw, loop):
+    base, nums = digest
+    return _digest_impl(arrays, ids, base, nums, count, raw=raw, loop=loop)
+
+
+def _offload_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, loop: bool,
+                  unit: int, callback: Callable[..., None]):
+    # The digests read the blocks on the device; the copies read them too, so the two
+    # may run in either order.
+    out = (_digests(arrays, ids, count, digest, raw, loop),) if digest else ()
+    if relayout:
+        operands = (jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1),)
+    else:
+        operands = tuple(arrays)
+    done = buffer_callback(callback, _DONE, has_side_effect=True)(token, *operands)
+    return (done, *out)
+
+
+def _load_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, loop: bool,
+               unit: int, callback: Callable[..., None]):
+    if relayout:
+        rows = (ids.shape[0], sum(unit_count(a.shape, a.dtype, unit) for a in arrays))
+        staging, done = buffer_callback(
+            callback, (jax.ShapeDtypeStruct(rows, _UINT[unit]), _DONE),
+            has_side_effect=True)(token)
+        # Rows past ``count`` were never written: their ids go out of range (dropped).
+        where = jnp.where(jnp.arange(ids.shape[0]) < count, ids, arrays[0].shape[0])
+        out, at = [], 0
+        for a in arrays:
+            n = unit_count(a.shape, a.dtype, unit)
+            x = _bits(a, raw)
+            block = _from_units(staging[:, at:at + n], x.dtype, x.shape[1:])
+            x = x.at[where].set(block, mode="drop", unique_indices=True)
+            out.append(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x)
+            at += n
+    else:
+        *out, done = buffer_callback(
+            callback, (*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays), _DONE),
+            has_side_effect=True,
+            input_output_aliases={1 + i: i for i in range(len(arrays))})(token, *arrays)
+    extra = (_digests(out, ids, count, digest, raw, loop),) if digest else ()
+    return (tuple(out), done, *extra)
+
+
+def _offload_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
+    relayout, loop, unit = options
+    return (functools.partial(_offload_impl, raw=raw, relayout=relayout, loop=loop, unit=unit,
+                              callback=_callback(formats)),
+            dict(in_shardings=(formats, None, None, None) + (None, None) * with_digest))
+
+
+def _load_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
+    relayout, loop, unit = options
+    return (functools.partial(_load_impl, raw=raw, relayout=relayout, loop=loop, unit=unit,
+                              callback=_callback(formats)),
+            dict(donate_argnums=(0,),
+                 in_shardings=(formats, None, None, None) + (None, None) * with_digest,
+                 out_shardings=(formats, None) + (None,) * with_digest))
+
+
+register_kind("dma_offload", _offload_parts)
+register_kind("dma_load", _load_parts, same_formats=0)
+
+
+# -- the mover ----------------------------------------------------------------------
+
+class DmaOffload(NamedTuple):
+    """What an offload enqueued: its jobs, an output of each program (ready once its
+    copies are done), and the digests being computed (None with integrity off)."""
+
+    jobs: list[CopyJob]
+    done: list[jax.Array]
+    digests: Pending | None
+
+
+class DmaLoad(NamedTuple):
+    """A load's jobs and an output of each program the caller never holds."""
+
+    jobs: list[CopyJob]
+    done: list[jax.Array]
+
+
+def _settle(jobs: list[CopyJob], done: list[jax.Array], what: str) -> None:
+    """Waits for the programs, then raises ``TransferError`` if a job's copies failed."""
+    for d in done:
+        d.block_until_ready()
+    for job in jobs:
+        if job.error is not None:
+            raise TransferError(f"{what}: the copies failed: {job.error}") from job.error
+        if not job.ran:
+            TICKETS.withdraw(job)
+            raise TransferError(f"{what}: a program ended without running its copies")
+
+
+class DmaMover(Mover[DmaOffload, None, DmaLoad]):
+    """Copy-engine copies between the caches and a pinned pool, ordered by XLA."""
+
+    name = "dma"
+    writes_buffers = True  # its loads donate the caches: shared buffers are copied first
+
+    def __init__(self, cls, pool):
+        super().__init__(cls, pool)
+        if pool.memory is None and pool.nbytes:
+            raise ValueError(f"the DMA mover needs a pool of its own host memory for "
+                             f"{cls.name} (DmaMover.host_backing)")
+        self._unit = word_bytes(cls)
+        mode = relayout_mode()
+        self._relayout = mode == "always" or mode == "auto" and cls.num_shards == 1 and \
+            cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device)
+        self._offsets = [np.array([pool.shard_range(pos, s)[0] for pos in range(len(cls.layers))],
+                                  dtype=np.uint64) for s in range(cls.num_shards)]
+
+    @classmethod
+    def host_backing(cls, slice_class, layers):
+        engine = copy_engine(device_of(layers[0].shards[0][0]))
+
+        def make(num_slots: int) -> HostMemory:
+            return HostMemory(num_slots * slice_class.page_bytes, numa_node=engine.numa_node(),
+                              pin=engine.pin)
+        return make
+
+    @property
+    def relayout(self) -> bool:
+        """Whether transfers gather pages on the device first (one copy a page)."""
+        return self._relayout
+
+    def _size(self, k: int, array: Any) -> int | None:
+        """Entries of a program's index arrays: ``loop_pages`` where the digests loop
+        (XLA:CPU, one program for every transfer up to it), else the bucket (None)."""
+        if self._relayout or not page_loops(device_of(array)):
+            return None
+        return loop_pages(k, array.shape[0])
+
+    def _job(self, direction: str, device: Any, shard: int, slots: np.ndarray,
+             ids: np.ndarray) -> CopyJob:
+        return CopyJob(copy_engine(device), direction, self.pool.memory.address,
+                       self.cls.page_bytes, slots, self._offsets[shard],
+                       self.cls.shard_block_bytes, None if self._relayout else ids)
+
+    def _options(self, device: Any) -> tuple:
+        return (self._relayout, page_loops(device), self._unit)
+
+    # -- offload ------------------------------------------------------------------
+
+    def start_offload(self, layers, batch, slots, with_digest):
+        jobs, done, parts = [], [], []
+        for s in range(self.cls.num_shards):
+            arrays = tuple(layer.primary[s] for layer in layers)
+            device = device_of(arrays[0])
+            ids, base, count = batch.args(device, s, self._size(batch.k, arrays[0]))
+            job = self._job("offload", device, s, slots, batch.ids)
+            token = TICKETS.issue(device, job)
+            digest = (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
+            try:
+                out = run("dma_offload", arrays, token, ids, count, *digest,
+                          with_digest=with_digest, options=self._options(device))
+            except BaseException:
+                TICKETS.withdraw(job)
+                raise
+            jobs.append(job)
+            done.append(out[0])
+            parts.append(list(out[1:]))
+        return DmaOffload(jobs, done, Pending(parts, batch.k) if with_digest else None)
+
+    def finish_offload(self, state: DmaOffload, slots):
+        _settle(state.jobs, state.done, f"DMA offload of {self.cls.name}")
+        if state.digests is not None:
+            d = state.digests.get()
+            for s in range(self.cls.num_shards):
+                self._store_digests(slots, s, d[:, s])
+
+    # -- load ---------------------------------------------------------------------
+
+    def start_load(self, arrays, layers, request: LoadRequest, staged: None):
+        if request.shared:
+            layers = private_layers(layers, request.shared)
+            arrays = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
+        single = isinstance(arrays[0].sharding, jax.sharding.SingleDeviceSharding)
+        new_shards: list[list[list[jax.Array]]] = [
+            [[] for _ in range(self.cls.num_shards)] for _ in arrays]
+        batch, slots = request.batch, np.asarray(request.slots)
+        fused = request.on_digested is not None
+        jobs, done = [], []
+        for s in range(self.cls.num_shards):
+            for r in range(len(layers[0].shards[s])):
+                local = tuple(arrays) if single else tuple(layer.shards[s][r] for layer in layers)
+                device = device_of(local[0])
+                ids, base, count = batch.args(device, s, self._size(batch.k, local[0]))
+                job = self._job("load", device, s, slots, batch.ids)
+                token = TICKETS.issue(device, job)
+                digest = (base, layer_nums(device, tuple(self.cls.layers))) if fused else ()
+                try:
+                    out, d, *digests = run("dma_load", local, token, ids, count, *digest,
+                                           with_digest=fused, options=self._options(device))
+                except BaseException:
+                    TICKETS.withdraw(job)
+                    raise
+                jobs.append(job)
+                done.append(d)
+                if fused:
+                    request.on_digested(s, r, digests[0])
+                if single:
+                    return list(out), DmaLoad(jobs, done)
+                for pos, a in enumerate(out):
+                    new_shards[pos][s].append(a)
+        new = [assemble(a, shards) for a, shards in zip(arrays, new_shards)]
+        return new, DmaLoad(jobs, done)
+
+    def load_layer_waits(self, state: DmaLoad, pos: int) -> bool:
+        return any(not d.is_ready() for d in state.done)
+
+    def finish_load_layer(self, state: DmaLoad, pos: int) -> None:
+        _settle(state.jobs, state.done, f"DMA load of {self.cls.name}")
+
+    def finish_load(self, state: DmaLoad, num_layers: int) -> None:
+        _settle(state.jobs, state.done, f"DMA load of {self.cls.name}")
+
+    # -- warm-up ------------------------------------------------------------------
+
+    def warmup(self, arrays, layers, b, with_digest):
+        # Both directions digest inside their own programs; a load under a transfer
+        # hook compiles its digest programs when it first runs.
+        for s in range(self.cls.num_shards):
+            for r in range(len(layers[0].shards[s])):
+                local = tuple(layer.shards[s][r] for layer in layers)
+                device = device_of(local[0])
+                n = self._size(b, local[0]) or b
+                token = _sds((1,), np.uint32, device)
+                ids, base, count = _args_abstract(n, device)
+                digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
+                kinds = ("dma_offload", "dma_load") if r == 0 else ("dma_load",)
+                for kind in kinds:
+                    compile_ahead(kind, local, token, ids, count, *digest,
+                                  with_digest=with_digest, options=self._options(device))

@@ -116,6 +116,7 @@ class EmulatedMover(Mover[EmulatedOffload, None, None]):
             for pos in range(raw.shape[0]):
                 lo, hi = self.pool.shard_range(pos, s)
                 self.pool.data[slots, lo:hi] = raw[pos]
+                self.copied_on_host(raw[pos].nbytes)
             if digests is not None:
                 self._store_digests(slots, s, digests[:, s])
 
@@ -130,6 +131,7 @@ class EmulatedMover(Mover[EmulatedOffload, None, None]):
             for s, reps in enumerate(layer.shards):
                 lo, hi = self.pool.shard_range(pos, s)
                 src = self.pool.data[slots, lo:hi]
+                self.copied_on_host(src.nbytes * len(reps))
                 out = []
                 for a in reps:
                     image = self._image(a)

@@ -156,6 +156,9 @@ class GroupedMover(Mover[GroupedOffload[OffloadT], list[StagedT], list[LoadT]]):
         self.writes_buffers = inner.writes_buffers
         self._splits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    def host_copied(self) -> int:
+        return self.inner.host_copied()
+
     def _split(self, batch: PageBatch) -> list[tuple[int, np.ndarray, PageBatch]]:
         """Per group holding pages of the batch: (group, request rows, its batch)."""
         out = self._splits.get(batch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, cast
 
@@ -193,6 +194,10 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
     def __init__(self, cls: SliceClass, pool: ClassPool):
         self.cls = cls
         self.pool = pool
+        #: Payload bytes this mover copied on the host on a transfer's path (numpy or
+        #: memmove copies of its own), besides what a copy engine executes.
+        self.host_copy_bytes = 0
+        self._counted = threading.Lock()
 
     @classmethod
     def host_backing(cls, slice_class: SliceClass,
@@ -295,6 +300,15 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
                     ids, base, count = _args_abstract(_digest_size(b, arrays) or b, device)
                     compile_ahead("digest", arrays, ids, base, _sds((size,), np.uint32, device),
                                   count)
+
+    def copied_on_host(self, nbytes: int) -> None:
+        """Counts ``nbytes`` of payload copied on the host (``host_copy_bytes``)."""
+        with self._counted:
+            self.host_copy_bytes += int(nbytes)
+
+    def host_copied(self) -> int:
+        """Payload bytes copied on the host so far, by this mover and any it runs."""
+        return self.host_copy_bytes
 
     def _store_digests(self, slots: np.ndarray, shard: int, d: np.ndarray) -> None:
         # d: [L, k, D] -> pool.digests[slot, L, shard, D]

@@ -1,8 +1,8 @@
 """The Pallas mover: per-block DMAs between the device caches and host memory (TPU).
 
 For slice classes the inspector proves addressable, Pallas TPU kernels
-(``kvxfer.engine._dma``) issue one async copy per block and layer, block ids and host
-slots through scalar prefetch, one DMA semaphore per layer:
+(``kvxfer.engine._pallas_kernels``) issue one async copy per block and layer, block ids
+and host slots through scalar prefetch, one DMA semaphore per layer:
 
 * A class held by one device (unsharded; replicas may sit on other devices) has its
   host pool allocated as a host-memory JAX array ``[slots, layers, *block]``
@@ -27,8 +27,8 @@ kernels would be a second implementation of the digest to keep bit-identical, fo
 program that costs a fiftieth of the transfer.
 
 Off TPU the same kernels run in Pallas TPU interpret mode, so the CPU backend tests
-everything but the HOST memory space itself (see ``kvxfer.engine._dma``). The
-interpreter copies each operand in and each output out whole, the pool included, so
+everything but the HOST memory space itself (see ``kvxfer.engine._pallas_kernels``).
+The interpreter copies each operand in and each output out whole, the pool included, so
 there a transfer costs what the pool holds (tests keep pools small), and it runs each
 kernel to the end before its call returns.
 
@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvxfer.engine import _dma
+from kvxfer.engine import _pallas_kernels as _kernels
 from kvxfer.engine._batch import ShardedLayer, assemble, bucket, device_of, loop_pages
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
 from kvxfer.engine._programs import compile_job
@@ -136,9 +136,9 @@ def _pool_backing(num_slots: int, *, num_layers: int, block: tuple[int, ...], dt
     view the pages' bytes), and the pool keeps the default allocation.
     """
     shape = (num_slots, num_layers, *block)
-    sharding = _dma.host_sharding(device)
+    sharding = _kernels.host_sharding(device)
     targets = [sharding]
-    if _dma.compiled(device):
+    if _kernels.compiled(device):
         # TPU may tile host arrays like device ones; ask for the dense layout first.
         from jax.experimental.layout import Format, Layout as JaxLayout
 
@@ -217,14 +217,14 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
         # Off TPU the interpreter copies every operand in and out whole: a pool it
         # wrote in place would undo host writes to other slots made meanwhile (an
         # import, say). There the pages go through page buffers, as sharded ones do.
-        if slice_class.num_shards != 1 or not _dma.compiled(device_of(first)):
+        if slice_class.num_shards != 1 or not _kernels.compiled(device_of(first)):
             return None
         return functools.partial(_pool_backing, num_layers=len(layers),
                                  block=tuple(first.shape[1:]), dtype=first.dtype,
                                  device=device_of(first))
 
     def _call(self, program, device: Any, *args):
-        if _dma.compiled(device):
+        if _kernels.compiled(device):
             return program(*args)
         # TPU interpret mode keeps its simulated memory in one process-wide state and
         # copies every operand in and out whole (the pool included): one kernel at a
@@ -234,7 +234,7 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
             try:
                 return jax.block_until_ready(program(*args))
             except Exception:
-                _dma.reset_interpreter()
+                _kernels.reset_interpreter()
                 raise
 
     def _direct_here(self, shard: int, replica: int, device: Any) -> bool:
@@ -244,7 +244,7 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
     def _buffer_pages(k: int, array: Any) -> int:
         """Pages of a page buffer (and entries of the ids and slots) for ``k`` pages of
         ``array``'s blocks: the bucket on TPU, ``loop_pages`` in interpret mode."""
-        if _dma.compiled(device_of(array)):
+        if _kernels.compiled(device_of(array)):
             return bucket(k)
         return loop_pages(k, array.shape[0])
 
@@ -262,7 +262,7 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
                 ids_d, _ = batch.on(device, s)
                 with self._lock:
                     owner = self.pool.owner
-                    program = _dma.offload_program(formats, owner.format, device)
+                    program = _kernels.offload_program(formats, owner.format, device)
                     pool, token = self._call(program, device, n, ids_d, _padded(slots, b),
                                              caches, owner)
                     self.pool.hand_over(pool)
@@ -276,8 +276,9 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
                 for lo, hi in self._offload_chunks(device):
                     shape = jax.ShapeDtypeStruct((size, hi - lo, *caches[0].shape[1:]),
                                                  caches[0].dtype)
-                    outs.append(self._call(_dma.offload_program(formats[lo:hi], None, device),
-                                           device, n, ids_d, rows, caches[lo:hi], shape))
+                    program = _kernels.offload_program(formats[lo:hi], None, device)
+                    outs.append(self._call(program, device, n, ids_d, rows, caches[lo:hi],
+                                           shape))
                 buffers.append(tuple(buffer for buffer, _ in outs))
                 done.append(tuple(token for _, token in outs))
         digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
@@ -286,7 +287,7 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
     def _offload_chunks(self, device: Any) -> list[tuple[int, int]]:
         """The layer positions ``[lo, hi)`` each offload kernel on ``device`` moves."""
         n = len(self.cls.layers)
-        step = n if _dma.compiled(device) else _INTERPRETED_LAYERS
+        step = n if _kernels.compiled(device) else _INTERPRETED_LAYERS
         return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
     def finish_offload(self, state: PallasOffload, slots):
@@ -306,6 +307,7 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
                 for i in range(raw.shape[1]):
                     lo, hi = self.pool.shard_range(first + i, s)
                     self.pool.data[slots, lo:hi] = raw[:, i]
+                    self.copied_on_host(raw[:, i].nbytes)
                 first += raw.shape[1]
         if digests is not None:
             d = digests.get()
@@ -327,7 +329,7 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
                 if self._direct_here(s, r, device):
                     out.append(PallasInputs(s, r, None, _padded(slots, b)))
                     continue
-                interpreted = not _dma.compiled(device)
+                interpreted = not _kernels.compiled(device)
                 if staging is None:
                     # Interpreted, layer-major: each layer's pages are a buffer of their
                     # own, ``[size, 1, *block]``; on TPU one buffer ``[b, L, *block]``.
@@ -338,7 +340,8 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
                         lo, hi = self.pool.shard_range(pos, s)
                         rows = flat[pos, :k] if interpreted else flat[:k, pos]
                         rows[...] = self.pool.data[slots, lo:hi]
-                where = _dma.host_sharding(device)
+                        self.copied_on_host(rows.nbytes)
+                where = _kernels.host_sharding(device)
                 buffers = tuple(jax.device_put(staging[pos][:, None], where)
                                 for pos in range(len(layers))) if interpreted else \
                     (jax.device_put(staging, where),)
@@ -358,7 +361,7 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
                     for shard, replica, buffers, slots in staged:
                         local = layer.shards[shard][replica]
                         device = device_of(local)
-                        program = _dma.load_program(local.format, device)
+                        program = _kernels.load_program(local.format, device)
                         if buffers is None:
                             host, at = owner, pos
                         elif len(buffers) == 1:
@@ -404,28 +407,28 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
             if self._direct_here(s, 0, device):
                 pool_format = self.pool.owner.format
                 self._compile(("offload", formats, pool_format, device, b),
-                              _dma.offload_program(formats, pool_format, device),
+                              _kernels.offload_program(formats, pool_format, device),
                               *_scalars(device, 1, b), primary, pool)
             else:
                 size = self._buffer_pages(b, primary[0])
                 for lo, hi in self._offload_chunks(device):
                     host = jax.ShapeDtypeStruct((size, hi - lo, *block), primary[0].dtype)
                     self._compile(("offload", formats[lo:hi], None, device, size, host),
-                                  _dma.offload_program(formats[lo:hi], None, device),
+                                  _kernels.offload_program(formats[lo:hi], None, device),
                                   *_scalars(device, 1, size), primary[lo:hi], host)
             for r, local in enumerate(layers[0].shards[s]):
                 device = device_of(local)
                 size = self._buffer_pages(b, local)
                 if self._direct_here(s, r, device):
                     size, host = b, pool
-                elif _dma.compiled(device):
+                elif _kernels.compiled(device):
                     host = jax.ShapeDtypeStruct((size, len(layers), *block), local.dtype,
-                                                sharding=_dma.host_sharding(device))
+                                                sharding=_kernels.host_sharding(device))
                 else:
                     host = jax.ShapeDtypeStruct((size, 1, *block), local.dtype,
-                                                sharding=_dma.host_sharding(device))
+                                                sharding=_kernels.host_sharding(device))
                 self._compile(("load", local.format, device, size, host),
-                              _dma.load_program(local.format, device),
+                              _kernels.load_program(local.format, device),
                               *_scalars(device, 2, size), local, host)
 
     @staticmethod

@@ -239,6 +239,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         for s, pages in state.copies:
             pages.block_until_ready()
             view = _host_view(pages)[:k]  # [k, L * shard bytes], in pinned memory
+            self.copied_on_host(view.nbytes)
             if self.cls.num_shards == 1:
                 RowCopy(slots, np.arange(k), view.shape[1])(self.pool.data, view)
                 continue
@@ -273,6 +274,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 src = zeros(self._packed_shape(b), self.pool.array.dtype, _pinned(device))
                 src.block_until_ready()
                 view = _host_view(src)
+                self.copied_on_host(k * len(self.cls.layers) * size)
                 if packed is None:
                     for pos in range(len(self.cls.layers)):
                         lo, hi = self.pool.shard_range(pos, s)

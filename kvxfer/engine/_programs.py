@@ -30,7 +30,7 @@ import numpy as np
 from kvxfer import integrity
 from kvxfer.layout import dtype_of, natural_bits
 
-__all__ = ["needs_raw_bits", "gather", "digest_blocks", "scatter", "staged_load", "alias",
+__all__ = ["needs_raw_bits", "run", "register_kind", "gather", "digest_blocks", "scatter", "staged_load", "alias",
            "compile_ahead", "compile_job", "compiled", "deferred_compiles", "page_loops",
            "DIGEST_CHUNK", "unit_count", "pinned_write", "pinned_gather", "pinned_load",
            "zeros", "compile_zeros"]
@@ -373,9 +373,31 @@ def _on_cpu(formats: tuple) -> bool:
     return any(d.platform == "cpu" for d in formats[0].sharding.device_set)
 
 
+Parts = Callable[[tuple, bool, bool, tuple], tuple[Any, dict[str, Any]]]
+"""``parts(formats, raw, with_digest, options) -> (function, jax.jit arguments)``."""
+
+# Program kinds other modules define (``register_kind``).
+_KINDS: dict[str, Parts] = {}
+
+
+def register_kind(kind: str, parts: Parts, same_formats: int | None | bool = False) -> None:
+    """Makes program ``kind`` known to ``run``, ``compile_ahead`` and ``compiled``.
+
+    Programs of a registered kind get no ballast (they hold host callbacks, which
+    XLA:CPU runs on the dispatching thread anyway). ``same_formats``: where in the
+    output the arrays a program was given come back in their formats (an index, None
+    for the whole output), or False.
+    """
+    _KINDS[kind] = parts
+    if same_formats is not False:
+        _SAME_FORMATS[kind] = same_formats
+
+
 def _parts(kind: str, formats: tuple, raw: bool, with_digest: bool,
            options: tuple) -> tuple[Any, dict[str, Any]]:
     """The function of program ``kind`` and its ``jax.jit`` arguments."""
+    if kind in _KINDS:
+        return _KINDS[kind](formats, raw, with_digest, options)
     if kind == "gather":
         return (functools.partial(_gather_impl, raw=raw, with_digest=with_digest),
                 dict(in_shardings=(formats, None, None, None)))
@@ -422,7 +444,8 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
     # (XLA:CPU) counts one iteration, one page: few flops for small blocks. The alias
     # program stays inline: the raw mover waits for it on the caller's thread anyway
     # (it copies into the buffers it hands over), and is used on ready caches only.
-    light = kind not in ("digest", "alias") and not (kind == "gather" and with_digest) \
+    light = (kind not in ("digest", "alias", *_KINDS)
+             and not (kind == "gather" and with_digest)) \
         or kind == "digest" and page_loops(_device(formats))
     if not (light and _on_cpu(formats)):
         return jax.jit(fn, **kwargs), False
@@ -505,7 +528,7 @@ def _program_of(kind: str, formats: tuple, raw: bool, with_digest: bool,
     return found
 
 
-def _run(kind: str, arrays: tuple[jax.Array, ...], *args, with_digest: bool = False,
+def run(kind: str, arrays: tuple[jax.Array, ...], *args, with_digest: bool = False,
          options: tuple = (), ballast: list | None = None):
     """Runs program ``kind``; its ballast output (an array ready once the program has
     run), where it has one, is appended to ``ballast``."""
@@ -584,7 +607,7 @@ def compiled(kind: str, arrays: tuple, *args, with_digest: bool = False,
 
 def gather(arrays, ids, base, layer_nums, with_digest: bool):
     """Blocks ``ids`` of every layer stacked ``[L, k, ...]``, and their digests."""
-    return _run("gather", arrays, ids, base, layer_nums, with_digest=with_digest)
+    return run("gather", arrays, ids, base, layer_nums, with_digest=with_digest)
 
 
 def digest_blocks(arrays, ids, base, layer_nums, count):
@@ -593,7 +616,7 @@ def digest_blocks(arrays, ids, base, layer_nums, count):
     Where digests loop (``page_loops``) only the first ``count`` (an ``int32``
     scalar) are computed, and the rows past them are zero.
     """
-    return _run("digest", arrays, ids, base, layer_nums, count)
+    return run("digest", arrays, ids, base, layer_nums, count)
 
 
 def alias(arrays):
@@ -602,7 +625,7 @@ def alias(arrays):
     The program runs once every computation dispatched earlier that uses the buffers
     is done; the returned arrays then own them alone.
     """
-    return _run("alias", arrays)
+    return run("alias", arrays)
 
 
 def scatter(arrays, ids, pages):
@@ -610,7 +633,7 @@ def scatter(arrays, ids, pages):
 
     Padding entries of ``ids`` are out of range and dropped.
     """
-    return _run("scatter", arrays, ids, pages)
+    return run("scatter", arrays, ids, pages)
 
 
 
@@ -623,7 +646,7 @@ def staged_load(arrays, ids, pages, count, ballast: list | None = None):
     With ``ballast``, an array that is ready once the program has read ``pages`` is
     appended to it (where the program has one).
     """
-    return _run("staged_load", arrays, ids, pages, count, ballast=ballast)
+    return run("staged_load", arrays, ids, pages, count, ballast=ballast)
 
 
 def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...],
@@ -640,13 +663,13 @@ def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...],
       with ``digest``, the digests ``uint32[L, len(ids), D]`` as a third element.
     """
     extra = () if digest is None else tuple(digest)
-    return _run("pinned_write", arrays, pool, ids, slots, count, *extra,
+    return run("pinned_write", arrays, pool, ids, slots, count, *extra,
                 with_digest=digest is not None, options=(pool.sharding, tuple(offsets)))
 
 
 def pinned_gather(arrays, ids, out, unit: int):
     """Pages ``uint{8 * unit}[b, L * n]`` of blocks ``ids`` in the memory of ``out``."""
-    return _run("pinned_gather", arrays, ids, options=(out, unit))
+    return run("pinned_gather", arrays, ids, options=(out, unit))
 
 
 def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...], stream=None,
@@ -667,7 +690,7 @@ def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...], stream=
       element with ``digest``: ``done`` is ready once the program has run.
     """
     extra = () if digest is None else tuple(digest)
-    return _run("pinned_load", arrays, src, ids, rows, count, *extra,
+    return run("pinned_load", arrays, src, ids, rows, count, *extra,
                 with_digest=digest is not None, options=(src.sharding, tuple(offsets), stream,
                                                          loop))
 

@@ -20,7 +20,7 @@ from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
 from kvxfer.engine._programs import alias, compile_ahead
 from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 
-__all__ = ["RawMover", "RowCopy", "raw_capable", "shared_buffers"]
+__all__ = ["RawMover", "RowCopy", "raw_capable", "shared_buffers", "private_layers"]
 
 
 class RawOffload(NamedTuple):
@@ -138,6 +138,25 @@ def shared_buffers(arrays: Sequence[jax.Array]) -> frozenset:
     return frozenset(shared)
 
 
+def private_layers(layers: Sequence[ShardedLayer], shared: frozenset[int]
+                   ) -> list[ShardedLayer]:
+    """``layers`` with every shard whose buffer is in ``shared`` copied to a buffer of
+    its own.
+
+    Writing into the caches' buffers (raw copies), or donating them to a program, needs
+    buffers no other array holds: one cache passed as two layers, and on XLA:CPU one
+    buffer under every replica of a replicated ``device_put`` (or a 64-byte-aligned
+    numpy array it aliased). The copies are made once: the arrays a load returns keep
+    them.
+    """
+    if not shared:
+        return list(layers)
+    return [ShardedLayer(tuple(
+        tuple(jax.device_put(a, device_of(a), may_alias=False)
+              if a.unsafe_buffer_pointer() in shared else a for a in reps)
+        for reps in layer.shards)) for layer in layers]
+
+
 class RawMover(Mover[RawOffload, None, None]):
     """Raw byte-range copies between XLA:CPU buffers and the host pool."""
 
@@ -157,6 +176,7 @@ class RawMover(Mover[RawOffload, None, None]):
                                     self.cls.shard_block_bytes)
                 lo, hi = self.pool.shard_range(pos, s)
                 copy(self.pool.data[:, lo:hi], view)
+                self.copied_on_host(batch.k * self.cls.shard_block_bytes)
         return RawOffload(digests)
 
     def finish_offload(self, state: RawOffload, slots):
@@ -170,15 +190,7 @@ class RawMover(Mover[RawOffload, None, None]):
         compile_ahead("alias", tuple(arrays))
 
     def start_load(self, arrays, layers, request: LoadRequest, staged: None):
-        shared = request.shared
-        # Raw writes need buffers no one else reads: XLA:CPU places one buffer under
-        # every replica of a replicated device_put (and may alias a 64-byte-aligned
-        # numpy array), so any buffer seen twice gets a private copy first (once; the
-        # returned arrays keep the copies).
-        layers = [ShardedLayer(tuple(
-            tuple(jax.device_put(a, device_of(a), may_alias=False)
-                  if a.unsafe_buffer_pointer() in shared else a for a in reps)
-            for reps in layer.shards)) for layer in layers]
+        layers = private_layers(layers, request.shared)
         inputs = tuple(assemble(a, layer.shards) for a, layer in zip(arrays, layers))
         # A donating identity program hands the buffers over in XLA's order: it runs
         # once every computation dispatched earlier that reads or writes them is done,
@@ -195,6 +207,8 @@ class RawMover(Mover[RawOffload, None, None]):
                     src = self.pool.data[:, lo:hi]
                     for r in reps:
                         copy(_buffer_view(r, self.cls.shard_block_bytes), src)
+                    self.copied_on_host(len(reps) * len(request.slots)
+                                        * self.cls.shard_block_bytes)
                 request.written(pos, a)  # its digest runs while the next layer is copied
         except Exception as e:
             # The inputs were donated: the layers live in ``new`` now.

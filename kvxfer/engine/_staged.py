@@ -238,6 +238,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
             for pos in range(raw.shape[0]):
                 lo, hi = self.pool.shard_range(pos, s)
                 self.pool.data[slots, lo:hi] = raw[pos].reshape(k, shard_bytes)
+                self.copied_on_host(k * shard_bytes)
             if digests is not None:
                 self._store_digests(slots, s, np.asarray(digests))
 
@@ -320,6 +321,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                 for pos in range(len(layers)):
                     lo, hi = self.pool.shard_range(pos, s)
                     copy(flat[pos], self.pool.data[:, lo:hi])
+            self.copied_on_host(k * len(layers) * size)
             for r, device in enumerate(devices):
                 work.append(StagedInputs(s, r, jax.device_put(staging, device), lent))
         return work

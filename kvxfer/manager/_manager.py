@@ -634,11 +634,15 @@ class KVCacheManager:
         ``transfer_errors``, ``transfer_faults`` (pages a load's transfer delivered
         wrong while their host copies were intact: missed, kept),
         ``pages_exported`` / ``pages_imported``,
-        ``imports_refused`` (reason -> count), ``host_pages`` / ``host_free_pages``,
+        ``imports_refused`` (reason -> count), ``host_copy_bytes`` (payload bytes the
+        movers copied on the host on a transfer's path: numpy or memmove copies of
+        kvxfer's own, not what a copy engine executes; 0 on ``dma`` and on the
+        pinned mover's pure-JAX route), ``host_pages`` / ``host_free_pages``,
         and ``offload_seconds`` / ``load_seconds`` (count, sum, p50, p90, p99 of the
         time from the call to the transfer's end).
         """
         out = self._stats.snapshot()
+        out["host_copy_bytes"] = sum(m.host_copied() for m in self._movers)
         out["host_pages"] = self._pool.num_slots
         out["host_free_pages"] = self._pool.num_free
         return out

@@ -7,22 +7,25 @@ from typing import Literal, get_args
 
 import jax
 
-from kvxfer.engine import (EmulatedMover, Mover, PallasMover, PinnedMover, RawMover,
-                           RawOrPinnedMover, StagedMover, pallas_refusal, pinned_capable,
-                           raw_capable)
+from kvxfer.engine import (DmaMover, EmulatedMover, Mover, PallasMover, PinnedMover,
+                           RawMover, RawOrPinnedMover, StagedMover, dma_refusal,
+                           pallas_refusal, pinned_capable, raw_capable)
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
 __all__ = ["PathMode", "PATHS", "AUTO_RULES", "check_path", "plan_path", "select_movers"]
 
-PathMode = Literal["auto", "staged", "raw", "pinned", "pallas"]
+PathMode = Literal["auto", "staged", "raw", "pinned", "pallas", "dma"]
 """``"auto"``: the fastest proven mover per class (``AUTO_RULES``); ``"staged"``:
 compiled programs through pageable host buffers for every class; ``"raw"``: the raw
 mover's byte-range copies only (the emulated mover's with ``layouts=``), refusing
 what is not proven; ``"pinned"``: compiled programs
 straight to and from a pinned host pool, for every class (backends with a
 ``pinned_host`` memory kind); ``"pallas"``: Pallas TPU DMA kernels for every class
-(interpret mode off TPU), refusing what is not proven."""
+(interpret mode off TPU), refusing what is not proven; ``"dma"``: copy-engine copies
+ordered by XLA's stream between the caches and a pool pinned outside XLA, for every
+class (NVIDIA GPUs with ``cuda-bindings``; XLA:CPU with its host copy engine),
+refusing what it cannot address."""
 PATHS: tuple[str, ...] = get_args(PathMode)
 
 
@@ -50,13 +53,14 @@ def check_path(path: object) -> None:
 #: staged.
 AUTO_RULES: dict[str, tuple[str, ...]] = {
     "cpu": ("raw", "pinned", "staged"),
-    "gpu": ("pinned", "staged"),
+    "gpu": ("dma", "pinned", "staged"),
     "tpu": ("pallas", "pinned", "staged"),
 }
 _OTHER_BACKENDS = ("pinned", "staged")
 
 _MOVERS: dict[str, type[Mover]] = {"raw": RawMover, "pinned": PinnedMover,
-                                   "pallas": PallasMover, "staged": StagedMover}
+                                   "pallas": PallasMover, "staged": StagedMover,
+                                   "dma": DmaMover}
 
 
 def plan_path(path: PathMode, emulated: bool) -> str:
@@ -95,6 +99,7 @@ def _applies(caches: Sequence[jax.Array], pinned: bool | None, specs: Sequence[L
     return {
         "pallas": lambda cls: pallas_refusal(cls, specs, caches, emulated) is None,
         "raw": lambda cls: all(raw_capable(caches[i]) for i in cls.layers),
+        "dma": lambda cls: all(dma_refusal(caches[i]) is None for i in cls.layers),
         "pinned": lambda cls: pinned is not False and all(pinned_capable(caches[i])
                                                           for i in cls.layers),
         "staged": lambda cls: True,
@@ -113,6 +118,14 @@ def _check_pinned(caches: Sequence[jax.Array], cls: SliceClass, pinned: bool | N
                 f"path='pinned' needs a 'pinned_host' memory kind; layer {i} lives on the "
                 f"{_backend(caches, cls)} backend, whose devices offer "
                 f"{_memory_kinds(a)}; use path='staged' or 'auto'")
+
+
+def _check_dma(caches: Sequence[jax.Array], cls: SliceClass) -> None:
+    for i in cls.layers:
+        why = dma_refusal(caches[i])
+        if why is not None:
+            raise LayoutError(f"DMA path refused for {cls.name} (layers {list(cls.layers)}), "
+                              f"layer {i}: {why}; use path='pinned', 'staged' or 'auto'")
 
 
 def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
@@ -156,6 +169,12 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
     if path == "pinned":
         _check_pinned(caches, cls, pinned)
         return PinnedMover
+    if path == "dma":
+        if emulated:
+            raise ValueError("path='dma' copies the arrays' own buffers; it cannot move "
+                             "emulated TPU layouts (layouts=): use path='raw' or 'auto'")
+        _check_dma(caches, cls)
+        return DmaMover
     if emulated:
         # The bytes live in emulated TPU memory under the given layouts: only the
         # emulated mover reads them as such, and only where they are proven.

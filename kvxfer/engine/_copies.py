@@ -1,0 +1,292 @@
+"""Copy descriptors, the engines that execute them, and the jobs a program's callback runs.
+
+The DMA mover describes every transfer as *copy descriptors*: three arrays of
+destination addresses, source addresses and sizes (``Copies``), adjacent ranges merged
+into one copy. A *copy engine* executes them: on a GPU the CUDA driver's copy engines,
+enqueued on XLA's own stream (``kvxfer.engine._cuda``); on XLA:CPU the
+``HostCopyEngine`` here, which runs the same descriptors with ``memmove`` inside the
+program. Nothing else differs between the two, so CPU tests run every line of the
+mover but the driver calls.
+
+A program finds its copies through a *ticket*: a one-word device array per call,
+whose buffer address identifies the call while the program runs (``Tickets``). The
+caller's thread files a ``CopyJob`` under a ticket before it enqueues the program; the
+program's callback takes it by the address of the buffer it is handed. No device value
+is read on the host, so the lookup costs nothing on a GPU, and programs may run in any
+order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, Protocol
+
+import jax
+import numpy as np
+
+__all__ = ["Copies", "CopyEngine", "HostCopyEngine", "CopyJob", "Tickets", "TICKETS",
+           "Direction", "buffer_address"]
+
+Direction = Literal["offload", "load"]
+"""``"offload"``: device blocks to host slots; ``"load"``: host slots to device blocks."""
+
+
+class Copies(NamedTuple):
+    """Copy descriptors: ``size[i]`` bytes from ``src[i]`` to ``dst[i]`` (``uint64``).
+
+    Copies within one set are independent (no range is written twice or read after
+    it is written), so an engine may run them in any order.
+
+    Example:
+        >>> c = Copies.of([100, 108, 300], [0, 8, 16], 8)
+        >>> m = c.merged()
+        >>> m.dst.tolist(), m.src.tolist(), m.size.tolist()
+        ([100, 300], [0, 16], [16, 8])
+    """
+
+    dst: np.ndarray
+    src: np.ndarray
+    size: np.ndarray
+
+    @classmethod
+    def of(cls, dst: Any, src: Any, size: Any) -> Copies:
+        """Descriptors from address sequences and one size or a size per copy."""
+        dst = np.asarray(dst, dtype=np.uint64).ravel()
+        src = np.asarray(src, dtype=np.uint64).ravel()
+        size = np.broadcast_to(np.asarray(size, dtype=np.uint64), dst.shape)
+        if src.shape != dst.shape:
+            raise ValueError(f"{len(dst)} destinations for {len(src)} sources")
+        return cls(dst, src, np.ascontiguousarray(size))
+
+    def __len__(self) -> int:  # noqa: D105 (the number of copies, not of fields)
+        return len(self.dst)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copies move."""
+        return int(self.size.sum())
+
+    def merged(self) -> Copies:
+        """The same bytes with every run of adjacent copies (each one continuing the
+        previous one on both sides) made one copy."""
+        n = len(self.dst)
+        if n < 2:
+            return self
+        ends_dst = self.dst[:-1] + self.size[:-1]
+        ends_src = self.src[:-1] + self.size[:-1]
+        starts = np.flatnonzero((self.dst[1:] != ends_dst) | (self.src[1:] != ends_src)) + 1
+        if len(starts) == n - 1:
+            return self
+        starts = np.concatenate([[0], starts])
+        return Copies(self.dst[starts], self.src[starts], np.add.reduceat(self.size, starts))
+
+
+class CopyEngine(Protocol):
+    """Executes copy descriptors between device buffers and host memory.
+
+    ``copy`` enqueues the copies on ``stream`` (XLA's stream of the program calling
+    it, None on XLA:CPU), ordered after the work enqueued before it there and before
+    the work enqueued after it; an engine without streams runs them before returning.
+    """
+
+    name: str
+    #: Whether ``copy`` needs the program's stream (``ExecutionContext.stream``).
+    uses_stream: bool
+
+    def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
+             ) -> None: ...
+
+    def pin(self, address: int, nbytes: int) -> Callable[[], None] | None:
+        """Page-locks host memory for this engine; returns the call that unlocks it (None:
+        nothing to lock)."""
+
+    def numa_node(self) -> int | None:
+        """The NUMA node of the host memory nearest the device (None: unknown)."""
+
+
+class HostCopyEngine:
+    """Runs copy descriptors with ``memmove`` on the calling thread (XLA:CPU).
+
+    On XLA:CPU device buffers are host memory, so this engine does what a DMA engine
+    does on an accelerator, inside the program that calls it: the program's inputs are
+    read and its outputs written in XLA's order. ``copies`` and ``bytes`` count what it
+    ran (for tests and stats).
+
+    Example:
+        >>> a, b = np.arange(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+        >>> HostCopyEngine().copy(Copies.of([b.ctypes.data], [a.ctypes.data + 4], 4), None)
+        >>> b.tolist()
+        [4, 5, 6, 7, 0, 0, 0, 0]
+    """
+
+    name = "host"
+    uses_stream = False
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.copies = 0
+        self.bytes = 0
+
+    def pin(self, address: int, nbytes: int) -> None:
+        return None  # XLA:CPU's buffers and the pool are the same kind of memory
+
+    def numa_node(self) -> None:
+        return None
+
+    def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
+             ) -> None:
+        move = ctypes.memmove  # releases the GIL for each copy
+        for d, s, n in zip(copies.dst.tolist(), copies.src.tolist(), copies.size.tolist()):
+            move(d, s, n)
+        with self._lock:
+            self.copies += len(copies)
+            self.bytes += copies.nbytes
+
+
+def buffer_address(buf: Any, on_gpu: bool) -> int:
+    """The device address of a buffer a ``buffer_callback`` is handed: through
+    ``__cuda_array_interface__`` on a GPU, ``__array__`` on XLA:CPU."""
+    if on_gpu:
+        return int(buf.__cuda_array_interface__["data"][0])
+    return int(np.asarray(buf).__array_interface__["data"][0])
+
+
+class CopyJob:
+    """The copies of one program: blocks of one shard replica's layers and host slots.
+
+    Made on the caller's thread with everything but the device addresses, which the
+    program's callback passes to ``run`` (the buffers XLA hands it).
+
+    Args:
+      engine: what executes the copies.
+      direction: ``"offload"`` (device to host) or ``"load"``.
+      pool: the class pool's first byte; ``page_bytes``: a slot's size there.
+      slots: the host slot of each page (``k``).
+      offsets: where each layer's block (of this shard) starts inside a slot.
+      block_bytes: one block of one shard.
+      ids: the device block of each page (``k``); None where the device side is a
+        page-major staging buffer (``run`` then gets its one address, each page's
+        layers side by side in a row of ``len(offsets) * block_bytes`` bytes).
+
+    Attributes:
+      ran: whether ``run`` executed the copies. error: what ``run`` raised instead.
+      copies: how many copies it ran (after merging).
+    """
+
+    __slots__ = ("engine", "direction", "pool", "page_bytes", "slots", "offsets",
+                 "block_bytes", "ids", "ran", "error", "copies", "keep")
+
+    def __init__(self, engine: CopyEngine, direction: Direction, pool: int, page_bytes: int,
+                 slots: np.ndarray, offsets: Sequence[int], block_bytes: int,
+                 ids: np.ndarray | None):
+        self.engine = engine
+        self.direction = direction
+        self.pool = pool
+        self.page_bytes = page_bytes
+        self.slots = np.asarray(slots, dtype=np.uint64)
+        self.offsets = np.asarray(offsets, dtype=np.uint64)
+        self.block_bytes = block_bytes
+        self.ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
+        self.ran = False
+        self.error: BaseException | None = None
+        self.copies = 0
+        self.keep: Any = None  # what must live until the program has run (its ticket)
+
+    def describe(self, device: Sequence[int]) -> Copies:
+        """The copies, given the device buffers' addresses: each layer's cache (blocks
+        at ``ids``), or the one staging buffer."""
+        bb = np.uint64(self.block_bytes)
+        host = (np.uint64(self.pool) + self.slots[:, None] * np.uint64(self.page_bytes)
+                + self.offsets[None, :])                                    # [k, L]
+        if self.ids is None:
+            # Row j of the staging buffer holds page j's layers side by side: a page is
+            # one copy where the pool holds it in one range.
+            row = np.uint64(len(self.offsets)) * bb
+            dev = (np.uint64(device[0]) + np.arange(len(self.slots), dtype=np.uint64)[:, None]
+                   * row + np.arange(len(self.offsets), dtype=np.uint64)[None, :] * bb)
+        else:
+            # Layer-major: consecutive blocks of one layer merge where their slots do.
+            bases = np.asarray(device, dtype=np.uint64)
+            dev = bases[:, None] + self.ids[None, :] * bb                      # [L, k]
+            host = host.T
+        src, dst = (dev, host) if self.direction == "offload" else (host, dev)
+        return Copies(dst.ravel(), src.ravel(),
+                      np.full(dst.size, self.block_bytes, dtype=np.uint64)).merged()
+
+    def run(self, device: Sequence[int], stream: int | None) -> None:
+        """Enqueues the copies (the program's callback). Never raises: a failure is
+        kept in ``error`` for the transfer thread, so XLA's program itself never fails
+        and the caches it hands back stay usable."""
+        try:
+            copies = self.describe(device)
+            self.engine.copy(copies, stream, self.direction)
+            self.copies = len(copies)
+            self.ran = True
+        except BaseException as e:  # noqa: BLE001 - reported by the transfer thread
+            self.error = e
+
+
+class Tickets:
+    """Per-call identities for programs: a one-word device array whose buffer address
+    names the ``CopyJob`` filed under it until the program's callback takes it.
+
+    A ticket is reused once its job is taken; its buffer is never written, so a
+    program still running with it is not disturbed. Tickets are made per device as
+    needed (a ``device_put`` each) and kept.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[Any, list[_Ticket]] = {}
+        self._jobs: dict[int, tuple[_Ticket, CopyJob]] = {}
+
+    def issue(self, device: Any, job: CopyJob) -> jax.Array:
+        """A ticket on ``device`` with ``job`` filed under it."""
+        with self._lock:
+            free = self._free.get(device)
+            ticket = free.pop() if free else None
+        if ticket is None:
+            token = jax.device_put(np.zeros(1, dtype=np.uint32), device)
+            ticket = _Ticket(token.unsafe_buffer_pointer(), token, device)
+        job.keep = ticket
+        with self._lock:
+            self._jobs[ticket.address] = (ticket, job)
+        return ticket.token
+
+    def take(self, address: int) -> CopyJob:
+        """The job filed under the ticket at ``address``; the ticket is free again.
+
+        Raises:
+          KeyError: no job is filed there (the program was handed another buffer).
+        """
+        with self._lock:
+            ticket, job = self._jobs.pop(address)
+            self._free.setdefault(ticket.device, []).append(ticket)
+        return job
+
+    def withdraw(self, job: CopyJob) -> None:
+        """Takes back a job whose program never ran its callback (it failed to enqueue,
+        or failed before the callback), so its ticket serves again."""
+        ticket = job.keep
+        with self._lock:
+            filed = self._jobs.get(ticket.address)
+            if filed is not None and filed[1] is job:
+                del self._jobs[ticket.address]
+                self._free.setdefault(ticket.device, []).append(ticket)
+
+    def pending(self) -> int:
+        """Jobs filed and not yet taken."""
+        with self._lock:
+            return len(self._jobs)
+
+
+class _Ticket(NamedTuple):
+    address: int
+    token: jax.Array
+    device: Any
+
+
+#: The tickets every DMA program's callback looks its job up in.
+TICKETS = Tickets()

@@ -1,0 +1,151 @@
+"""A stand-in CUDA driver for CPU tests of ``kvxfer.engine._cuda``.
+
+``FakeDriver.get_proc`` hands out C function pointers (ctypes callbacks) with the
+driver's own prototypes, written here from the CUDA headers independently of the
+module under test, so a wrong argument order or type there shows up as wrong bytes or
+wrong records here. The copies really move bytes (host memory plays both sides), and
+every call is recorded.
+"""
+
+from __future__ import annotations
+
+import ctypes as c
+from typing import Any
+
+from kvxfer.engine._cuda import CudaCopyEngine, Driver
+
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class Attributes(c.Structure):
+    _fields_ = [("order", c.c_int), ("src_type", c.c_int), ("src_id", c.c_int),
+                ("dst_type", c.c_int), ("dst_id", c.c_int), ("flags", c.c_uint)]
+
+
+_U64P, _SIZEP = c.POINTER(c.c_uint64), c.POINTER(c.c_size_t)
+_PROTOTYPES = {
+    "cuMemcpyBatchAsync@13000": (_U64P, _U64P, _SIZEP, c.c_size_t, c.c_void_p, _SIZEP,
+                                 c.c_size_t, c.c_void_p),
+    "cuMemcpyBatchAsync@12080": (_U64P, _U64P, _SIZEP, c.c_size_t, c.c_void_p, _SIZEP,
+                                 c.c_size_t, _SIZEP, c.c_void_p),
+    "cuMemcpyAsync": (c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p),
+    "cuMemHostRegister": (c.c_void_p, c.c_size_t, c.c_uint),
+    "cuMemHostUnregister": (c.c_void_p,),
+    "cuDeviceGet": (c.POINTER(c.c_int), c.c_int),
+    "cuDevicePrimaryCtxRetain": (c.POINTER(c.c_void_p), c.c_int),
+    "cuCtxPushCurrent": (c.c_void_p,),
+    "cuCtxPopCurrent": (c.POINTER(c.c_void_p),),
+    "cuDeviceGetAttribute": (c.POINTER(c.c_int), c.c_int, c.c_int),
+    # char* in the driver; a callback given c_char_p would see a copy as bytes.
+    "cuDeviceGetPCIBusId": (c.c_void_p, c.c_int, c.c_int),
+    "cuGetErrorString": (c.c_int, c.POINTER(c.c_char_p)),
+}
+
+
+class FakeDriver:
+    """Driver entry points over host memory, recording every call.
+
+    Args:
+      version: what ``cuDriverGetVersion`` would say (12080: 12.8; below: no batch call).
+      numa: what ``CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`` gives (-1: no NUMA).
+      fail: entry point name -> CUresult it returns instead of working.
+    """
+
+    def __init__(self, version: int = 13000, numa: int = -1, fail: dict[str, int] | None = None):
+        self.version = version
+        self.numa = numa
+        self.fail = dict(fail or {})
+        self.calls: list[tuple[str, Any]] = []
+        self.context: list[int] = []
+        self.registered: dict[int, tuple[int, int, int]] = {}  # address -> (size, flags, ctx)
+        self._message = c.c_char_p(b"out of memory")
+        self._keep: list[Any] = []
+
+    def get_proc(self, name: str, version: int) -> int:
+        if name == "cuMemcpyBatchAsync":
+            if self.version < 12080:
+                return 0
+            key = f"{name}@{13000 if version >= 13000 else 12080}"
+        else:
+            key = name
+        fn = c.CFUNCTYPE(c.c_int, *_PROTOTYPES[key])(getattr(self, "_" + key.split("@")[0]))
+        self._keep.append(fn)
+        return c.cast(fn, c.c_void_p).value
+
+    def driver(self) -> Driver:
+        return Driver(self.get_proc, self.version)
+
+    def _failing(self, name: str) -> int:
+        return self.fail.get(name, 0)
+
+    def _cuMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, idxs, num, *rest):
+        stream = rest[-1]
+        failidx = rest[0] if len(rest) == 2 else None
+        a = Attributes.from_address(attrs)
+        self.calls.append(("batch", dict(count=count, stream=stream, order=a.order,
+                                         src=(a.src_type, a.src_id), dst=(a.dst_type, a.dst_id),
+                                         flags=a.flags, idx0=idxs[0], num=num,
+                                         failidx=failidx is not None)))
+        if self._failing("cuMemcpyBatchAsync"):
+            return self._failing("cuMemcpyBatchAsync")
+        for i in range(count):
+            c.memmove(dsts[i], srcs[i], sizes[i])
+        return 0
+
+    def _cuMemcpyAsync(self, dst, src, n, stream):
+        self.calls.append(("copy", dict(size=n, stream=stream)))
+        c.memmove(dst, src, n)
+        return self._failing("cuMemcpyAsync")
+
+    def _cuMemHostRegister(self, p, size, flags):
+        self.calls.append(("register", dict(address=p, size=size, flags=flags)))
+        if self._failing("cuMemHostRegister"):
+            return self._failing("cuMemHostRegister")
+        self.registered[p] = (size, flags, self.context[-1] if self.context else 0)
+        return 0
+
+    def _cuMemHostUnregister(self, p):
+        self.calls.append(("unregister", dict(address=p)))
+        return 0 if self.registered.pop(p, None) else CUDA_ERROR_INVALID_VALUE
+
+    def _cuDeviceGet(self, out, ordinal):
+        out[0] = ordinal
+        return 0
+
+    def _cuDevicePrimaryCtxRetain(self, out, dev):
+        out[0] = 0x1000 + dev
+        return 0
+
+    def _cuCtxPushCurrent(self, ctx):
+        self.context.append(ctx)
+        return 0
+
+    def _cuCtxPopCurrent(self, out):
+        out[0] = self.context.pop()
+        return 0
+
+    def _cuDeviceGetAttribute(self, out, attribute, dev):
+        out[0] = self.numa if attribute == 134 else 0
+        return 0
+
+    def _cuDeviceGetPCIBusId(self, buf, length, dev):
+        name = b"0000:00:00.0-not-a-device\0"
+        assert length >= len(name)
+        c.memmove(buf, name, len(name))
+        return 0
+
+    def _cuGetErrorString(self, status, out):
+        out[0] = c.cast(self._message, c.c_void_p).value
+        return 0
+
+
+class HostStreamEngine(CudaCopyEngine):
+    """The CUDA engine as the DMA mover uses it, on XLA:CPU: no stream comes with a CPU
+    program, so a fixed stand-in handle is passed where XLA's would be."""
+
+    uses_stream = False
+    STREAM = 0x5EED
+
+    def copy(self, copies, stream, direction="offload"):
+        super().copy(copies, self.STREAM, direction)
