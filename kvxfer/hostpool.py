@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer._hostmem import HostMemory
+from kvxfer._pagearrays import PageArrays
 from kvxfer.layout import dtype_of
 from kvxfer.plan import Plan, SliceClass
 
@@ -86,12 +87,14 @@ class PageRef:
 HostBacking = Callable[[int], Any]
 """``make(num_slots) -> owner``: allocates a class pool the way its mover needs it.
 
-The owner is either a host-memory ``jax.Array`` stored row-major whose buffer is
-exactly the pool's ``num_slots * page_bytes`` bytes, page-first (for movers whose device
-programs write the pool in place: the Pallas DMAs), or a ``HostMemory`` of that size
-allocated outside XLA (for movers whose copy engines reach it directly: the DMA mover).
-``ClassPool.data`` views its bytes either way. ``make`` may return None for the
-default allocation.
+The owner is a host-memory ``jax.Array`` stored row-major whose buffer is exactly the
+pool's ``num_slots * page_bytes`` bytes, page-first (for movers whose device programs
+write the pool in place: the Pallas DMAs), or a ``HostMemory`` of that size allocated
+outside XLA (for movers whose copy engines reach it directly: the DMA mover):
+``ClassPool.data`` views its bytes. Or it is a ``PageArrays``, a host-memory array per
+page (the pinned mover's pure-JAX route): the pool then has no ``data``, and its pages
+are reached through ``ClassPool.shard_view``, ``read_page`` and ``write_page``. ``make``
+may return None for the default allocation.
 """
 
 
@@ -167,7 +170,8 @@ class ClassPool:
 
     Attributes:
       cls: the slice class.
-      data: ``uint8[num_slots, page_bytes]``.
+      data: ``uint8[num_slots, page_bytes]`` (None where each page is an array of its
+        own, ``pages``: use ``shard_view``, ``read_page`` and ``write_page``).
       digests: ``uint32[num_slots, layers, shards, DIGEST_SLOTS]``.
       pinned: whether ``data`` is pinned (``pinned_host`` memory of ``device``, or
         ``memory`` page-locked by a copy engine).
@@ -188,7 +192,12 @@ class ClassPool:
         owner = backing(num_slots) if backing is not None and nbytes else None
         #: The pool's memory where it was allocated outside XLA (None otherwise).
         self.memory: HostMemory | None = None
-        if isinstance(owner, HostMemory):  # memory the mover's copy engine reaches
+        #: The pool's pages where each is an array of its own (None otherwise).
+        self.pages: PageArrays | None = None
+        if isinstance(owner, PageArrays):
+            flat, self._array, self.pages = None, None, owner
+            self.pinned = True
+        elif isinstance(owner, HostMemory):  # memory the mover's copy engine reaches
             if owner.nbytes != nbytes:
                 raise PoolError(f"host memory of {owner.nbytes} bytes cannot hold a pool of "
                                 f"{nbytes} bytes")
@@ -203,7 +212,7 @@ class ClassPool:
             self.pinned = self._array is not None
         self.device = device if self.pinned or backing is not None else None
         self.lock = threading.Lock()
-        self.data = flat.reshape(num_slots, cls.page_bytes)
+        self.data = None if flat is None else flat.reshape(num_slots, cls.page_bytes)
         self.digests = np.zeros((num_slots, len(cls.layers), cls.num_shards, DIGEST_SLOTS),
                                 dtype=np.uint32)
         self._word_offsets = [tuple(self.shard_range(pos, s)[0] // self.word_bytes
@@ -255,7 +264,26 @@ class ClassPool:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self.pages.nbytes if self.data is None else self.data.nbytes
+
+    def shard_view(self, slot: int, pos: int, shard: int) -> np.ndarray:
+        """A writable ``uint8`` view of one shard of layer ``pos`` of ``slot``'s page."""
+        if self.data is None:
+            return self.pages.shard_view(slot, pos, shard)
+        lo, hi = self.shard_range(pos, shard)
+        return self.data[slot, lo:hi]
+
+    def read_page(self, slot: int) -> np.ndarray:
+        """``slot``'s page (every layer, shards within each layer): a view where the
+        pool is one buffer, else a new array."""
+        return self.pages.read(slot) if self.data is None else self.data[slot]
+
+    def write_page(self, slot: int, data: np.ndarray) -> None:
+        """Replaces ``slot``'s page with ``data`` (``read_page``'s byte order)."""
+        if self.data is None:
+            self.pages.write(slot, data)
+        else:
+            self.data[slot] = data
 
     @property
     def owner(self) -> Any:

@@ -240,19 +240,19 @@ def test_an_offload_dispatches_one_program_that_digests_what_it_writes(monkeypat
     mgr.close()
 
 
-def test_the_copy_mode_round_trips_too(monkeypatch):
-    """``KVXFER_PINNED_MODE=copy``: pages through pinned buffers and one host copy (what
-    backends outside ``IN_PLACE_PLATFORMS`` do), still byte-exact."""
-    monkeypatch.setenv("KVXFER_PINNED_MODE", "copy")
+def test_the_pages_route_round_trips_too(monkeypatch):
+    """``KVXFER_PINNED_MODE=pages``: each page an array of pinned memory of its own (what
+    backends outside ``IN_PLACE_PLATFORMS`` do), byte-exact, nothing copied on the host."""
+    monkeypatch.setenv("KVXFER_PINNED_MODE", "pages")
     caches = mixed_caches(seed=6)
     before = [testing.bits(c) for c in caches]
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pinned")
-    first = mgr.host_pool.pools[0].array
+    assert all(p.pages is not None and p.data is None for p in mgr.host_pool.pools)
     pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
-    assert mgr.host_pool.pools[0].array is first  # nothing donated the pool
     new, load = mgr.load(caches, pages, DST, gate="layer")
     assert load.result().verified_prefix == 4
     check_moved(new, before, SRC, DST)
+    assert mgr.stats()["host_copy_bytes"] == 0
     mgr.close()
     monkeypatch.setenv("KVXFER_PINNED_MODE", "sideways")
     with pytest.raises(ValueError, match=r"KVXFER_PINNED_MODE='sideways'; expected one of"):

@@ -6,10 +6,13 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
   programs with the page digests in the same program; the portable fallback.
 * ``RawMover`` (XLA:CPU, row-major whole-byte layouts): raw byte-range copies between
   the device buffers and the host pool.
-* ``PinnedMover`` (every backend with a ``pinned_host`` memory kind): compiled programs
-  that gather pages, with their digests, straight into a pinned host pool (in place
-  where the backend allows it, see ``_pinned.IN_PLACE_PLATFORMS``) and scatter them
-  from there into the donated caches: no pageable staging, no per-page ``device_put``.
+* ``PinnedMover`` (XLA:CPU, ``_pinned.IN_PLACE_PLATFORMS``): compiled programs that
+  write pages, with their digests, into a pinned host pool in place and read them from
+  there into the donated caches.
+* ``PinnedPagesMover`` (the pinned mover's route elsewhere, ``pinned_mover``): compiled
+  programs that gather a transfer's pages on the device, digest them there and hand
+  each page out as an array of pinned host memory, its storage from then on; loads
+  move the pages' arrays to the device and scatter them into the donated caches.
 * ``EmulatedMover`` (emulated TPU memory): raw byte-range copies over emulated device
   images, for layouts the inspector has proven addressable.
 * ``DmaMover`` (NVIDIA GPUs with ``cuda-bindings``; XLA:CPU with a host copy engine):
@@ -31,8 +34,10 @@ context mesh (``own_context``), a shard typed as a one-device array (``local``),
 array without its buffers (``abstract``), every layer's shards at once
 (``layers_of``), a block dim's split over groups (``BlockGroups``), buffers shared
 between arrays (``shared_buffers``), whether a mover can take an array
-(``raw_capable``, ``pinned_capable``, ``pallas_refusal``, ``dma_refusal``), the copy
-engine of each platform (``COPY_ENGINES``, ``copy_engine``), compiles collected to run
+(``raw_capable``, ``pinned_capable``, ``pallas_refusal``, ``dma_refusal``), the
+pinned mover's class on a platform (``pinned_mover``), the copy
+engine of each platform (``COPY_ENGINES``, ``copy_engine``), whether a GPU is NVIDIA's
+(``is_cuda``), compiles collected to run
 side by side (``deferred_compiles``), an array's format handed to the programs
 (``known_format``) and the digest programs' chunk (``DIGEST_CHUNK``). They are
 imported from here, so nothing outside the package imports its private modules.
@@ -46,6 +51,7 @@ from kvxfer.engine._batch import layers_of as layers_of
 from kvxfer.engine._batch import local as local
 from kvxfer.engine._batch import own_context as own_context
 from kvxfer.engine._auto import RawOrPinnedMover as RawOrPinnedMover
+from kvxfer.engine._cuda import is_cuda as is_cuda
 from kvxfer.engine._dma import COPY_ENGINES as COPY_ENGINES
 from kvxfer.engine._dma import DmaMover as DmaMover
 from kvxfer.engine._dma import copy_engine as copy_engine
@@ -61,6 +67,8 @@ from kvxfer.engine._pallas import PallasMover as PallasMover
 from kvxfer.engine._pallas import pallas_refusal as pallas_refusal
 from kvxfer.engine._pinned import PinnedMover as PinnedMover
 from kvxfer.engine._pinned import pinned_capable as pinned_capable
+from kvxfer.engine._pinned import pinned_mover as pinned_mover
+from kvxfer.engine._pinned_pages import PinnedPagesMover as PinnedPagesMover
 from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
 from kvxfer.engine._programs import deferred_compiles as deferred_compiles
 from kvxfer.engine._programs import known_format as known_format
@@ -70,5 +78,6 @@ from kvxfer.engine._raw import shared_buffers as shared_buffers
 from kvxfer.engine._staged import StagedMover as StagedMover
 
 __all__ = ["Mover", "LoadRequest", "Pending", "PageBatch", "ShardedLayer", "TransferError",
-           "StagedMover", "RawMover", "PinnedMover", "DmaMover", "PallasMover", "EmulatedMover",
+           "StagedMover", "RawMover", "PinnedMover", "PinnedPagesMover", "DmaMover",
+           "PallasMover", "EmulatedMover",
            "GroupedMover", "RawOrPinnedMover"]

@@ -83,9 +83,9 @@ class RawOrPinnedMover(RawMover):
         # Buffers shared by several arrays (one cache passed as two layers, XLA:CPU's
         # replicas of a replicated device_put) cannot be donated twice to one program:
         # the raw load gives them private copies first.
-        # (Readiness last: where the pinned program reads the pool in place, the
-        # answer is that program whatever it says, and asking costs 32 calls.)
-        if (not self._pinned.reads_pool_in_place or request.shared) and caches_ready(layers):
+        # (Readiness last: the pinned program reads the pool in place, so the answer
+        # is that program whatever it says, and asking costs 32 calls.)
+        if request.shared and caches_ready(layers):
             return _Staged(False, super().stage_load(layers, request))
         self.fallbacks["load"] += 1
         return _Staged(True, self._pinned.stage_load(layers, request))

@@ -1,42 +1,40 @@
 """The pinned mover: compiled programs between the caches and a pinned host pool.
 
-For every backend with a ``pinned_host`` memory kind. The class's host pool is one
-buffer in the ``pinned_host`` memory of one device (the pool device: where the
-class's first shard lives), held as a JAX array of words (``ClassPool.array``).
+For every backend with a ``pinned_host`` memory kind, in one of two routes
+(``pinned_mode``): *in place* where XLA updates a ``pinned_host`` pool inside a program
+(``IN_PLACE_PLATFORMS``: XLA:CPU, measured), this module; the *pages* route elsewhere
+(``kvxfer.engine._pinned_pages``: each page an array of pinned memory of its own, as
+XLA:GPU cannot update a host pool in place). ``pinned_mover`` picks the class.
 
-* **Offload**: one program per (slice class, bucket) per shard gathers the blocks of
-  every layer of the class. On the pool device it writes the pages into their slots
-  *in place*: the pool array is donated and updated by dynamic-update-slices, so the
-  bytes reach the pool with no copy beside the program's own. A shard on another
-  device (pinned memory belongs to a device) gets its pages in that device's
-  ``pinned_host`` memory (``out_shardings``), and the transfer thread copies them into
-  the pool: one host copy. Where every shard writes the pool in place, the program
-  also digests the blocks it reads, so an offload dispatches one program a shard;
-  otherwise the page digests are the digest programs loads verify with
-  (``Mover.digests``), enqueued first: with the digests inside it, a copy program
-  (made per bucket) took 5x as long to compile (2 s a bucket for 32 layers on
-  XLA:CPU) and ran no faster.
-* **Load**: one program per (class, bucket) per shard replica reads the request's
-  pages and writes them into the donated caches in place. On the pool device it
-  reads the pool itself; a replica on another device reads a pinned buffer of its
-  own device that the caller's thread fills from the pool (one host copy). Every
-  replica of a replicated layer is loaded; each is stored once.
+In place, the class's host pool is one buffer in the ``pinned_host`` memory of one
+device (the pool device: where the class's first shard lives), held as a JAX array
+of words (``ClassPool.array``).
 
-Every program is enqueued on the caller's thread; the transfer thread only waits
-and copies host bytes. Blocks move as their raw bits where XLA:CPU would rewrite
-NaN payloads (``needs_raw_bits``).
+* **Offload**: one program per shard gathers the blocks of every layer of the class.
+  On the pool device it writes the pages into their slots *in place*: the pool array
+  is donated and updated by dynamic-update-slices, so the bytes reach the pool with
+  no copy beside the program's own, and it digests the blocks it reads, so an
+  offload dispatches one program a shard. A shard on another device (pinned memory
+  belongs to a device) gets its pages in that device's ``pinned_host`` memory
+  (``out_shardings``), and the transfer thread copies them into the pool: one host
+  copy (``host_copy_bytes``); its digests are the digest programs loads verify with
+  (``Mover.digests``), enqueued first.
+* **Load**: one program per shard replica reads the request's pages and writes them
+  into the donated caches in place. On the pool device it reads the pool itself; a
+  replica on another device reads a pinned buffer of its own device that the
+  caller's thread fills from the pool (one host copy). Every replica of a replicated
+  layer is loaded; each is stored once.
 
-Which backends update the pool in place is ``IN_PLACE_PLATFORMS`` (measured on
-XLA:CPU); elsewhere every shard takes the one-host-copy route. The two modes also
-write blocks differently: in place, a loop of dynamic-update-slices (on XLA:CPU 4-5x
-as fast as a scatter from gathered pages), whose page count is a runtime value, so
-the programs that reach the pool itself are made once per class for every transfer
-of up to ``_batch.loop_pages`` pages, not once per bucket (raw bits without a copy
-of the caches, see ``_programs._write_blocks``); through a copy, one gather and one
-scatter per layer (one kernel each on a GPU, not one per block). The environment
-variable ``KVXFER_PINNED_MODE`` (``in-place`` or ``copy``) overrides the choice, so
-that a device check can measure both (``benchmarks/pinned_modes.py``) and CPU tests
-can run what a GPU runs.
+Blocks are written by a loop of dynamic-update-slices (on XLA:CPU 4-5x as fast as a
+scatter from gathered pages), whose page count is a runtime value, so the programs
+that reach the pool itself are made once per class for every transfer of up to
+``_batch.loop_pages`` pages, not once per bucket (raw bits without a copy of the
+caches, see ``_programs._write_blocks``). Every program is enqueued on the caller's
+thread; the transfer thread only waits and copies host bytes. Blocks move as their
+raw bits where XLA:CPU would rewrite NaN payloads (``needs_raw_bits``).
+
+The environment variable ``KVXFER_PINNED_MODE`` (``in-place`` or ``pages``) overrides
+the route, so that CPU tests run what a GPU runs and a device check can measure both.
 """
 
 from __future__ import annotations
@@ -53,17 +51,19 @@ from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, Transfer
     _args_abstract, _pool_load_abstract, _sds
 from kvxfer.engine._programs import compile_ahead, compile_zeros, pinned_gather, pinned_load, \
     pinned_write, zeros
+from kvxfer.engine._pinned_pages import PinnedPagesMover
 from kvxfer.engine._raw import RowCopy
 from kvxfer.hostpool import ClassPool, PoolError, has_pinned_host
 from kvxfer.plan import SliceClass
 
-__all__ = ["PinnedMover", "IN_PLACE_PLATFORMS", "pinned_capable", "pinned_mode"]
+__all__ = ["PinnedMover", "IN_PLACE_PLATFORMS", "pinned_capable", "pinned_mode",
+           "pinned_mover"]
 
 #: Backends whose programs update the pinned pool in place and read it directly
 #: (XLA:CPU, measured with jax 0.10.2: the donated pool keeps its buffer).
 IN_PLACE_PLATFORMS = frozenset({"cpu"})
 
-_MODES = ("in-place", "copy")
+_MODES = ("in-place", "pages")
 
 
 def pinned_capable(array: jax.Array) -> bool:
@@ -72,17 +72,17 @@ def pinned_capable(array: jax.Array) -> bool:
 
 
 def pinned_mode(platform: str) -> str:
-    """``"in-place"`` or ``"copy"``: how the pinned mover reaches the pool on ``platform``.
+    """``"in-place"`` or ``"pages"``: the pinned mover's route on ``platform``.
 
     Example:
         >>> import os
         >>> pinned_mode("cpu") == ("in-place" if os.environ.get("KVXFER_PINNED_MODE",
-        ...                        "in-place") == "in-place" else "copy")
+        ...                        "in-place") == "in-place" else "pages")
         True
     """
     mode = os.environ.get("KVXFER_PINNED_MODE")
     if mode is None:
-        return "in-place" if platform in IN_PLACE_PLATFORMS else "copy"
+        return "in-place" if platform in IN_PLACE_PLATFORMS else "pages"
     if mode not in _MODES:
         raise ValueError(f"KVXFER_PINNED_MODE={mode!r}; expected one of {_MODES}")
     return mode
@@ -103,9 +103,8 @@ class PinnedOffload(NamedTuple):
 
     Attributes:
       digests: the digests being computed (None with integrity off).
-      copies: ``(shard, pages)`` for shards not written in place (off the pool device,
-        or every shard in the copy mode): ``pages`` lives in the pinned memory of the
-        shard's device, ``[bucket, L * shard words]``.
+      copies: ``(shard, pages)`` for shards off the pool device: ``pages`` lives in the
+        pinned memory of the shard's device, ``[bucket, L * shard words]``.
       written: an output of each in-place program, ready once it wrote the pool (the
         pool array itself may be donated by the next program before anyone waits).
     """
@@ -119,7 +118,7 @@ class PinnedInputs(NamedTuple):
     """One shard replica's load inputs, on its device.
 
     ``src`` is None where the program reads the pool itself (a replica on the pool
-    device, in place mode; the pool array is taken when the program is enqueued);
+    device; the pool array is taken when the program is enqueued);
     otherwise a pinned buffer of the request's pages of that shard on the replica's
     device, ``[bucket, L * shard words]``.
     """
@@ -147,7 +146,6 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                              "the pool was allocated in pageable memory")
         self._unit = pool.word_bytes
         self._words = cls.shard_block_bytes // self._unit  # words of one shard block
-        self._in_place = pinned_mode(pool.device.platform) == "in-place"
 
     # -- geometry -----------------------------------------------------------------
 
@@ -155,14 +153,9 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         """Word offset of each layer inside a row of one shard's pages."""
         return tuple(pos * self._words for pos in range(len(self.cls.layers)))
 
-    @property
-    def reads_pool_in_place(self) -> bool:
-        """Whether loads read the pool itself (in place mode), not copies of pages."""
-        return self._in_place
-
     def _direct(self, device: Any) -> bool:
         """Whether programs on ``device`` reach the pool itself."""
-        return self._in_place and device == self.pool.device
+        return device == self.pool.device
 
     @staticmethod
     def _direct_pages(k: int, array: Any) -> int:
@@ -314,7 +307,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                     request.on_digested(shard, replica, digests[0])
             else:
                 out, d = pinned_load(local, src, ids_d, rows, count, self._packed_offsets(),
-                                     self._stream(device), loop=self._in_place)
+                                     None, loop=True)
             done.append(d)
             if single:
                 return list(out), PinnedLoad(done)
@@ -337,12 +330,6 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
 
     def finish_load(self, state: PinnedLoad, num_layers: int) -> None:
         state.wait()  # one program writes every layer of a shard replica
-
-    def _stream(self, device: Any) -> jax.sharding.Sharding | None:
-        # Through a copy, a program reads its pinned buffer once it is moved to the
-        # device (parameter streaming: the documented way off XLA:CPU, and what CPU
-        # tests of this mode then run); in place, XLA:CPU reads the pool where it is.
-        return None if self._in_place else jax.sharding.SingleDeviceSharding(device)
 
     # -- warm-up ------------------------------------------------------------------
 
@@ -384,4 +371,12 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 ids, _, count = _args_abstract(b, device)
                 compile_ahead("pinned_load", local, src, ids, rows, count,
                               options=(src.sharding, self._packed_offsets(),
-                                       self._stream(device), self._in_place))
+                                       None, True))
+
+
+def pinned_mover(platform: str) -> type[Mover]:
+    """The pinned mover's class on ``platform``: ``PinnedMover`` in place, else the
+    pages route's ``PinnedPagesMover`` (``pinned_mode``)."""
+    if pinned_mode(platform) == "in-place":
+        return PinnedMover
+    return PinnedPagesMover

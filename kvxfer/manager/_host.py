@@ -26,9 +26,8 @@ __all__ = ["HostPages", "host_copy_intact"]
 def _shard_digest(pool: HostPool, cls: SliceClass, slot: int, pos: int, shard: int,
                   key: int) -> np.ndarray:
     """The digest of one shard of one layer of a slot, made from its host bytes."""
-    row = pool.pools[cls.index].data[slot]
-    a, b = pool.pools[cls.index].shard_range(pos, shard)
-    words = _integrity.as_words_np(row[a:b][None], batch_dims=1)
+    block = pool.pools[cls.index].shard_view(slot, pos, shard)
+    words = _integrity.as_words_np(block[None], batch_dims=1)
     ident = _integrity.identity_words(key, cls.layers[pos], pool.seal_of(slot), shard)
     return _integrity.digest_np(words, ident)[0]
 
@@ -85,7 +84,8 @@ class HostPages:
         gen, state, key = self._pool.state(page.slot)
         return gen == page.generation and state == "valid" and key == page.key
 
-    def _page_range(self, page: PageRef, layer: int) -> tuple[np.ndarray, int, int]:
+    def _layer_views(self, page: PageRef, layer: int) -> list[np.ndarray]:
+        """Writable views of one layer's host bytes of a page, one per shard."""
         num_layers = len(self._layer_class)
         if not isinstance(page, PageRef):
             raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
@@ -99,23 +99,26 @@ class HostPages:
             raise PoolError(f"{page} does not hold layer {layer} (it holds slice classes "
                             f"{sorted(self._pool.classes_of(page.slot))}; layer {layer} is "
                             f"in class {cls.index})")
-        lo, hi = self._pool.pools[cls.index].layer_range(pos)
-        return self._pool.pools[cls.index].data[page.slot], lo, hi
+        pool = self._pool.pools[cls.index]
+        return [pool.shard_view(page.slot, pos, s) for s in range(cls.num_shards)]
 
     def read_block_bytes(self, page: PageRef, layer: int) -> bytes:
-        row, lo, hi = self._page_range(page, layer)
-        return row[lo:hi].tobytes()
+        return b"".join(v.tobytes() for v in self._layer_views(page, layer))
 
     def write_block_bytes(self, page: PageRef, layer: int,
                           data: bytes | bytearray | memoryview) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, bytearray or memoryview. Got {type(data)}")
         buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        row, lo, hi = self._page_range(page, layer)
-        if buf.size != hi - lo:
-            raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {hi - lo}")
+        views = self._layer_views(page, layer)
+        size = sum(v.size for v in views)
+        if buf.size != size:
+            raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {size}")
         with self._pool.pools[self._layer_class[layer][0].index].lock:
-            row[lo:hi] = buf
+            at = 0
+            for v in views:
+                v[:] = buf[at:at + v.size]
+                at += v.size
         if self._with_digest:
             self._digest_on_host(page, layer)
 
@@ -136,7 +139,7 @@ class HostPages:
             if self._pool.key_of(page.slot) != page.key:
                 raise PoolError(f"{page}: slot {page.slot} holds key "
                                 f"{self._pool.key_of(page.slot):#x}")
-            parts = {c: (self._pool.pools[c].data[page.slot],
+            parts = {c: (self._pool.pools[c].read_page(page.slot),
                          self._pool.pools[c].digests[page.slot])
                      for c in sorted(self._pool.classes_of(page.slot))}
             blob = encode(self._plan, self._fingerprint, page.key,
@@ -165,7 +168,7 @@ class HostPages:
         for c, data in page.data.items():
             pool = self._pool.pools[c]
             with pool.lock:  # no program copies the pool in and out meanwhile
-                pool.data[slot] = data
+                pool.write_page(slot, data)
                 pool.digests[slot] = page.digests[c]
         self._pool.commit(slot, generation, page.key, frozenset(page.data), seal=page.seal)
         self._stats.add(pages_imported=1)

@@ -7,9 +7,9 @@ from typing import Literal, get_args
 
 import jax
 
-from kvxfer.engine import (DmaMover, EmulatedMover, Mover, PallasMover, PinnedMover,
-                           RawMover, RawOrPinnedMover, StagedMover, dma_refusal,
-                           pallas_refusal, pinned_capable, raw_capable)
+from kvxfer.engine import (DmaMover, EmulatedMover, Mover, PallasMover, RawMover,
+                           RawOrPinnedMover, StagedMover, dma_refusal, pallas_refusal,
+                           pinned_capable, pinned_mover, raw_capable)
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
@@ -58,9 +58,8 @@ AUTO_RULES: dict[str, tuple[str, ...]] = {
 }
 _OTHER_BACKENDS = ("pinned", "staged")
 
-_MOVERS: dict[str, type[Mover]] = {"raw": RawMover, "pinned": PinnedMover,
-                                   "pallas": PallasMover, "staged": StagedMover,
-                                   "dma": DmaMover}
+_MOVERS: dict[str, type[Mover]] = {"raw": RawMover, "pallas": PallasMover,
+                                   "staged": StagedMover, "dma": DmaMover}
 
 
 def plan_path(path: PathMode, emulated: bool) -> str:
@@ -168,7 +167,7 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
         return PallasMover
     if path == "pinned":
         _check_pinned(caches, cls, pinned)
-        return PinnedMover
+        return pinned_mover(_backend(caches, cls))
     if path == "dma":
         if emulated:
             raise ValueError("path='dma' copies the arrays' own buffers; it cannot move "
@@ -185,7 +184,8 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
         return StagedMover
     if path == "auto":
         rule = AUTO_RULES.get(_backend(caches, cls), _OTHER_BACKENDS)
-        mover = _MOVERS[next(name for name in rule if applies[name](cls))]
+        name = next(name for name in rule if applies[name](cls))
+        mover = pinned_mover(_backend(caches, cls)) if name == "pinned" else _MOVERS[name]
         # Raw copies wait for the caches' writers: a call whose caches are still
         # being written takes the pinned programs instead, where there are some.
         if mover is RawMover and applies["pinned"](cls):

@@ -45,13 +45,14 @@ class InjectedTransferError(OSError):
     """The device error ``failing_transfer`` raises inside a load."""
 
 
-def _layer_bytes(mgr: KVCacheManager, page: PageRef, layer: int,
-                 shard: int | None = None) -> np.ndarray:
-    """A writable view of one layer's host bytes of a page (one shard if given)."""
+def _layer_views(mgr: KVCacheManager, page: PageRef, layer: int,
+                 shard: int | None = None) -> list[np.ndarray]:
+    """Writable views of one layer's host bytes of a page, shard by shard (the one
+    shard if given), in the page's byte order."""
     cls, pos = mgr.plan.class_of_layer(layer)
     pool = mgr.host_pool.pools[cls.index]
-    lo, hi = pool.layer_range(pos) if shard is None else pool.shard_range(pos, shard)
-    return pool.data[page.slot, lo:hi]
+    shards = range(cls.num_shards) if shard is None else (shard,)
+    return [pool.shard_view(page.slot, pos, s) for s in shards]
 
 
 def flip_bit(mgr: KVCacheManager, page: PageRef, layer: int, bit: int | None = None,
@@ -61,10 +62,15 @@ def flip_bit(mgr: KVCacheManager, page: PageRef, layer: int, bit: int | None = N
     Returns:
       The bit index flipped within the layer's (or shard's) bytes.
     """
-    view = _layer_bytes(mgr, page, layer, shard)
+    views = _layer_views(mgr, page, layer, shard)
     if bit is None:
-        bit = int(np.random.default_rng(seed).integers(0, view.size * 8))
-    view[bit // 8] ^= np.uint8(1 << (bit % 8))
+        bit = int(np.random.default_rng(seed).integers(0, sum(v.size for v in views) * 8))
+    at = bit // 8
+    for view in views:
+        if at < view.size:
+            view[at] ^= np.uint8(1 << (bit % 8))
+            break
+        at -= view.size
     return bit
 
 
@@ -82,7 +88,7 @@ def misfile(mgr: KVCacheManager, dst: PageRef, src: PageRef) -> None:
     ``dst``'s identity fails even though the bytes are a valid page.
     """
     for pool in mgr.host_pool.pools:
-        pool.data[dst.slot] = pool.data[src.slot]
+        pool.write_page(dst.slot, np.array(pool.read_page(src.slot)))
         pool.digests[dst.slot] = pool.digests[src.slot]
 
 
@@ -121,9 +127,14 @@ def corrupt_shard(mgr: KVCacheManager, page: PageRef, layer: int, shard: int,
 
 def tear(mgr: KVCacheManager, page: PageRef, other: PageRef, layer: int) -> None:
     """The second half of a page's layer bytes becomes another page's (a torn write)."""
-    view = _layer_bytes(mgr, page, layer)
-    half = view.size // 2
-    view[half:] = _layer_bytes(mgr, other, layer)[half:]
+    views = _layer_views(mgr, page, layer)
+    theirs = np.concatenate(_layer_views(mgr, other, layer))
+    at, half = 0, theirs.size // 2
+    for view in views:
+        lo = max(half - at, 0)
+        if lo < view.size:
+            view[lo:] = theirs[at + lo:at + view.size]
+        at += view.size
 
 
 def _failing_hook(after_layers: int, once: bool, mgr: KVCacheManager,
