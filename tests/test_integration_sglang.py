@@ -364,11 +364,17 @@ def test_the_slots_view_shows_committed_pages_where_the_host_pool_keeps_them(dev
 
 
 def test_a_plain_host_pool_has_no_sharding_in_the_slots_view(dev):
+    """``_slots[i].sharding`` names pinned memory only where the pool is a pinned array:
+    the staged mover's pool is plain host memory on XLA:CPU, and pinned by default on a
+    backend with ``pinned_host`` memory (a GPU), where the view must say so."""
     pool = host_pool(dev, path="staged")
     try:
         (i,) = pool.alloc(1).tolist()
         pool.copy_into([1], [i])
-        assert pool._slots[i].sharding is None and pool._slots[i].page == pool.page_of(i)
+        pinned = pool.manager.host_pool.pools[0].pinned
+        sharding = pool._slots[i].sharding
+        assert (sharding.memory_kind == "pinned_host") if pinned else sharding is None
+        assert pool._slots[i].page == pool.page_of(i)
     finally:
         pool.close()
 

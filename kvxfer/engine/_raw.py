@@ -119,21 +119,36 @@ class RowCopy:
 
 
 def shared_buffers(arrays: Sequence[jax.Array]) -> frozenset:
-    """Buffer addresses that back more than one device array among ``arrays`` (of
-    those the raw mover may copy, ``raw_capable``)."""
-    # The addresses first: proving an array raw-capable costs tens of microseconds
-    # (a layout inspection), and only arrays whose buffers repeat need the proof.
+    """Buffer addresses that back more than one array, or one array more than once,
+    among ``arrays``: what a mover writing into (or donating) the caches must copy first.
+
+    One array passed twice (one cache as two layers) shares its buffers on any backend.
+    On XLA:CPU distinct arrays may share one too: one buffer under every replica of a
+    replicated ``device_put``, a 64-byte-aligned numpy array aliased, found by address
+    among the arrays the raw mover may copy (``raw_capable``). Elsewhere no address is
+    asked for (an array still being computed might make the call wait) but those of
+    an array passed twice.
+    """
     owners: dict[int, list[jax.Array]] = {}
+    counts: dict[int, int] = {}
     for a in arrays:
+        counts[id(a)] = counts.get(id(a), 0) + 1
+    for a in arrays:
+        on_cpu = all(d.platform == "cpu" for d in a.sharding.device_set)
+        if not on_cpu and counts[id(a)] < 2:
+            continue
         try:
             pointers = [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
-        except Exception:  # an array whose buffers have no address: never raw-capable
+        except Exception:  # an array whose buffers have no address: nothing to copy
             continue
         for p in pointers:
             owners.setdefault(p, []).append(a)
     shared = set()
+    # The addresses first: proving an array raw-capable costs tens of microseconds (a
+    # layout inspection), and only arrays whose buffers repeat need the proof.
     for p, of in owners.items():
-        if len(of) > 1 and sum(raw_capable(a) for a in of) > 1:
+        if len(of) > 1 and (len({id(a) for a in of}) < len(of)
+                            or sum(raw_capable(a) for a in of) > 1):
             shared.add(p)
     return frozenset(shared)
 

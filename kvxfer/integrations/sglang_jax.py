@@ -240,8 +240,10 @@ class KvxferHostKVPool:
     * ``_slots``: a read-only sequence over the host ids: ``_slots[i]`` is None while
       ``i`` holds no committed page (never backed up, freed, stale, dropped), else a
       record of its ``page`` and of the ``sharding`` of the host pool array holding
-      it: ``memory_kind="pinned_host"`` where the mover keeps a pinned pool
-      (``path="auto"`` does on CPU, GPU and TPU), None for plain host memory.
+      it: ``memory_kind="pinned_host"`` where the mover keeps its pool as a pinned
+      JAX array (``path="auto"`` does on CPU and TPU), None where no JAX array holds it
+      (plain host memory, or the DMA mover's pool, pinned outside XLA: ``path="auto"``
+      on a GPU with ``cuda-bindings``).
     * ``_pad_to_page_bucket(n)``: the page count kvxfer's page batches pad a transfer
       of ``n`` pages to (powers of two).
     * ``_jit_gather_one_layer(buf, idx, sharding)``: the per-layer point of
