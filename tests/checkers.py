@@ -1,6 +1,9 @@
-"""Shared checkers: an independent brute-force granularity scan over physical offsets."""
+"""Shared checkers: an independent brute-force granularity scan over physical offsets;
+the operations of a lowered program that compute on host memory."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -205,3 +208,66 @@ def random_padding_case(rng: np.random.Generator, max_elems: int = 1 << 16):
         geo = Layout.parse(layout).geometry(tuple(shape), dtype_of(dtype))
         if geo.num_elements <= max_elems:
             return tuple(shape), dtype, layout, block_dim
+
+
+# -- which operations of a lowered program touch host memory ---------------------------
+
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def _moves(op: str, rest: str) -> bool:
+    """Whether an operation only moves a value (XLA's host offloader accepts a placement
+    annotation, a sharding constraint on the way, and handing it back)."""
+    return (op == "stablehlo.custom_call" and "@annotate_device_placement(" in rest
+            or op.startswith("sdy.sharding_constraint")
+            or op in ("return", "func.return", "stablehlo.return"))
+
+
+def _memory_kind_of(attrs: str) -> str | None:
+    m = re.search(r'mhlo\.memory_kind = "(\w+)"', attrs)
+    return m.group(1) if m else None
+
+
+def host_arithmetic(text: str) -> list[str]:
+    """The operations of a lowered program (StableHLO text) that read a value placed in
+    host memory other than to move it: each would be host compute on XLA:GPU ("Found an
+    instruction ... which does device compute in host memory space").
+
+    A value is in host memory when it is an argument of ``@main`` whose memory kind is
+    ``pinned_host`` or ``unpinned_host``, or the result of a placement annotation to one
+    of them (what ``jax.device_put`` inside a program and ``out_shardings`` lower to);
+    a sharding constraint passes that on.
+    """
+    out: list[str] = []
+    host: set[str] = set()
+    in_main = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("func.func"):
+            in_main = "@main(" in stripped
+            host = set()
+            if in_main:
+                signature = stripped[stripped.index("(") + 1:]
+                for part in re.split(r"(?=%arg\d+:)", signature)[1:]:
+                    name = part.split(":")[0]
+                    if _memory_kind_of(part.split("->")[0]) in _HOST_KINDS:
+                        host.add(name)
+            continue
+        if not in_main:
+            continue
+        m = re.match(r"(?:(%[\w#:]+)\s*=\s*)?(.*)", stripped)
+        results, rest = m.group(1), m.group(2)
+        used = {u.split("#")[0] for u in re.findall(r"%[\w.]+(?:#\d+)?", rest)}
+        op = rest.split("(")[0].split()[0].strip('"') if rest else ""
+        if used & host and not _moves(op, rest):
+            out.append(f"{op}: {stripped[:160]}")
+        if results is None:
+            continue
+        name = results.split(":")[0]
+        placement = re.search(r'_xla_buffer_placement = "(\w+)"', rest)
+        if "annotate_device_placement" in rest and placement:
+            if placement.group(1) in _HOST_KINDS:
+                host.add(name)
+        elif op.startswith("sdy.sharding_constraint") and used & host:
+            host.add(name)
+    return out

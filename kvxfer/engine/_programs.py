@@ -30,7 +30,7 @@ import numpy as np
 from kvxfer import integrity
 from kvxfer.layout import dtype_of, natural_bits
 
-__all__ = ["needs_raw_bits", "run", "register_kind", "gather", "digest_blocks", "scatter", "staged_load", "alias",
+__all__ = ["needs_raw_bits", "run", "register_kind", "lowered_for", "gather", "digest_blocks", "scatter", "staged_load", "alias",
            "compile_ahead", "compile_job", "compiled", "deferred_compiles", "page_loops",
            "DIGEST_CHUNK", "unit_count", "pinned_write", "pinned_gather", "pinned_load",
            "zeros", "compile_zeros"]
@@ -603,6 +603,19 @@ def compiled(kind: str, arrays: tuple, *args, with_digest: bool = False,
     """The program ``kind`` compiled for these (abstract) arguments, as ``compile_ahead``
     makes it (for tests and probes: its ``memory_analysis()``, its HLO)."""
     return _lowered(kind, arrays, args, with_digest, options)[1]().compile()
+
+
+def lowered_for(platform: str, kind: str, arrays: tuple, *args, with_digest: bool = False,
+                options: tuple = ()) -> str:
+    """The StableHLO text of program ``kind`` lowered for ``platform`` (``"cuda"``, say),
+    whatever backend this process runs: what a test reads to check a program another
+    backend runs (which operations touch host memory), with no device of it at hand."""
+    formats = tuple(a.format for a in arrays)
+    program, ballasted = _program(kind, formats, needs_raw_bits(arrays[0]), with_digest,
+                                  options)
+    seed = (jax.ShapeDtypeStruct((), np.float32),) if ballasted else ()
+    return program.trace(arrays, *args, *seed).lower(
+        lowering_platforms=(platform,)).as_text()
 
 
 def gather(arrays, ids, base, layer_nums, with_digest: bool):
