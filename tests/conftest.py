@@ -26,6 +26,23 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 4)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu(reason): relies on a fact of XLA:CPU (4 CPU "
+                            "devices, the raw path's buffers, ...): skipped elsewhere")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On another backend (a device check), tests marked ``cpu`` skip with their reason."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu")
+        if marker is not None:
+            why = marker.args[0] if marker.args else "XLA:CPU only"
+            item.add_marker(pytest.mark.skip(reason=f"on {backend}: {why}"))
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """The URL of a real redis-server started for the session (tests/redis_rig.py).

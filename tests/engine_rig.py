@@ -4,7 +4,8 @@ A *rig* is one way an engine holds its caches: ``raw`` (single-device float32, m
 by raw byte copies on XLA:CPU), ``staged`` (bfloat16, ``path="staged"``), ``sharded``
 (KV heads split over 4 devices, ``path="auto"``), ``pinned`` (bfloat16,
 ``path="pinned"``), ``pinned-sharded`` (the sharded caches on ``path="pinned"``),
-``dma`` (bfloat16, ``path="dma"``) and ``dma-sharded`` (the sharded caches on it).
+``dma`` (bfloat16, ``path="dma"``), ``dma-sharded`` (the sharded caches on it) and
+``pages-sharded`` (the sharded caches on the pinned mover's pages route).
 Each builds small caches (4 layers x 32 blocks x 16 KiB) and the manager over them.
 
 The jitted programs here are what a serving engine dispatches around kvxfer's calls:
@@ -45,6 +46,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kvxfer
@@ -67,6 +69,7 @@ class Rig:
       shard_dim: the cache dim split over devices (None: single device).
       mask: the bits caches and step patterns may hold (None: all; see the module
         docstring).
+      pinned_mode: ``KVXFER_PINNED_MODE`` while the manager is made (None: as set).
     """
 
     name: str
@@ -76,6 +79,7 @@ class Rig:
     expect_paths: str | None
     shard_dim: int | None = None
     mask: int | None = None
+    pinned_mode: str | None = None
 
     @property
     def uint(self) -> np.dtype:
@@ -107,8 +111,17 @@ class Rig:
 
     def manager(self, caches: Sequence[jax.Array], num_host_blocks: int = 64,
                 **kwargs) -> kvxfer.KVCacheManager:
-        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=num_host_blocks,
-                                    path=self.path, **kwargs)
+        saved = os.environ.get("KVXFER_PINNED_MODE")
+        if self.pinned_mode is not None:
+            os.environ["KVXFER_PINNED_MODE"] = self.pinned_mode
+        try:
+            mgr = kvxfer.KVCacheManager(caches, num_host_blocks=num_host_blocks,
+                                        path=self.path, **kwargs)
+        finally:
+            if self.pinned_mode is not None:
+                os.environ.pop("KVXFER_PINNED_MODE", None)
+                if saved is not None:
+                    os.environ["KVXFER_PINNED_MODE"] = saved
         if self.expect_paths is not None:
             assert mgr.paths == [self.expect_paths] * NUM_LAYERS, mgr.paths
         if os.environ.get("KVXFER_TEST_SERIALIZE") == "1":
@@ -186,8 +199,23 @@ RIGS = {
     # The DMA mover's programs and descriptors, run by the host copy engine.
     "dma": Rig("dma", "bfloat16", (64, 128), "dma", "dma", mask=0xBFFF),
     "dma-sharded": Rig("dma-sharded", "float32", (8, 4, 128), "dma", "dma", shard_dim=2),
+    # The pinned mover's pages route (what a GPU without a copy engine runs), sharded.
+    "pages-sharded": Rig("pages-sharded", "float32", (8, 4, 128), "pinned", "pinned",
+                         shard_dim=2, pinned_mode="pages"),
 }
-RIG_NAMES = list(RIGS)
+def _cpu_only(rig: Rig) -> str | None:
+    """Why a rig runs on XLA:CPU alone (None: it runs on any backend)."""
+    if rig.shard_dim is not None:
+        return "its caches are split over 4 devices (conftest.py's CPU devices)"
+    if rig.expect_paths == "raw":
+        return "the raw mover copies XLA:CPU buffers"
+    return None
+
+
+#: The rigs as test parameters: those built on XLA:CPU facts are marked ``cpu``
+#: (skipped, with the reason, on other backends: conftest.py).
+RIG_NAMES = [pytest.param(name, marks=pytest.mark.cpu(_cpu_only(rig))) if _cpu_only(rig)
+             else name for name, rig in RIGS.items()]
 
 
 # -- jitted programs an engine dispatches -----------------------------------------------

@@ -1,5 +1,7 @@
-"""The DMA mover on XLA:CPU: the same programs, callback and copy descriptors a GPU runs,
-executed by the host copy engine (and by the CUDA engine over a stand-in driver)."""
+"""The accelerator routes on XLA:CPU: the DMA mover's programs, callback and copy
+descriptors a GPU runs, executed by the host copy engine (and by the CUDA engine over a
+stand-in driver); the faults on it and on the pinned mover's pages route. On a GPU the
+same tests run on its own engine, but for those marked ``cpu``."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from kvxfer.engine._cuda import CudaCopyEngine, DriverError
 from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, FakeDriver, HostStreamEngine
 
 bits = testing.bits
+PLATFORM = jax.devices()[0].platform
+HOST_ENGINE = pytest.mark.cpu("counts the host copy engine's copies (XLA:CPU's)")
 
 
 def caches_of(dtype: str, layers: int = 3, blocks: int = 16, shape=(8, 64), seed: int = 0):
@@ -74,6 +78,7 @@ def test_the_pool_lives_outside_xla_and_holds_the_plan():
     mgr.close()
 
 
+@HOST_ENGINE
 def test_adjacent_blocks_merge_into_one_copy(monkeypatch):
     """One layer, consecutive blocks into consecutive slots: one copy each way."""
     engine = HostCopyEngine()
@@ -86,6 +91,7 @@ def test_adjacent_blocks_merge_into_one_copy(monkeypatch):
     mgr.close()
 
 
+@pytest.mark.cpu("the staged and raw movers' host copies are XLA:CPU's")
 @pytest.mark.parametrize("path, copied", [("dma", 0), ("staged", 0.5), ("raw", 1)])
 def test_host_copy_counter(path, copied):
     """The DMA mover copies no payload on the host besides its copy engine's work; the
@@ -99,6 +105,7 @@ def test_host_copy_counter(path, copied):
     mgr.close()
 
 
+@pytest.mark.cpu("4 devices (conftest.py's CPU devices)")
 def test_sharded_and_replicated_layers_move_on_their_devices():
     mesh = jax.make_mesh((4,), ("tensor",))
     heads = NamedSharding(mesh, P(None, None, "tensor"))
@@ -115,16 +122,23 @@ def test_sharded_and_replicated_layers_move_on_their_devices():
     mgr.close()
 
 
+@pytest.mark.parametrize("route", ["dma", "pages"])
 @pytest.mark.parametrize("fault", testing.FAULTS)
-def test_every_fault_is_caught(fault):
+def test_every_fault_is_caught(fault, route, monkeypatch):
+    """On both accelerator routes: the DMA mover, and the pinned mover's pages route
+    (what a GPU without ``cuda-bindings`` takes)."""
+    monkeypatch.setenv("KVXFER_PINNED_MODE", "pages")
+    path = "dma" if route == "dma" else "pinned"
     sharded = fault == "one-shard"
+    if sharded and len(jax.devices()) < 2:
+        pytest.skip("one-shard needs 2 devices")
     caches = caches_of("bfloat16", layers=3, blocks=16, shape=(4, 128))
     if sharded:
         mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
         caches = [jax.device_put(c, NamedSharding(mesh, P(None, None, "tensor")))
                   for c in caches]
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
-    assert set(mgr.paths) == {"dma"}
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path=path)
+    assert set(mgr.paths) == {path}
     pages = mgr.offload(caches, [1, 2, 3, 4], keys=[11, 12, 13, 14]).wait()
     out = testing.inject(fault, mgr, caches, pages, index=2, layer=1,
                          device_blocks=[8, 9, 10, 11])
@@ -149,7 +163,7 @@ def test_a_failing_copy_engine_is_a_transfer_error_and_the_caches_stay_usable(mo
     caches = caches_of("float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
     pages = mgr.offload(caches, [1, 2], keys=[1, 2]).wait()
-    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: _Failing())
+    monkeypatch.setitem(COPY_ENGINES, PLATFORM, lambda device: _Failing())
     with pytest.raises(TransferError, match="the copy engine is gone"):
         mgr.offload(caches, [3], keys=[3]).wait()
     new, load = mgr.load(caches, pages, [5, 6])
@@ -255,6 +269,7 @@ def test_a_failed_pin_releases_nothing_twice():
     assert fake.context == []
 
 
+@HOST_ENGINE
 def test_the_dma_mover_runs_over_the_cuda_engine(monkeypatch):
     """The mover's descriptors through the CUDA engine's batch call: every copy of a
     transfer in one call, bytes exact."""
