@@ -163,7 +163,7 @@ def test_only_model_moves_each_configs_own_caches(tmp_path):
                              out_dir=str(tmp_path))
     assert set(report) == {"schema", "meta", "models", "targets", "not_measured", "files"}
     assert report["meta"]["only"] == "model" and report["meta"]["models"] == names
-    assert report["targets"] == [] and report["schema"] == "kvxfer-bench/6"
+    assert report["targets"] == [] and report["schema"] == "kvxfer-bench/7"
     assert [row["config"] for row in report["models"]] == names
     for row in report["models"]:
         spec = config.load(row["config"])

@@ -1,5 +1,10 @@
 """What users write today to move KV pages without kvxfer, timed like kvxfer is.
 
+The plain-JAX routes (``JaxRoutes``) are what an engine writes with JAX alone and the
+same kind of on-device digest: one batched gather to ``pinned_host`` memory, and a
+``device_put`` back plus one donated scatter. They run interleaved with kvxfer's
+variants, as the figures kvxfer must beat on an accelerator.
+
 Offloads: a per-page ``jax.device_get`` loop; a per-page jitted gather then
 ``jax.device_put`` to ``pinned_host``; one batched jitted gather then ``device_put``
 to ``pinned_host``. Loads: a per-page ``jax.device_put`` of the host blocks then a
@@ -16,12 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvxfer import integrity
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._rig import Rig
 from kvxfer.bench.timing import no_gc, now, per_page_loop, sample, stats
 
 __all__ = ["OFFLOAD_BASELINES", "LOAD_BASELINES", "offload_baselines", "load_baselines",
-           "host_pages", "put_scatter"]
+           "host_pages", "put_scatter", "JAX_ROUTES", "JaxRoutes"]
 
 #: Report names of the user offload baselines (per page, per page, batched).
 OFFLOAD_BASELINES = ("user_device_get", "user_gather_pinned", "user_batched_gather_pinned")
@@ -127,3 +133,83 @@ def load_baselines(rig: Rig, ids: Sequence[int], cfg: BenchConfig, batched: bool
         out["user_batched_put_scatter"] = _batched(put_scatter(rig, host, ids),
                                                    len(ids) * page_bytes, cfg)
     return out
+
+
+#: Report names of the plain-JAX routes (offload, load): what an engine writes with JAX
+#: alone, digests on the device as kvxfer makes them.
+JAX_ROUTES = ("jax_gather_pinned", "jax_put_scatter")
+
+
+def _page_rows(cs: tuple[jax.Array, ...], i: jax.Array) -> jax.Array:
+    """Pages ``i`` page-major: each page's layers side by side, as raw words."""
+    return jnp.concatenate([integrity.as_words(c[i], batch_dims=1) for c in cs], axis=1)
+
+
+def _digest_rows(rows: jax.Array) -> jax.Array:
+    return integrity.digest(rows, jnp.zeros((rows.shape[0], integrity.IDENTITY_WORDS),
+                                            jnp.uint32))
+
+
+def _from_words(w: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
+    """``uint32[k, n]`` words back to ``dtype[k, *shape]`` (blocks of whole words)."""
+    size, k = jnp.dtype(dtype).itemsize, w.shape[0]
+    if size > 4:
+        w = w.reshape(k, -1, size // 4)
+    return jax.lax.bitcast_convert_type(w, dtype).reshape((k, *shape))
+
+
+class JaxRoutes:
+    """The plain-JAX routes over ``rig.caches`` for pages ``ids``, one program each way.
+
+    * offload: one jit gathers the pages page-major on the device, digests them there
+      and returns the gathered buffer in ``pinned_host`` memory (``out_shardings``);
+    * load: ``device_put`` of that buffer back to the device, then one jit that
+      scatters it into the donated caches and digests the landed blocks.
+
+    Where the backend has no ``pinned_host`` memory kind, the buffer stays on the device.
+    The load reads what the last offload wrote; both are compiled ahead.
+    """
+
+    def __init__(self, rig: Rig, ids: Sequence[int]):
+        self._rig = rig
+        self._ids = jnp.asarray(np.asarray(ids, np.int32))
+        dev = jax.devices()[0]
+        self._pinned = _pinned_sharding()
+        self._device = jax.sharding.SingleDeviceSharding(dev)
+        arrays = tuple(rig.caches)
+        shapes = [c.shape[1:] for c in arrays]
+        dtypes = [c.dtype for c in arrays]
+
+        def gather(cs, i):
+            rows = _page_rows(cs, i)
+            return rows, _digest_rows(rows)
+
+        def scatter(cs, i, rows):
+            out, at = [], 0
+            for c, shape, dtype in zip(cs, shapes, dtypes):
+                n = integrity.as_words(c[:1], batch_dims=1).shape[1]
+                out.append(c.at[i].set(_from_words(rows[:, at:at + n], dtype, shape)))
+                at += n
+            return tuple(out), _digest_rows(_page_rows(tuple(out), i))
+
+        self._gather = jax.jit(gather, out_shardings=(self._pinned, None)).lower(
+            arrays, self._ids).compile()
+        rows = jax.ShapeDtypeStruct((len(ids), sum(
+            integrity.as_words(c[:1], batch_dims=1).shape[1] for c in arrays)), jnp.uint32)
+        self._scatter = jax.jit(scatter, donate_argnums=0).lower(arrays, self._ids,
+                                                                 rows).compile()
+        self._rows: jax.Array | None = None
+
+    def offload(self) -> float:
+        t0 = now()
+        self._rows, d = self._gather(tuple(self._rig.caches), self._ids)
+        jax.block_until_ready((self._rows, d))
+        return now() - t0
+
+    def load(self) -> float:
+        t0 = now()
+        rows = jax.device_put(self._rows, self._device)
+        out, d = self._scatter(tuple(self._rig.caches), self._ids, rows)
+        self._rig.caches = list(jax.block_until_ready(out))
+        d.block_until_ready()
+        return now() - t0

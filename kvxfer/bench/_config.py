@@ -125,6 +125,8 @@ class BenchConfig:
     lookup_reference_bytes: int = 32 * KiB
     lookup_repeats: int = 30
     policy_requests: int = 200
+    copy_sizes: tuple[int, ...] = (16 * KiB, 32 * KiB, 64 * KiB, 2 * MiB)
+    copy_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         choices = typing.get_args(BatchedBaseline)
@@ -251,13 +253,15 @@ class BenchConfig:
                    fit_block_bytes=4 * KiB, fit_steps=1, fit_step_ms=1.0, fit_repeats=2,
                    store_blob_bytes=(4 * KiB, 64 * KiB), store_bytes=256 * KiB,
                    store_repeats=2, lookup_pages=4, lookup_blob_bytes=(4 * KiB,),
-                   lookup_reference_bytes=4 * KiB, lookup_repeats=3, policy_requests=24)
+                   lookup_reference_bytes=4 * KiB, lookup_repeats=3, policy_requests=24,
+                   copy_sizes=(4 * KiB, 16 * KiB), copy_bytes=128 * KiB)
 
     def as_dict(self) -> dict[str, Any]:
         """The config as JSON-ready lists and numbers."""
         d = dataclasses.asdict(self)
         d["cells"] = [list(c) for c in self.cells]
         d["reference"] = list(self.reference)
-        for k in ("prefix_pages", "concurrency", "store_blob_bytes", "lookup_blob_bytes"):
+        for k in ("prefix_pages", "concurrency", "store_blob_bytes", "lookup_blob_bytes",
+                  "copy_sizes"):
             d[k] = list(d[k])
         return d

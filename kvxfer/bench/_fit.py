@@ -34,6 +34,7 @@ from kvxfer.bench._caller import _Steps
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._rig import Rig, check_loaded, make_caches
 from kvxfer.bench.timing import Progress, interleaved, now, stats
+from kvxfer.engine import is_cuda
 
 __all__ = ["FIT_PATHS", "HIT_SAMPLES", "fit_section", "WARMUP_SCRIPT"]
 
@@ -146,10 +147,20 @@ def _hit(cfg: BenchConfig, path: str) -> dict[str, Any]:
         rig.close()
 
 
+def platform_name() -> str:
+    """What ``JAX_PLATFORMS`` must say for a child process to get this process's backend:
+    a GPU's plugin by its own name (``cuda``, ``rocm``), as JAX reads ``gpu`` as both
+    and fails on the one that is absent."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return "cuda" if is_cuda(device) else "rocm"
+    return device.platform
+
+
 def _warmup(cfg: BenchConfig, path: str, cache_dir: str) -> dict[str, Any]:
     """``warmup`` in a fresh process filling ``cache_dir``, then in one reading it."""
     out: dict[str, Any] = {"path": path, "pages": cfg.fit_pages, "layers": cfg.layers}
-    env = dict(os.environ, JAX_PLATFORMS=jax.default_backend())
+    env = dict(os.environ, JAX_PLATFORMS=platform_name())
     for name in ("cold", "persistent_cache"):
         args = [sys.executable, "-c", WARMUP_SCRIPT, str(cfg.layers), str(2 * cfg.fit_pages),
                 str(cfg.fit_block_bytes), str(cfg.fit_pages), path, cache_dir]

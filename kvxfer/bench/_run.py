@@ -18,6 +18,7 @@ from kvxfer.bench import report as _report
 from kvxfer.bench._caller import first_call_section, queued_section
 from kvxfer.bench._fit import fit_section
 from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._copysizes import copy_size_section
 from kvxfer.bench._model import model_section
 from kvxfer.bench._policies import policy_section, policy_steps
 from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells, plan, prefix_sweep,
@@ -36,8 +37,10 @@ __all__ = ["run_bench", "SCHEMA", "Only"]
 #: 6: the ``store_lookup`` section (a prefix lookup per page and batched, per Redis store),
 #: the ``models`` section (a model config's own caches, with ``models=``) and the
 #: ``policy`` section (hit rates per eviction policy and tier, store bytes per
-#: write-through setting).
-SCHEMA = "kvxfer-bench/6"
+#: write-through setting); 7: the ``copy_sizes`` section (the DMA mover by bytes per
+#: copy) and the plain-JAX routes (``jax_gather_pinned``, ``jax_put_scatter``) in the
+#: throughput and sweep rows.
+SCHEMA = "kvxfer-bench/7"
 
 #: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
 Only = Literal["store", "fit", "model", "policy"]
@@ -175,8 +178,8 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
 
 def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress) -> None:
     """Every section but the store's, into ``report``."""
-    capacity = max([cfg.batch_bytes] + [n * cfg.layers * cfg.prefix_block_bytes
-                                         for n in cfg.prefix_pages])
+    capacity = max([cfg.batch_bytes, cfg.copy_bytes] +
+                   [n * cfg.layers * cfg.prefix_block_bytes for n in cfg.prefix_pages])
     with make_limit(capacity) as limit:
         report["meta"]["limit_method"] = limit.method
         report["throughput"] = [
@@ -184,6 +187,8 @@ def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress
             for block, dtype in ordered_cells(cfg)]
         if not cfg.sweep_on_reference:
             report["sweep"] = prefix_sweep(cfg, limit, steps)
+        gc.collect()
+        report["copy_sizes"], skipped = copy_size_section(cfg, limit, steps)
     gc.collect()
     report["cache_size"] = cache_size_section(cfg, steps)
     gc.collect()
@@ -193,7 +198,8 @@ def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress
     report["queued"] = queued_section(cfg, steps)
     gc.collect()
     report["fit"] = fit_section(cfg, steps)
-    report["not_measured"] = report["memory"].pop("not_measured")
+    report["not_measured"] = report["memory"].pop("not_measured") + \
+        ([skipped] if skipped else [])
 
 
 def _source() -> str:

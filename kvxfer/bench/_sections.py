@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from kvxfer._text import format_bytes
-from kvxfer.bench._baselines import host_pages, load_baselines, offload_baselines, put_scatter
+from kvxfer.bench._baselines import (JAX_ROUTES, JaxRoutes, host_pages, load_baselines,
+                                     offload_baselines, put_scatter)
 from kvxfer.bench._caller import CALL_CASES
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._rig import LOAD_VARIANTS, Rig, check_loaded, load_name, make_caches
@@ -32,7 +33,7 @@ __all__ = ["StepKind", "ordered_cells", "plan", "fit_plan", "throughput_cell", "
 #: The kinds of step a run's progress counts (each timed alike, for the estimate).
 StepKind = Literal["throughput", "concurrency", "overhead", "sweep", "cache size",
                    "first call", "queued steps", "store", "engine fit", "warm-up", "model",
-                   "policy"]
+                   "policy", "copy sizes"]
 
 #: Pages held as load sources, by (integrity, path) of their manager.
 _Held = dict[tuple[IntegrityMode, PathMode], list[PageRef]]
@@ -65,6 +66,7 @@ def plan(cfg: BenchConfig) -> list[StepKind]:
                 steps += sweep
     if not cfg.sweep_on_reference:
         steps += sweep
+    steps += ["copy sizes"] * len(cfg.copy_sizes)
     steps.append("cache size")
     steps += ["first call"] * len(CALL_CASES) + ["queued steps"] * len(CALL_CASES)
     return steps + fit_plan()
@@ -109,6 +111,10 @@ def _measure_case(cfg: BenchConfig, limit: Limit, rig: Rig, held: _Held, ids: li
             variants[f"load_pinned_{integ}_all"] = (
                 lambda integ=integ: rig.load(integ, held[(integ, "pinned")][:len(ids)], ids,
                                              "all", "pinned"))
+    # The plain-JAX routes, interleaved with kvxfer's: what an engine would write.
+    routes = JaxRoutes(rig, ids)
+    variants["jax_gather_pinned"] = routes.offload
+    variants["jax_put_scatter"] = routes.load
     t = interleaved(variants, cfg.repeats)
     lim = limit_figures({k: t[k] for k in runners}, nbytes)
     methods: dict[str, Any] = {}
@@ -116,11 +122,13 @@ def _measure_case(cfg: BenchConfig, limit: Limit, rig: Rig, held: _Held, ids: li
         if name in runners:
             continue
         s = stats(timing["s"], nbytes)
-        s["call_p50_s"] = float(np.percentile(timing["call_s"], 50))
+        if "call_s" in timing:
+            s["call_p50_s"] = float(np.percentile(timing["call_s"], 50))
         if "first_s" in timing:
             s["first_layer"] = stats(timing["first_s"])
             s["last_layer"] = stats(timing["s"])
-        methods[name] = _with_fraction(s, lim, "d2h" if name.startswith("offload") else "h2d")
+        offload = name.startswith("offload") or name == JAX_ROUTES[0]
+        methods[name] = _with_fraction(s, lim, "d2h" if offload else "h2d")
     for name, s in offload_baselines(rig, ids, cfg, batched).items():
         methods[name] = _with_fraction(s, lim, "d2h")
     for name, s in load_baselines(rig, ids, cfg, batched).items():
