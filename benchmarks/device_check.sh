@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One device check on an accelerator machine with no network (an NVIDIA H200 here):
-# installs kvxfer from wheels placed beside the checkout, records the machine, runs the
-# tests that can use the device (the pinned mover's first), the pinned mover's two
-# modes side by side, one `kvxfer bench` run (on GPU path=auto is the pinned mover),
-# the layout capture and the bandwidth probe, and writes everything under OUTDIR. Each
-# step has its own time limit and the limits add up to 8 minutes; a failing step is
-# recorded and the next one still runs. Exit status: 0 when every step ran to its end,
-# else 1.
+# installs kvxfer from wheels placed beside the checkout, records the machine, runs a
+# round trip and fault check through the public API on path=auto (the DMA mover on a
+# GPU with cuda-bindings) and path=pinned (the pure-JAX pages route), the tests that
+# can use the device, and one `kvxfer bench --quick` run (plain-JAX routes and the
+# copy-size sweep included), then counts XLA's host-compute warnings in the log. Each
+# step has its own time limit and the limits add up to 6 minutes; a failing step is
+# recorded and the next one still runs. Exit status: 0 when every step ran to its end
+# and no host-compute warning was printed, else 1.
 #
 # Usage (from the repository root):  bash benchmarks/device_check.sh OUTDIR
 #
 # Wheels: the machine's image already has jax (with its CUDA plugin), numpy, absl-py,
-# pytest, matplotlib, torch and cupy. kvxfer itself travels as its own wheel, built
-# here with
+# pytest, matplotlib, cuda-bindings, torch and cupy. kvxfer itself travels as its own
+# wheel, built here with
 #     echo /.whl/ >> .git/info/exclude
 #     python3 -m pip wheel --no-deps --wheel-dir .whl .
 # and carried as `.whl`, rebuilt for every change (a wheel whose modules differ from the
@@ -21,14 +22,13 @@
 #
 # What comes back (at most 8 files, at most two folders deep):
 #   OUTDIR/log.txt            every step's output, with its time and exit status
-#   OUTDIR/env.txt            nvidia-smi, python, jax and its devices, kvxfer version
+#   OUTDIR/env.txt            nvidia-smi, python, jax and its devices, kvxfer version,
+#                             the CUDA driver and the copy engine kvxfer uses
+#   OUTDIR/check.json         the public-API check (benchmarks/device_check.py)
 #   OUTDIR/tests.xml          JUnit report of the device tests (absent if cut short)
-#   OUTDIR/pinned_modes.json  the pinned mover in place vs through a host copy: one
-#                             byte-exact round trip and offload/load GB/s for each
-#                             (decides kvxfer.engine._pinned.IN_PLACE_PLATFORMS for the backend)
 #   OUTDIR/bench/bench.json   the bench report (and bench/bench.png with matplotlib)
-#   OUTDIR/captured.json      the layouts XLA chose on this device (a catalogue)
-#   OUTDIR/bandwidth.json     the bandwidth probe's report
+#   OUTDIR/bench/bench.txt    the bench report as text
+#   OUTDIR/warnings.txt       the count of "does device compute in host memory space"
 set -u
 out=${1:?usage: bash benchmarks/device_check.sh OUTDIR}
 cd "$(dirname "$0")/.."
@@ -54,7 +54,7 @@ step() {  # step NAME SECONDS COMMAND...: runs one step under a time limit, logg
 }
 
 if ls .whl/kvxfer-*.whl > /dev/null 2>&1; then
-  step "install kvxfer" 60 "$py" -m pip install -q --no-index --no-deps --no-compile \
+  step "install kvxfer" 30 "$py" -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/kvxfer-site .whl/*.whl
   export PYTHONPATH=/tmp/kvxfer-site
   # A wheel built from another tree than this checkout would test stale code: compare
@@ -95,35 +95,43 @@ print("jax", jax.__version__, "backend", jax.default_backend())
 print("devices", jax.devices())
 print("memories", jax.devices()[0].addressable_memories())
 print("kvxfer", kvxfer.__version__, "from", kvxfer.__file__)
+from kvxfer.engine import copy_engine, dma_refusal
+import jax.numpy as jnp
+why = dma_refusal(jnp.zeros((8, 128), jnp.bfloat16))
+print("dma mover:", "available" if why is None else f"refused: {why}")
+if why is None:
+    engine = copy_engine(jax.devices()[0])
+    driver = getattr(engine, "driver", None)
+    print("copy engine", engine.name, "mode", getattr(engine, "mode", "-"),
+          "driver", getattr(driver, "version", "-"), "batch ABI",
+          getattr(driver, "batch_abi", "-"), "NUMA node", engine.numa_node())
 EOF
 } > "$out/env.txt" 2>&1 || status=1
 cat "$out/env.txt" >> "$log"
 
+step "public API check" 45 bash -c "JAX_PLATFORMS='$platform' '$py' \
+  benchmarks/device_check.py > '$out/check.json'"
+
 # The tests run on the device: conftest.py only sets JAX_PLATFORMS when it is unset.
-# Tests written for the CPU backend's raw path report their failures here; that list
-# is part of what the check measures.
+# Tests written for XLA:CPU facts (4 CPU devices, the raw path) skip with their reason.
 # -v: one line per test in the log, so a run cut short by its limit still says which
 # tests passed.
-# The pinned mover's tests first (auto takes it on GPU), then the zero-dma fault on it
-# (one device: not the sharded case), then the rest.
-step "device tests" 150 env JAX_PLATFORMS=$platform "$py" -m pytest -v -p no:cacheprovider \
-  --junitxml="$out/tests.xml" tests/test_pinned.py \
-  "tests/test_faults.py::test_zero_dma_is_caught_on_every_mover[pinned-layer]" \
+step "device tests" 75 env JAX_PLATFORMS=$platform "$py" -m pytest -v -p no:cacheprovider \
+  -rs --junitxml="$out/tests.xml" tests/test_dma.py tests/test_lowering.py \
+  "tests/test_faults.py::test_zero_dma_is_caught_on_every_mover[dma-layer]" \
   "tests/test_faults.py::test_zero_dma_is_caught_on_every_mover[pinned-all]" \
-  tests/test_value_semantics.py tests/test_engine_loop.py tests/test_integrity.py \
-  tests/test_manager.py
+  tests/test_manager.py::test_a_load_that_moves_nothing_keeps_the_sharing_scan \
+  tests/test_integration_sglang.py::test_a_plain_host_pool_has_no_sharding_in_the_slots_view \
+  tests/test_value_semantics.py tests/test_engine_loop.py
 
-step "pinned modes" 45 bash -c "JAX_PLATFORMS='$platform' '$py' benchmarks/pinned_modes.py \
-  --sizes-mib 8,256 --repeats 3 > '$out/pinned_modes.json'"
+step "kvxfer bench" 200 bash -c "env JAX_PLATFORMS=$platform '$py' -m kvxfer bench --quick \
+  --no-check --out '$out/bench' > '$out/bench/bench.txt'"
 
-step "kvxfer bench" 150 env JAX_PLATFORMS=$platform "$py" -m kvxfer bench --quick --no-check \
-  --out "$out/bench"
-
-step "capture layouts" 30 env JAX_PLATFORMS=$platform "$py" tpu_probes/capture_layouts.py \
-  --out "$out/captured.json"
-
-step "bandwidth probe" 45 bash -c "JAX_PLATFORMS='$platform' '$py' \
-  tpu_probes/bandwidth_probe.py --json > '$out/bandwidth.json'"
+# XLA prints one warning per instruction it turns into host compute.
+grep -c "does device compute in host memory space" "$log" > "$out/warnings.txt"
+warnings=$(cat "$out/warnings.txt")
+echo "== host-compute warnings: $warnings" | tee -a "$log"
+[ "$warnings" -eq 0 ] || status=1
 
 echo "== done: status $status" | tee -a "$log"
 exit "$status"

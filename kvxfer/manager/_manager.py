@@ -90,15 +90,22 @@ class KVCacheManager:
       host_memory_budget: bytes; default ``kvxfer.plan.default_host_memory_budget()``.
       path: the mover of each slice class (``mgr.paths`` reports the choice):
 
-        * ``"auto"``: per class, the fastest mover that can move it: on GPU and TPU
-          ``pinned`` (on TPU ``pallas`` first, for classes proven addressable); on
-          CPU ``raw`` copies where XLA:CPU buffers allow (row-major,
-          whole-byte elements), else ``pinned``; ``staged`` on a backend without a
-          ``pinned_host`` memory kind (or with ``pinned=False``). With ``layouts=``:
-          emulated copies for classes proven addressable under them, else staged.
-        * ``"pinned"``: compiled programs that gather pages (and their digests) into a
-          pinned host pool and scatter them from it into the donated caches, for
-          every class; needs a ``pinned_host`` memory kind (CPU and GPU have one).
+        * ``"auto"``: per class, the fastest mover that can move it: on an NVIDIA
+          GPU with ``cuda-bindings`` ``dma``, else ``pinned``; on TPU ``pallas`` for
+          classes proven addressable, else ``pinned``; on CPU ``raw`` copies where
+          XLA:CPU buffers allow (row-major, whole-byte elements), else ``pinned``;
+          ``staged`` on a backend without a ``pinned_host`` memory kind (or with
+          ``pinned=False``). With ``layouts=``: emulated copies for classes proven
+          addressable under them, else staged.
+        * ``"dma"``: one program per class and transfer that digests on the device
+          and enqueues batched copy-engine copies on XLA's stream between the
+          caches' blocks and a pool pinned outside XLA, for every class (NVIDIA GPUs
+          with ``cuda-bindings``; XLA:CPU with a host copy engine); refuses layouts it
+          cannot address.
+        * ``"pinned"``: compiled programs between the caches and ``pinned_host``
+          memory, for every class: in place on XLA:CPU, elsewhere each page an array
+          of pinned memory of its own, gathered and digested on the device; needs a
+          ``pinned_host`` memory kind (CPU and GPU have one).
         * ``"staged"``: compiled gather/scatter through pageable host buffers, any
           backend and layout (the portable fallback).
         * ``"raw"``: the ``raw`` mover's byte-range copies of XLA:CPU buffers for
@@ -120,8 +127,9 @@ class KVCacheManager:
 
     Raises:
       BudgetError: the plan exceeds the budget (before any allocation).
-      LayoutError: ``path="raw"`` or ``"pallas"`` over a layout that is not
-        addressable.
+      LayoutError: ``path="raw"``, ``"pallas"`` or ``"dma"`` over a layout it cannot
+        move (not addressable, not row-major for ``dma``), or ``path="dma"`` without a
+        copy engine for the backend.
       ValueError: ``path="pinned"`` on a backend without a ``pinned_host`` memory kind
         (naming the backend) or with ``pinned=False``.
       ValueError, TypeError: bad caches (deleted, block dim sharded, K and V stacked
@@ -187,8 +195,8 @@ class KVCacheManager:
 
     @property
     def paths(self) -> list[str]:
-        """The mover used for each layer: ``raw``, ``pinned``, ``pallas``, ``staged`` or
-        ``emulated``."""
+        """The mover used for each layer: ``dma``, ``raw``, ``pinned``, ``pallas``,
+        ``staged`` or ``emulated``."""
         return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
 
     def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:
