@@ -27,11 +27,14 @@ PINNED_METHODS = {"offload_pinned_off", "offload_pinned_page", "load_pinned_off_
 KVXFER_METHODS = {"offload_off", "offload_page"} | LOAD_METHODS | PINNED_METHODS
 USER_OFFLOADS = {"user_device_get", "user_gather_pinned", "user_batched_gather_pinned"}
 USER_LOADS = {"user_put_scatter", "user_batched_put_scatter"}
-D2H_METHODS = {"offload_off", "offload_page", "offload_pinned_off", "offload_pinned_page"} | \
-    USER_OFFLOADS
+# The plain-JAX routes (digests on the device), interleaved with kvxfer's variants.
+JAX_ROUTES = {"jax_gather_pinned", "jax_put_scatter"}
+D2H_METHODS = {"offload_off", "offload_page", "offload_pinned_off", "offload_pinned_page",
+               "jax_gather_pinned"} | USER_OFFLOADS
 SECTIONS = {"schema", "meta", "throughput", "sweep", "concurrency", "overhead",
             "integrity_traffic", "cache_size", "memory", "first_call", "queued", "fit",
-            "store", "store_lookup", "policy", "targets", "not_measured", "files"}
+            "store", "store_lookup", "policy", "targets", "not_measured", "files",
+            "copy_sizes"}
 # The caller-thread sections' cases on XLA:CPU: (path asked for, dtype, movers taken).
 CALL_CASES = [("staged", "bfloat16", ["staged"]), ("auto", "float32", ["raw"]),
               ("pinned", "float16", ["pinned"])]
@@ -78,7 +81,7 @@ def test_report_has_every_section(run):
     assert [(r["block_bytes"], r["dtype"]) for r in report["throughput"]] == \
         sorted(cfg.cells, key=lambda c: c != cfg.reference)
     for row in report["throughput"] + report["sweep"]:
-        assert set(row["methods"]) == KVXFER_METHODS | USER_OFFLOADS | USER_LOADS
+        assert set(row["methods"]) == KVXFER_METHODS | USER_OFFLOADS | USER_LOADS | JAX_ROUTES
         assert set(row["limit"]) == {"d2h", "h2d"}
         assert row["bytes"] == row["pages"] * row["layers"] * row["block_bytes"]
     assert set(bench.PINNED_METHODS) == PINNED_METHODS
@@ -98,6 +101,12 @@ def test_report_has_every_section(run):
     assert set(report["cache_size"]["variants"]) == \
         {"off_auto", "page_auto", "page_staged", "user_scatter"}
     assert report["memory"]["pool_bytes"] == report["memory"]["plan_bytes"]
+    # The DMA mover by bytes per copy (its host copy engine here).
+    assert [r["copy_bytes"] for r in report["copy_sizes"]] == list(cfg.copy_sizes)
+    for r in report["copy_sizes"]:
+        assert set(r["methods"]) == {"offload", "load"}
+        assert r["bytes"] == r["copies"] * r["copy_bytes"] and r["copies"] > 1
+        assert all(m["fraction_of_limit"] > 0 for m in r["methods"].values())
     said = [PROGRESS.match(line).group(4) for line in lines if PROGRESS.match(line)]
     for section in ("throughput", "memory", "concurrency", "host overhead", "prefix sweep",
                     "cache size", "first call", "queued steps", "engine fit", "warm-up",
@@ -702,12 +711,22 @@ def test_gpu_targets_and_report_from_the_same_figures(run):
     # The GPU branch cannot run here; its targets and tables are read from the same
     # report structure, so check they are built from it without error.
     report, _, _ = run
-    gpu = {**report, "meta": {**report["meta"], "platform": "gpu"}}
+    # The smoke run's cases, as if they moved 64 MiB a call (the size targets apply).
+    big = {k: [{**r, "bytes": 64 << 20} for r in report[k]] for k in ("throughput", "sweep")}
+    gpu = {**report, **big, "meta": {**report["meta"], "platform": "gpu"}}
     targets = bench.evaluate_targets(gpu)
     names = [t["name"] for t in targets]
-    assert any("0.97x integrity=off" in n for n in names)
+    assert any("0.95x integrity=off" in n for n in names)
     assert any("100x the per-page device_get" in n for n in names)
     assert not any(n.startswith("cpu:") for n in names)
+    for want in ("offload >= 0.9x pinned copy at >= 64 MiB", "load of one page >= 0.4x",
+                 "offload of 16 KiB blocks >= 0.5x", "load >= 1.2x the plain-JAX route",
+                 "gpu: 1-page x 2 layers hit"):
+        assert any(want in n for n in names), want
+    over = next(t for t in targets if "offload >= 1.2x the plain-JAX" in t["name"])
+    assert over["value"] == min(r["methods"]["offload_page"]["gbps"]
+                                / r["methods"]["jax_gather_pinned"]["gbps"]
+                                for r in big["throughput"] + big["sweep"])
     text = bench.format_report({**gpu, "targets": targets})
     assert "pinned d2h" in text and "pinned h2d" in text and "100x" in text
 
