@@ -285,10 +285,9 @@ def _load_driver() -> Driver:
     return Driver(get_proc, version)
 
 
-def cuda_unavailable(device: Any) -> str | None:
-    """Why the DMA mover has no CUDA copy engine for ``device`` (None: it has one)."""
-    if not is_cuda(device):
-        return f"{device} is not an NVIDIA GPU"
+@functools.lru_cache(maxsize=1)
+def _driver_problem() -> str | None:
+    """Why the driver's entry points cannot be had (asked once a process)."""
     try:
         _load_driver()
     except ImportError:
@@ -296,6 +295,13 @@ def cuda_unavailable(device: Any) -> str | None:
     except Exception as e:  # a driver too old, or one that failed to initialize
         return f"the CUDA driver cannot be used: {e}"
     return None
+
+
+def cuda_unavailable(device: Any) -> str | None:
+    """Why the DMA mover has no CUDA copy engine for ``device`` (None: it has one)."""
+    if not is_cuda(device):
+        return f"{device} is not an NVIDIA GPU"
+    return _driver_problem()
 
 
 _engines: dict[int, CudaCopyEngine] = {}

@@ -253,14 +253,22 @@ class DmaLoad(NamedTuple):
 
 
 def _settle(jobs: list[CopyJob], done: list[jax.Array], what: str) -> None:
-    """Waits for the programs, then raises ``TransferError`` if a job's copies failed."""
-    for d in done:
-        d.block_until_ready()
+    """Waits for the programs, then raises ``TransferError`` if a job's copies failed.
+
+    A job whose program never ran its callback (it failed first) is withdrawn, so its
+    ticket serves again.
+    """
+    try:
+        for d in done:
+            d.block_until_ready()
+    finally:
+        for job in jobs:
+            if not job.ran and job.error is None:
+                TICKETS.withdraw(job)
     for job in jobs:
         if job.error is not None:
             raise TransferError(f"{what}: the copies failed: {job.error}") from job.error
         if not job.ran:
-            TICKETS.withdraw(job)
             raise TransferError(f"{what}: a program ended without running its copies")
 
 
