@@ -38,7 +38,7 @@ def test_page_loops_touch_no_whole_cache(kind, dtype):
         "digest": ((ids, _sds((n, 5), np.uint32, device), _sds((LAYERS,), np.uint32, device),
                     count), ()),
         "pinned_write": ((pool, ids, ids, count), (pool.sharding, offsets)),
-        "pinned_load": ((pool, ids, ids, count), (pool.sharding, offsets, None, True)),
+        "pinned_load": ((pool, ids, ids, count), (pool.sharding, offsets)),
         "staged_load": ((ids, _sds((n, LAYERS, *BLOCK), caches[0].dtype if dtype == "float32"
                                    else f"uint{8 * np.dtype(caches[0].dtype).itemsize}",
                                    device), count), ()),

@@ -47,8 +47,9 @@ from kvxfer.engine._copies import TICKETS, CopyEngine, CopyJob, HostCopyEngine, 
 from kvxfer.engine._cuda import cuda_engine, cuda_unavailable
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _args_abstract, \
     _sds
+from kvxfer.engine import _programs
 from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _units,
-                                     compile_ahead, page_loops, register_kind, run,
+                                     compile_ahead, page_loops, register_kind,
                                      unit_count)
 from kvxfer.engine._raw import private_layers
 from kvxfer.hostpool import word_bytes
@@ -322,21 +323,27 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
 
     # -- offload ------------------------------------------------------------------
 
+    def _run(self, kind: str, arrays: tuple, shard: int, batch, slots: np.ndarray,
+             with_digest: bool) -> tuple[Any, CopyJob]:
+        """Files a program's copies under a ticket and enqueues it: its outputs, its job."""
+        device = device_of(arrays[0])
+        ids, base, count = batch.args(device, shard, self._size(batch.k, arrays[0]))
+        job = self._job("offload" if kind == "dma_offload" else "load", device, shard, slots,
+                        batch.ids)
+        token = TICKETS.issue(device, job)
+        digest = (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
+        try:
+            return _programs.run(kind, arrays, token, ids, count, *digest,
+                                 with_digest=with_digest, options=self._options(device)), job
+        except BaseException:
+            TICKETS.withdraw(job)
+            raise
+
     def start_offload(self, layers, batch, slots, with_digest):
         jobs, done, parts = [], [], []
         for s in range(self.cls.num_shards):
-            arrays = tuple(layer.primary[s] for layer in layers)
-            device = device_of(arrays[0])
-            ids, base, count = batch.args(device, s, self._size(batch.k, arrays[0]))
-            job = self._job("offload", device, s, slots, batch.ids)
-            token = TICKETS.issue(device, job)
-            digest = (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
-            try:
-                out = run("dma_offload", arrays, token, ids, count, *digest,
-                          with_digest=with_digest, options=self._options(device))
-            except BaseException:
-                TICKETS.withdraw(job)
-                raise
+            out, job = self._run("dma_offload", tuple(layer.primary[s] for layer in layers), s,
+                                 batch, slots, with_digest)
             jobs.append(job)
             done.append(out[0])
             parts.append(list(out[1:]))
@@ -364,17 +371,7 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
         for s in range(self.cls.num_shards):
             for r in range(len(layers[0].shards[s])):
                 local = tuple(arrays) if single else tuple(layer.shards[s][r] for layer in layers)
-                device = device_of(local[0])
-                ids, base, count = batch.args(device, s, self._size(batch.k, local[0]))
-                job = self._job("load", device, s, slots, batch.ids)
-                token = TICKETS.issue(device, job)
-                digest = (base, layer_nums(device, tuple(self.cls.layers))) if fused else ()
-                try:
-                    out, d, *digests = run("dma_load", local, token, ids, count, *digest,
-                                           with_digest=fused, options=self._options(device))
-                except BaseException:
-                    TICKETS.withdraw(job)
-                    raise
+                (out, d, *digests), job = self._run("dma_load", local, s, batch, slots, fused)
                 jobs.append(job)
                 done.append(d)
                 if fused:

@@ -49,8 +49,8 @@ import numpy as np
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, TransferError, \
     _args_abstract, _pool_load_abstract, _sds
-from kvxfer.engine._programs import compile_ahead, compile_zeros, pinned_gather, pinned_load, \
-    pinned_write, zeros
+from kvxfer.engine._pinned_programs import pinned_gather, pinned_load, pinned_write
+from kvxfer.engine._programs import compile_ahead, compile_zeros, zeros
 from kvxfer.engine._pinned_pages import PinnedPagesMover
 from kvxfer.engine._raw import RowCopy
 from kvxfer.hostpool import ClassPool, PoolError, has_pinned_host
@@ -306,8 +306,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 if fused:
                     request.on_digested(shard, replica, digests[0])
             else:
-                out, d = pinned_load(local, src, ids_d, rows, count, self._packed_offsets(),
-                                     None, loop=True)
+                out, d = pinned_load(local, src, ids_d, rows, count, self._packed_offsets())
             done.append(d)
             if single:
                 return list(out), PinnedLoad(done)
@@ -362,7 +361,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                     compile_ahead("pinned_load", local, pool,
                                   *_pool_load_abstract(n, len(layers), device, fused),
                                   with_digest=fused,
-                                  options=(pool.sharding, self.pool.word_offsets(s), None, True))
+                                  options=(pool.sharding, self.pool.word_offsets(s)))
                     continue
                 rows = _sds((b,), np.int32, device)
                 shape, dtype = self._packed_shape(b), self.pool.array.dtype
@@ -370,8 +369,7 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
                 src = jax.ShapeDtypeStruct(shape, dtype, sharding=_pinned(device))
                 ids, _, count = _args_abstract(b, device)
                 compile_ahead("pinned_load", local, src, ids, rows, count,
-                              options=(src.sharding, self._packed_offsets(),
-                                       None, True))
+                              options=(src.sharding, self._packed_offsets()))
 
 
 def pinned_mover(platform: str) -> type[Mover]:

@@ -31,8 +31,9 @@ import numpy as np
 from kvxfer._pagearrays import PageArrays
 from kvxfer.engine._batch import assemble, device_of, layer_nums
 from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, _args_abstract, _sds
+from kvxfer.engine import _programs
 from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _units,
-                                     compile_ahead, page_loops, register_kind, run,
+                                     compile_ahead, page_loops, register_kind,
                                      unit_count)
 from kvxfer.engine._raw import private_layers
 from kvxfer.hostpool import word_bytes
@@ -90,8 +91,8 @@ def _load_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
                  out_shardings=(formats, None) + (None,) * with_digest))
 
 
-register_kind("pages_offload", _offload_parts)
-register_kind("pages_load", _load_parts, same_formats=0)
+register_kind("pages_offload", _offload_parts, ballast=True)
+register_kind("pages_load", _load_parts, same_formats=0, ballast=True)
 
 
 class PagesOffload(NamedTuple):
@@ -140,9 +141,6 @@ class PinnedPagesMover(Mover[PagesOffload, list[PagesInputs], PagesLoad]):
                               word_bytes(slice_class))
         return make
 
-    def _size(self, b: int, device: Any) -> int | None:
-        return None  # every program is made per bucket (its outputs are pages)
-
     # -- offload ------------------------------------------------------------------
 
     def start_offload(self, layers, batch, slots, with_digest):
@@ -153,8 +151,9 @@ class PinnedPagesMover(Mover[PagesOffload, list[PagesInputs], PagesLoad]):
             device = device_of(arrays[0])
             ids, base, count = batch.args(device, s)
             digest = (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
-            out = run("pages_offload", arrays, ids, count, *digest, with_digest=with_digest,
-                      options=(self._unit, page_loops(device), b, _pinned(device)))
+            out = _programs.run("pages_offload", arrays, ids, count, *digest,
+                                with_digest=with_digest,
+                                options=(self._unit, page_loops(device), b, _pinned(device)))
             if with_digest:
                 out, d = out
                 parts.append([d])
@@ -203,8 +202,9 @@ class PinnedPagesMover(Mover[PagesOffload, list[PagesInputs], PagesLoad]):
             ids, base, count = batch.args(device, shard)
             rows = tuple(rows) + (rows[0],) * (b - len(rows))  # padding: never written
             digest = (base, layer_nums(device, tuple(self.cls.layers))) if fused else ()
-            out, d, *digests = run("pages_load", local, rows, ids, count, *digest,
-                                   with_digest=fused, options=(self._unit, page_loops(device)))
+            out, d, *digests = _programs.run("pages_load", local, rows, ids, count, *digest,
+                                             with_digest=fused,
+                                             options=(self._unit, page_loops(device)))
             done.append(d)
             if fused:
                 request.on_digested(shard, replica, digests[0])

@@ -1,5 +1,6 @@
-"""The compiled programs movers run: gathers with digests, digests alone, scatters,
-and the pinned mover's programs between the caches and ``pinned_host`` memory.
+"""The compiled programs movers run: gathers with digests, digests alone, scatters;
+and the cache of programs every kind shares, which movers register kinds of their own
+with (``register_kind``: the pinned, DMA and pages programs live beside their movers).
 
 One program per (kind, input formats, options), in a bounded cache; ``jax.jit`` then
 caches per shapes. The caches' formats are pinned so that a cache in a non-default
@@ -30,10 +31,10 @@ import numpy as np
 from kvxfer import integrity
 from kvxfer.layout import dtype_of, natural_bits
 
-__all__ = ["needs_raw_bits", "run", "register_kind", "lowered_for", "gather", "digest_blocks", "scatter", "staged_load", "alias",
-           "compile_ahead", "compile_job", "compiled", "deferred_compiles", "page_loops",
-           "DIGEST_CHUNK", "unit_count", "pinned_write", "pinned_gather", "pinned_load",
-           "zeros", "compile_zeros"]
+__all__ = ["needs_raw_bits", "run", "register_kind", "lowered_for", "gather", "digest_blocks",
+           "scatter", "staged_load", "alias", "compile_ahead", "compile_job", "compiled",
+           "deferred_compiles", "page_loops", "DIGEST_CHUNK", "unit_count", "zeros",
+           "compile_zeros"]
 
 # Layers per digest program: compile time grows with the layers in a program, so a
 # class of 61 layers compiles two programs of 8 (and one of 5), not one of 61.
@@ -266,89 +267,6 @@ def unit_count(shape: tuple[int, ...], dtype, unit: int) -> int:
     return n * dtype_of(dtype).itemsize // unit
 
 
-def _pinned_write_impl(arrays, pool, ids, slots, count, *, raw: bool,
-                       offsets: tuple[int, ...]):
-    # The pool is donated: each block of the first ``count`` pages is written into its
-    # slot's words in place, so the pages reach the pinned pool with no copy beside
-    # this one. (Raw bits are read a block at a time, see ``_on_blocks``: a gather of
-    # every page first would tie the program to the padded page count.)
-    unit = pool.dtype.itemsize
-
-    def body(j, carry):
-        p, n = carry
-
-        def write(blocks, p):
-            for block, off in zip(blocks, offsets):
-                p = jax.lax.dynamic_update_slice(p, _units(block, unit), (slots[j], off))
-            return p
-
-        return _on_blocks(write, lambda p: p, arrays, ids[j], raw, p), n + 1
-
-    # The second output is what a waiter waits for: the pool array itself may be
-    # donated by the next program before anyone waits.
-    return jax.lax.fori_loop(0, count, body, (pool, jnp.int32(0)))
-
-
-def _pinned_write_digest_impl(arrays, pool, ids, slots, count, base, layer_nums, *,
-                              raw: bool, offsets: tuple[int, ...]):
-    # The pool written, and the digests of the blocks read, in one program (as
-    # ``digest_blocks`` would compute them): an offload then dispatches one program.
-    pool, done = _pinned_write_impl(arrays, pool, ids, slots, count, raw=raw,
-                                    offsets=offsets)
-    return pool, done, _digest_impl(arrays, ids, base, layer_nums, count, raw=raw, loop=True)
-
-
-def _pinned_gather_impl(arrays, ids, *, raw: bool, unit: int):
-    return jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
-
-
-def _pinned_load_digest_impl(arrays, src, ids, rows, count, base, layer_nums, *, raw: bool,
-                             offsets: tuple[int, ...], stream: jax.sharding.Sharding | None,
-                             loop: bool):
-    # The load, then the digests of the blocks it wrote, read back from the caches it
-    # returns (as ``digest_blocks`` would read them, in the same program).
-    out, done = _pinned_load_impl(arrays, src, ids, rows, count, raw=raw, offsets=offsets,
-                                  stream=stream, loop=loop)
-    digests = _digest_impl(out, ids, base, layer_nums, count, raw=raw, loop=loop)
-    return out, done, digests
-
-
-def _pinned_load_impl(arrays, src, ids, rows, count, *, raw: bool, offsets: tuple[int, ...],
-                      stream: jax.sharding.Sharding | None, loop: bool):
-    # ``src`` is pinned host memory: the pool itself, or the request's pages. Each
-    # block is read from its row and written into the donated cache in place.
-    if stream is not None:
-        src = jax.device_put(src, stream)  # the documented way to read host memory
-    unit = src.dtype.itemsize
-    sizes = [unit_count(a.shape, a.dtype, unit) for a in arrays]
-    if not loop:
-        xs = [_bits(a, raw) for a in arrays]
-        # One scatter per layer (what a GPU runs at the speed of the bytes moved);
-        # padding entries repeat the first page, so indices may repeat.
-        pages = src[rows]
-        out = tuple(x.at[ids].set(_from_units(pages[:, off:off + n], x.dtype, x.shape[1:]))
-                    for x, off, n in zip(xs, offsets, sizes))
-        out, done = jax.lax.optimization_barrier((out, rows[0]))  # done after every write
-        return tuple(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x
-                     for x, a in zip(out, arrays)), done
-    # A loop of dynamic-update-slices over the first ``count`` pages: on XLA:CPU it
-    # writes in place at 4-5x the speed of a scatter from a gathered copy of the pages,
-    # and (see ``_write_blocks``) with no copy of the caches for raw bits.
-    dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
-
-    def body(j, carry):
-        caches, written = carry
-        blocks = [_from_units(jax.lax.dynamic_slice(src, (rows[j], off), (1, n)), dtype,
-                              a.shape[1:])
-                  for a, dtype, off, n in zip(arrays, dtypes, offsets, sizes)]
-        return _write_blocks(caches, ids[j], blocks, raw), written + 1
-
-    out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
-    # ``done`` is the load's own output: ready once ``src`` was read, and never handed
-    # to the caller (who may donate the caches right away).
-    return tuple(out), done
-
-
 # XLA:CPU runs a program whose cost analysis counts fewer than 1000 flops inline, on
 # the thread that dispatches it, waiting there for its inputs: a gather, a scatter or a
 # copy loop counts almost none, so the caller would wait for every step queued before
@@ -376,19 +294,25 @@ def _on_cpu(formats: tuple) -> bool:
 Parts = Callable[[tuple, bool, bool, tuple], tuple[Any, dict[str, Any]]]
 """``parts(formats, raw, with_digest, options) -> (function, jax.jit arguments)``."""
 
-# Program kinds other modules define (``register_kind``).
+# Program kinds other modules define (``register_kind``), and those of them that get
+# no ballast.
 _KINDS: dict[str, Parts] = {}
+_UNBALLASTED: set[str] = set()
 
 
-def register_kind(kind: str, parts: Parts, same_formats: int | None | bool = False) -> None:
+def register_kind(kind: str, parts: Parts, same_formats: int | None | bool = False,
+                  ballast: bool = False) -> None:
     """Makes program ``kind`` known to ``run``, ``compile_ahead`` and ``compiled``.
 
-    Programs of a registered kind get no ballast (they hold host callbacks, which
-    XLA:CPU runs on the dispatching thread anyway). ``same_formats``: where in the
-    output the arrays a program was given come back in their formats (an index, None
-    for the whole output), or False.
+    ``same_formats``: where in the output the arrays a program was given come back in
+    their formats (an index, None for the whole output), or False. ``ballast``: on
+    XLA:CPU, give the program the flops that make it asynchronous when it only moves
+    bytes (see ``_BALLAST``); programs that hold host callbacks need none (XLA:CPU runs
+    them on the dispatching thread whatever they count).
     """
     _KINDS[kind] = parts
+    if not ballast:
+        _UNBALLASTED.add(kind)
     if same_formats is not False:
         _SAME_FORMATS[kind] = same_formats
 
@@ -408,24 +332,6 @@ def _parts(kind: str, formats: tuple, raw: bool, with_digest: bool,
     if kind == "alias":
         return tuple, dict(donate_argnums=(0,), in_shardings=(formats,),
                            out_shardings=formats)
-    if kind == "pinned_write":
-        pool, offsets = options
-        impl = _pinned_write_digest_impl if with_digest else _pinned_write_impl
-        return (functools.partial(impl, raw=raw, offsets=offsets),
-                dict(donate_argnums=(1,),
-                     in_shardings=(formats, pool, None, None, None) + (None, None) * with_digest,
-                     out_shardings=(pool, None) + (None,) * with_digest))
-    if kind == "pinned_gather":
-        out, unit = options
-        return (functools.partial(_pinned_gather_impl, raw=raw, unit=unit),
-                dict(in_shardings=(formats, None), out_shardings=out))
-    if kind == "pinned_load":
-        src, offsets, stream, loop = options
-        impl = _pinned_load_digest_impl if with_digest else _pinned_load_impl
-        return (functools.partial(impl, raw=raw, offsets=offsets, stream=stream, loop=loop),
-                dict(donate_argnums=(0,),
-                     in_shardings=(formats, src, None, None, None) + (None, None) * with_digest,
-                     out_shardings=(formats, None) + (None,) * with_digest))
     if kind == "staged_load":
         return (functools.partial(_staged_load_impl, raw=raw),
                 dict(donate_argnums=(0,), in_shardings=(formats, None, None, None),
@@ -444,7 +350,7 @@ def _program(kind: str, formats: tuple, raw: bool, with_digest: bool = False,
     # (XLA:CPU) counts one iteration, one page: few flops for small blocks. The alias
     # program stays inline: the raw mover waits for it on the caller's thread anyway
     # (it copies into the buffers it hands over), and is used on ready caches only.
-    light = (kind not in ("digest", "alias", *_KINDS)
+    light = (kind not in ("digest", "alias", *_UNBALLASTED)
              and not (kind == "gather" and with_digest)) \
         or kind == "digest" and page_loops(_device(formats))
     if not (light and _on_cpu(formats)):
@@ -477,7 +383,7 @@ _BY_IDENTITY_SIZE = 4096
 
 # The programs whose first output is the arrays they were given, in the same formats
 # (``out_shardings=formats``), and where that output is in what they return.
-_SAME_FORMATS = {"alias": None, "scatter": None, "staged_load": None, "pinned_load": 0}
+_SAME_FORMATS = {"alias": None, "scatter": None, "staged_load": None}
 
 
 def _sweep() -> None:
@@ -660,52 +566,6 @@ def staged_load(arrays, ids, pages, count, ballast: list | None = None):
     appended to it (where the program has one).
     """
     return run("staged_load", arrays, ids, pages, count, ballast=ballast)
-
-
-def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...],
-                 digest: tuple[Any, jax.Array] | None = None):
-    """Writes blocks ``ids[j]`` of every layer into row ``slots[j]`` of ``pool`` in place.
-
-    For ``j < count`` (an ``int32`` scalar: the arrays may be padded further).
-    ``pool`` (pinned host words, donated) gets layer ``l``'s block at word
-    ``offsets[l]`` of the row. ``digest``: ``(identities, layer numbers)`` as
-    ``digest_blocks`` takes them: the program also digests the blocks it reads.
-
-    Returns:
-      ``(new pool, done)``: ``done`` (a scalar) is ready once the pages are written;
-      with ``digest``, the digests ``uint32[L, len(ids), D]`` as a third element.
-    """
-    extra = () if digest is None else tuple(digest)
-    return run("pinned_write", arrays, pool, ids, slots, count, *extra,
-                with_digest=digest is not None, options=(pool.sharding, tuple(offsets)))
-
-
-def pinned_gather(arrays, ids, out, unit: int):
-    """Pages ``uint{8 * unit}[b, L * n]`` of blocks ``ids`` in the memory of ``out``."""
-    return run("pinned_gather", arrays, ids, options=(out, unit))
-
-
-def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...], stream=None,
-                loop: bool = True, digest: tuple[jax.Array, jax.Array] | None = None):
-    """Writes row ``rows[j]`` of ``src`` (pinned host words) into block ``ids[j]``.
-
-    Layer ``l``'s block is read at word ``offsets[l]`` of the row; the caches are
-    donated and written in place. ``stream``: a device sharding to move ``src`` to
-    first (when the backend reads host memory only that way). ``loop``: one
-    dynamic-update-slice per block for ``j < count`` (an ``int32`` scalar; XLA:CPU)
-    rather than one scatter per layer over every entry (padding repeats a page).
-
-    ``digest``: ``(identities, layer numbers)`` as ``digest_blocks`` takes them: the
-    program also digests the blocks it wrote (``ids`` sized as the digests take them).
-
-    Returns:
-      ``(new arrays, done)``, and the digests ``uint32[L, len(ids), D]`` as a third
-      element with ``digest``: ``done`` is ready once the program has run.
-    """
-    extra = () if digest is None else tuple(digest)
-    return run("pinned_load", arrays, src, ids, rows, count, *extra,
-                with_digest=digest is not None, options=(src.sharding, tuple(offsets), stream,
-                                                         loop))
 
 
 @functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)

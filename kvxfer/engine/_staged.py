@@ -30,8 +30,9 @@ from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, _args_abstract, \
     _pool_load_abstract, _sds
 from kvxfer.engine._raw import RowCopy
+from kvxfer.engine._pinned_programs import pinned_load
 from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, page_loops, \
-    pinned_load, scatter, staged_load, zeros
+    scatter, staged_load, zeros
 from kvxfer.hostpool import word_bytes
 
 __all__ = ["StagedMover", "staged_mode"]
@@ -265,7 +266,7 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
                                                        sharding=pool.sharding),
                                   *_pool_load_abstract(n, len(layers), device, fused),
                                   with_digest=fused,
-                                  options=(pool.sharding, self.pool.word_offsets(s), None, True))
+                                  options=(pool.sharding, self.pool.word_offsets(s)))
                 elif page_loops(device):
                     n = loop_pages(b, local[0].shape[0])
                     if r == 0:
