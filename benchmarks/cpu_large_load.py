@@ -6,12 +6,16 @@ Every path runs twice, in turn, and the second round is reported: the first path
 process runs moves these 256 MiB about half as fast (whichever path it is), as the
 process's memory first fills; the first round pays for that.
 
-Usage:  python benchmarks/cpu_large_load.py [PATH ...]   (default: auto raw dma pinned)
+Usage:  python benchmarks/cpu_large_load.py [--layers 8] [--blocks 1024] [--block-kib 32]
+            [--repeats 4] [PATH ...]        (default paths: auto raw dma pinned)
+
+It uses the public API only, so it also measures an older checkout (``PYTHONPATH=``
+that tree) for a before/after.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import numpy as np
@@ -20,33 +24,37 @@ import kvxfer
 from kvxfer import testing
 from kvxfer.manager import PATHS
 
-LAYERS, BLOCKS, BLOCK = 8, 1024, 32 << 10
-REPEATS = 4
-
-
 def main() -> None:
-    paths = sys.argv[1:] or [p for p in ("auto", "raw", "dma", "pinned") if p in PATHS]
-    caches = testing.random_caches(LAYERS, 2 * BLOCKS, testing.block_shape(BLOCK, "bfloat16"),
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=1024, help="blocks moved per call")
+    parser.add_argument("--block-kib", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("paths", nargs="*")
+    args = parser.parse_args()
+    paths = args.paths or [p for p in ("auto", "raw", "dma", "pinned") if p in PATHS]
+    layers, blocks, block = args.layers, args.blocks, args.block_kib << 10
+    caches = testing.random_caches(layers, 2 * blocks, testing.block_shape(block, "bfloat16"),
                                    "bfloat16", seed=1)
-    nbytes = LAYERS * BLOCKS * BLOCK
+    nbytes = layers * blocks * block
     src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-    ids = np.random.default_rng(0).permutation(BLOCKS).tolist()
+    ids = np.random.default_rng(0).permutation(blocks).tolist()
     rounds = [(p, i, last) for last in (False, True) for p in paths for i in ("off", "page")]
     for path, integrity, last in rounds:
-        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=BLOCKS, path=path,
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=blocks, path=path,
                                     integrity=integrity)
-        mgr.warmup(BLOCKS)
+        mgr.warmup(blocks)
         best = {"memcpy": 1e9, "offload": 1e9, "load": 1e9}
-        for _ in range(REPEATS):
+        for _ in range(args.repeats):
             t0 = time.perf_counter()
             np.copyto(dst, src)
             best["memcpy"] = min(best["memcpy"], time.perf_counter() - t0)
             t0 = time.perf_counter()
-            pages = mgr.offload(caches, ids, keys=list(range(BLOCKS))).wait()
+            pages = mgr.offload(caches, ids, keys=list(range(blocks))).wait()
             best["offload"] = min(best["offload"], time.perf_counter() - t0)
             t0 = time.perf_counter()
-            caches, load = mgr.load(caches, pages, list(range(BLOCKS, 2 * BLOCKS)))
-            assert load.result().verified_prefix == BLOCKS
+            caches, load = mgr.load(caches, pages, list(range(blocks, 2 * blocks)))
+            assert load.result().verified_prefix == blocks
             best["load"] = min(best["load"], time.perf_counter() - t0)
             mgr.free(pages)
         movers = ",".join(sorted(set(mgr.paths)))
