@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.buffer_callback import buffer_callback
+from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
 from kvxfer._hostmem import HostMemory
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
@@ -143,6 +143,8 @@ _DONE = jax.ShapeDtypeStruct((1,), np.uint32)
 
 def _run_job(on_gpu: bool, ctx: Any, out: Any, token: Any, *operands: Any) -> None:
     """Runs the ``CopyJob`` filed under ``token`` on the buffers XLA hands over."""
+    if ctx.stage != ExecutionStage.EXECUTE:
+        return  # a handler may also be called to prepare: the copies belong to execution
     job = TICKETS.take(buffer_address(token, on_gpu))
     if job.ids is None:  # the staging buffer: an operand (offload) or the output (load)
         buffers = [operands[0] if job.direction == "offload" else out[0]]
