@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import kvxfer
 from kvxfer import testing
 from kvxfer._hostmem import HostMemory
-from kvxfer.engine import COPY_ENGINES, DmaMover, TransferError, dma_refusal
+from kvxfer.engine import COPY_ENGINES, TransferError, dma_refusal
 from kvxfer.engine._copies import TICKETS, Copies, HostCopyEngine
 from kvxfer.engine._cuda import CudaCopyEngine, DriverError
 

@@ -36,7 +36,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
@@ -48,9 +47,8 @@ from kvxfer.engine._cuda import cuda_engine, cuda_unavailable
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _args_abstract, \
     _sds
 from kvxfer.engine import _programs
-from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _units,
-                                     compile_ahead, page_loops, register_kind,
-                                     unit_count)
+from kvxfer.engine._programs import (_UINT, _digest_impl, compile_ahead, page_loops,
+                                     page_rows, register_kind, scatter_rows, unit_count)
 from kvxfer.engine._raw import private_layers
 from kvxfer.hostpool import word_bytes
 from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
@@ -184,7 +182,7 @@ def _offload_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool,
     # may run in either order.
     out = (_digests(arrays, ids, count, digest, raw, loop),) if digest else ()
     if relayout:
-        operands = (jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1),)
+        operands = (page_rows(arrays, ids, raw, unit),)
     else:
         operands = tuple(arrays)
     done = buffer_callback(callback, _DONE, has_side_effect=False)(token, *operands)
@@ -198,16 +196,7 @@ def _load_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, lo
         staging, done = buffer_callback(
             callback, (jax.ShapeDtypeStruct(rows, _UINT[unit]), _DONE),
             has_side_effect=False)(token)
-        # Rows past ``count`` were never written: their ids go out of range (dropped).
-        where = jnp.where(jnp.arange(ids.shape[0]) < count, ids, arrays[0].shape[0])
-        out, at = [], 0
-        for a in arrays:
-            n = unit_count(a.shape, a.dtype, unit)
-            x = _bits(a, raw)
-            block = _from_units(staging[:, at:at + n], x.dtype, x.shape[1:])
-            x = x.at[where].set(block, mode="drop", unique_indices=True)
-            out.append(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x)
-            at += n
+        out = scatter_rows(arrays, staging, ids, count, raw, unit)
     else:
         *out, done = buffer_callback(
             callback, (*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays), _DONE),

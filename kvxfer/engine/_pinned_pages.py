@@ -32,9 +32,8 @@ from kvxfer._pagearrays import PageArrays
 from kvxfer.engine._batch import assemble, device_of, layer_nums
 from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, _args_abstract, _sds
 from kvxfer.engine import _programs
-from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _units,
-                                     compile_ahead, page_loops, register_kind,
-                                     unit_count)
+from kvxfer.engine._programs import (_UINT, _digest_impl, compile_ahead, page_loops,
+                                     page_rows, register_kind, scatter_rows)
 from kvxfer.engine._raw import private_layers
 from kvxfer.hostpool import word_bytes
 
@@ -48,7 +47,7 @@ def _pinned(device: Any) -> jax.sharding.SingleDeviceSharding:
 def _offload_impl(arrays, ids, count, *digest, raw: bool, unit: int, loop: bool):
     # Gathered and digested on the device; each page's row goes out to pinned memory
     # as an output of its own (``out_shardings``): movement only.
-    rows = jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
+    rows = page_rows(arrays, ids, raw, unit)
     pages = tuple(rows[j] for j in range(rows.shape[0]))
     if not digest:
         return pages
@@ -60,15 +59,7 @@ def _load_impl(arrays, pages, ids, count, *digest, raw: bool, unit: int, loop: b
     # ``pages`` are on the device already (staged): one scatter per layer writes them
     # into the donated caches; entries past ``count`` go out of range and are dropped.
     rows = jnp.stack(pages)
-    where = jnp.where(jnp.arange(rows.shape[0]) < count, ids, arrays[0].shape[0])
-    out, at = [], 0
-    for a in arrays:
-        n = unit_count(a.shape, a.dtype, unit)
-        x = _bits(a, raw)
-        block = _from_units(rows[:, at:at + n], x.dtype, x.shape[1:])
-        x = x.at[where].set(block, mode="drop", unique_indices=True)
-        out.append(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x)
-        at += n
+    out = scatter_rows(arrays, rows, ids, count, raw, unit)
     out, done = jax.lax.optimization_barrier((tuple(out), rows[0, 0]))  # after every write
     if not digest:
         return out, done

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from kvxfer.engine import _programs
-from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _on_blocks,
-                                     _units, _write_blocks, register_kind, unit_count)
+from kvxfer.engine._programs import (_UINT, _digest_impl, _from_units, _on_blocks, _units,
+                                     _write_blocks, page_rows, register_kind, unit_count)
 
 __all__ = ["pinned_write", "pinned_gather", "pinned_load"]
 
@@ -52,7 +52,7 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool,
 
 
 def _gather_impl(arrays, ids, *, raw: bool, unit: int):
-    return jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
+    return page_rows(arrays, ids, raw, unit)
 
 
 def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, offsets: tuple[int, ...]):

@@ -32,7 +32,8 @@ from kvxfer import integrity
 from kvxfer.layout import dtype_of, natural_bits
 
 __all__ = ["needs_raw_bits", "run", "register_kind", "lowered_for", "gather", "digest_blocks",
-           "scatter", "staged_load", "alias", "compile_ahead", "compile_job", "compiled",
+           "scatter", "staged_load", "alias", "page_rows", "scatter_rows", "compile_ahead",
+           "compile_job", "compiled",
            "deferred_compiles", "page_loops", "DIGEST_CHUNK", "unit_count", "zeros",
            "compile_zeros"]
 
@@ -257,6 +258,28 @@ def _from_units(w: jax.Array, dtype, block: tuple[int, ...]) -> jax.Array:
         return jax.lax.bitcast_convert_type(
             x.astype(jnp.dtype(f"uint{natural_bits(dtype)}")), dtype)
     return x if dtype == target else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def page_rows(arrays, ids, raw: bool, unit: int) -> jax.Array:
+    """Blocks ``ids`` of every layer, page-major: row ``j`` holds page ``j``'s layers side
+    by side as words of ``unit`` bytes (what a host slot holds of one shard)."""
+    return jnp.concatenate([_units(_bits(a, raw)[ids], unit) for a in arrays], axis=1)
+
+
+def scatter_rows(arrays, rows, ids, count, raw: bool, unit: int) -> list[jax.Array]:
+    """``arrays`` with page-major ``rows`` (``page_rows``'s layout) written into blocks
+    ``ids``: one scatter per layer, into the donated arrays; rows past ``count`` go out
+    of range and are dropped (padding, never written)."""
+    where = jnp.where(jnp.arange(rows.shape[0]) < count, ids, arrays[0].shape[0])
+    out, at = [], 0
+    for a in arrays:
+        n = unit_count(a.shape, a.dtype, unit)
+        x = _bits(a, raw)
+        block = _from_units(rows[:, at:at + n], x.dtype, x.shape[1:])
+        x = x.at[where].set(block, mode="drop", unique_indices=True)
+        out.append(jax.lax.bitcast_convert_type(x, a.dtype) if raw else x)
+        at += n
+    return out
 
 
 def unit_count(shape: tuple[int, ...], dtype, unit: int) -> int:
