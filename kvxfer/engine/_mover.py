@@ -18,7 +18,8 @@ from kvxfer.engine._programs import DIGEST_CHUNK, compile_ahead, digest_blocks, 
 from kvxfer.hostpool import ClassPool, HostBacking
 from kvxfer.plan import SliceClass
 
-__all__ = ["TransferError", "Mover", "LoadRequest", "LoadDone", "Pending", "OffloadT",
+__all__ = ["TransferError", "Mover", "WaitsOnce", "LoadRequest", "LoadDone", "Pending",
+           "OffloadT",
            "StagedT", "LoadT"]
 
 OffloadT = TypeVar("OffloadT")
@@ -167,6 +168,21 @@ class LoadDone(NamedTuple):
         while self.done:
             self.done[-1].block_until_ready()
             self.done.pop()
+
+
+class WaitsOnce:
+    """Load completion for movers whose state is a ``LoadDone``: each program writes
+    every layer of a shard replica, so a layer is in place once they all ran, and one
+    wait serves every layer. Put it before ``Mover`` among the bases."""
+
+    def load_layer_waits(self, state: LoadDone, pos: int) -> bool:
+        return state.pending()
+
+    def finish_load_layer(self, state: LoadDone, pos: int) -> None:
+        state.wait()
+
+    def finish_load(self, state: LoadDone, num_layers: int) -> None:
+        state.wait()
 
 
 class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):

@@ -48,7 +48,7 @@ import numpy as np
 
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, TransferError, \
-    _args_abstract, _pool_load_abstract, _sds
+    WaitsOnce, _args_abstract, _pool_load_abstract, _sds
 from kvxfer.engine._pinned_programs import pinned_gather, pinned_load, pinned_write
 from kvxfer.engine._programs import compile_ahead, compile_zeros, zeros
 from kvxfer.engine._pinned_pages import PinnedPagesMover
@@ -133,7 +133,7 @@ class PinnedLoad(LoadDone):
     """What the pinned mover's load programs return that the caller never holds."""
 
 
-class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
+class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
     """Compiled programs between the caches and a pinned host pool, in place."""
 
     name = "pinned"
@@ -320,15 +320,6 @@ class PinnedMover(Mover[PinnedOffload, list[PinnedInputs], PinnedLoad]):
         hooks, with integrity on): where every replica reads the pool itself (XLA:CPU),
         so a small load dispatches one program, not five."""
         return all(self._direct(device_of(a)) for reps in layers[0].shards for a in reps)
-
-    def load_layer_waits(self, state: PinnedLoad, pos: int) -> bool:
-        return state.pending()
-
-    def finish_load_layer(self, state: PinnedLoad, pos: int) -> None:
-        state.wait()
-
-    def finish_load(self, state: PinnedLoad, num_layers: int) -> None:
-        state.wait()  # one program writes every layer of a shard replica
 
     # -- warm-up ------------------------------------------------------------------
 

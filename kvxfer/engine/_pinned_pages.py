@@ -30,7 +30,8 @@ import numpy as np
 
 from kvxfer._pagearrays import PageArrays
 from kvxfer.engine._batch import assemble, device_of, layer_nums
-from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, _args_abstract, _sds
+from kvxfer.engine._mover import (LoadDone, LoadRequest, Mover, Pending, WaitsOnce,
+                                  _args_abstract, _sds)
 from kvxfer.engine import _programs
 from kvxfer.engine._programs import (_UINT, _digest_impl, compile_ahead, page_loops,
                                      page_rows, register_kind, scatter_rows)
@@ -106,7 +107,7 @@ class PagesLoad(LoadDone):
     """What the load programs return that the caller never holds."""
 
 
-class PinnedPagesMover(Mover[PagesOffload, list[PagesInputs], PagesLoad]):
+class PinnedPagesMover(WaitsOnce, Mover[PagesOffload, list[PagesInputs], PagesLoad]):
     """Pages gathered on the device and kept as arrays of pinned host memory."""
 
     name = "pinned"
@@ -205,15 +206,6 @@ class PinnedPagesMover(Mover[PagesOffload, list[PagesInputs], PagesLoad]):
                 new_shards[pos][shard].append(a)
         new = [assemble(a, shards) for a, shards in zip(arrays, new_shards)]
         return new, PagesLoad(done)
-
-    def load_layer_waits(self, state: PagesLoad, pos: int) -> bool:
-        return state.pending()
-
-    def finish_load_layer(self, state: PagesLoad, pos: int) -> None:
-        state.wait()
-
-    def finish_load(self, state: PagesLoad, num_layers: int) -> None:
-        state.wait()  # one program writes every layer of a shard replica
 
     # -- warm-up ------------------------------------------------------------------
 

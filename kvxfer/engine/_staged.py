@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
-from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, _args_abstract, \
+from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, WaitsOnce, _args_abstract, \
     _pool_load_abstract, _sds
 from kvxfer.engine._raw import RowCopy
 from kvxfer.engine._pinned_programs import pinned_load
@@ -174,7 +174,7 @@ class StagedOffload(NamedTuple):
     outs: list[tuple[jax.Array, jax.Array | None]]
 
 
-class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
+class StagedMover(WaitsOnce, Mover[StagedOffload, list[StagedInputs], StagedLoad]):
     """Compiled gather / donated scatter programs; correct for every layout."""
 
     name = "staged"
@@ -379,8 +379,3 @@ class StagedMover(Mover[StagedOffload, list[StagedInputs], StagedLoad]):
         small load dispatches one program, not five."""
         return all(self._in_place(layers, t) for t in range(self.cls.num_shards))
 
-    def load_layer_waits(self, state: StagedLoad, pos: int) -> bool:
-        return state.pending()
-
-    def finish_load_layer(self, state: StagedLoad, pos: int) -> None:
-        state.wait()
