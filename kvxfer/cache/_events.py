@@ -12,11 +12,12 @@ hands a callback every change of where this cache's pages are, as ``CacheEvent``
 Events are queued where they happen (under the cache's lock, or on its store writer
 thread) and delivered on one thread of their own (``kvxfer-cache-events``), in
 order, in batches of whatever is queued, never under a lock of the cache: a callback
-may call the cache. A callback's exception is logged on ``logging.getLogger("kvxfer")``
-and dropped. A store's own evictions (past its capacity) are not seen by the cache
-and not reported. At most ``max_queued`` events wait for delivery; past that the
-oldest are dropped and counted (``stats()["events_dropped"]``): a router that misses
-events should rebuild its view.
+may call the cache, ``close()`` included. A callback's exception (``SystemExit`` and
+``KeyboardInterrupt`` too) is logged on ``logging.getLogger("kvxfer")`` and dropped:
+the other subscribers, and later batches, are still delivered. A store's own
+evictions (past its capacity) are not seen by the cache and not reported. At most
+``max_queued`` events wait for delivery; past that the oldest are dropped and counted
+(``stats()["events_dropped"]``): a router that misses events should rebuild its view.
 
 Example:
     >>> hub = EventHub()
@@ -169,12 +170,14 @@ class EventHub:
             return True
 
     def close(self, timeout: float | None = None) -> None:
-        """Delivers what is queued (within ``timeout``), then stops the thread."""
+        """Delivers what is queued (within ``timeout``), then stops the thread. Called
+        from a callback (the delivery thread), it waits for nothing: the thread
+        delivers what is queued once the callback returns, then stops."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
             thread = self._thread
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
                 log.warning("cache event callbacks did not return within %g s of close(); "
@@ -204,6 +207,6 @@ class EventHub:
                 continue
             try:
                 sub.callback(mine)
-            except Exception:
+            except BaseException:  # SystemExit too: this thread serves every subscriber
                 log.exception("a cache event callback (%r) raised; its batch of %d events "
                               "is dropped for it", sub.callback, len(mine))

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
-from kvxfer._check import check_int, check_timeout
+from kvxfer._check import check_int
 from kvxfer._counters import Counters
 from kvxfer.cache._blocks import columns, page_keys
+from kvxfer.cache._deadline import (CLOSE_TIMEOUT_S, FLUSH_TIMEOUT_S, LOOKUP_TIMEOUT_S,
+                                    Deadline, wait_done)
 from kvxfer.cache._events import CacheEvent, EventHub, Subscription
 from kvxfer.cache._hits import CacheHit, CacheLoad, Pin, check_hit
 from kvxfer.cache._host import HostTier
@@ -23,10 +25,13 @@ from kvxfer.cache._prefetch import Prefetcher
 from kvxfer.cache._settle import Loads
 from kvxfer.cache._store_tier import StoreTier, WriteThrough, store_key
 from kvxfer.cache._views import IndexViews
-from kvxfer.manager import Agreement, Blocks, Gate, KVCacheManager, check_key
+from kvxfer.manager import (Agreement, Blocks, Gate, KVCacheManager, check_key,
+                            describe_keys)
 from kvxfer.store import Store
 
 __all__ = ["HostCache"]
+
+log = logging.getLogger("kvxfer")
 
 _COUNTERS = ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
              "unused_pages", "pages_put", "duplicates", "dropped", "evictions",
@@ -68,6 +73,14 @@ class HostCache(IndexViews):
     Thread-safe. Store writes run on one background thread (``flush()`` waits),
     prefetches on another. ``subscribe(callback)`` reports where pages arrive and leave.
 
+    Every call that can block takes ``timeout`` (seconds; None waits as long as it
+    takes), one deadline for the whole call: ``lookup``, ``find`` and ``prefetch``
+    (default 10 s) count a page the store does not hand over by then as a miss
+    (logged, counted in ``store_read_errors``); ``put(wait=True)`` and ``flush``
+    (30 s) raise ``TimeoutError`` naming the pages not done; ``close`` (30 s) drops
+    what is not done by then (logged), and ends in bounded time from any thread,
+    an event callback included.
+
     In a multi-process job the ranks' caches stay identical and every request gets
     the same verified prefix on every rank, as long as every rank creates its
     managers and caches, and calls ``put``, ``lookup``, ``load`` and ``release``,
@@ -100,6 +113,7 @@ class HostCache(IndexViews):
         self._prefetch = Prefetcher(self._lock, self._finder, self._host, self._stats)
         self._loads = Loads(self._lock, self._host, self._store, self._stats)
         self._closed = False
+        self._closing = threading.Lock()  # held by the one close() that closes
 
     # -- keys and index -------------------------------------------------------------
 
@@ -139,8 +153,17 @@ class HostCache(IndexViews):
     # -- the engine's calls --------------------------------------------------------
 
     def put(self, kv_caches: Sequence[jax.Array], device_blocks: Blocks,
-            keys: Sequence[Any], *, wait: bool = False) -> list[int]:
+            keys: Sequence[Any], *, wait: bool = False,
+            timeout: float | None = FLUSH_TIMEOUT_S) -> list[int]:
         """Offloads the blocks whose keys are not cached yet; evictions make room.
+
+        ``keys`` are a prefix's pages in order. The room comes from evicting unpinned
+        pages of other prefixes, as the policy picks; the pages of ``keys`` already
+        cached are never evicted for it. When the pool cannot hold every new page
+        (the rest is pinned, or one put brings more pages than the pool has), the first
+        new pages are kept and the rest are not cached (left out of the result,
+        counted in ``stats()["dropped"]``): a page is of use only after the pages
+        before it, so the start of a prefix is what a cache keeps.
 
         Args:
           kv_caches: the current caches.
@@ -151,11 +174,18 @@ class HostCache(IndexViews):
             hashes them).
           wait: return only once the pages are on host (else they are indexed as
             soon as their offload ends; a lookup meanwhile waits for them).
+          timeout: with ``wait``, seconds to wait for the offload (None: as long as it
+            takes).
 
         Returns:
           The keys being offloaded, as ints (keys cached already, repeated, or that
           found no room after every unpinned page was evicted are left out).
+
+        Raises:
+          TimeoutError: with ``wait``, the offload was not done within ``timeout``
+            (it goes on; its pages are indexed when it ends).
         """
+        deadline = Deadline(timeout)
         with self._lock:
             self._check_open()
             self._collect()
@@ -164,18 +194,26 @@ class HostCache(IndexViews):
             new, handle = self._host.offload(kv_caches, cols, keys)
         if wait and handle is not None:
             try:
-                handle.wait()
+                handle.wait(deadline.left)
+            except TimeoutError:
+                raise TimeoutError(f"put() gave up after {deadline} waiting for the "
+                                   f"offload of {_pages(new)}; its "
+                                   "pages are indexed when it ends") from None
             finally:
                 with self._lock:
                     self._collect()
         return new
 
-    def lookup(self, keys: Sequence[Any]) -> CacheHit:
+    def lookup(self, keys: Sequence[Any], *,
+               timeout: float | None = LOOKUP_TIMEOUT_S) -> CacheHit:
         """Pins the longest cached prefix of ``keys`` (host first, then the store).
 
         Store pages are imported into host memory (promoted) on the way, read in one
         ``get_many`` (no lock held) and checked page by page: the first missing or bad
-        one ends the prefix. Pages a ``prefetch`` is promoting are waited for. The pins
+        one ends the prefix; a page whose store write is still queued is imported from
+        the blob queued (no store call). Pages a ``prefetch`` is promoting are waited
+        for. ``timeout`` bounds it all: a page not on host or read from the store by
+        then ends the prefix there (a miss, logged). The pins
         hold until ``load(...).result()`` or ``release(hit)``; the lookup is one use
         of each page it pins, as the policy counts uses. In a multi-process job
         every rank must call it for the same keys, in the same order: the ranks
@@ -184,33 +222,43 @@ class HostCache(IndexViews):
         Raises:
           AgreementError: another rank's lookup in the same turn was for other keys.
           TransferError: another rank did not take part within the manager's
-            ``agreement_timeout``.
+            ``agreement_timeout`` (the ranks' agreement is not cut short by
+            ``timeout``).
         """
+        deadline = Deadline(timeout)
         with self._lock:
             self._check_open()
             self._collect()
             keys = page_keys(keys, "keys")
-            self._prefetch.wait_for(keys)
+            self._prefetch.wait_for(keys, deadline)
             self._check_open()
-            found = self._finder.find(keys)
+            found = self._finder.find(keys, deadline)
             self._stats.add(lookups=1, pages_requested=len(keys),
                             misses=len(keys) - len(found))
             return CacheHit(tuple(f.key for f in found), tuple(f.ref for f in found),
                             tuple(f.tier for f in found), Pin(owner=self))
 
-    def prefetch(self, keys: Sequence[Any]) -> concurrent.futures.Future:
+    def prefetch(self, keys: Sequence[Any], *,
+                 timeout: float | None = LOOKUP_TIMEOUT_S) -> concurrent.futures.Future:
         """Starts promoting the store pages of the longest cached prefix of ``keys`` into
         host memory in the background, so that a later ``lookup(keys)`` finds them there
         (see Prefetch in ``kvxfer.cache``: an example, lookups meanwhile, errors, close,
         several ranks).
 
+        Args:
+          keys: the request's page keys.
+          timeout: seconds from this call after which the prefetch reads no more:
+            pages not read by then are not promoted (logged), and its future is done
+            by then (or when the prefetch running before it gives up, if later).
+
         Returns:
           A ``concurrent.futures.Future`` of how long a prefix of ``keys`` it left in
           host memory (pages it promoted and pages already there).
         """
+        deadline = Deadline(timeout)
         with self._lock:
             self._check_open()
-            return self._prefetch.start(page_keys(keys, "keys"))
+            return self._prefetch.start(page_keys(keys, "keys"), deadline)
 
     def release(self, hit: CacheHit) -> None:
         """Unpins a hit that will not be loaded (a no-op once released or settled)."""
@@ -251,26 +299,45 @@ class HostCache(IndexViews):
         """
         return self._events.subscribe(callback)
 
-    def flush(self) -> int:
+    def flush(self, *, timeout: float | None = FLUSH_TIMEOUT_S) -> int:
         """Writes every host page the store lacks, and waits for all store writes.
 
         Under selective write-through (``write_through=N``) only pages found N times
-        or more are written.
+        or more are written. A write the store refuses is counted
+        (``store_write_errors``) and logged, not raised.
+
+        Args:
+          timeout: seconds to wait in all (None: as long as it takes).
 
         Returns:
           The pages this call wrote (spills already in flight are waited for, not
           counted).
+
+        Raises:
+          TimeoutError: writes were not done within ``timeout`` (named; they go on).
+          RuntimeError: ``close()`` dropped queued writes meanwhile (named).
         """
+        deadline = Deadline(timeout)
         if self._store is None:
             return 0
         with self._lock:
             self._check_open()
-            self._host.wait_all()
+            self._host.wait_all(deadline)
             self._collect()
-            mine = self._store.flush(self._host)
-            futures = self._store.pending()
-        concurrent.futures.wait(futures)
-        return sum(1 for f in mine if f.result())
+            mine = self._store.flush(self._host, deadline)
+            queued = self._store.queued()
+        _, late = wait_done(queued.values(), deadline)
+        if late:
+            keys = [k for k, f in queued.items() if f in late]
+            raise TimeoutError(f"flush() gave up after {deadline}: the store writes "
+                               f"of {_pages(keys)} were not done; they go "
+                               "on in the background")
+        dropped = [k for k, f in queued.items() if f.cancelled()]
+        if dropped:
+            raise RuntimeError(f"the HostCache was closed while flush() waited: the "
+                               f"queued store writes of {_pages(dropped)} "
+                               "were dropped")
+        return sum(1 for f in mine if f.exception() is None and f.result())
 
     def stats(self) -> dict[str, Any]:
         """Lookups, hits per tier, misses, evictions, store writes, bad pages by tier.
@@ -296,25 +363,54 @@ class HostCache(IndexViews):
             out["store"] = self._store.stats()
         return out
 
-    def close(self, timeout: float | None = 30.0) -> None:
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
         """Indexes offloads in flight, cancels prefetches not started, and gives the
         running one, queued store writes, then the events not delivered yet, ``timeout``
         seconds in all (one deadline, not one per write); writes not done by then are
-        dropped (logged), a late prefetch imports nothing. The manager and the store
-        stay open. In a multi-process job it then waits (up to the manager's
-        ``agreement_timeout``) for every rank to close its cache."""
-        if self._closed:
-            return
-        timeout = check_timeout(timeout, "timeout")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            self._host.wait_all()  # write-through pages of those offloads start writes
-            self._collect()
+        dropped (logged), a late prefetch imports nothing, and calls waiting on what
+        was cancelled end (``flush`` raises). The manager and the store stay open. In
+        a multi-process job it then waits (up to the manager's ``agreement_timeout``)
+        for every rank to close its cache.
+
+        Callable from any thread, an event callback included (the events queued after
+        the callback's batch are then delivered once it returns). A second call, or one
+        while another thread closes, returns at once. Nothing a policy or a transfer
+        raises stops it: the cache's threads always stop.
+        """
+        deadline = Deadline(timeout)
+        if not self._closing.acquire(blocking=False):
+            return  # closed, or closing on another thread
+        try:
+            writes = self._stop(deadline)
+            self._prefetch.close(deadline)
+            if self._store is not None:
+                self._store.close(writes, deadline.timeout, deadline.at)
+        finally:
             self._closed = True
-            writes = [] if self._store is None else self._store.stop_writes()
-        self._prefetch.close(timeout, deadline)
-        if self._store is not None:
-            self._store.close(writes, timeout, deadline)
-        left = None if deadline is None else max(deadline - time.monotonic(), 0)
-        self._events.close(left)  # events of the last writes included
-        self._agreement.meet("close")
+            self._events.close(deadline.left)  # events of the last writes included
+            self._agreement.meet("close")
+
+    def _stop(self, deadline: Deadline) -> list[concurrent.futures.Future]:
+        """Marks the cache closed once offloads in flight are indexed (write-through
+        pages of those offloads start writes); the store writes queued."""
+        locked = self._lock.acquire(timeout=-1 if deadline.at is None else deadline.left)
+        try:
+            if locked:
+                try:
+                    self._host.wait_all(deadline)
+                    self._collect()
+                except Exception:  # a policy, a load's settling: closing goes on
+                    log.exception("close(): indexing the last offloads failed")
+            else:
+                log.warning("close() did not get the cache's lock within %s (a call "
+                            "holds it); closing without it", deadline)
+            self._closed = True
+            return [] if self._store is None else self._store.stop_writes()
+        finally:
+            if locked:
+                self._lock.release()
+
+
+def _pages(keys: Sequence[int]) -> str:
+    """``keys`` for an error: ``"2 pages (keys 0xb, 0xc)"``."""
+    return describe_keys("", keys).removeprefix(" of ")

@@ -4,7 +4,15 @@
 (``CachePolicy``) what arrives, what lookups find and what leaves, counts pins (a
 pinned page is never evicted), tracks offloads on their way in, and evicts what the
 policy picks to make room, handing each evicted page to the tier below
-(``StoreTier``) first. It holds no lock: the cache calls it under its own.
+(``TierBelow``: the store tier) first. It holds no lock: the cache calls it under
+its own. Its policy is called through a ``PolicyGuard``: a policy that raises or
+answers wrongly costs the pages of one call, never a slot for good.
+
+A put never evicts its own pages: those of its keys already cached stay pinned while
+room is made for the rest, and when the pool cannot take every new page (the rest is
+pinned, or the put is larger than the pool) the first ones are kept, in key order,
+and the rest dropped (``dropped``): a page is useless without the pages of its prefix
+before it.
 """
 
 from __future__ import annotations
@@ -12,19 +20,17 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
-
 import jax
 
 from kvxfer._counters import Counters
+from kvxfer.cache._below import TierBelow
 from kvxfer.cache._blocks import Columns, pick
+from kvxfer.cache._deadline import Deadline
 from kvxfer.cache._events import EventHub
+from kvxfer.cache._guard import PolicyGuard
 from kvxfer.cache._policy import CachePolicy
 from kvxfer.hostpool import PageRef, PoolExhaustedError
 from kvxfer.manager import KVCacheManager, OffloadHandle, PageFormatError
-
-if TYPE_CHECKING:
-    from kvxfer.cache._store_tier import StoreTier
 
 __all__ = ["HostTier"]
 
@@ -38,16 +44,17 @@ class HostTier:
       mgr: the manager whose host pool holds the pages.
       stats: the cache's counters (``duplicates``, ``dropped``, ``evictions``,
         ``pages_put``).
-      below: the store tier evicted and arriving pages are handed to, or None.
+      below: the tier evicted and arriving pages are handed to, or None.
       policy: the eviction policy, bound to this tier's capacity.
       events: where the tier's ``stored``/``evicted``/``removed`` events go.
     """
 
-    def __init__(self, mgr: KVCacheManager, stats: Counters, below: StoreTier | None,
+    def __init__(self, mgr: KVCacheManager, stats: Counters, below: TierBelow | None,
                  policy: CachePolicy, events: EventHub):
         self.mgr = mgr
         self.below = below
         self.policy = policy
+        self._guard = PolicyGuard(policy)
         self._stats = stats
         self._events = events
         self._index: dict[int, PageRef] = {}
@@ -63,10 +70,10 @@ class HostTier:
 
     def keys(self) -> list[int]:
         """The indexed keys, roughly the first to be evicted first."""
-        return self.policy.order()
+        return self._guard.order(self._index)
 
     def items(self) -> list[tuple[int, PageRef]]:
-        return [(k, self._index[k]) for k in self.policy.order()]
+        return [(k, self._index[k]) for k in self._guard.order(self._index)]
 
     def holds(self, key: int) -> bool:
         """Whether ``key`` is indexed or on its way in (its ref not checked)."""
@@ -107,14 +114,14 @@ class HostTier:
     def touch(self, key: int) -> None:
         """The indexed page ``key`` was used again (a lookup, a repeated put)."""
         if key in self._index:
-            self.policy.touch(key)
+            self._guard.touch(key)
 
     def found(self, key: int) -> None:
         """A lookup found the indexed page ``key``: one use for the policy, one hit for
         the tier below (which may write the page once it has enough)."""
         if key not in self._index:
             return
-        self.policy.touch(key)
+        self._guard.touch(key)
         hits = self._hits[key] = self._hits.get(key, 0) + 1
         if self.below is not None:
             self.below.hit(key, self._index[key], hits)
@@ -128,13 +135,18 @@ class HostTier:
             if self._pins[key] <= 0:
                 del self._pins[key]
 
-    def add(self, key: int, ref: PageRef) -> None:
-        """Indexes a page that just arrived in host memory."""
+    def add(self, key: int, ref: PageRef) -> bool:
+        """Indexes a page that just arrived in host memory; whether it was (a policy
+        that refuses it, by raising, costs the page: it is freed, counted ``dropped``)."""
         if key in self._index:  # a page of the key, freed behind the cache's back
             self._unindex(key)
+        if not self._guard.insert(key):
+            self.mgr.free([ref])
+            self._stats.add(dropped=1)
+            return False
         self._index[key] = ref
-        self.policy.insert(key)
         self._events.emit("stored", key, "host")
+        return True
 
     def discard(self, key: int, ref: PageRef) -> bool:
         """Unindexes ``key`` if it still names ``ref`` (the page is not freed here)."""
@@ -146,24 +158,27 @@ class HostTier:
     def _unindex(self, key: int) -> None:
         del self._index[key]
         self._hits.pop(key, None)
-        self.policy.remove(key)
+        self._guard.remove(key)
         self._events.emit("removed", key, "host")
 
     # -- room ----------------------------------------------------------------------
 
     def make_room(self, n: int) -> int:
         """Evicts what the policy picks until ``n`` host slots are free (or only pinned
-        pages are left); how many of the ``n`` fit."""
+        pages are left); how many of the ``n`` fit.
+
+        Raises:
+          PolicyError: the policy raised in ``evict`` or answered it wrongly (the pages
+            it named stay cached, and in the policy).
+        """
         while self.mgr.num_free_pages < n:
-            victims = self.policy.evict(n - self.mgr.num_free_pages, self._pins)
+            short = n - self.mgr.num_free_pages
+            victims = self._guard.evict(short, self._pins, self._index)
+            if not victims:  # pages a policy lost after raising go now
+                victims = self._guard.orphans(self._index, self._pins)[:short]
             if not victims:
                 break
             for key in victims:
-                if key in self._pins or key not in self._index:
-                    why = "pinned" if key in self._pins else "not a page of this cache"
-                    raise RuntimeError(f"the {self.policy.name!r} policy evicted page "
-                                       f"{key!r}, which is {why}: a CachePolicy must "
-                                       "return unpinned keys it holds")
                 self._evict(key)
         return min(n, self.mgr.num_free_pages)
 
@@ -200,14 +215,14 @@ class HostTier:
             self.mgr.free([ref])
             raise PageFormatError(f"it holds slice classes {sorted(held)} of {classes}",
                                   "bad class")
-        self.add(key, ref)
-        return ref
+        return ref if self.add(key, ref) else None
 
     # -- offloads on their way in --------------------------------------------------
 
     def offload(self, kv_caches: Sequence[jax.Array], cols: Columns, keys: list[int]
                 ) -> tuple[list[int], OffloadHandle | None]:
-        """Offloads the pages of ``keys`` not cached yet, evicting to make room.
+        """Offloads the pages of ``keys`` not cached yet, evicting to make room (never
+        the pages of ``keys``; when the rest does not fit, the first new ones are kept).
 
         Returns:
           The keys being offloaded and their handle (None when there are none).
@@ -223,7 +238,13 @@ class HostTier:
             todo[key] = j
         if todo:  # checked before anything is evicted: in range, distinct
             self.mgr.check_blocks(pick(cols, todo.values()), len(todo), "keys")
-        room = self.make_room(len(todo))
+        own = [k for k in dict.fromkeys(keys) if k in self._index]
+        for key in own:  # the prefix this put extends is not evicted for it
+            self.pin(key)
+        try:
+            room = self.make_room(len(todo))
+        finally:
+            self.unpin(own)
         if room < len(todo):
             self._stats.add(dropped=len(todo) - room)
             todo = dict(list(todo.items())[:room])
@@ -252,26 +273,36 @@ class HostTier:
                 log.warning("offload of %d cache pages failed: %s", len(keys), e)
                 continue
             for key, ref in zip(keys, refs):
-                self.add(key, ref)
-                if self.below is not None:
+                if self.add(key, ref) and self.below is not None:
                     self.below.arrived(key, ref)
         self._offloads = still
 
-    def wait_pending(self, key: int) -> None:
-        """Waits for the offload of ``key`` if one is in flight, and indexes it."""
+    def wait_pending(self, key: int, deadline: Deadline) -> None:
+        """Waits (until ``deadline``) for the offload of ``key`` if one is in flight,
+        and indexes it; one not done by then stays on its way (logged)."""
         handle = self._pending.get(key)
         if handle is not None:
             try:
-                handle.wait()
+                handle.wait(deadline.left)
+            except TimeoutError:
+                log.warning("gave up waiting for the offload of page %#x after %s; "
+                            "it is not on host yet", key, deadline)
             except Exception:
                 pass
             self.collect()
 
-    def wait_all(self) -> None:
-        """Waits for every offload in flight and indexes them."""
+    def wait_all(self, deadline: Deadline) -> None:
+        """Waits (until ``deadline``) for every offload in flight and indexes them;
+        those not done by then stay on their way (logged)."""
+        late = 0
         for handle, _ in list(self._offloads):
             try:
-                handle.wait()
+                handle.wait(deadline.left)
+            except TimeoutError:
+                late += 1
             except Exception:
                 pass
+        if late:
+            log.warning("gave up waiting for %d offloads of cache pages after %s", late,
+                        deadline)
         self.collect()

@@ -8,12 +8,18 @@ prefix there, as one read per page would have.
 In a multi-process job the ranks agree on the hit length before anything is
 pinned (the minimum over ranks, as SGLang's HiCache all-reduces its prefix length),
 so every rank loads the same pages or misses alike.
+
+Each call has a ``Deadline``: waits for offloads in flight and store calls get what is
+left of it, and a page not there by then is a miss (logged), so a lookup ends by its
+deadline whatever the store does. The ranks' agreement waits as long as the
+manager's ``agreement_timeout`` says (a rank cannot leave a round alone).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvxfer.cache._deadline import Deadline
 from kvxfer.cache._host import HostTier
 from kvxfer.cache._store_tier import StoreTier
 from kvxfer.hostpool import PageRef
@@ -44,22 +50,23 @@ class Finder:
         self.store = store
         self.agreement = agreement
 
-    def where(self, key: int) -> str | None:
+    def where(self, key: int, deadline: Deadline) -> str | None:
         """``"host"``, ``"store"`` or None: where page ``key`` is (nothing marked used)."""
-        self.host.wait_pending(key)
+        self.host.wait_pending(key, deadline)
         if self.host.peek(key) is not None:
             return "host"
-        if self.store is not None and self.store.has(key):
+        if self.store is not None and self.store.has(key, deadline):
             return "store"
         return None
 
-    def find(self, keys: list[int]) -> list[Found]:
+    def find(self, keys: list[int], deadline: Deadline) -> list[Found]:
         """The pinned prefix of ``keys`` (agreed across ranks in a multi-process job)."""
         if self.agreement.multiprocess:
-            return self._together(keys)
-        return self.pin_prefix(keys)
+            return self._together(keys, deadline)
+        return self.pin_prefix(keys, deadline)
 
-    def pin_prefix(self, keys: list[int], *, use: bool = True) -> list[Found]:
+    def pin_prefix(self, keys: list[int], deadline: Deadline, *, use: bool = True
+                   ) -> list[Found]:
         """Pins (promoting from the store) the longest prefix of ``keys`` this rank has.
 
         A lookup is one use of every page it finds: a host page is marked used (the
@@ -71,34 +78,39 @@ class Finder:
         found: list[Found] = []
         try:
             for key in keys:
-                ref = self._host_page(key)
+                ref = self._host_page(key, deadline)
                 if ref is None:
                     break
                 self._take(found, key, ref, "host", use)
             rest = keys[len(found):]
             if rest and self.store is not None:
-                self._promote(rest, found, use)
+                self._promote(rest, found, use, deadline)
         except BaseException:
             self.host.unpin([f.key for f in found])
             raise
         return found
 
-    def _promote(self, rest: list[int], found: list[Found], use: bool) -> None:
+    def _promote(self, rest: list[int], found: list[Found], use: bool,
+                 deadline: Deadline) -> None:
         """Extends ``found`` over ``rest`` (past the host hit): the store pages among
-        them read in one batch, then imported in order up to the first miss."""
+        them read in one batch, then imported in order up to the first miss. A page
+        whose store write is still queued is imported from the blob queued."""
         assert self.store is not None
-        batch = self.store.read_many(self._not_on_host(rest))  # the lock let go of
+        batch = self.store.read_many(self._not_on_host(rest), deadline)  # lock let go
         for key in rest:
-            ref, tier = self._host_page(key), "host"  # (maybe promoted meanwhile)
-            if ref is None:
+            ref, tier = self._host_page(key, deadline), "host"  # (promoted meanwhile?)
+            if ref is None and batch.held and key in batch.held:
+                ref, tier = self.store.admit_held(key, batch, self.host), "store"
+            elif ref is None:
                 ref, tier = self.store.admit(key, batch, self.host), "store"
             if ref is None:
                 break
             self._take(found, key, ref, tier, use)
 
-    def _host_page(self, key: int) -> PageRef | None:
-        """The host page of ``key`` once an offload of it in flight is indexed, or None."""
-        self.host.wait_pending(key)
+    def _host_page(self, key: int, deadline: Deadline) -> PageRef | None:
+        """The host page of ``key`` once an offload of it in flight is indexed (by
+        ``deadline``), or None."""
+        self.host.wait_pending(key, deadline)
         return self.host.get(key)
 
     def _not_on_host(self, keys: list[int]) -> list[int]:
@@ -112,19 +124,19 @@ class Finder:
         self.host.pin(key)
         found.append(Found(key, ref, tier))
 
-    def local_length(self, keys: list[int]) -> tuple[int, bool]:
+    def local_length(self, keys: list[int], deadline: Deadline) -> tuple[int, bool]:
         """How long a prefix this rank holds (nothing pinned or promoted), and whether
         some of it is only in the store: the store asked once, for every page past the
         host hit that is not in host memory."""
         n = 0
-        while n < len(keys) and self._host_page(keys[n]) is not None:
+        while n < len(keys) and self._host_page(keys[n], deadline) is not None:
             n += 1
         if n == len(keys) or self.store is None:
             return n, False
         rest, in_store = keys[n:], False
-        batch = self.store.has_many(self._not_on_host(rest))  # the lock let go of
+        batch = self.store.has_many(self._not_on_host(rest), deadline)  # lock let go
         for key in rest:
-            if self._host_page(key) is not None:
+            if self._host_page(key, deadline) is not None:
                 n += 1
                 continue
             if not self.store.holds(key, batch):
@@ -132,7 +144,7 @@ class Finder:
             n, in_store = n + 1, True
         return n, in_store
 
-    def _together(self, keys: list[int]) -> list[Found]:
+    def _together(self, keys: list[int], deadline: Deadline) -> list[Found]:
         """The ranks agree on the hit length first.
 
         A promotion can still fail after the agreement (a store read error, no
@@ -143,16 +155,16 @@ class Finder:
         subject = describe_keys("lookup", keys)
         first = agreement.next_round()
         try:
-            n, in_store = self.local_length(keys)
+            n, in_store = self.local_length(keys, deadline)
         except BaseException:
             agreement.agree(first, 0, subject=subject)
             raise
         agreed = agreement.agree(first, n, subject=subject, flag=in_store)
         if not agreed.flagged:
-            return self.pin_prefix(keys[:agreed.value])
+            return self.pin_prefix(keys[:agreed.value], deadline)
         second = agreement.next_round()
         try:
-            found = self.pin_prefix(keys[:agreed.value])
+            found = self.pin_prefix(keys[:agreed.value], deadline)
         except BaseException:
             agreement.agree(second, 0, subject=subject)
             raise

@@ -11,16 +11,25 @@ no lock held) rather than reading the page itself, so a page is read and importe
 and takes one host slot. A prefetch that fails costs its pages only: store errors and
 bad blobs are counted and logged as a lookup's are, and anything else is counted
 (``prefetch_errors``), logged and left in its future; a lookup never raises for it.
+
+Each prefetch has a deadline from its call: its store read gets what is left, pages
+not read by then are misses (logged), and one still queued at its deadline finds only
+host pages, so its future is done by then (or by the deadline of the one running
+before it, whichever is later). A lookup waits for a prefetch until the lookup's own
+deadline. ``close()`` cancels the queued ones; a cancelled prefetch is done for every
+waiter at once (``concurrent.futures.wait`` included).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import threading
-import time
+from typing import NamedTuple
 
 from kvxfer._counters import Counters
+from kvxfer.cache._deadline import Deadline, wait_done
 from kvxfer.cache._host import HostTier
 from kvxfer.cache._lookup import Finder
 from kvxfer.cache._store_tier import unlocked
@@ -31,6 +40,14 @@ log = logging.getLogger("kvxfer")
 
 #: The counters prefetching adds to the cache's ``stats()``.
 COUNTERS = ("prefetches", "pages_prefetched", "prefetch_errors")
+
+
+class _Job(NamedTuple):
+    """One prefetch: its future, its keys, its deadline."""
+
+    future: concurrent.futures.Future
+    keys: list[int]
+    deadline: Deadline
 
 
 class Prefetcher:
@@ -50,23 +67,51 @@ class Prefetcher:
         self._host = host
         self._stats = stats
         stats.add(**dict.fromkeys(COUNTERS, 0))
-        self._worker = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kvxfer-prefetch")
+        # The queue and the worker's life; never held while a prefetch runs.
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._thread: threading.Thread | None = None
         self._inflight: dict[int, concurrent.futures.Future] = {}  # key -> its prefetch
         self._closed = False
 
-    def start(self, keys: list[int]) -> concurrent.futures.Future:
+    def start(self, keys: list[int], deadline: Deadline) -> concurrent.futures.Future:
         """Queues a prefetch of ``keys``' prefix (the caller holds the cache lock)."""
         self._prune()
-        future = self._worker.submit(self._run, keys)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the HostCache is closed; create a new one")
+            self._queue.append(_Job(future, keys, deadline))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, daemon=True,
+                                                name="kvxfer-prefetch")
+                self._thread.start()
+            self._cond.notify()
         for key in keys:
             self._inflight[key] = future
         self._stats.add(prefetches=1)
         return future
 
-    def wait_for(self, keys: list[int]) -> None:
-        """Waits (the cache lock let go of) for the prefetches promoting pages a lookup
-        of ``keys`` needs: those past the pages already in host memory."""
+    def _work(self) -> None:
+        """The worker thread: the queued prefetches, one at a time, in order."""
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            if not job.future.set_running_or_notify_cancel():
+                continue  # cancelled by its caller
+            try:
+                job.future.set_result(self._run(job.keys, job.deadline))
+            except BaseException as e:  # in its future; the next prefetch still runs
+                job.future.set_exception(e)
+
+    def wait_for(self, keys: list[int], deadline: Deadline) -> None:
+        """Waits (the cache lock let go of) until ``deadline`` for the prefetches
+        promoting pages a lookup of ``keys`` needs: those past the pages already in
+        host memory."""
         self._prune()
         if not self._inflight:
             return
@@ -77,20 +122,23 @@ class Prefetcher:
         waits = {self._inflight[k] for k in keys[n:] if k in self._inflight}
         if waits:
             with unlocked(self._lock):
-                concurrent.futures.wait(waits)
+                _, late = wait_done(waits, deadline)
+            if late:
+                log.warning("a lookup of %d pages gave up waiting for a prefetch of them "
+                            "after %s", len(keys), deadline)
 
     def _prune(self) -> None:
         for key in [k for k, f in self._inflight.items() if f.done()]:
             del self._inflight[key]
 
-    def _run(self, keys: list[int]) -> int:
+    def _run(self, keys: list[int], deadline: Deadline) -> int:
         """One prefetch (worker thread): how long a prefix of ``keys`` it left in host
         memory, the pages it promoted and those already there."""
         with self._lock:
             if self._closed:
                 return 0
             try:
-                found = self._finder.pin_prefix(keys, use=False)
+                found = self._finder.pin_prefix(keys, deadline, use=False)
             except Exception as e:
                 log.warning("prefetch of %d pages failed: %s", len(keys), e)
                 self._stats.add(prefetch_errors=1)
@@ -99,17 +147,20 @@ class Prefetcher:
             self._stats.add(pages_prefetched=sum(f.tier == "store" for f in found))
             return len(found)
 
-    def close(self, timeout: float | None, deadline: float | None) -> None:
+    def close(self, deadline: Deadline) -> None:
         """Cancels the prefetches not started and gives the running one until
-        ``deadline`` (``time.monotonic()``; None: forever). Call it without the cache
-        lock, once the store tier has stopped promoting (a prefetch still reading then
-        imports nothing)."""
-        with self._lock:
+        ``deadline``. Call it without the cache lock, once the store tier has stopped
+        promoting (a prefetch still reading then imports nothing)."""
+        with self._cond:
             self._closed = True
-            running = [f for f in self._inflight.values() if not f.done()]
-        self._worker.shutdown(wait=False, cancel_futures=True)
-        left = None if deadline is None else max(deadline - time.monotonic(), 0)
-        _, late = concurrent.futures.wait(running, left)
+            queued = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for job in queued:  # off the queue: the worker never sees them
+            job.future.cancel()
+            job.future.set_running_or_notify_cancel()  # done for every kind of waiter
+        running = [f for f in list(self._inflight.values()) if not f.done()]
+        _, late = wait_done(running, deadline)
         if late:
-            log.warning("a prefetch was still reading from the store %g s after close(); "
-                        "it will import nothing", timeout)
+            log.warning("a prefetch was still reading from the store %s after close(); "
+                        "it will import nothing", deadline)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import jax
 
 from kvxfer._counters import Counters
+from kvxfer.cache._deadline import Deadline, wait_done
 from kvxfer.cache._events import EventHub
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import KVCacheManager, PageFormatError
@@ -46,6 +47,8 @@ WriteThrough = Literal["always", "never"] | int
 log = logging.getLogger("kvxfer")
 
 _STATS_WAIT_S = 0.04  # stats() waits this long for the store's counters
+_IO_THREADS = 4  # store calls a cache's callers may have waiting at once
+DELETE_TIMEOUT_S = 10.0  # a bad page's delete, when its caller has no deadline
 
 
 def store_key(namespace: str, mgr: KVCacheManager, sealer: Sealer | None, key: int) -> str:
@@ -73,10 +76,15 @@ def unlocked(lock: threading.RLock) -> Iterator[None]:
 class Batch(NamedTuple):
     """What one batched store call said of each page it asked about: ``got`` (a blob or
     None for a read, a bool for ``contains``), ``errors`` (the pages it could not answer
-    for, each with its error)."""
+    for, each with its error, a ``TimeoutError`` where the call's deadline passed
+    first), ``held`` (pages read from this cache's own write queue instead)."""
 
     got: dict[int, Any]
     errors: dict[int, OSError]
+    #: blobs of writes still queued (this cache's own, not sealed yet), by page
+    held: dict[int, bytes] | None = None
+    #: the deadline of the call that read it (a bad page's delete waits until then)
+    deadline: Deadline | None = None
 
 
 class StoreTier:
@@ -105,11 +113,17 @@ class StoreTier:
         self._sealer = sealer
         self._events = events
         self._writes: dict[int, concurrent.futures.Future] = {}
+        self._held: dict[int, bytes] = {}  # the blobs of the writes in _writes
         self._known: set[int] = set()  # keys this cache knows the store holds
         stats.add(store_writes_skipped=0)
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvxfer-store")
         self._probe = _StatsProbe(store)
+        # Reads, asks and deletes run here while the caller waits until its deadline:
+        # a store that stops answering costs a call its deadline, not the store's
+        # socket timeout (an abandoned call ends on its own, by that timeout).
+        self._io = concurrent.futures.ThreadPoolExecutor(
+            _IO_THREADS, thread_name_prefix="kvxfer-store-io")
         self._closed = False  # no write starts once the cache closes
 
     @property
@@ -167,6 +181,7 @@ class StoreTier:
             self._stats.add(store_write_errors=1)
             return None
         future = self._writes[key] = self._writer.submit(self._put, key, blob)
+        self._held[key] = blob  # a lookup of the page meanwhile reads it from here
         return future
 
     def _put(self, key: int, blob: bytes) -> bool:
@@ -193,15 +208,26 @@ class StoreTier:
         """Forgets finished writes."""
         for key in [k for k, f in self._writes.items() if f.done()]:
             del self._writes[key]
+            self._held.pop(key, None)
 
-    def flush(self, host: HostTier) -> list[concurrent.futures.Future]:
+    def flush(self, host: HostTier, deadline: Deadline) -> list[concurrent.futures.Future]:
         """Starts writes of every valid host page the store lacks (that selective
-        write-through lets through); the futures started."""
+        write-through lets through), asked in one ``contains_many``; the futures started.
+
+        Raises:
+          TimeoutError: the store did not say which pages it holds by ``deadline``.
+        """
+        ask = [key for key, _ in host.items()
+               if key not in self._writes and self.wants(host.hits(key))]
+        batch = self.has_many(ask, deadline)
+        if ask and all(isinstance(batch.errors.get(k), TimeoutError) for k in ask):
+            raise TimeoutError(f"flush() gave up after {deadline}: the {self.name} store "
+                               f"did not say which of {len(ask)} host pages it holds")
         mine = []
-        for key, ref in host.items():
-            if key not in self._writes and self.wants(host.hits(key)) and \
-                    not self.has(key) and host.page_of(key) == ref and \
-                    self.mgr.is_valid(ref):
+        for key in ask:
+            ref = host.page_of(key)
+            if ref is not None and key not in self._writes and \
+                    not self.holds(key, batch) and self.mgr.is_valid(ref):
                 future = self.write(key, ref)
                 if future is not None:
                     mine.append(future)
@@ -210,15 +236,20 @@ class StoreTier:
     def pending(self) -> list[concurrent.futures.Future]:
         return list(self._writes.values())
 
+    def queued(self) -> dict[int, concurrent.futures.Future]:
+        """The writes not pruned yet, by page."""
+        return dict(self._writes)
+
     # -- reads and promotion -------------------------------------------------------
 
-    def has(self, key: int) -> bool:
-        """Whether the store holds page ``key`` (or a write of it is queued)."""
+    def has(self, key: int, deadline: Deadline) -> bool:
+        """Whether the store holds page ``key`` (or a write of it is queued); no (a
+        read error, counted) when the store does not say so by ``deadline``."""
         if key in self._writes:
             return True
+        skey = self.key(key)
         try:
-            with unlocked(self._lock):
-                there = self.store.contains(self.key(key))
+            there = self._call(lambda: self.store.contains(skey), deadline)
         except (StoreError, OSError) as e:
             log.warning("the %s store could not be asked for page %#x: %s",
                         self.name, key, e)
@@ -228,12 +259,11 @@ class StoreTier:
             self._known.discard(key)
         return there
 
-    def has_many(self, keys: list[int]) -> Batch:
+    def has_many(self, keys: list[int], deadline: Deadline) -> Batch:
         """Whether the store holds each of ``keys`` (a queued write of it counts), asked
-        in one ``contains_many`` with no cache lock held."""
+        in one ``contains_many`` with no cache lock held, until ``deadline``."""
         ask = [k for k in dict.fromkeys(keys) if k not in self._writes]
-        with unlocked(self._lock):
-            batch = self._batch(self.store.contains_many, ask)
+        batch = self._batch(self.store.contains_many, ask, deadline)
         batch.got.update((k, True) for k in keys if k not in batch.got)
         return batch
 
@@ -247,23 +277,63 @@ class StoreTier:
             self._known.discard(key)
         return there
 
-    def read_many(self, keys: list[int]) -> Batch:
-        """The stored blobs of ``keys`` in one ``get_many`` (once the queued writes of
-        them are done), with no cache lock held: a lookup's whole promotion is one read.
+    def read_many(self, keys: list[int], deadline: Deadline) -> Batch:
+        """The stored blobs of ``keys`` in one ``get_many``, with no cache lock held,
+        until ``deadline``: a lookup's whole promotion is one read. A page whose write
+        is still queued is not read (nor waited for): its blob is the one this cache
+        handed the queue (``held``).
         """
         keys = list(dict.fromkeys(keys))
-        writes = [f for f in map(self._writes.get, keys) if f is not None]
-        with unlocked(self._lock):
-            concurrent.futures.wait(writes)
-            return self._batch(self.store.get_many, keys)
+        held = {k: self._held[k] for k in keys if k in self._writes and k in self._held}
+        batch = self._batch(self.store.get_many, [k for k in keys if k not in held],
+                            deadline)
+        return batch._replace(held=held, deadline=deadline)
 
-    def _batch(self, call: Callable[[list[str]], list[Any]], keys: list[int]) -> Batch:
+    def admit_held(self, key: int, batch: Batch, host: HostTier) -> PageRef | None:
+        """Page ``key`` imported from the blob of its queued write (``batch.held``), or
+        None (no room, or the cache closed)."""
+        if self._closed:
+            return None
+        try:
+            return host.admit(key, batch.held[key])
+        except PageFormatError as e:  # its own export: only a pool changed under it
+            log.warning("page %#x, queued for the %s store, could not be imported: %s",
+                        key, self.name, e)
+            return None
+
+    def _call(self, call: Callable[[], Any], deadline: Deadline) -> Any:
+        """``call()`` on the store's I/O threads, with no cache lock held, waited for
+        until ``deadline`` (on this thread when there is none).
+
+        Raises:
+          TimeoutError: ``deadline`` passed first (the call, if it started, goes on
+            and its answer is dropped); what ``call`` raised.
+        """
+        with unlocked(self._lock):
+            if deadline.at is None:
+                return call()
+            if deadline.expired:
+                raise TimeoutError(f"not asked: the call's deadline ({deadline}) had "
+                                   "passed")
+            try:
+                future = self._io.submit(call)
+            except RuntimeError:  # shut down by close()
+                raise StoreError("the HostCache is closed") from None
+            done, _ = wait_done([future], deadline)
+        if not done:
+            future.cancel()  # not started yet: it never will
+            raise TimeoutError(f"no answer within the call's deadline ({deadline})")
+        return future.result()
+
+    def _batch(self, call: Callable[[list[str]], list[Any]], keys: list[int],
+               deadline: Deadline) -> Batch:
         """One batched store call over ``keys``' store keys; what it said of each page."""
         if not keys:
             return Batch({}, {})
         errors: dict[int, OSError] = {}
         try:
-            results = call([self.key(k) for k in keys])
+            skeys = [self.key(k) for k in keys]
+            results = self._call(lambda: call(skeys), deadline)
         except StoreBatchError as e:  # the other keys were answered
             results = e.results
             errors = {keys[i]: err for i, err in e.errors.items()}
@@ -301,12 +371,13 @@ class StoreTier:
                 blob = self._sealer.open(self.key(key), blob)
             except SealError as e:
                 self._stats.add(store_auth_failures=1)
-                self.drop(key, f"{e}; a writer without the key changed it")
+                self.drop(key, f"{e}; a writer without the key changed it",
+                          batch.deadline)
                 return None
         try:
             ref = host.admit(key, blob)
         except PageFormatError as e:
-            self.drop(key, str(e))
+            self.drop(key, str(e), batch.deadline)
             return None
         if ref is not None:
             self._known.add(key)
@@ -314,13 +385,14 @@ class StoreTier:
 
     # -- bad pages -----------------------------------------------------------------
 
-    def drop(self, key: int, why: str) -> None:
-        """A store page that is not a whole page of this cache: a miss, deleted."""
+    def drop(self, key: int, why: str, deadline: Deadline | None = None) -> None:
+        """A store page that is not a whole page of this cache: a miss, deleted (waiting
+        until ``deadline``, see ``delete``)."""
         log.warning("page %#x in the %s store is bad (%s); dropped from the store", key,
                     self.name, why)
         self._stats.add(bad_pages=1)
         self._stats.add_labelled("bad_pages_by_tier", self.name)
-        self.delete(key)
+        self.delete(key, deadline)
 
     def forget(self, key: int, tier: str) -> None:
         """A page proven bad: deleted from the store if it came from there or this cache
@@ -328,10 +400,14 @@ class StoreTier:
         if tier == "store" or key in self._known:
             self.delete(key)
 
-    def delete(self, key: int) -> None:
+    def delete(self, key: int, deadline: Deadline | None = None) -> None:
+        """Deletes page ``key`` from the store, waiting until ``deadline`` (by default
+        ``DELETE_TIMEOUT_S`` from now) with no cache lock held."""
         self._known.discard(key)
+        skey = self.key(key)
+        deadline = Deadline(DELETE_TIMEOUT_S) if deadline is None else deadline
         try:
-            if self.store.delete(self.key(key)):
+            if self._call(lambda: self.store.delete(skey), deadline):
                 self._events.emit("removed", key, "store")
         except (StoreError, OSError) as e:
             log.warning("page %#x could not be deleted from the %s store: %s", key,
@@ -358,6 +434,8 @@ class StoreTier:
                         "dropped (the pages stay in host memory until the manager "
                         "frees them)", len(late), timeout)
         self._writer.shutdown(wait=not late, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._held.clear()
         self._probe.close()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvxfer.cache._deadline import LOOKUP_TIMEOUT_S, Deadline
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import check_key
 
@@ -52,10 +53,12 @@ class IndexViews:
             self._collect()
             return self._host.page_of(key)
 
-    def find(self, key: Any) -> str | None:
-        """Where page ``key`` is: ``"host"``, ``"store"`` or None (not marking it used)."""
+    def find(self, key: Any, *, timeout: float | None = LOOKUP_TIMEOUT_S) -> str | None:
+        """Where page ``key`` is: ``"host"``, ``"store"`` or None (not marking it used;
+        None too when the store does not answer within ``timeout`` seconds, logged)."""
         key = check_key(key, "key")
+        deadline = Deadline(timeout)
         with self._lock:
             self._collect()
-            return self._finder.where(key)
+            return self._finder.where(key, deadline)
 
