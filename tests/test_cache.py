@@ -206,3 +206,63 @@ def test_a_page_freed_behind_the_cache_is_put_again(rig):
     mgr.free([cache.page_of(10)])
     assert _put(cache, state, [0], [10]) == [10]
     assert mgr.is_valid(cache.page_of(10))
+
+
+def test_a_put_larger_than_the_pool_keeps_the_start_of_its_prefix(rig):
+    # A page is of use only after the pages before it: one put of 6 pages into a pool
+    # of 4 keeps the first 4 (evicting the other prefix's pages to make room).
+    mgr, cache, state, _ = rig
+    _put(cache, state, [0, 1], [90, 91])
+    assert _put(cache, state, [2, 3, 4, 5, 6, 7], [10, 11, 12, 13, 14, 15]) == \
+        [10, 11, 12, 13]
+    st = cache.stats()
+    assert st["evictions"] == 2 and st["dropped"] == 2
+    assert cache.lookup([10, 11, 12, 13, 14, 15]).num_pages == 4
+
+
+def test_a_put_never_evicts_the_prefix_it_extends(rig):
+    # The pool holds the first two pages of a prefix and two of another; putting the
+    # whole prefix evicts the other's pages, not its own start: 4 usable pages, not a
+    # tail without its head.
+    mgr, cache, state, _ = rig
+    _put(cache, state, [0, 1], [10, 11])
+    _put(cache, state, [2, 3], [90, 91])
+    cache.release(cache.lookup([90, 91]))  # the other prefix is the more recent
+    assert _put(cache, state, [0, 1, 4, 5, 6, 7], [10, 11, 12, 13, 14, 15]) == [12, 13]
+    assert sorted(cache.keys()) == [10, 11, 12, 13]
+    hit = cache.lookup([10, 11, 12, 13, 14, 15])
+    assert hit.num_pages == 4
+    cache.release(hit)
+
+
+def test_the_cache_modules_import_one_way():
+    # Each module of kvxfer.cache imports others of it (type-only imports too), never
+    # one that imports it back, directly or round about.
+    import ast
+    import pathlib
+
+    import kvxfer.cache
+    root = pathlib.Path(kvxfer.cache.__file__).parent
+    graph = {}
+    for path in root.glob("_*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.startswith("kvxfer.cache._"):
+                names.add(node.module.rsplit(".", 1)[1])
+        graph[path.stem] = names
+
+    def circle(start, node, seen):
+        for nxt in graph.get(node, ()):
+            if nxt == start:
+                return [node, nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                found = circle(start, nxt, seen)
+                if found:
+                    return [node, *found]
+        return None
+
+    assert "_host" in graph and "_store_tier" in graph
+    circles = {m: circle(m, m, {m}) for m in graph}
+    assert not {m: c for m, c in circles.items() if c}

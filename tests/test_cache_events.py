@@ -166,3 +166,54 @@ def test_events_past_the_queue_bound_are_dropped_counted_and_logged(caplog):
     assert sub.wait(10)
     assert got == [0, 7, 8, 9, 10]  # the oldest of the waiting ones went
     hub.close()
+
+
+@pytest.mark.parametrize("escape", [SystemExit, KeyboardInterrupt])
+def test_a_callback_raising_systemexit_or_keyboardinterrupt_stops_no_delivery(rig, caplog,
+                                                                               escape):
+    # One delivery thread serves every subscriber: a callback's exit must not end it.
+    caches, mgr, disk, cache = rig
+
+    def leaving(events):
+        raise escape("the router is shutting down")
+
+    rec = Recorder()
+    with caplog.at_level(logging.ERROR, logger="kvxfer"):
+        bad, good = cache.subscribe(leaving), cache.subscribe(rec)
+        cache.put(caches, [0], [10], wait=True)
+        assert good.wait(5) and bad.wait(5)
+        cache.put(caches, [1], [11], wait=True)  # a later batch still arrives
+        assert good.wait(5)
+    assert rec.events == [("stored", 10, "host"), ("stored", 11, "host")]
+    assert "raised; its batch of 1 events is dropped" in caplog.text
+    assert escape.__name__ in caplog.text
+
+
+def _event_threads():
+    return sum(t.name == "kvxfer-cache-events" for t in threading.enumerate())
+
+
+def test_close_from_a_callback_closes_the_cache_and_ends_the_delivery_thread(rig):
+    caches, mgr, disk, cache = rig
+    before, box = _event_threads(), {}
+
+    def closer(events):
+        if "closed" not in box:
+            try:
+                box["closed"] = cache.close(timeout=5)
+            except BaseException as e:  # 'cannot join current thread' before the fix
+                box["closed"] = e
+
+    rec = Recorder()
+    cache.subscribe(closer), cache.subscribe(rec)
+    assert _event_threads() == before + 1
+    cache.put(caches, [0, 1], [10, 11], wait=True)
+    for _ in range(500):  # the callback closes the cache; then its thread ends
+        if "closed" in box and _event_threads() == before:
+            break
+        threading.Event().wait(0.01)
+    assert box["closed"] is None and _event_threads() == before
+    assert ("stored", 10, "host") in rec.events  # the batch it closed in still arrived
+    with pytest.raises(RuntimeError, match="the HostCache is closed"):
+        cache.lookup([10])
+    cache.close()  # closed already: returns at once

@@ -1,7 +1,10 @@
 """Eviction policies: each one's textbook behaviour on small traces, pins never evicted,
 and a HostCache on each (its shared behaviours are in tests/test_cache.py)."""
 
+import logging
 import random
+import threading
+import time
 
 import pytest
 
@@ -264,3 +267,97 @@ def test_policy_arguments_are_checked():
         S3FIFOPolicy(small_fraction=1.5)
     assert cache.policy.capacity == 8
     cache.close(), mgr.close()
+
+
+class _Careless(LRUPolicy):
+    """LRU that, while ``careless`` names a way, answers ``evict`` wrongly that way: it
+    takes its n oldest keys, pinned or not (``"pinned"``), adds a key it never held or
+    more keys than asked to its unpinned ones (``"foreign"``, ``"too many"``), or drops
+    its n oldest keys and then raises (``"raises"``)."""
+
+    name = "careless"
+
+    def __init__(self):
+        super().__init__()
+        self.careless = None
+
+    def evict(self, n, pinned):
+        if self.careless in (None, "foreign", "too many"):
+            out = super().evict(n, pinned)
+            extra = {"foreign": [999], "too many": [200, 201]}.get(self.careless, [])
+            return extra + out
+        out = list(self._order)[:n]
+        for key in out:
+            del self._order[key]
+        if self.careless == "raises":
+            raise KeyError("lost my place")
+        return out
+
+
+@pytest.mark.parametrize("careless", ["pinned", "foreign", "too many", "raises"])
+def test_a_wrong_evict_answer_costs_no_slot(careless):
+    # Each key of a wrong answer has left the policy: taken at its word, the cache
+    # would keep pages no eviction can take (2 of 3 slots, for good).
+    policy = _Careless()
+    caches, mgr, cache = _rig(policy, num_host_blocks=3)
+    cache.put(caches, [0, 1, 2], [10, 11, 12], wait=True)
+    hit = cache.lookup([10])  # 10 is pinned
+    policy.careless = careless
+    why = {"pinned": "page 10, which is pinned", "raises": r"evict\(3\) raised KeyError",
+           "foreign": "page 999, which is not a page of this cache",
+           "too many": "4 pages when asked for 3"}[careless]  # (2 unpinned, 2 more)
+    said = "'s" if careless == "raises" else " evicted"
+    with pytest.raises(RuntimeError, match=f"the 'careless' policy{said} {why}"):
+        cache.put(caches, [3, 4, 5], [13, 14, 15], wait=True)
+    assert sorted(cache.keys()) == [10, 11, 12] and mgr.num_free_pages == 0
+    if careless != "raises":  # refused whole: every page it named is back in the policy
+        assert sorted(policy.order()) == [10, 11, 12]
+    assert mgr.is_valid(cache.page_of(10)) and hit.num_pages == 1
+    policy.careless = None
+    cache.release(hit)
+    assert cache.put(caches, [3, 4, 5], [13, 14, 15], wait=True) == [13, 14, 15]
+    assert sorted(cache.keys()) == [13, 14, 15] and cache.stats()["evictions"] == 3
+    cache.close(), mgr.close()
+
+
+class _Refuses(LRUPolicy):
+    """LRU whose ``insert`` of one key always raises."""
+
+    name = "refuses"
+
+    def insert(self, key):
+        if key == 13:
+            raise ValueError("no room in my table for 13")
+        super().insert(key)
+
+
+def _cache_threads():
+    return {t for t in threading.enumerate() if t.name.startswith("kvxfer-") and
+            not t.name.startswith("kvxfer-transfer")}
+
+
+def test_an_insert_that_keeps_raising_costs_its_page_only_and_close_stops_the_threads(
+        tmp_path, caplog):
+    caches = testing.random_caches(2, 16, (4, 32), "float32")
+    disk = store.DiskStore(tmp_path / "pages")
+    before = _cache_threads()
+    with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
+        cache = kvxfer.HostCache(mgr, disk, policy=_Refuses(), write_through=True)
+        cache.subscribe(lambda events: None)
+        with caplog.at_level(logging.ERROR, logger="kvxfer"):
+            assert cache.put(caches, [0, 1, 2], [12, 13, 14], wait=True) == [12, 13, 14]
+        assert "the 'refuses' policy's insert(13) raised ValueError: no room in my " \
+               "table for 13" in caplog.text
+        assert sorted(cache.keys()) == [12, 14] and mgr.num_free_pages == 2  # 13 freed
+        assert cache.stats()["dropped"] == 1
+        assert cache.lookup([12]).num_pages == 1  # later calls go on
+        assert cache.prefetch([14]).result(10) == 1
+        assert cache.flush() == 0  # written through already
+        assert len(_cache_threads() - before) >= 3  # writer, prefetcher, events
+        cache.close()
+        for _ in range(500):  # executor threads leave once idle
+            if not _cache_threads() - before:
+                break
+            time.sleep(0.01)
+        assert not _cache_threads() - before
+    disk.close()

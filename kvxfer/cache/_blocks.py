@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvxfer._check import check_int
-from kvxfer.manager import Blocks, check_key
+from kvxfer.manager import Blocks, check_key, describe_keys
 
-__all__ = ["Columns", "page_keys", "columns", "pick"]
+__all__ = ["Columns", "page_keys", "columns", "pick", "describe_pages"]
 
 #: Block ids of a call, one per key: one list for every slice class, or per class.
 Columns = list[Any] | dict[int, list[Any]]
@@ -74,3 +74,13 @@ def pick(cols: Columns, rows: Any) -> Blocks:
     if isinstance(cols, dict):
         return {c: [ids[j] for j in rows] for c, ids in cols.items()}
     return [cols[j] for j in rows]
+
+
+def describe_pages(keys: Sequence[int]) -> str:
+    """Pages for an error or a log line, by count and key (the first few).
+
+    Example:
+        >>> describe_pages([11, 12])
+        '2 pages (keys 0xb, 0xc)'
+    """
+    return describe_keys("", keys).removeprefix(" of ")

@@ -27,11 +27,12 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvxfer._check import check_timeout
 
-__all__ = ["Deadline", "wait_done", "LOOKUP_TIMEOUT_S", "FLUSH_TIMEOUT_S",
+__all__ = ["Deadline", "wait_done", "Calls", "LOOKUP_TIMEOUT_S", "FLUSH_TIMEOUT_S",
            "CLOSE_TIMEOUT_S"]
 
 #: ``lookup``, ``find`` and ``prefetch``: a lookup is on a request's path, and a page
@@ -108,3 +109,53 @@ def wait_done(futures: Iterable[concurrent.futures.Future], deadline: Deadline
                 break
             cond.wait(left)
     return futures - pending, pending
+
+
+class Calls:
+    """Runs calls on threads of its own while the caller waits for each until its
+    deadline: a call that does not answer costs its caller the deadline, not however
+    long the call blocks (it goes on, and its answer is dropped).
+
+    Args:
+      name: the threads' name prefix.
+      threads: how many calls may run at once (more wait their turn, or their
+        deadline).
+
+    Example:
+        >>> calls = Calls("doc-calls")
+        >>> calls(lambda: 6 * 7, Deadline(5.0))
+        42
+        >>> calls.close()
+    """
+
+    def __init__(self, name: str, threads: int = 4):
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads,
+                                                           thread_name_prefix=name)
+
+    def __call__(self, call: Callable[[], Any], deadline: Deadline) -> Any:
+        """``call()``'s answer, waited for until ``deadline`` (made on this thread when
+        there is none).
+
+        Raises:
+          TimeoutError: ``deadline`` passed first, or had passed (then ``call`` was
+            never made).
+          OSError: closed (``call`` was not made).
+          What ``call`` raised.
+        """
+        if deadline.at is None:
+            return call()
+        if deadline.expired:
+            raise TimeoutError(f"not asked: the call's deadline ({deadline}) had passed")
+        try:
+            future = self._pool.submit(call)
+        except RuntimeError:  # shut down
+            raise OSError("not asked: the cache is closed") from None
+        done, _ = wait_done([future], deadline)
+        if not done:
+            future.cancel()  # not started yet: it never will
+            raise TimeoutError(f"no answer within the call's deadline ({deadline})")
+        return future.result()
+
+    def close(self) -> None:
+        """No call starts from now on; those running end on their own."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -12,9 +11,9 @@ import jax
 
 from kvxfer._check import check_int
 from kvxfer._counters import Counters
-from kvxfer.cache._blocks import columns, page_keys
-from kvxfer.cache._deadline import (CLOSE_TIMEOUT_S, FLUSH_TIMEOUT_S, LOOKUP_TIMEOUT_S,
-                                    Deadline, wait_done)
+from kvxfer.cache._blocks import columns, describe_pages, page_keys
+from kvxfer.cache._deadline import FLUSH_TIMEOUT_S, LOOKUP_TIMEOUT_S, Deadline
+from kvxfer.cache._ending import Ending
 from kvxfer.cache._events import CacheEvent, EventHub, Subscription
 from kvxfer.cache._hits import CacheHit, CacheLoad, Pin, check_hit
 from kvxfer.cache._host import HostTier
@@ -25,13 +24,11 @@ from kvxfer.cache._prefetch import Prefetcher
 from kvxfer.cache._settle import Loads
 from kvxfer.cache._store_tier import StoreTier, WriteThrough, store_key
 from kvxfer.cache._views import IndexViews
-from kvxfer.manager import (Agreement, Blocks, Gate, KVCacheManager, check_key,
-                            describe_keys)
+from kvxfer.manager import Agreement, Blocks, Gate, KVCacheManager, check_key
 from kvxfer.store import Store
 
 __all__ = ["HostCache"]
 
-log = logging.getLogger("kvxfer")
 
 _COUNTERS = ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
              "unused_pages", "pages_put", "duplicates", "dropped", "evictions",
@@ -40,7 +37,7 @@ _COUNTERS = ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
              "store_auth_failures", "events_dropped")
 
 
-class HostCache(IndexViews):
+class HostCache(IndexViews, Ending):
     """A prefix cache of KV pages in a manager's host pool, over an optional store.
 
     Args:
@@ -197,7 +194,7 @@ class HostCache(IndexViews):
                 handle.wait(deadline.left)
             except TimeoutError:
                 raise TimeoutError(f"put() gave up after {deadline} waiting for the "
-                                   f"offload of {_pages(new)}; its "
+                                   f"offload of {describe_pages(new)}; its "
                                    "pages are indexed when it ends") from None
             finally:
                 with self._lock:
@@ -299,46 +296,6 @@ class HostCache(IndexViews):
         """
         return self._events.subscribe(callback)
 
-    def flush(self, *, timeout: float | None = FLUSH_TIMEOUT_S) -> int:
-        """Writes every host page the store lacks, and waits for all store writes.
-
-        Under selective write-through (``write_through=N``) only pages found N times
-        or more are written. A write the store refuses is counted
-        (``store_write_errors``) and logged, not raised.
-
-        Args:
-          timeout: seconds to wait in all (None: as long as it takes).
-
-        Returns:
-          The pages this call wrote (spills already in flight are waited for, not
-          counted).
-
-        Raises:
-          TimeoutError: writes were not done within ``timeout`` (named; they go on).
-          RuntimeError: ``close()`` dropped queued writes meanwhile (named).
-        """
-        deadline = Deadline(timeout)
-        if self._store is None:
-            return 0
-        with self._lock:
-            self._check_open()
-            self._host.wait_all(deadline)
-            self._collect()
-            mine = self._store.flush(self._host, deadline)
-            queued = self._store.queued()
-        _, late = wait_done(queued.values(), deadline)
-        if late:
-            keys = [k for k, f in queued.items() if f in late]
-            raise TimeoutError(f"flush() gave up after {deadline}: the store writes "
-                               f"of {_pages(keys)} were not done; they go "
-                               "on in the background")
-        dropped = [k for k, f in queued.items() if f.cancelled()]
-        if dropped:
-            raise RuntimeError(f"the HostCache was closed while flush() waited: the "
-                               f"queued store writes of {_pages(dropped)} "
-                               "were dropped")
-        return sum(1 for f in mine if f.exception() is None and f.result())
-
     def stats(self) -> dict[str, Any]:
         """Lookups, hits per tier, misses, evictions, store writes, bad pages by tier.
 
@@ -362,55 +319,3 @@ class HostCache(IndexViews):
         if self._store is not None:
             out["store"] = self._store.stats()
         return out
-
-    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
-        """Indexes offloads in flight, cancels prefetches not started, and gives the
-        running one, queued store writes, then the events not delivered yet, ``timeout``
-        seconds in all (one deadline, not one per write); writes not done by then are
-        dropped (logged), a late prefetch imports nothing, and calls waiting on what
-        was cancelled end (``flush`` raises). The manager and the store stay open. In
-        a multi-process job it then waits (up to the manager's ``agreement_timeout``)
-        for every rank to close its cache.
-
-        Callable from any thread, an event callback included (the events queued after
-        the callback's batch are then delivered once it returns). A second call, or one
-        while another thread closes, returns at once. Nothing a policy or a transfer
-        raises stops it: the cache's threads always stop.
-        """
-        deadline = Deadline(timeout)
-        if not self._closing.acquire(blocking=False):
-            return  # closed, or closing on another thread
-        try:
-            writes = self._stop(deadline)
-            self._prefetch.close(deadline)
-            if self._store is not None:
-                self._store.close(writes, deadline.timeout, deadline.at)
-        finally:
-            self._closed = True
-            self._events.close(deadline.left)  # events of the last writes included
-            self._agreement.meet("close")
-
-    def _stop(self, deadline: Deadline) -> list[concurrent.futures.Future]:
-        """Marks the cache closed once offloads in flight are indexed (write-through
-        pages of those offloads start writes); the store writes queued."""
-        locked = self._lock.acquire(timeout=-1 if deadline.at is None else deadline.left)
-        try:
-            if locked:
-                try:
-                    self._host.wait_all(deadline)
-                    self._collect()
-                except Exception:  # a policy, a load's settling: closing goes on
-                    log.exception("close(): indexing the last offloads failed")
-            else:
-                log.warning("close() did not get the cache's lock within %s (a call "
-                            "holds it); closing without it", deadline)
-            self._closed = True
-            return [] if self._store is None else self._store.stop_writes()
-        finally:
-            if locked:
-                self._lock.release()
-
-
-def _pages(keys: Sequence[int]) -> str:
-    """``keys`` for an error: ``"2 pages (keys 0xb, 0xc)"``."""
-    return describe_keys("", keys).removeprefix(" of ")

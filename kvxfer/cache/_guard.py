@@ -121,6 +121,7 @@ class PolicyGuard:
         why = _wrong(victims, n, pinned, indexed)
         if why is None:
             return victims
+        self.suspect = True  # a policy that answers wrongly may have lost other keys
         for key in dict.fromkeys(victims):
             if key in indexed:
                 self.insert(key)  # it left the policy in evict(): back, still indexed

@@ -17,15 +17,18 @@ manager's ``agreement_timeout`` says (a rank cannot leave a round alone).
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 from kvxfer.cache._deadline import Deadline
 from kvxfer.cache._host import HostTier
-from kvxfer.cache._store_tier import StoreTier
+from kvxfer.cache._store_tier import Batch, StoreTier
 from kvxfer.hostpool import PageRef
-from kvxfer.manager import Agreement, describe_keys
+from kvxfer.manager import Agreement, PageFormatError, describe_keys
 
 __all__ = ["Found", "Finder"]
+
+log = logging.getLogger("kvxfer")
 
 
 class Found(NamedTuple):
@@ -100,12 +103,25 @@ class Finder:
         for key in rest:
             ref, tier = self._host_page(key, deadline), "host"  # (promoted meanwhile?)
             if ref is None and batch.held and key in batch.held:
-                ref, tier = self.store.admit_held(key, batch, self.host), "store"
+                ref, tier = self._from_queue(key, batch), "store"
             elif ref is None:
                 ref, tier = self.store.admit(key, batch, self.host), "store"
             if ref is None:
                 break
             self._take(found, key, ref, tier, use)
+
+    def _from_queue(self, key: int, batch: Batch) -> PageRef | None:
+        """Page ``key`` imported from the blob its queued store write holds, or None (no
+        room, or the cache closed meanwhile)."""
+        assert self.store is not None and batch.held is not None
+        if self.store.closed:
+            return None
+        try:
+            return self.host.admit(key, batch.held[key])
+        except PageFormatError as e:  # this cache's own export: its pool changed
+            log.warning("page %#x, queued for the %s store, could not be imported: %s",
+                        key, self.store.name, e)
+            return None
 
     def _host_page(self, key: int, deadline: Deadline) -> PageRef | None:
         """The host page of ``key`` once an offload of it in flight is indexed (by

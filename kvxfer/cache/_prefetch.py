@@ -41,6 +41,8 @@ log = logging.getLogger("kvxfer")
 #: The counters prefetching adds to the cache's ``stats()``.
 COUNTERS = ("prefetches", "pages_prefetched", "prefetch_errors")
 
+_IDLE_S = 5.0  # the worker leaves after this long without a prefetch (a new one starts it)
+
 
 class _Job(NamedTuple):
     """One prefetch: its future, its keys, its deadline."""
@@ -93,12 +95,14 @@ class Prefetcher:
         return future
 
     def _work(self) -> None:
-        """The worker thread: the queued prefetches, one at a time, in order."""
+        """The worker thread: the queued prefetches, one at a time, in order; it leaves
+        once closed, or idle (so a cache dropped unclosed keeps no thread)."""
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
+                if not self._queue and not self._closed:
+                    self._cond.wait(_IDLE_S)
                 if not self._queue:
+                    self._thread = None
                     return
                 job = self._queue.popleft()
             if not job.future.set_running_or_notify_cancel():

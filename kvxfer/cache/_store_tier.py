@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import jax
 
 from kvxfer._counters import Counters
-from kvxfer.cache._deadline import Deadline, wait_done
+from kvxfer.cache._deadline import Calls, Deadline
 from kvxfer.cache._events import EventHub
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import KVCacheManager, PageFormatError
@@ -47,7 +47,6 @@ WriteThrough = Literal["always", "never"] | int
 log = logging.getLogger("kvxfer")
 
 _STATS_WAIT_S = 0.04  # stats() waits this long for the store's counters
-_IO_THREADS = 4  # store calls a cache's callers may have waiting at once
 DELETE_TIMEOUT_S = 10.0  # a bad page's delete, when its caller has no deadline
 
 
@@ -119,16 +118,16 @@ class StoreTier:
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvxfer-store")
         self._probe = _StatsProbe(store)
-        # Reads, asks and deletes run here while the caller waits until its deadline:
-        # a store that stops answering costs a call its deadline, not the store's
-        # socket timeout (an abandoned call ends on its own, by that timeout).
-        self._io = concurrent.futures.ThreadPoolExecutor(
-            _IO_THREADS, thread_name_prefix="kvxfer-store-io")
+        self._io = Calls("kvxfer-store-io")  # reads, asks, deletes: a caller's deadline
         self._closed = False  # no write starts once the cache closes
 
     @property
     def name(self) -> str:
         return self.store.name
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def key(self, key: int) -> str:
         return store_key(self.namespace, self.mgr, self._sealer, key)
@@ -210,46 +209,22 @@ class StoreTier:
             del self._writes[key]
             self._held.pop(key, None)
 
-    def flush(self, host: HostTier, deadline: Deadline) -> list[concurrent.futures.Future]:
-        """Starts writes of every valid host page the store lacks (that selective
-        write-through lets through), asked in one ``contains_many``; the futures started.
-
-        Raises:
-          TimeoutError: the store did not say which pages it holds by ``deadline``.
-        """
-        ask = [key for key, _ in host.items()
-               if key not in self._writes and self.wants(host.hits(key))]
-        batch = self.has_many(ask, deadline)
-        if ask and all(isinstance(batch.errors.get(k), TimeoutError) for k in ask):
-            raise TimeoutError(f"flush() gave up after {deadline}: the {self.name} store "
-                               f"did not say which of {len(ask)} host pages it holds")
-        mine = []
-        for key in ask:
-            ref = host.page_of(key)
-            if ref is not None and key not in self._writes and \
-                    not self.holds(key, batch) and self.mgr.is_valid(ref):
-                future = self.write(key, ref)
-                if future is not None:
-                    mine.append(future)
-        return mine
-
     def pending(self) -> list[concurrent.futures.Future]:
         return list(self._writes.values())
 
     def queued(self) -> dict[int, concurrent.futures.Future]:
-        """The writes not pruned yet, by page."""
         return dict(self._writes)
 
     # -- reads and promotion -------------------------------------------------------
 
     def has(self, key: int, deadline: Deadline) -> bool:
-        """Whether the store holds page ``key`` (or a write of it is queued); no (a
-        read error, counted) when the store does not say so by ``deadline``."""
+        """Whether the store holds page ``key`` (or a write of it is queued)."""
         if key in self._writes:
             return True
-        skey = self.key(key)
         try:
-            there = self._call(lambda: self.store.contains(skey), deadline)
+            skey = self.key(key)
+            with unlocked(self._lock):
+                there = self._io(lambda: self.store.contains(skey), deadline)
         except (StoreError, OSError) as e:
             log.warning("the %s store could not be asked for page %#x: %s",
                         self.name, key, e)
@@ -263,7 +238,8 @@ class StoreTier:
         """Whether the store holds each of ``keys`` (a queued write of it counts), asked
         in one ``contains_many`` with no cache lock held, until ``deadline``."""
         ask = [k for k in dict.fromkeys(keys) if k not in self._writes]
-        batch = self._batch(self.store.contains_many, ask, deadline)
+        with unlocked(self._lock):
+            batch = self._batch(self.store.contains_many, ask, deadline)
         batch.got.update((k, True) for k in keys if k not in batch.got)
         return batch
 
@@ -285,45 +261,10 @@ class StoreTier:
         """
         keys = list(dict.fromkeys(keys))
         held = {k: self._held[k] for k in keys if k in self._writes and k in self._held}
-        batch = self._batch(self.store.get_many, [k for k in keys if k not in held],
-                            deadline)
-        return batch._replace(held=held, deadline=deadline)
-
-    def admit_held(self, key: int, batch: Batch, host: HostTier) -> PageRef | None:
-        """Page ``key`` imported from the blob of its queued write (``batch.held``), or
-        None (no room, or the cache closed)."""
-        if self._closed:
-            return None
-        try:
-            return host.admit(key, batch.held[key])
-        except PageFormatError as e:  # its own export: only a pool changed under it
-            log.warning("page %#x, queued for the %s store, could not be imported: %s",
-                        key, self.name, e)
-            return None
-
-    def _call(self, call: Callable[[], Any], deadline: Deadline) -> Any:
-        """``call()`` on the store's I/O threads, with no cache lock held, waited for
-        until ``deadline`` (on this thread when there is none).
-
-        Raises:
-          TimeoutError: ``deadline`` passed first (the call, if it started, goes on
-            and its answer is dropped); what ``call`` raised.
-        """
         with unlocked(self._lock):
-            if deadline.at is None:
-                return call()
-            if deadline.expired:
-                raise TimeoutError(f"not asked: the call's deadline ({deadline}) had "
-                                   "passed")
-            try:
-                future = self._io.submit(call)
-            except RuntimeError:  # shut down by close()
-                raise StoreError("the HostCache is closed") from None
-            done, _ = wait_done([future], deadline)
-        if not done:
-            future.cancel()  # not started yet: it never will
-            raise TimeoutError(f"no answer within the call's deadline ({deadline})")
-        return future.result()
+            batch = self._batch(self.store.get_many, [k for k in keys if k not in held],
+                                deadline)
+        return batch._replace(held=held, deadline=deadline)
 
     def _batch(self, call: Callable[[list[str]], list[Any]], keys: list[int],
                deadline: Deadline) -> Batch:
@@ -333,7 +274,7 @@ class StoreTier:
         errors: dict[int, OSError] = {}
         try:
             skeys = [self.key(k) for k in keys]
-            results = self._call(lambda: call(skeys), deadline)
+            results = self._io(lambda: call(skeys), deadline)
         except StoreBatchError as e:  # the other keys were answered
             results = e.results
             errors = {keys[i]: err for i, err in e.errors.items()}
@@ -401,13 +342,12 @@ class StoreTier:
             self.delete(key)
 
     def delete(self, key: int, deadline: Deadline | None = None) -> None:
-        """Deletes page ``key`` from the store, waiting until ``deadline`` (by default
-        ``DELETE_TIMEOUT_S`` from now) with no cache lock held."""
         self._known.discard(key)
-        skey = self.key(key)
-        deadline = Deadline(DELETE_TIMEOUT_S) if deadline is None else deadline
+        skey, deadline = self.key(key), deadline or Deadline(DELETE_TIMEOUT_S)
         try:
-            if self._call(lambda: self.store.delete(skey), deadline):
+            with unlocked(self._lock):
+                deleted = self._io(lambda: self.store.delete(skey), deadline)
+            if deleted:
                 self._events.emit("removed", key, "store")
         except (StoreError, OSError) as e:
             log.warning("page %#x could not be deleted from the %s store: %s", key,
@@ -434,7 +374,7 @@ class StoreTier:
                         "dropped (the pages stay in host memory until the manager "
                         "frees them)", len(late), timeout)
         self._writer.shutdown(wait=not late, cancel_futures=True)
-        self._io.shutdown(wait=False, cancel_futures=True)
+        self._io.close()
         self._held.clear()
         self._probe.close()
 

@@ -1,0 +1,156 @@
+"""How a cache's work ends: ``flush`` (every host page the store lacks written, and
+waited for) and ``close`` (what is left given one deadline, the threads stopped).
+
+Both wait on futures others may cancel (``close`` cancels queued writes and
+prefetches): they wait with ``wait_done``, which counts a cancel as done, and say what
+they gave up on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvxfer.cache._blocks import describe_pages
+from kvxfer.cache._deadline import CLOSE_TIMEOUT_S, FLUSH_TIMEOUT_S, Deadline, wait_done
+from kvxfer.manager import Agreement
+
+if TYPE_CHECKING:
+    from kvxfer.cache._events import EventHub
+    from kvxfer.cache._host import HostTier
+    from kvxfer.cache._prefetch import Prefetcher
+    from kvxfer.cache._store_tier import StoreTier
+
+__all__ = ["Ending"]
+
+log = logging.getLogger("kvxfer")
+
+
+class Ending:
+    """``HostCache.flush`` and ``HostCache.close``."""
+
+    # What the cache itself provides (``HostCache.__init__`` and its methods).
+    _lock: threading.RLock
+    _closing: threading.Lock
+    _closed: bool
+    _host: HostTier
+    _store: StoreTier | None
+    _prefetch: Prefetcher
+    _events: EventHub
+    _agreement: Agreement
+    _check_open: Callable[[], None]
+    _collect: Callable[[], None]
+
+    def flush(self, *, timeout: float | None = FLUSH_TIMEOUT_S) -> int:
+        """Writes every host page the store lacks, and waits for all store writes.
+
+        Under selective write-through (``write_through=N``) only pages found N times
+        or more are written. A write the store refuses is counted
+        (``store_write_errors``) and logged, not raised.
+
+        Args:
+          timeout: seconds to wait in all (None: as long as it takes).
+
+        Returns:
+          The pages this call wrote (spills already in flight are waited for, not
+          counted).
+
+        Raises:
+          TimeoutError: writes were not done within ``timeout`` (named; they go on).
+          RuntimeError: ``close()`` dropped queued writes meanwhile (named).
+        """
+        deadline = Deadline(timeout)
+        if self._store is None:
+            return 0
+        with self._lock:
+            self._check_open()
+            self._host.wait_all(deadline)
+            self._collect()
+            mine = self._write_missing(self._store, deadline)
+            queued = self._store.queued()
+        _, late = wait_done(queued.values(), deadline)
+        if late:
+            keys = [k for k, f in queued.items() if f in late]
+            raise TimeoutError(f"flush() gave up after {deadline}: the store writes "
+                               f"of {describe_pages(keys)} were not done; they go "
+                               "on in the background")
+        dropped = [k for k, f in queued.items() if f.cancelled()]
+        if dropped:
+            raise RuntimeError(f"the HostCache was closed while flush() waited: the "
+                               f"queued store writes of {describe_pages(dropped)} "
+                               "were dropped")
+        return sum(1 for f in mine if f.exception() is None and f.result())
+
+    def _write_missing(self, store: StoreTier, deadline: Deadline
+                       ) -> list[concurrent.futures.Future]:
+        """Starts writes of every valid host page the store lacks (that selective
+        write-through lets through), asked in one ``contains_many``; the writes started.
+
+        Raises:
+          TimeoutError: the store did not say which pages it holds by ``deadline``.
+        """
+        host = self._host
+        ask = [k for k in host.keys() if not store.writing(k) and store.wants(host.hits(k))]
+        batch = store.has_many(ask, deadline)
+        if ask and all(isinstance(batch.errors.get(k), TimeoutError) for k in ask):
+            raise TimeoutError(f"flush() gave up after {deadline}: the {store.name} store "
+                               f"did not say which of {len(ask)} host pages it holds")
+        mine = []
+        for key in ask:
+            ref = host.page_of(key)
+            if ref is not None and not store.writing(key) and \
+                    not store.holds(key, batch) and host.mgr.is_valid(ref):
+                future = store.write(key, ref)
+                if future is not None:
+                    mine.append(future)
+        return mine
+
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
+        """Indexes offloads in flight, cancels prefetches not started, and gives the
+        running one, queued store writes, then the events not delivered yet, ``timeout``
+        seconds in all (one deadline, not one per write); writes not done by then are
+        dropped (logged), a late prefetch imports nothing, and calls waiting on what
+        was cancelled end (``flush`` raises). The manager and the store stay open. In
+        a multi-process job it then waits (up to the manager's ``agreement_timeout``)
+        for every rank to close its cache.
+
+        Callable from any thread, an event callback included (the events queued after
+        the callback's batch are then delivered once it returns). A second call, or one
+        while another thread closes, returns at once. Nothing a policy or a transfer
+        raises stops it: the cache's threads always stop.
+        """
+        deadline = Deadline(timeout)
+        if not self._closing.acquire(blocking=False):
+            return  # closed, or closing on another thread
+        try:
+            writes = self._stop(deadline)
+            self._prefetch.close(deadline)
+            if self._store is not None:
+                self._store.close(writes, deadline.timeout, deadline.at)
+        finally:
+            self._closed = True
+            self._events.close(deadline.left)  # events of the last writes included
+            self._agreement.meet("close")
+
+    def _stop(self, deadline: Deadline) -> list[concurrent.futures.Future]:
+        """Marks the cache closed once offloads in flight are indexed (write-through
+        pages of those offloads start writes); the store writes queued."""
+        locked = self._lock.acquire(timeout=-1 if deadline.at is None else deadline.left)
+        try:
+            if locked:
+                try:
+                    self._host.wait_all(deadline)
+                    self._collect()
+                except Exception:  # a policy, a load's settling: closing goes on
+                    log.exception("close(): indexing the last offloads failed")
+            else:
+                log.warning("close() did not get the cache's lock within %s (a call "
+                            "holds it); closing without it", deadline)
+            self._closed = True
+            return [] if self._store is None else self._store.stop_writes()
+        finally:
+            if locked:
+                self._lock.release()
