@@ -85,15 +85,28 @@ after ``agreement_timeout``; ``jax.distributed`` itself aborts the surviving
 processes once the dead rank misses its heartbeats (100 s by default), and at once
 if the dead rank is rank 0, which hosts the coordination service.
 
+Deadlines. Every call that can block takes ``timeout`` (seconds, one deadline for the
+whole call; None waits as long as it takes): ``lookup``, ``find`` and ``prefetch``
+(10 s by default) make a page the store does not hand over in time a miss, logged and
+counted in ``store_read_errors`` (a stalled store costs a lookup its deadline, not the
+store's socket timeout); ``put(wait=True)`` and ``flush`` (30 s) raise
+``TimeoutError`` naming the pages not done; ``close`` (30 s) drops what is not done
+by then, logged. A lookup of a page whose store write is still queued imports the
+blob the queue holds, without waiting for the writes ahead of it. The ranks'
+agreement keeps its own ``agreement_timeout``.
+
 Modules, one idea each: ``_front`` (``HostCache``, one short method per call),
-``_hits`` (``CacheHit``, ``CacheLoad``), ``_host`` (the host tier: index, order, pins,
-offloads on their way in, eviction), ``_store_tier`` (the store tier: write-behind,
-promotion, bad store pages), ``_lookup`` (the longest prefix, agreed across ranks,
-its store pages read in one batch), ``_prefetch`` (prefetches, on a thread of their own),
-``_settle`` (loads in flight, a load's hits and bad pages), ``_policy``
-(``CachePolicy`` and LRU), ``_s3fifo`` and ``_arc`` (one policy each), ``_events``
-(``CacheEvent``s for routers, ``HostCache.subscribe``), ``_blocks`` (keys and block
-ids) and ``_options`` (construction arguments).
+``_ending`` (``flush`` and ``close``), ``_hits`` (``CacheHit``, ``CacheLoad``),
+``_host`` (the host tier: index, order, pins, offloads on their way in, eviction),
+``_below`` (what the host tier asks of the tier below), ``_store_tier`` (the store
+tier: write-behind, promotion, bad store pages), ``_lookup`` (the longest prefix,
+agreed across ranks, its store pages read in one batch), ``_prefetch`` (prefetches, on
+a thread of their own), ``_settle`` (loads in flight, a load's hits and bad pages),
+``_deadline`` (a call's deadline, waits that count cancels, store calls bounded by
+one), ``_policy`` (``CachePolicy`` and LRU), ``_guard`` (the policy's calls, checked),
+``_s3fifo`` and ``_arc`` (one policy each), ``_events`` (``CacheEvent``s for routers,
+``HostCache.subscribe``), ``_blocks`` (keys and block ids) and ``_options``
+(construction arguments).
 """
 
 from kvxfer.cache._arc import ARCPolicy as ARCPolicy

@@ -9,7 +9,10 @@ given the pinned keys and never returns one of them; every key it returns has le
 the policy. The cache calls its policy under its own lock, one call at a time, and
 the same calls in the same order on every rank of a multi-process job, so a policy
 must be deterministic (no clocks, no randomness) for the ranks' caches to stay
-identical.
+identical. The cache checks what a policy does: an ``evict`` answer with a pinned key,
+a key it does not cache, a key twice or more than ``n`` keys is refused whole (a
+``RuntimeError`` naming it; no page leaves), and a call that raises costs the pages of
+that call only (an ``insert`` that raises: that page is not cached).
 
 The policy governs the host tier only: the store tier below keeps its own order
 (``DiskStore`` and ``RedisStore`` evict least recently used blobs past their
