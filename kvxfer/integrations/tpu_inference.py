@@ -251,6 +251,9 @@ class KvxferOffloadWorker:
         self.host_memory_kind: str | None = None
         self._mgr: KVCacheManager | None = None
         self._lock = threading.Lock()
+        # The reports (offload_stats, finished_save_reqs): saves are published from any
+        # thread that polls, while the engine thread reads and resets them.
+        self._report_lock = threading.Lock()
         self._chunks: dict[int, PageRef] = {}      # chunk id -> its committed page
         self._dropped: dict[int, str] = {}         # chunk id -> why it holds nothing
         self._epoch: dict[int, int] = {}           # chunk id -> saves into it so far
@@ -366,7 +369,7 @@ class KvxferOffloadWorker:
                 continue
             if spec.skip_save:
                 if spec.is_final_save:
-                    self.finished_save_reqs.add(meta.req_id)
+                    self._finish_save(meta.req_id, [], True)
                 continue
             try:
                 plan = self._save_plan(meta)
@@ -378,7 +381,7 @@ class KvxferOffloadWorker:
                 plan = None
             if plan is None:
                 if spec.is_final_save:
-                    self.finished_save_reqs.add(meta.req_id)
+                    self._finish_save(meta.req_id, [], True)
                 continue
             self._save(meta.req_id, *plan, spec.is_final_save)
 
@@ -435,10 +438,13 @@ class KvxferOffloadWorker:
 
     def _process_completed_saves(self) -> None:
         """Publishes the saves that have landed (the engine's name)."""
+        # One done() read per handle: a save landing between two reads would be in
+        # neither list and never published.
         with self._lock:
-            done = [e for e in self._pending_save_futures if e[0].done()]
-            self._pending_save_futures = [e for e in self._pending_save_futures
-                                          if not e[0].done()]
+            done, pending = [], []
+            for e in self._pending_save_futures:
+                (done if e[0].done() else pending).append(e)
+            self._pending_save_futures = pending
         for handle, saves in done:
             for save in saves:
                 self._publish(handle, save)
@@ -452,8 +458,9 @@ class KvxferOffloadWorker:
         if error is not None:
             log.error("kvxfer offload worker: request %s: save to chunks %s failed: %s",
                       save.req_id, save.chunks, error)
-            self._counts["saves_failed"] += 1
         with self._lock:
+            if error is not None:
+                self._counts["saves_failed"] += 1
             for k, c in enumerate(save.chunks):
                 if self._inflight.get(c) is not save:
                     continue  # saved again since: the newer save owns the chunk
@@ -467,10 +474,11 @@ class KvxferOffloadWorker:
     def _finish_save(self, req_id: str, chunks: list[int], final: bool) -> None:
         # A failed save is still reported finished: the scheduler frees its staging
         # slots, and the chunk, holding nothing, is a load error if it is ever loaded.
-        if chunks:
-            self.offload_stats.record_save(req_id, chunks)
-        if final:
-            self.finished_save_reqs.add(req_id)
+        with self._report_lock:
+            if chunks:
+                self.offload_stats.record_save(req_id, chunks)
+            if final:
+                self.finished_save_reqs.add(req_id)
 
     def _fail_chunks(self, chunks: Sequence[int], reason: str) -> None:
         with self._lock:
@@ -637,7 +645,8 @@ class KvxferOffloadWorker:
                         "blocks %s reported as load errors: %s", req_id, verified,
                         len(dst), bad, reasons)
         if src:
-            self.offload_stats.record_load(req_id, src)
+            with self._report_lock:
+                self.offload_stats.record_load(req_id, src)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device block ids whose load failed since the last call (then cleared).
@@ -653,9 +662,10 @@ class KvxferOffloadWorker:
     def get_kv_connector_stats(self) -> Any:
         """This step's finished chunks (``KVOffloadConnectorStats``), or None if none."""
         self._process_completed_saves()
-        if self.offload_stats.is_empty():
-            return None
-        return self.offload_stats.clone_and_reset()
+        with self._report_lock:
+            if self.offload_stats.is_empty():
+                return None
+            return self.offload_stats.clone_and_reset()
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(finished saves, finished loads)``: requests whose final save has landed.
@@ -666,7 +676,8 @@ class KvxferOffloadWorker:
         """
         self.start_save_kv()
         self._process_completed_saves()
-        done, self.finished_save_reqs = self.finished_save_reqs, set()
+        with self._report_lock:
+            done, self.finished_save_reqs = self.finished_save_reqs, set()
         return done, set()
 
     def __repr__(self) -> str:
