@@ -203,6 +203,26 @@ class Store(abc.ABC):
         """Counters: ``blobs``, ``bytes``, ``capacity_bytes``, ``puts``, ``gets``,
         ``hits``, ``evictions``."""
 
+    def cap_blob_bytes(self, max_bytes: int) -> None:
+        """From now on no blob over ``max_bytes`` is read or returned: one is a miss.
+
+        A cache calls it with the largest frame one of its pages takes, so a blob that
+        claims gigabytes costs a lookup nothing. Several callers (caches of other page
+        sizes over one store) get the largest cap any asked for, never more than the
+        store's own ``max_blob_bytes``. The stores of this package that bound their
+        reads by ``max_blob_bytes`` apply it.
+
+        Raises:
+          ValueError: ``max_bytes`` is not an int of at least 1.
+        """
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"Expected max_bytes an int >= 1. Got {max_bytes!r} of type "
+                             f"{type(max_bytes).__name__}")
+        own, asked = getattr(self, "_blob_caps", (getattr(self, "max_blob_bytes", None), 0))
+        self._blob_caps = own, max(asked, max_bytes)
+        self.max_blob_bytes = self._blob_caps[1] if own is None else \
+            min(own, self._blob_caps[1])
+
     def close(self) -> None:
         """Releases connections or files (the stored blobs stay)."""
 
