@@ -12,12 +12,19 @@ It remembers which pages the store holds as far as this cache knows (it wrote th
 read them from there), so a page it knows is there is never written again: no store
 call at all. A page leaves that memory when this cache deletes it from the store, or
 finds it missing there.
+
+Sealed pages are stored under their key's id: caches with other keys miss them (and
+never delete them); after a rotation, ``_rekey`` finds the pages sealed with the keys
+it replaced, and this tier writes them again under the new key's id. The store is
+capped, once, at the largest blob a page of this cache takes
+(``Store.cap_blob_bytes``): a larger one is a miss, never read.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -28,14 +35,15 @@ import jax
 
 from kvxfer._counters import Counters
 from kvxfer.cache._events import EventHub
+from kvxfer.cache._rekey import PreviousKeys
 from kvxfer.hostpool import PageRef
-from kvxfer.manager import KVCacheManager, PageFormatError
+from kvxfer.manager import KVCacheManager, PageFormatError, blob_bytes
 from kvxfer.store import SealError, Sealer, Store, StoreBatchError, StoreError
 
 if TYPE_CHECKING:
     from kvxfer.cache._host import HostTier
 
-__all__ = ["StoreTier", "Batch", "WriteThrough", "store_key", "unlocked"]
+__all__ = ["StoreTier", "Batch", "WriteThrough", "store_key", "frame_bytes", "unlocked"]
 
 #: When host pages reach the store: ``"always"`` (as soon as they are on host, and
 #: again when evicted), ``"never"`` (write-back: when evicted, and by ``flush()``), or
@@ -49,14 +57,21 @@ _STATS_WAIT_S = 0.04  # stats() waits this long for the store's counters
 
 
 def store_key(namespace: str, mgr: KVCacheManager, sealer: Sealer | None, key: int) -> str:
-    """The store key of page ``key``: namespace, geometry fingerprint, mode, rank, key."""
+    """The store key of page ``key``: namespace, geometry fingerprint, mode (and the
+    sealing key's id), rank, key."""
     mode = "" if mgr.integrity == "page" else "-nodigest"
-    if sealer is not None:  # sealed pages never meet unsealed readers
-        mode += f"-{sealer.mode}"
+    if sealer is not None:  # sealed pages never meet unsealed readers, nor other keys'
+        mode += f"-{sealer.mode}-{sealer.key_id}"
     # Each rank of a multi-process job holds its own shards of a page.
     rank = f"-rank{jax.process_index()}of{jax.process_count()}" \
         if jax.process_count() > 1 else ""
     return f"{namespace}{mgr.fingerprint}{mode}{rank}:{key:016x}"
+
+
+def frame_bytes(mgr: KVCacheManager, sealer: Sealer | None) -> int:
+    """The largest blob a page of ``mgr`` takes in a store: a whole page's blob, sealed
+    when ``sealer`` is given (the tier frames nothing else around it)."""
+    return blob_bytes(mgr.plan) + (0 if sealer is None else sealer.overhead)
 
 
 @contextlib.contextmanager
@@ -77,6 +92,9 @@ class Batch(NamedTuple):
 
     got: dict[int, Any]
     errors: dict[int, OSError]
+    #: The pages whose blob in ``got`` was found under a previous key's id, sealed again
+    #: with the current key: written under its id once imported.
+    rekeyed: frozenset[int] = frozenset()
 
 
 class StoreTier:
@@ -106,7 +124,11 @@ class StoreTier:
         self._events = events
         self._writes: dict[int, concurrent.futures.Future] = {}
         self._known: set[int] = set()  # keys this cache knows the store holds
-        stats.add(store_writes_skipped=0)
+        self._spilled: set[int] = set()  # queued writes of pages gone from host memory
+        stats.add(store_writes_skipped=0, store_rekeyed=0)
+        store.cap_blob_bytes(frame_bytes(mgr, sealer))
+        self._previous = None if sealer is None or not sealer.previous else PreviousKeys(
+            sealer, functools.partial(store_key, namespace, mgr), stats, store.name)
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvxfer-store")
         self._probe = _StatsProbe(store)
@@ -128,6 +150,7 @@ class StoreTier:
 
     def arrived(self, key: int, ref: PageRef) -> None:
         """A page just indexed on host: written now under ``"always"``."""
+        self._spilled.discard(key)  # (in host memory again)
         if self.write_through == "always":
             self.write(key, ref)
 
@@ -150,6 +173,8 @@ class StoreTier:
             self._stats.add(store_writes_gated=1)
         elif key not in self._writes:
             self.write(key, ref)
+        if key in self._writes:  # the page is freed next: that write is its only copy
+            self._spilled.add(key)
 
     def write(self, key: int, ref: PageRef) -> concurrent.futures.Future | None:
         """Exports a page now and stores it on the writer thread; no store call for a
@@ -169,20 +194,23 @@ class StoreTier:
         future = self._writes[key] = self._writer.submit(self._put, key, blob)
         return future
 
-    def _put(self, key: int, blob: bytes) -> bool:
-        """Stores one blob (writer thread); whether it was written (not there before)."""
+    def _put(self, key: int, blob: bytes, rekeyed: bool = False) -> bool:
+        """Stores one blob (writer thread; ``rekeyed``: sealed already); whether it was
+        written. Whatever the store raises is a write error, counted and logged."""
         skey = self.key(key)
         try:
-            if self._sealer is not None:
+            if self._sealer is not None and not rekeyed:
                 blob = self._sealer.seal(skey, blob)
             written = self.store.put(skey, blob)
-        except (StoreError, ValueError, OSError) as e:
-            log.warning("page %#x was not written to the %s store: %s", key, self.name, e)
+        except Exception as e:
+            log.warning("page %#x was not written to the %s store: %s: %s", key,
+                        self.name, type(e).__name__, e)
             self._stats.add(store_write_errors=1)
             return False
         self._known.add(key)
         if written:
-            self._stats.add(store_pages_written=1, store_bytes_written=len(blob))
+            self._stats.add(store_pages_written=1, store_bytes_written=len(blob),
+                            store_rekeyed=int(rekeyed))
             self._events.emit("stored", key, "store")
         return written
 
@@ -193,6 +221,7 @@ class StoreTier:
         """Forgets finished writes."""
         for key in [k for k, f in self._writes.items() if f.done()]:
             del self._writes[key]
+            self._spilled.discard(key)
 
     def flush(self, host: HostTier) -> list[concurrent.futures.Future]:
         """Starts writes of every valid host page the store lacks (that selective
@@ -234,6 +263,8 @@ class StoreTier:
         ask = [k for k in dict.fromkeys(keys) if k not in self._writes]
         with unlocked(self._lock):
             batch = self._batch(self.store.contains_many, ask)
+            if self._previous is not None:  # a rotation: what old keys' ids hold
+                self._previous.held(batch.got, batch.errors, self.store.contains_many)
         batch.got.update((k, True) for k in keys if k not in batch.got)
         return batch
 
@@ -255,7 +286,11 @@ class StoreTier:
         writes = [f for f in map(self._writes.get, keys) if f is not None]
         with unlocked(self._lock):
             concurrent.futures.wait(writes)
-            return self._batch(self.store.get_many, keys)
+            batch = self._batch(self.store.get_many, keys)
+            if self._previous is not None:  # a rotation: what old keys' ids hold
+                batch = batch._replace(rekeyed=self._previous.read(
+                    batch.got, batch.errors, self.store.get_many))
+            return batch
 
     def _batch(self, call: Callable[[list[str]], list[Any]], keys: list[int]) -> Batch:
         """One batched store call over ``keys``' store keys; what it said of each page."""
@@ -308,7 +343,9 @@ class StoreTier:
         except PageFormatError as e:
             self.drop(key, str(e))
             return None
-        if ref is not None:
+        if ref is not None and key in batch.rekeyed:  # written under the new key's id
+            self._writes[key] = self._writer.submit(self._put, key, batch.got[key], True)
+        elif ref is not None:
             self._known.add(key)
         return ref
 
@@ -333,7 +370,7 @@ class StoreTier:
         try:
             if self.store.delete(self.key(key)):
                 self._events.emit("removed", key, "store")
-        except (StoreError, OSError) as e:
+        except Exception as e:  # a store's own exception never reaches the caller
             log.warning("page %#x could not be deleted from the %s store: %s", key,
                         self.name, e)
 
@@ -354,11 +391,32 @@ class StoreTier:
         left = None if deadline is None else max(deadline - time.monotonic(), 0)
         _, late = concurrent.futures.wait(writes, left)
         if late:
-            log.warning("%d store writes did not finish within %g s of close(); "
-                        "dropped (the pages stay in host memory until the manager "
-                        "frees them)", len(late), timeout)
+            log.warning("%d store writes did not finish within %g s of close(); dropped: "
+                        "%s", len(late), timeout, _dropped(late, self._writes, self._spilled))
         self._writer.shutdown(wait=not late, cancel_futures=True)
         self._probe.close()
+
+
+def _dropped(late: set[concurrent.futures.Future],
+             writes: dict[int, concurrent.futures.Future], spilled: set[int]) -> str:
+    """What dropping the ``late`` of ``writes`` costs, page by page: the ``spilled`` pages
+    are in no tier but that write (close's warning)."""
+    keys = [k for k, f in list(writes.items()) if f in late]
+    lost = [k for k in keys if k in spilled]
+    kept = [k for k in keys if k not in spilled]
+    said = []
+    if lost:
+        said.append("lost from every tier (freed from host memory when evicted; "
+                    f"recomputed when asked for again): {_pages(lost)}")
+    if kept:
+        said.append(f"kept in host memory until the manager frees them: {_pages(kept)}")
+    return "; ".join(said) or f"{len(late)} writes of pages this cache no longer tracks"
+
+
+def _pages(keys: list[int]) -> str:
+    shown = ", ".join(f"{k:#x}" for k in keys[:8])
+    return f"page{'s' if len(keys) > 1 else ''} {shown}" + \
+        (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
 
 
 class _StatsProbe:
