@@ -580,7 +580,7 @@ def test_a_gather_point_that_raises_fails_the_backup_and_stages_nothing(dev, poo
 
 def test_importing_kvxfer_or_the_integration_imports_no_engine():
     code = ("import sys, kvxfer; assert 'kvxfer.integrations' not in sys.modules; "
-            "import kvxfer.integrations.sglang_jax; "
+            "import kvxfer.integrations.sglang_jax, kvxfer.integrations.sglang_jax_launch; "
             "bad = [m for m in sys.modules if m.split('.')[0] == 'sgl_jax']; "
             "assert not bad, bad")
     env = dict(os.environ, JAX_PLATFORMS="cpu")

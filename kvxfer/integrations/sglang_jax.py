@@ -13,8 +13,13 @@ integrity on by default: the engine's host page ids are kvxfer slots
 touched, any thread) and ``flush_load`` runs ``mgr.load(..., prefetched=)`` on the
 thread that owns the caches and waits for its verification.
 
+Inside sglang-jax, ``install()`` (before the engine builds its HiCache) makes
+``init_hicache`` build this pool and makes ``UnifiedRadixCache`` act on what it
+verified: a page that misses cuts the matched prefix there, and the engine recomputes
+the rest (``kvxfer/integrations/_sglang_radix.py``). ``uninstall()`` undoes it.
+
 Checked against sglang-jax commit cddbf6f1cc33cbdd453bd8f36ff7051cf46ca176
-(2026-08-21). sglang-jax is never imported:
+(2026-08-21). Importing this module never imports sglang-jax (``install()`` does):
 the pool reads only the device pool's ``kv_buffer`` (a list of per-layer arrays, page
 axis first, reassigned element by element as the engine's own pool does) and, in
 ``precompile_transfers``, its ``size`` and the page size.
@@ -34,7 +39,13 @@ Example:
 """
 
 from kvxfer.integrations._sglang_pool import KvxferHostKVPool as KvxferHostKVPool
+from kvxfer.integrations._sglang_radix import LoadBackVerdict as LoadBackVerdict
+from kvxfer.integrations._sglang_radix import install as install
+from kvxfer.integrations._sglang_radix import installed as installed
+from kvxfer.integrations._sglang_radix import load_back_verdict as load_back_verdict
+from kvxfer.integrations._sglang_radix import uninstall as uninstall
 from kvxfer.integrations._sglang_records import ENGINE_COMMIT as ENGINE_COMMIT
 from kvxfer.integrations._sglang_records import FlushLoadResult as FlushLoadResult
 
-__all__ = ["KvxferHostKVPool", "FlushLoadResult", "ENGINE_COMMIT"]
+__all__ = ["KvxferHostKVPool", "FlushLoadResult", "ENGINE_COMMIT", "install", "uninstall",
+           "installed", "LoadBackVerdict", "load_back_verdict"]
