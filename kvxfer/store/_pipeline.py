@@ -13,15 +13,28 @@ cluster store's batch spans many (one per accounting domain).
 
 Replies are redis-py's raw parse (no response callbacks): ``bytes``, ``int``, ``None``,
 lists, and error replies as ``ResponseError`` instances (inside an ``EXEC`` reply too).
+
+A connection is given back to its pool only once every reply it was sent for has been
+read, and no byte more is waiting (``_Lease``): one whose round trip stopped short for
+any reason (a server that answered junk, a timeout, another server's error, a
+``KeyboardInterrupt`` between two reads) is disconnected first, so a later command on
+it can never read an earlier command's reply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["Block", "BlockReply", "exchange"]
+__all__ = ["Block", "BlockReply", "BadReply", "exchange", "lost_errors"]
+
+
+class BadReply(Exception):
+    """A server's reply that breaks the protocol its command follows (a reply of the
+    wrong kind or shape, more replies than commands): the server, or something between
+    it and this client, misbehaves."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,6 +52,14 @@ class BlockReply:
 
     replies: list[Any] | None
     error: BaseException | None = None
+
+
+def lost_errors() -> tuple[type[BaseException], ...]:
+    """What a round trip cut short by the network raises (a connection refused, closed
+    or timed out)."""
+    from redis.exceptions import ConnectionError, TimeoutError
+
+    return ConnectionError, TimeoutError, OSError
 
 
 def _wire(blocks: Sequence[Block]) -> list[tuple[Any, ...]]:
@@ -62,6 +83,46 @@ def _read(conn: Any) -> Any:
         return e
 
 
+class _Lease:
+    """A connection taken from a client's pool for round trips. ``owed`` is true from
+    the first byte sent until every reply was read: a lease given back owing replies
+    disconnects its connection first (see ``_leased``)."""
+
+    __slots__ = ("conn", "owed")
+
+    def __init__(self, conn: Any):
+        self.conn, self.owed = conn, False
+
+    def send(self, wire: list[tuple[Any, ...]]) -> None:
+        self.owed = True  # (a write cut short leaves the stream unknown too)
+        self.conn.send_packed_command(self.conn.pack_commands(wire))
+
+    def receive(self, n: int) -> list[Any]:
+        """The ``n`` replies of what was sent; then nothing more may be waiting."""
+        raw = [_read(self.conn) for _ in range(n)]
+        if self.conn.can_read(timeout=0):
+            raise BadReply(f"the server sent more than the {n} replies of the commands "
+                           "sent (or closed the connection after them)")
+        self.owed = False
+        return raw
+
+
+@contextlib.contextmanager
+def _leased(client: Any) -> Iterator[_Lease]:
+    """A lease of one of ``client``'s pooled connections (``client`` is a
+    ``redis.Redis``): given back on exit, disconnected first if it owes replies."""
+    pool = client.connection_pool
+    lease = _Lease(pool.get_connection())  # connects
+    try:
+        yield lease
+    finally:
+        try:
+            if lease.owed:
+                lease.conn.disconnect()  # replies may still be on their way
+        finally:
+            pool.release(lease.conn)
+
+
 def _parse(blocks: Sequence[Block], raw: list[Any]) -> list[BlockReply]:
     from redis.exceptions import ResponseError
 
@@ -72,12 +133,16 @@ def _parse(blocks: Sequence[Block], raw: list[Any]) -> list[BlockReply]:
             out.append(BlockReply(raw[at:at + n]))
             at += n
             continue
-        queued, done = raw[at + 1:at + 1 + n], raw[at + 1 + n]
+        began, queued, done = raw[at], raw[at + 1:at + 1 + n], raw[at + 1 + n]
         at += n + 2
         # A command refused when queued (MOVED, a wrong number of arguments) is the
         # cause of the EXECABORT that follows: the block's error names it.
         refused = next((r for r in queued if isinstance(r, ResponseError)), None)
-        if refused is not None or not isinstance(done, list):
+        if refused is None and (began != b"OK" or any(r != b"QUEUED" for r in queued)):
+            out.append(BlockReply(None, BadReply(
+                f"a transaction's MULTI and queued commands were answered {began!r} and "
+                f"{[r for r in queued if r != b'QUEUED'][:1]!r}, not OK and QUEUED")))
+        elif refused is not None or not isinstance(done, list):
             error = refused or (done if isinstance(done, BaseException) else
                                 ResponseError(f"transaction not run: EXEC replied {done!r}"))
             out.append(BlockReply(None, error))
@@ -93,66 +158,58 @@ def exchange(work: Sequence[tuple[Any, Sequence[Block]]]
 
     Returns:
       Per pair, in order: its blocks' replies, or the error that cut its server's round
-      trip short (a connection refused, closed or timed out: none of its replies was
-      read, and any of its commands may have run). A server whose client retries
-      (redis-py's ``Retry``) is tried again, alone, as redis-py retries a pipeline.
-    """
-    from redis.exceptions import ConnectionError, TimeoutError
+      trip short: a connection refused, closed or timed out (``lost_errors``: none of
+      its replies was read, and any of its commands may have run), or a reply redis-py
+      could not parse or that breaks the protocol (``InvalidResponse``, ``BadReply``).
+      A server whose client retries (redis-py's ``Retry``) is tried again, alone, after
+      a lost round trip, as redis-py retries a pipeline.
 
-    lost = (ConnectionError, TimeoutError, OSError)
-    conns: list[Any] = [None] * len(work)
+    Raises:
+      BaseException: what is not an ``Exception`` (``KeyboardInterrupt``), once every
+        connection that still owed replies is disconnected.
+    """
+    lost = lost_errors()
     results: list[list[BlockReply] | BaseException | None] = [None] * len(work)
-    try:
+    with contextlib.ExitStack() as held:  # every lease given back, whatever happens
+        leases: list[_Lease | None] = []
         for i, (client, blocks) in enumerate(work):  # every write first
+            lease = None
             try:
-                conn = conns[i] = client.connection_pool.get_connection()  # connects
-                conn.send_packed_command(conn.pack_commands(_wire(blocks)))
-            except lost as e:
-                if conns[i] is not None:
-                    conns[i].disconnect()
+                lease = held.enter_context(_leased(client))
+                lease.send(_wire(blocks))
+            except Exception as e:
                 results[i] = e
-        for i, (client, blocks) in enumerate(work):  # then every server's replies
-            if results[i] is not None:
-                continue
-            conn = conns[i]
-            try:
-                results[i] = _parse(blocks, [_read(conn) for _ in _wire(blocks)])
-            except lost as e:
-                conn.disconnect()  # replies may still be on their way: never reuse it
-                results[i] = e
-            except BaseException:
-                conn.disconnect()
-                raise
-    finally:
-        for (client, _), conn in zip(work, conns):
-            if conn is not None:
-                client.connection_pool.release(conn)
+            leases.append(lease)
+        for i, (_, blocks) in enumerate(work):  # then every server's replies
+            if results[i] is None:
+                try:
+                    results[i] = _parse(blocks, leases[i].receive(len(_wire(blocks))))
+                except Exception as e:
+                    results[i] = e
     for i, (client, blocks) in enumerate(work):
-        if isinstance(results[i], BaseException):
-            results[i] = _again(client, blocks, results[i], lost)
+        if isinstance(results[i], lost):
+            results[i] = _again(client, blocks, results[i])
     return results  # type: ignore[return-value]
 
 
-def _again(client: Any, blocks: Sequence[Block], error: BaseException,
-           lost: tuple[type[BaseException], ...]) -> list[BlockReply] | BaseException:
+def _again(client: Any, blocks: Sequence[Block], error: BaseException
+           ) -> list[BlockReply] | BaseException:
     """The round trip once more under the client's retry policy, when it has one."""
     retry = getattr(client.get_connection_kwargs().get("retry"), "get_retries", None)
     if retry is None or retry() <= 0:
         return error
-    try:
-        conn = client.connection_pool.get_connection()
-    except lost as e:
-        return e
     wire = _wire(blocks)
-
-    def once() -> list[BlockReply]:
-        conn.send_packed_command(conn.pack_commands(wire))
-        return _parse(blocks, [_read(conn) for _ in wire])
-
     try:
-        return conn.retry.call_with_retry(once, lambda e: conn.disconnect())
-    except lost as e:
-        conn.disconnect()
+        with _leased(client) as lease:
+
+            def once() -> list[BlockReply]:
+                lease.send(wire)
+                return _parse(blocks, lease.receive(len(wire)))
+
+            def failed(_: BaseException) -> None:
+                lease.conn.disconnect()
+                lease.owed = False  # a new connection for the next try
+
+            return lease.conn.retry.call_with_retry(once, failed)
+    except Exception as e:
         return e
-    finally:
-        client.connection_pool.release(conn)

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvxfer._check import check_int
 from kvxfer.store._base import StoreError
-from kvxfer.store._keyspace import KeyspaceStore
+from kvxfer.store._domains import KeyspaceStore
 
 __all__ = ["RedisStore", "INSTALL_HINT", "URL_SCHEMES"]
 

@@ -1,0 +1,600 @@
+"""``KeyspaceStore``: the ``Store`` interface over the accounting domains of one Redis
+client (``kvxfer/store/_keyspace.py``): one domain for a ``RedisStore``, many for a
+``RedisClusterStore``.
+
+Every call, a batch or one key (a batch of one), goes out as blocks of commands, one
+round trip per server (``kvxfer/store/_pipeline.py``, which never gives back a
+connection that owes replies), and every reply is checked before it is believed. What
+a server does wrong reaches the caller only as the store's own answers: a
+``StoreError`` (a write; a read of a standalone server, which ``HostCache`` counts as a
+miss), a miss (a read of a cluster node that is down) and counters in ``stats()``
+(``bad_replies``: keys whose reply broke the protocol; ``oversized``: blobs over the
+cap of ``cap_blob_bytes``, never fetched whole), never an exception of redis-py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kvxfer.store._base import (Store, StoreError, _gather, _gather_puts, _writes,
+                                batch_items, batch_keys)
+from kvxfer.store._keyspace import Keyspace, Read
+from kvxfer.store._pipeline import BadReply, Block, BlockReply, exchange, lost_errors
+
+__all__ = ["KeyspaceStore"]
+
+log = logging.getLogger("kvxfer")
+
+#: The most keys, and blob bytes, one transaction of a batch holds (a larger batch is
+#: several transactions, still in the same round trip): a server queues a transaction
+#: whole before it runs it.
+_CHUNK_KEYS = 256
+_CHUNK_BYTES = 64 << 20
+
+Views = list[tuple[str, memoryview]]
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class KeyspaceStore(Store):
+    """The ``Store`` interface over accounting domains of one Redis client; a key's
+    domain is ``crc32(key) % len(domains)``, and the capacity is split evenly over the
+    domains (so the store holds at most ``capacity_bytes`` in all, each domain its share).
+
+    Subclasses connect, then call ``_setup``; they choose what an unreachable domain
+    means for reads (``_unreachable``: here a ``StoreError``).
+    """
+
+    _COUNTERS: tuple[str, ...] = ("puts", "gets", "hits", "evictions", "oversized",
+                                  "bad_replies")
+
+    def _setup(self, client: Any, roots: list[str], capacity_bytes: int | None,
+               errors: tuple[type[BaseException], ...], where: str) -> None:
+        self._client, self._errors, self._where = client, errors, where
+        self._spaces = tuple(Keyspace(r) for r in roots)
+        n = len(roots)
+        self._caps: tuple[int | None, ...] = (None,) * n if capacity_bytes is None else \
+            tuple(capacity_bytes // n + (i < capacity_bytes % n) for i in range(n))
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self._COUNTERS, 0)
+        self._closed = False
+
+    def _domain(self, key: str) -> int:
+        """The index of ``key``'s domain (checking the key)."""
+        if not isinstance(key, str):
+            raise TypeError(f"Expected a str key. Got {key!r} of type {type(key).__name__}")
+        if not key:
+            raise ValueError("Expected a non-empty key. Got ''")
+        n = len(self._spaces)
+        return 0 if n == 1 else zlib.crc32(key.encode("utf-8", "surrogatepass")) % n
+
+    def _fail(self, what: str, e: BaseException) -> StoreError:
+        err = StoreError(f"{self._where}: {what}: {e}")
+        err.__cause__ = e
+        return err
+
+    def _bad(self, e: BaseException) -> bool:
+        """Whether ``e`` says a reply broke the protocol (junk, a wrong kind or shape),
+        as opposed to a server that is out of reach or refused a command."""
+        from redis.exceptions import InvalidResponse
+
+        return isinstance(e, (BadReply, InvalidResponse)) or not isinstance(e, self._errors)
+
+    def _unreachable(self, domain: int, what: str, e: BaseException, n: int = 1) -> None:
+        """A read of ``n`` keys of ``domain`` failed with ``e``: raises, or returns for
+        misses."""
+        raise self._fail(what, e) from e
+
+    def _unwritable(self, domain: int, what: str, e: BaseException) -> StoreError:
+        """A write to ``domain`` failed with ``e``: the error to raise."""
+        return self._fail(what, e)
+
+    def _held(self, domain: int) -> bool:
+        """Whether ``domain`` is known to be down and not to be tried again yet."""
+        return False
+
+    def _reached(self, domain: int) -> None:
+        """A command on ``domain`` succeeded."""
+
+    def _refuse(self, domain: int, what: str) -> StoreError:
+        """The error of a write to ``domain`` while it is held (``_held``)."""
+        return StoreError(f"{self._where}: {what}: domain {domain} is down")
+
+    def _route(self, domain: int) -> tuple[str, Any]:
+        """The server ``domain`` lives on: its name and a ``redis.Redis`` client of it
+        (one server here; a cluster store looks the domain's slot up)."""
+        return "", self._client
+
+    def _lost(self, e: BaseException) -> None:
+        """A batch's round trip to a server failed with ``e`` (a connection error)."""
+
+    #: Errors of a block that mean "ask the client's own routing" (a cluster's MOVED).
+    _redirects: tuple[type[BaseException], ...] = ()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self._where} is closed")
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counts[k] += v
+
+    # -- what failed, and what that means ---------------------------------------------
+
+    def _read_error(self, d: int, what: str, e: BaseException, n: int = 1) -> None:
+        """A read of ``n`` keys of domain ``d`` failed with ``e``: raises its
+        ``StoreError``, or returns: misses (a cluster node down, counted)."""
+        if self._bad(e):
+            self._count(bad_replies=n)
+            raise self._fail(f"{what}: the server's reply broke the protocol", e) from e
+        self._unreachable(d, what, e, n)
+
+    def _read_failed(self, d: int, keys: list[str], e: BaseException,
+                     errors: dict[str, StoreError]) -> None:
+        """A read of ``keys`` (domain ``d``) failed: misses or each key's error."""
+        try:
+            self._read_error(d, f"cannot read {self._names(keys)}", e, len(keys))
+        except StoreError as err:
+            errors.update(dict.fromkeys(keys, err))
+
+    def _write_failed(self, d: int, keys: list[str], e: BaseException,
+                      verb: str = "write") -> StoreError:
+        """The error of a write of ``keys`` (domain ``d``) that failed with ``e``."""
+        what = f"cannot {verb} {self._names(keys)}"
+        if self._bad(e):
+            self._count(bad_replies=len(keys))
+            return self._fail(f"{what}: the server's reply broke the protocol", e)
+        return self._unwritable(d, what, e)
+
+    def _oversized(self, keys: list[str]) -> None:
+        if keys:
+            self._count(oversized=len(keys))
+            log.warning("%s: the blob under %s is more than the cap of %d bytes: a miss, "
+                        "not fetched", self._where, self._names(keys), self.blob_cap)
+
+    def _blob(self, key: str, blob: Any) -> tuple[int, memoryview]:
+        """``key``'s domain and ``blob`` as bytes, checked against the domain's share
+        and the blob cap."""
+        d = self._domain(key)
+        try:
+            view = memoryview(blob).cast("B")
+        except TypeError:
+            raise TypeError(f"Expected a bytes-like blob. Got {type(blob).__name__}") from None
+        cap, limit = self._caps[d], self.blob_cap
+        if cap is not None and view.nbytes > cap:
+            if len(self._spaces) == 1:
+                raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} is more than "
+                                 f"capacity_bytes={cap}")
+            raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} is more than "
+                             f"its domain's share of the capacity ({cap} bytes: "
+                             f"capacity_bytes={sum(self._caps)} over "
+                             f"{len(self._spaces)} domains)")
+        if limit is not None and view.nbytes > limit:
+            raise ValueError(f"blob of {view.nbytes} bytes for key {key!r} is more than the "
+                             f"blob cap of {limit} bytes (cap_blob_bytes): it would never "
+                             "be read back")
+        return d, view
+
+    # -- round trips ----------------------------------------------------------------
+
+    def _run(self, plan: dict[int, list[Block]]
+             ) -> dict[int, list[BlockReply] | BaseException]:
+        """Each domain's blocks, every server's in one round trip: per domain, its
+        blocks' replies or the error that kept them from running (no route to its
+        server, a connection lost, a reply of junk)."""
+        out: dict[int, list[BlockReply] | BaseException] = {}
+        servers: dict[str, tuple[Any, list[int]]] = {}
+        for d in plan:
+            try:
+                name, client = self._route(d)
+            except self._errors as e:
+                out[d] = e
+                continue
+            servers.setdefault(name, (client, []))[1].append(d)
+        work = [(client, [b for d in ds for b in plan[d]]) for client, ds in servers.values()]
+        replies = exchange(work)
+        lost = next((r for r in replies if isinstance(r, lost_errors())), None)
+        if lost is not None:
+            self._lost(lost)
+        for (_, ds), got in zip(servers.values(), replies):
+            at = 0
+            for d in ds:
+                n = len(plan[d])
+                out[d] = got if isinstance(got, BaseException) else got[at:at + n]
+                at += n
+        return out
+
+    def _redirected(self, replies: list[BlockReply] | BaseException) -> bool:
+        return not isinstance(replies, BaseException) and \
+            any(isinstance(r.error, self._redirects) for r in replies)
+
+    @staticmethod
+    def _replied(reply: BlockReply) -> list[Any]:
+        if reply.error is not None:
+            raise reply.error
+        return reply.replies  # type: ignore[return-value]
+
+    def _by_domain(self, keys: Iterable[str]) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for k in keys:
+            out.setdefault(self._domain(k), []).append(k)
+        return out
+
+    @staticmethod
+    def _chunks(keys: list[str]) -> list[list[str]]:
+        return [keys[i:i + _CHUNK_KEYS] for i in range(0, len(keys), _CHUNK_KEYS)]
+
+    @staticmethod
+    def _names(keys: list[str]) -> str:
+        return f"key {keys[0]!r}" if len(keys) == 1 else \
+            f"keys {keys[0]!r} and {len(keys) - 1} more"
+
+    # -- reads ------------------------------------------------------------------------
+
+    def _read(self, keys: list[str]) -> tuple[dict[str, bytes | None], dict[str, StoreError]]:
+        """``get`` of distinct, checked ``keys``: the blob (or None) of each key read,
+        and the error of each that could not be."""
+        domains = self._by_domain(keys)
+        cap = self.blob_cap
+        got: dict[str, bytes | None] = {}
+        errors: dict[str, StoreError] = {}
+        plan: dict[int, list[Block]] = {}
+        for d, ks in domains.items():
+            if self._held(d):  # (only a cluster store holds domains: it counts read_errors)
+                self._count(gets=len(ks), read_errors=len(ks))
+                continue
+            plan[d] = [self._spaces[d].get_block(c, cap) for c in self._chunks(ks)]
+        for d, replies in self._run(plan).items():
+            ks = domains[d]
+            if self._redirected(replies):
+                for k in ks:  # the client's routing follows the slot
+                    self._read_one(d, k, got, errors)
+                continue
+            try:
+                if isinstance(replies, BaseException):
+                    raise replies
+                reads = [Keyspace.got(self._replied(r), len(c), cap)
+                         for r, c in zip(replies, self._chunks(ks), strict=True)]
+            except Exception as e:
+                self._read_failed(d, ks, e, errors)
+                self._count(gets=len(ks) - sum(k in errors for k in ks))
+                continue
+            self._reached(d)
+            self._got(ks, reads, got)
+        return got, errors
+
+    def _got(self, keys: list[str], reads: list[Read], got: dict[str, bytes | None]) -> None:
+        blobs = [b for r in reads for b in r.blobs]
+        got.update(zip(keys, blobs))
+        self._oversized([keys[i * _CHUNK_KEYS + j] for i, r in enumerate(reads)
+                         for j in r.oversized])
+        self._count(gets=len(keys), hits=sum(b is not None for b in blobs))
+
+    def _read_one(self, d: int, key: str, got: dict[str, Any],
+                  errors: dict[str, StoreError]) -> None:
+        """``get`` of ``key`` through the client (which follows a slot that moved)."""
+        try:
+            blob = self._spaces[d].get(self._client, key)
+        except Exception as e:
+            self._read_failed(d, [key], e, errors)
+            self._count(gets=int(key not in errors))
+            return
+        self._reached(d)
+        cap = self.blob_cap
+        over = blob is not None and cap is not None and len(blob) > cap
+        self._got([key], [Read([None if over else blob], [0] if over else [])], got)
+
+    def get(self, key: str) -> bytes | None:
+        """The whole blob under ``key`` (and marks it recently used), or None (also
+        for a blob over the cap, and in ``RedisClusterStore`` when its node is down).
+
+        Raises:
+          StoreError: the key could not be read (a standalone server down, a reply
+            that broke the protocol).
+        """
+        self._domain(key)
+        self._check_open()
+        got, errors = self._read([key])
+        if key in errors:
+            raise errors[key]
+        return got.get(key)
+
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        """The blob (or None) of each key, in order, each marked recently used (see
+        ``Store.get_many``): one transaction per domain, one round trip per server.
+
+        A key given twice is read once. Keys of a domain that cannot be read are
+        ``StoreBatchError``s here (misses in ``RedisClusterStore`` when their node is
+        down), never an error that loses the other keys.
+        """
+        keys = batch_keys(keys)
+        self._check_open()
+        got, errors = self._read(list(dict.fromkeys(keys)))
+        return _gather("get_many", keys, got, errors)
+
+    def _contains(self, keys: list[str]) -> tuple[dict[str, bool], dict[str, StoreError]]:
+        """``contains`` of distinct, checked ``keys`` (see ``_read``)."""
+        domains = self._by_domain(keys)
+        got: dict[str, bool] = {}
+        errors: dict[str, StoreError] = {}
+        plan: dict[int, list[Block]] = {}
+        for d, ks in domains.items():
+            if self._held(d):
+                self._count(read_errors=len(ks))
+                got.update(dict.fromkeys(ks, False))
+                continue
+            plan[d] = [self._spaces[d].contains_block(c) for c in self._chunks(ks)]
+        for d, replies in self._run(plan).items():
+            ks = domains[d]
+            try:
+                if isinstance(replies, BaseException):
+                    raise replies
+                if self._redirected(replies):
+                    found = [self._spaces[d].contains(self._client, k) for k in ks]
+                else:
+                    found = [f for r, c in zip(replies, self._chunks(ks), strict=True)
+                             for f in Keyspace.found(self._replied(r), len(c))]
+            except Exception as e:
+                self._read_failed(d, ks, e, errors)
+                got.update((k, False) for k in ks if k not in errors)
+                continue
+            self._reached(d)
+            got.update(zip(ks, found))
+        return got, errors
+
+    def contains(self, key: str) -> bool:
+        """Whether a blob is stored under ``key`` (not marking it used); False in
+        ``RedisClusterStore`` when its node is down.
+
+        Raises:
+          StoreError: as ``get``.
+        """
+        self._domain(key)
+        self._check_open()
+        got, errors = self._contains([key])
+        if key in errors:
+            raise errors[key]
+        return got[key]
+
+    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+        """Whether a blob is stored under each key, in order (not marking them used):
+        one round trip per server."""
+        keys = batch_keys(keys)
+        self._check_open()
+        got, errors = self._contains(list(dict.fromkeys(keys)))
+        return _gather("contains_many", keys, got, errors)
+
+    # -- writes -----------------------------------------------------------------------
+
+    def _put(self, domains: dict[int, Views], replace: bool
+             ) -> tuple[dict[str, bool], dict[str, StoreError]]:
+        """The puts of each domain's ``(key, blob)`` pairs (distinct keys, checked):
+        whether each wrote, and the error of each that failed."""
+        done: dict[str, bool] = {}
+        errors: dict[str, StoreError] = {}
+        plan: dict[int, list[Block]] = {}
+        for d, kv in domains.items():
+            if self._held(d):
+                err = self._refuse(d, f"cannot write {self._names([k for k, _ in kv])}")
+                errors.update((k, err) for k, _ in kv)
+                continue
+            plan[d] = [self._spaces[d].put_block(c, replace, self._caps[d])
+                       for c in _put_chunks(kv)]
+        for d, replies in self._run(plan).items():
+            kv = domains[d]
+            if isinstance(replies, BaseException):
+                err = self._write_failed(d, [k for k, _ in kv], replies)
+                errors.update((k, err) for k, _ in kv)
+            elif self._redirected(replies):
+                for key, view in kv:
+                    self._put_one(d, key, view, replace, done, errors)
+            else:
+                self._put_replies(d, kv, replies, done, errors)
+        return done, errors
+
+    def _put_replies(self, d: int, kv: Views, replies: list[BlockReply],
+                     done: dict[str, bool], errors: dict[str, StoreError]) -> None:
+        """What each put of domain ``d`` did, from its transactions' replies."""
+        outcomes: list[tuple[int, bool] | BaseException] = []
+        for chunk, r in zip(_put_chunks(kv), replies, strict=True):
+            try:
+                flat = self._replied(r)
+                if not isinstance(flat, list) or len(flat) != 2 * len(chunk):
+                    raise BadReply(f"a transaction of {len(chunk)} puts: expected "
+                                   f"{2 * len(chunk)} replies. Got {type(flat).__name__}")
+            except Exception as e:
+                outcomes += [e] * len(chunk)
+                continue
+            for i in range(len(chunk)):
+                try:
+                    outcomes.append(Keyspace.put_outcome(flat[2 * i], flat[2 * i + 1]))
+                except Exception as e:
+                    outcomes.append(e)
+        self._wrote(d, kv, outcomes, done, errors)
+
+    def _put_one(self, d: int, key: str, view: memoryview, replace: bool,
+                 done: dict[str, bool], errors: dict[str, StoreError]) -> None:
+        """``put`` of ``key`` through the client (which follows a slot that moved)."""
+        try:
+            outcome: Any = self._spaces[d].put(self._client, key, view, replace,
+                                               self._caps[d])
+        except Exception as e:
+            outcome = e
+        self._wrote(d, [(key, view)], [outcome], done, errors, unmarked=True)
+
+    def _wrote(self, d: int, kv: Views, outcomes: list[tuple[int, bool] | BaseException],
+               done: dict[str, bool], errors: dict[str, StoreError],
+               unmarked: bool = False) -> None:
+        space = self._spaces[d]
+        evictions, written, reached = 0, 0, False
+        for (key, _), outcome in zip(kv, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                errors[key] = self._write_failed(d, [key], outcome)
+                continue
+            reached = True
+            evicted, stored = outcome
+            if evicted == -2:
+                if not unmarked:
+                    try:
+                        space.unmark(self._client, key)
+                    except Exception:
+                        pass  # a marker is a miss to every reader; the next put replaces it
+                errors[key] = StoreError(
+                    f"{self._where}: cannot write key {key!r}: its byte counter "
+                    f"{space.meta[2]!r} is not an integer (another client overwrote it); "
+                    "nothing was written")
+                continue
+            done[key] = stored
+            evictions += max(0, evicted)
+            written += 1
+        if reached:
+            self._reached(d)
+        self._count(puts=written, evictions=evictions)
+
+    def put(self, key: str, blob: bytes, *, replace: bool = False) -> bool:
+        """Stores ``blob`` under ``key`` (see ``Store.put``); atomic across all clients.
+
+        Raises:
+          ValueError: ``blob`` is larger than the capacity (its domain's share) or the
+            blob cap.
+          StoreError: the key's domain cannot be written (its server is down, or its
+            reply broke the protocol).
+        """
+        d, view = self._blob(key, blob)
+        self._check_open()
+        done, errors = self._put({d: [(key, view)]}, replace)
+        if key in errors:
+            raise errors[key]
+        return done[key]
+
+    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes], *,
+                 replace: bool = False) -> list[bool]:
+        """``put`` of each ``(key, blob)``, with its semantics per key (see
+        ``Store.put_many``): one transaction per domain, one round trip per server.
+
+        Every key and blob is checked (and every blob against its domain's share of
+        the capacity and the blob cap) before any is written.
+
+        Raises:
+          ValueError: a blob is larger than the capacity (its domain's share) or the
+            blob cap.
+          StoreBatchError: the keys of some domain could not be written (``results``
+            holds the others').
+        """
+        pairs = batch_items(items)
+        domains: dict[int, Views] = {}
+        for k, blob in _writes(pairs, replace).items():
+            d, view = self._blob(k, blob)
+            domains.setdefault(d, []).append((k, view))
+        self._check_open()
+        done, errors = self._put(domains, replace)
+        return _gather_puts(pairs, done, errors, replace)
+
+    def delete(self, key: str) -> bool:
+        """Removes ``key``; returns whether it was there.
+
+        Raises:
+          StoreError: as ``put``.
+        """
+        d = self._domain(key)
+        self._check_open()
+        if self._held(d):
+            raise self._refuse(d, f"cannot delete key {key!r}")
+        space = self._spaces[d]
+        replies = self._run({d: [space.delete_block(key)]})[d]
+        try:
+            if isinstance(replies, BaseException):
+                raise replies
+            if self._redirected(replies):
+                found = space.delete(self._client, key)
+            else:
+                found = space.deleted(self._replied(replies[0]))
+        except Exception as e:
+            raise self._write_failed(d, [key], e, "delete") from e
+        self._reached(d)
+        return found
+
+    # -- the whole store ------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """The keys of the store, least recently used first (domain by domain, when
+        there are several: recency is kept within each)."""
+        self._check_open()
+        out: list[str] = []
+        for d, space in enumerate(self._spaces):
+            if self._held(d):
+                continue
+            try:
+                out += space.keys(self._client)
+            except Exception as e:
+                self._read_error(d, "cannot list keys", e)
+        return out
+
+    def clear(self) -> int:
+        """Removes every key under the prefix (blobs and bookkeeping); returns the
+        number of blobs removed. Not atomic: clear a store nobody else is using."""
+        self._check_open()
+        roots = {s.root.encode(): s.blobs.encode() for s in self._spaces}
+        glob = _glob_escape(os.path.commonprefix([s.root for s in self._spaces])) + "*"
+        blobs = 0
+        try:
+            batches: dict[bytes, list[bytes]] = {}
+            for k in self._client.scan_iter(match=glob, count=1000):
+                root = k[:k.find(b"}") + 1]
+                if root not in roots:  # another store's, whose prefix extends this one's
+                    continue
+                batch = batches.setdefault(root, [])
+                batch.append(k)
+                if len(batch) == 1000:  # one domain's keys: one slot, one DEL
+                    self._client.delete(*batch)
+                    batch.clear()
+                blobs += k.startswith(roots[root])
+            for batch in batches.values():
+                if batch:
+                    self._client.delete(*batch)
+        except Exception as e:
+            raise self._fail("cannot clear", e) from e
+        return blobs
+
+    def _usage(self) -> tuple[int, int, int]:
+        """Blobs and bytes of the reachable domains, and how many were not."""
+        blobs = used = down = 0
+        for d, space in enumerate(self._spaces):
+            if self._held(d):
+                down += 1
+                continue
+            try:
+                b, u = space.usage(self._client)
+            except Exception as e:
+                self._read_error(d, "cannot read stats", e)
+                down += 1
+                continue
+            blobs, used = blobs + b, used + u
+        return blobs, used, down
+
+    def close(self) -> None:
+        """Closes this client's connections (the blobs stay on the server)."""
+        if not self._closed:
+            self._closed = True
+            self._client.close()
+
+
+def _put_chunks(kv: Views) -> list[Views]:
+    """``kv`` in transactions of at most ``_CHUNK_KEYS`` keys and about ``_CHUNK_BYTES``."""
+    out: list[Views] = []
+    size = 0
+    for item in kv:
+        if not out or len(out[-1]) == _CHUNK_KEYS or size + item[1].nbytes > _CHUNK_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += item[1].nbytes
+    return out
