@@ -157,8 +157,8 @@ class KeyspaceStore(Store):
     def _oversized(self, keys: list[str]) -> None:
         if keys:
             self._count(oversized=len(keys))
-            log.warning("%s: the blob under %s is more than the cap of %d bytes: a miss, "
-                        "not fetched", self._where, self._names(keys), self.blob_cap)
+            log.warning("%s: the blob of %s is over the cap of %d bytes: a miss (not "
+                        "fetched)", self._where, self._names(keys), self.blob_cap)
 
     def _blob(self, key: str, blob: Any) -> tuple[int, memoryview]:
         """``key``'s domain and ``blob`` as bytes, checked against the domain's share
@@ -261,8 +261,7 @@ class KeyspaceStore(Store):
             try:
                 if isinstance(replies, BaseException):
                     raise replies
-                reads = [Keyspace.got(self._replied(r), len(c), cap)
-                         for r, c in zip(replies, self._chunks(ks), strict=True)]
+                reads = [self._replied(r) for r in replies]
             except Exception as e:
                 self._read_failed(d, ks, e, errors)
                 self._count(gets=len(ks) - sum(k in errors for k in ks))
@@ -323,6 +322,7 @@ class KeyspaceStore(Store):
     def _contains(self, keys: list[str]) -> tuple[dict[str, bool], dict[str, StoreError]]:
         """``contains`` of distinct, checked ``keys`` (see ``_read``)."""
         domains = self._by_domain(keys)
+        cap = self.blob_cap
         got: dict[str, bool] = {}
         errors: dict[str, StoreError] = {}
         plan: dict[int, list[Block]] = {}
@@ -331,17 +331,16 @@ class KeyspaceStore(Store):
                 self._count(read_errors=len(ks))
                 got.update(dict.fromkeys(ks, False))
                 continue
-            plan[d] = [self._spaces[d].contains_block(c) for c in self._chunks(ks)]
+            plan[d] = [self._spaces[d].contains_block(c, cap) for c in self._chunks(ks)]
         for d, replies in self._run(plan).items():
             ks = domains[d]
             try:
                 if isinstance(replies, BaseException):
                     raise replies
                 if self._redirected(replies):
-                    found = [self._spaces[d].contains(self._client, k) for k in ks]
+                    found = [self._spaces[d].contains(self._client, k, cap) for k in ks]
                 else:
-                    found = [f for r, c in zip(replies, self._chunks(ks), strict=True)
-                             for f in Keyspace.found(self._replied(r), len(c))]
+                    found = [f for r in replies for f in self._replied(r)]
             except Exception as e:
                 self._read_failed(d, ks, e, errors)
                 got.update((k, False) for k in ks if k not in errors)
@@ -405,19 +404,7 @@ class KeyspaceStore(Store):
         """What each put of domain ``d`` did, from its transactions' replies."""
         outcomes: list[tuple[int, bool] | BaseException] = []
         for chunk, r in zip(_put_chunks(kv), replies, strict=True):
-            try:
-                flat = self._replied(r)
-                if not isinstance(flat, list) or len(flat) != 2 * len(chunk):
-                    raise BadReply(f"a transaction of {len(chunk)} puts: expected "
-                                   f"{2 * len(chunk)} replies. Got {type(flat).__name__}")
-            except Exception as e:
-                outcomes += [e] * len(chunk)
-                continue
-            for i in range(len(chunk)):
-                try:
-                    outcomes.append(Keyspace.put_outcome(flat[2 * i], flat[2 * i + 1]))
-                except Exception as e:
-                    outcomes.append(e)
+            outcomes += [r.error] * len(chunk) if r.error is not None else r.replies
         self._wrote(d, kv, outcomes, done, errors)
 
     def _put_one(self, d: int, key: str, view: memoryview, replace: bool,
@@ -516,7 +503,7 @@ class KeyspaceStore(Store):
             if self._redirected(replies):
                 found = space.delete(self._client, key)
             else:
-                found = space.deleted(self._replied(replies[0]))
+                found = self._replied(replies[0])
         except Exception as e:
             raise self._write_failed(d, [key], e, "delete") from e
         self._reached(d)
@@ -528,14 +515,25 @@ class KeyspaceStore(Store):
         """The keys of the store, least recently used first (domain by domain, when
         there are several: recency is kept within each)."""
         self._check_open()
-        out: list[str] = []
-        for d, space in enumerate(self._spaces):
-            if self._held(d):
-                continue
+        return [k for ks in self._each_domain("cannot list keys", Keyspace.keys_block)
+                for k in ks]
+
+    def _each_domain(self, what: str, block: Any) -> list[Any]:
+        """What ``block(space)`` gave on each domain that is not held, in domain order;
+        a domain that failed raises its ``StoreError`` or is left out (a cluster node
+        down)."""
+        plan = {d: [block(space)] for d, space in enumerate(self._spaces)
+                if not self._held(d)}
+        out = []
+        for d, replies in sorted(self._run(plan).items()):
             try:
-                out += space.keys(self._client)
+                if isinstance(replies, BaseException):
+                    raise replies
+                out.append(self._replied(replies[0]))
             except Exception as e:
-                self._read_error(d, "cannot list keys", e)
+                self._read_error(d, what, e)
+                continue
+            self._reached(d)
         return out
 
     def clear(self) -> int:
@@ -566,19 +564,8 @@ class KeyspaceStore(Store):
 
     def _usage(self) -> tuple[int, int, int]:
         """Blobs and bytes of the reachable domains, and how many were not."""
-        blobs = used = down = 0
-        for d, space in enumerate(self._spaces):
-            if self._held(d):
-                down += 1
-                continue
-            try:
-                b, u = space.usage(self._client)
-            except Exception as e:
-                self._read_error(d, "cannot read stats", e)
-                down += 1
-                continue
-            blobs, used = blobs + b, used + u
-        return blobs, used, down
+        got = self._each_domain("cannot read stats", Keyspace.usage_block)
+        return sum(b for b, _ in got), sum(u for _, u in got), len(self._spaces) - len(got)
 
     def close(self) -> None:
         """Closes this client's connections (the blobs stay on the server)."""

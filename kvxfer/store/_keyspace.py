@@ -43,6 +43,7 @@ for a blob, a count or another key's answer. The store over domains is
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from kvxfer.store._pipeline import BadReply, Block
@@ -58,11 +59,12 @@ def _raise_error(reply: Any) -> Any:
     return reply
 
 
-def _array(reply: Any, n: int, what: str) -> list[Any]:
-    if not isinstance(_raise_error(reply), list) or len(reply) != n:
+def _array(reply: Any, n: int | None, what: str) -> list[Any]:
+    """``reply`` if it is an array (of ``n`` replies, unless None)."""
+    if not isinstance(_raise_error(reply), list) or n is not None and len(reply) != n:
         size = f" of {len(reply)}" if isinstance(reply, list) else ""
-        raise BadReply(f"{what}: expected an array of {n} replies. Got "
-                       f"{type(reply).__name__}{size}")
+        raise BadReply(f"{what}: expected an array of {'' if n is None else n} replies. "
+                       f"Got {type(reply).__name__}{size}")
     return reply
 
 
@@ -103,9 +105,9 @@ class Keyspace:
     """One accounting domain: the keys under the hash tag ``root``, the commands on
     them, and their replies checked.
 
-    The blocks (``*_block``) go out through ``kvxfer/store/_pipeline.py`` and their
-    replies are read back with the method beside each; the single-key methods that
-    take a ``client`` (a ``redis.Redis`` or ``redis.cluster.RedisCluster``) run through
+    The blocks (``*_block``) go out through ``kvxfer/store/_pipeline.py``, each with
+    the method beside it as its ``parse``; the single-key methods that take a
+    ``client`` (a ``redis.Redis`` or ``redis.cluster.RedisCluster``) run through
     redis-py itself (a cluster store's way around a slot that moved), its errors
     passing through.
     """
@@ -128,9 +130,11 @@ class Keyspace:
         to tell a blob over the cap), then ``TOUCH_MANY``, in one transaction."""
         bkeys = [self.blobs + k for k in keys]
         touch = ("EVAL", TOUCH_MANY, 4 + len(keys), *self.meta, *bkeys, *keys)
+        parse = functools.partial(self.got, n=len(keys), cap=cap)
         if cap is None:
-            return Block([("MGET", *bkeys), touch], atomic=True)
-        return Block([("GETRANGE", b, 0, cap) for b in bkeys] + [touch], atomic=True)
+            return Block([("MGET", *bkeys), touch], atomic=True, parse=parse)
+        return Block([("GETRANGE", b, 0, cap) for b in bkeys] + [touch], atomic=True,
+                     parse=parse)
 
     @staticmethod
     def got(replies: list[Any], n: int, cap: int | None) -> Read:
@@ -170,17 +174,27 @@ class Keyspace:
                 out.append(blob)
         return Read(out, over)
 
-    def contains_block(self, keys: list[str]) -> Block:
-        return Block([("EXISTS", self.blobs + k) for k in keys])
+    def contains_block(self, keys: list[str], cap: int | None) -> Block:
+        """``EXISTS`` of each key (with a ``cap``, and ``STRLEN``: a blob over the cap
+        is not one the store holds)."""
+        parse = functools.partial(self.found, n=len(keys), cap=cap)
+        if cap is None:
+            return Block([("EXISTS", self.blobs + k) for k in keys], parse=parse)
+        return Block([c for k in keys for c in (("EXISTS", self.blobs + k),
+                                                ("STRLEN", self.blobs + k))], parse=parse)
 
     @staticmethod
-    def found(replies: list[Any], n: int) -> list[bool]:
+    def found(replies: list[Any], n: int, cap: int | None) -> list[bool]:
         """Whether each key of a ``contains_block`` of ``n`` keys is there.
 
         Raises:
           ResponseError, BadReply: as ``got``.
         """
-        return [bool(_int(r, "EXISTS", (0, 1))) for r in _array(replies, n, "EXISTS")]
+        if cap is None:
+            return [bool(_int(r, "EXISTS", (0, 1))) for r in _array(replies, n, "EXISTS")]
+        replies = _array(replies, 2 * n, "EXISTS and STRLEN")
+        return [bool(_int(replies[2 * i], "EXISTS", (0, 1))) and
+                _int(replies[2 * i + 1], "STRLEN") <= cap for i in range(n)]
 
     def put_block(self, items: list[tuple[str, memoryview]], replace: bool,
                   capacity: int | None) -> Block:
@@ -192,25 +206,43 @@ class Keyspace:
             commands.append(("EVAL", PUT, 5, bkey, *self.meta, key, view.nbytes,
                              int(replace), cap, self.blobs, MARKER))
             commands.append(("SET", bkey, view, "NX"))
-        return Block(commands, atomic=True)
+        return Block(commands, atomic=True,
+                     parse=functools.partial(self.put_outcomes, n=len(items)))
+
+    @staticmethod
+    def put_outcomes(replies: list[Any], n: int) -> list[tuple[int, bool] | BaseException]:
+        """What each put of a ``put_block`` of ``n`` keys did: the number evicted (-1:
+        there and not replaced, -2: the byte counter is not an integer, nothing
+        written) and whether the blob was written; or the server's error of that put.
+
+        Raises:
+          BadReply: a reply of the wrong kind or shape.
+        """
+        replies = _array(replies, 2 * n, "a transaction of puts")
+        out: list[tuple[int, bool] | BaseException] = []
+        for evicted, stored in zip(replies[::2], replies[1::2]):
+            failed = next((r for r in (evicted, stored) if isinstance(r, BaseException)),
+                          None)
+            out.append(failed if failed is not None else
+                       Keyspace.put_outcome(evicted, stored))
+        return out
 
     @staticmethod
     def put_outcome(evicted: Any, stored: Any) -> tuple[int, bool]:
-        """One put's ``PUT`` and ``SET NX`` replies: the number evicted (-1: there and
-        not replaced, -2: the byte counter is not an integer, nothing written) and
-        whether the blob was written.
+        """One put's ``PUT`` and ``SET NX`` replies (see ``put_outcomes``).
 
         Raises:
-          ResponseError, BadReply: as ``got``.
+          BadReply: a reply of the wrong kind.
         """
         evicted = _int(evicted, "the put script")
-        if _raise_error(stored) not in (b"OK", None) or evicted < -2:
+        if stored not in (b"OK", None) or evicted < -2:
             raise BadReply(f"a put: expected the script's count and SET NX's OK or nil. "
                            f"Got {_show(evicted)} and {_show(stored)}")
         return evicted, stored is not None
 
     def delete_block(self, key: str) -> Block:
-        return Block([("EVAL", DELETE, 4, self.blobs + key, *self.meta[:3], key)])
+        return Block([("EVAL", DELETE, 4, self.blobs + key, *self.meta[:3], key)],
+                     parse=self.deleted)
 
     @staticmethod
     def deleted(replies: list[Any]) -> bool:
@@ -222,6 +254,7 @@ class Keyspace:
         return bool(_int(_array(replies, 1, "a delete")[0], "the delete script", (0, 1)))
 
     # -- one key, through the client (and its routing) -----------------------------
+    # (A cluster store's way around a slot that moved: redis-py's own pipelines.)
 
     def put(self, client: Any, key: str, view: memoryview, replace: bool,
             capacity: int | None) -> tuple[int, bool]:
@@ -249,8 +282,10 @@ class Keyspace:
         blob = _bulk(blob, "a blob")
         return None if is_marker(blob) else blob  # (a failed put's, not yet removed)
 
-    def contains(self, client: Any, key: str) -> bool:
-        return bool(_int(client.exists(self.blobs + key), "EXISTS", (0, 1)))
+    def contains(self, client: Any, key: str, cap: int | None) -> bool:
+        bkey = self.blobs + key
+        there = bool(_int(client.exists(bkey), "EXISTS", (0, 1)))
+        return there and (cap is None or _int(client.strlen(bkey), "STRLEN") <= cap)
 
     def unmark(self, client: Any, key: str) -> None:
         """Removes the marker a put whose accounting failed left under ``key``."""
@@ -261,22 +296,29 @@ class Keyspace:
                                                 *self.meta[:3], key),
                          "the delete script", (0, 1)))
 
-    def keys(self, client: Any) -> list[str]:
-        """Least recently used first."""
+    # -- the whole domain -------------------------------------------------------------
+
+    def keys_block(self) -> Block:
+        """The keys, least recently used first."""
+        return Block([("ZRANGE", self.meta[0], 0, -1)], parse=self._keys)
+
+    @staticmethod
+    def _keys(replies: list[Any]) -> list[str]:
         out = []
-        for k in _raise_error(client.zrange(self.meta[0], 0, -1)):
+        for k in _array(_array(replies, 1, "ZRANGE")[0], None, "ZRANGE"):
             try:
                 out.append(_bulk(k, "a key", nil=False).decode("utf-8"))
             except UnicodeDecodeError:
                 raise BadReply(f"a key that is not UTF-8: {k[:40]!r}") from None
         return out
 
-    def usage(self, client: Any) -> tuple[int, int]:
+    def usage_block(self) -> Block:
         """Blobs and bytes, read together."""
-        with client.pipeline(transaction=True) as pipe:
-            pipe.zcard(self.meta[0])
-            pipe.get(self.meta[2])
-            blobs, used = _array(pipe.execute(), 2, "a usage read")
+        return Block([("ZCARD", self.meta[0]), ("GET", self.meta[2])], atomic=True,
+                     parse=self._usage)
+
+    def _usage(self, replies: list[Any]) -> tuple[int, int]:
+        blobs, used = _array(replies, 2, "a usage read")
         used = _bulk(used, "the byte counter")
         if used is not None and not used.lstrip(b"-").isdigit():
             raise BadReply(f"the byte counter {self.meta[2]!r} is not an integer: "

@@ -15,17 +15,17 @@ Replies are redis-py's raw parse (no response callbacks): ``bytes``, ``int``, ``
 lists, and error replies as ``ResponseError`` instances (inside an ``EXEC`` reply too).
 
 A connection is given back to its pool only once every reply it was sent for has been
-read, and no byte more is waiting (``_Lease``): one whose round trip stopped short for
-any reason (a server that answered junk, a timeout, another server's error, a
-``KeyboardInterrupt`` between two reads) is disconnected first, so a later command on
-it can never read an earlier command's reply.
+read, and no byte more is waiting, and none broke the protocol (``_Lease``): one whose
+round trip stopped short for any reason (a server that answered junk, a timeout,
+another server's error, a ``KeyboardInterrupt`` between two reads) is disconnected
+first, so a later command on it can never read an earlier command's reply.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["Block", "BlockReply", "BadReply", "exchange", "lost_errors"]
@@ -39,18 +39,26 @@ class BadReply(Exception):
 
 @dataclasses.dataclass(slots=True)
 class Block:
-    """Commands for one server; ``atomic``: run as one ``MULTI``/``EXEC`` transaction."""
+    """Commands for one server; ``atomic``: run as one ``MULTI``/``EXEC`` transaction.
+
+    ``parse``, when given, turns the block's replies into what its caller wants, while
+    the connection is still held: it raises ``BadReply`` for replies that break the
+    protocol (the connection is then dropped, not given back), and may raise the
+    server's error replies (``ResponseError``: the block's error, the stream in step).
+    """
 
     commands: list[tuple[Any, ...]]
     atomic: bool = False
+    parse: Callable[[list[Any]], Any] | None = None
 
 
 @dataclasses.dataclass(slots=True)
 class BlockReply:
-    """What a block got: one reply per command, or ``error`` (the block's commands did
-    not run: a command refused when queued, a transaction the server aborted)."""
+    """What a block got: one reply per command (or what its ``parse`` made of them),
+    or ``error`` (the block's commands did not run: a command refused when queued, a
+    transaction the server aborted; or its replies broke the protocol)."""
 
-    replies: list[Any] | None
+    replies: Any
     error: BaseException | None = None
 
 
@@ -97,14 +105,17 @@ class _Lease:
         self.owed = True  # (a write cut short leaves the stream unknown too)
         self.conn.send_packed_command(self.conn.pack_commands(wire))
 
-    def receive(self, n: int) -> list[Any]:
-        """The ``n`` replies of what was sent; then nothing more may be waiting."""
+    def receive(self, blocks: Sequence[Block], n: int) -> list[BlockReply]:
+        """The replies of ``blocks`` (``n`` in all), sent; then nothing more may be
+        waiting. A connection whose replies broke the protocol stays owed: a server
+        that answered junk may still send more."""
         raw = [_read(self.conn) for _ in range(n)]
         if self.conn.can_read(timeout=0):
             raise BadReply(f"the server sent more than the {n} replies of the commands "
                            "sent (or closed the connection after them)")
-        self.owed = False
-        return raw
+        replies, bad = _parse(blocks, raw)
+        self.owed = bad
+        return replies
 
 
 @contextlib.contextmanager
@@ -123,32 +134,42 @@ def _leased(client: Any) -> Iterator[_Lease]:
             pool.release(lease.conn)
 
 
-def _parse(blocks: Sequence[Block], raw: list[Any]) -> list[BlockReply]:
+def _parse(blocks: Sequence[Block], raw: list[Any]) -> tuple[list[BlockReply], bool]:
+    """Each block's reply, and whether some reply broke the protocol."""
     from redis.exceptions import ResponseError
 
-    out, at = [], 0
+    out, at, bad = [], 0, False
     for b in blocks:
         n = len(b.commands)
         if not b.atomic:
-            out.append(BlockReply(raw[at:at + n]))
+            reply = BlockReply(raw[at:at + n])
             at += n
-            continue
-        began, queued, done = raw[at], raw[at + 1:at + 1 + n], raw[at + 1 + n]
-        at += n + 2
-        # A command refused when queued (MOVED, a wrong number of arguments) is the
-        # cause of the EXECABORT that follows: the block's error names it.
-        refused = next((r for r in queued if isinstance(r, ResponseError)), None)
-        if refused is None and (began != b"OK" or any(r != b"QUEUED" for r in queued)):
-            out.append(BlockReply(None, BadReply(
-                f"a transaction's MULTI and queued commands were answered {began!r} and "
-                f"{[r for r in queued if r != b'QUEUED'][:1]!r}, not OK and QUEUED")))
-        elif refused is not None or not isinstance(done, list):
-            error = refused or (done if isinstance(done, BaseException) else
-                                ResponseError(f"transaction not run: EXEC replied {done!r}"))
-            out.append(BlockReply(None, error))
         else:
-            out.append(BlockReply(done))
-    return out
+            began, queued, done = raw[at], raw[at + 1:at + 1 + n], raw[at + 1 + n]
+            at += n + 2
+            # A command refused when queued (MOVED, a wrong number of arguments) is the
+            # cause of the EXECABORT that follows: the block's error names it.
+            refused = next((r for r in queued if isinstance(r, ResponseError)), None)
+            if refused is None and (began != b"OK" or any(r != b"QUEUED" for r in queued)):
+                reply = BlockReply(None, BadReply(
+                    f"a transaction's MULTI and queued commands were answered {began!r} "
+                    f"and {[r for r in queued if r != b'QUEUED'][:1]!r}, not OK and "
+                    "QUEUED"))
+            elif refused is not None or not isinstance(done, list):
+                error = refused or (done if isinstance(done, BaseException) else
+                                    ResponseError(f"transaction not run: EXEC replied "
+                                                  f"{done!r}"))
+                reply = BlockReply(None, error)
+            else:
+                reply = BlockReply(done)
+        if reply.error is None and b.parse is not None:
+            try:
+                reply.replies = b.parse(reply.replies)
+            except Exception as e:
+                reply = BlockReply(None, e)
+        bad = bad or isinstance(reply.error, BadReply)
+        out.append(reply)
+    return out, bad
 
 
 def exchange(work: Sequence[tuple[Any, Sequence[Block]]]
@@ -183,7 +204,7 @@ def exchange(work: Sequence[tuple[Any, Sequence[Block]]]
         for i, (_, blocks) in enumerate(work):  # then every server's replies
             if results[i] is None:
                 try:
-                    results[i] = _parse(blocks, leases[i].receive(len(_wire(blocks))))
+                    results[i] = leases[i].receive(blocks, len(_wire(blocks)))
                 except Exception as e:
                     results[i] = e
     for i, (client, blocks) in enumerate(work):
@@ -204,7 +225,7 @@ def _again(client: Any, blocks: Sequence[Block], error: BaseException
 
             def once() -> list[BlockReply]:
                 lease.send(wire)
-                return _parse(blocks, lease.receive(len(wire)))
+                return lease.receive(blocks, len(wire))
 
             def failed(_: BaseException) -> None:
                 lease.conn.disconnect()
