@@ -54,7 +54,7 @@ from typing import Any
 
 from kvxfer._check import check_int
 from kvxfer.store._base import StoreError
-from kvxfer.store._domains import KeyspaceStore
+from kvxfer.store._keyspace_store import KeyspaceStore
 from kvxfer.store._redis import INSTALL_HINT, check_prefix, check_timeout_s
 
 __all__ = ["RedisClusterStore", "CLUSTER_SCHEME", "check_cluster_spec"]
@@ -197,7 +197,7 @@ class RedisClusterStore(KeyspaceStore):
                 password=password, socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s, require_full_coverage=False,
                 retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 2))
-        except errors as e:
+        except Exception as e:  # (a node that answers junk, too)
             raise StoreError(f"{where}: cannot connect: {e}") from e
         # A slot that moved (MOVED, ASK): the batch's keys of that domain go one by one
         # through the client, which follows the redirection and refreshes its slot map.

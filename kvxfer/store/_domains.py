@@ -1,6 +1,8 @@
-"""``KeyspaceStore``: the ``Store`` interface over the accounting domains of one Redis
-client (``kvxfer/store/_keyspace.py``): one domain for a ``RedisStore``, many for a
-``RedisClusterStore``.
+"""``Domains``: a store's accounting domains (``kvxfer/store/_keyspace.py``) over one
+Redis client (one domain for a ``RedisStore``, many for a ``RedisClusterStore``): which
+domain a key is in, where it lives, one round trip to the servers of many, what a
+failure means, and the calls on the whole store. Its blob calls are ``KeyspaceStore``
+(``kvxfer/store/_keyspace_store.py``).
 
 Every call, a batch or one key (a batch of one), goes out as blocks of commands, one
 round trip per server (``kvxfer/store/_pipeline.py``, which never gives back a
@@ -18,15 +20,14 @@ import logging
 import os
 import threading
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
-from kvxfer.store._base import (Store, StoreError, _gather, _gather_puts, _writes,
-                                batch_items, batch_keys)
-from kvxfer.store._keyspace import Keyspace, Read
+from kvxfer.store._base import Store, StoreError
+from kvxfer.store._keyspace import Keyspace
 from kvxfer.store._pipeline import BadReply, Block, BlockReply, exchange, lost_errors
 
-__all__ = ["KeyspaceStore"]
+__all__ = ["Domains", "Views"]
 
 log = logging.getLogger("kvxfer")
 
@@ -43,10 +44,10 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-class KeyspaceStore(Store):
-    """The ``Store`` interface over accounting domains of one Redis client; a key's
-    domain is ``crc32(key) % len(domains)``, and the capacity is split evenly over the
-    domains (so the store holds at most ``capacity_bytes`` in all, each domain its share).
+class Domains(Store):
+    """A ``Store`` over accounting domains of one Redis client; a key's domain is
+    ``crc32(key) % len(domains)``, and the capacity is split evenly over the domains
+    (so the store holds at most ``capacity_bytes`` in all, each domain its share).
 
     Subclasses connect, then call ``_setup``; they choose what an unreachable domain
     means for reads (``_unreachable``: here a ``StoreError``).
@@ -72,8 +73,13 @@ class KeyspaceStore(Store):
             raise TypeError(f"Expected a str key. Got {key!r} of type {type(key).__name__}")
         if not key:
             raise ValueError("Expected a non-empty key. Got ''")
+        try:
+            raw = key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"Expected a key that UTF-8 can encode. Got {key!r} (a lone "
+                             "surrogate)") from None
         n = len(self._spaces)
-        return 0 if n == 1 else zlib.crc32(key.encode("utf-8", "surrogatepass")) % n
+        return 0 if n == 1 else zlib.crc32(raw) % n
 
     def _fail(self, what: str, e: BaseException) -> StoreError:
         err = StoreError(f"{self._where}: {what}: {e}")
@@ -134,7 +140,7 @@ class KeyspaceStore(Store):
         ``StoreError``, or returns: misses (a cluster node down, counted)."""
         if self._bad(e):
             self._count(bad_replies=n)
-            raise self._fail(f"{what}: the server's reply broke the protocol", e) from e
+            raise self._fail(f"{what}: {self._junk(e)}", e) from e
         self._unreachable(d, what, e, n)
 
     def _read_failed(self, d: int, keys: list[str], e: BaseException,
@@ -151,8 +157,17 @@ class KeyspaceStore(Store):
         what = f"cannot {verb} {self._names(keys)}"
         if self._bad(e):
             self._count(bad_replies=len(keys))
-            return self._fail(f"{what}: the server's reply broke the protocol", e)
+            return self._fail(f"{what}: {self._junk(e)}", e)
         return self._unwritable(d, what, e)
+
+    @staticmethod
+    def _junk(e: BaseException) -> str:
+        """What a reply that broke the protocol is called in an error: redis-py's parse
+        errors and ours say so; another exception raised on the way is named too."""
+        from redis.exceptions import InvalidResponse
+
+        return "the server's reply broke the protocol" + \
+            ("" if isinstance(e, (BadReply, InvalidResponse)) else f" ({type(e).__name__})")
 
     def _oversized(self, keys: list[str]) -> None:
         if keys:
@@ -195,7 +210,7 @@ class KeyspaceStore(Store):
         for d in plan:
             try:
                 name, client = self._route(d)
-            except self._errors as e:
+            except Exception as e:  # (no route: a slot map that is missing or junk)
                 out[d] = e
                 continue
             servers.setdefault(name, (client, []))[1].append(d)
@@ -236,278 +251,6 @@ class KeyspaceStore(Store):
     def _names(keys: list[str]) -> str:
         return f"key {keys[0]!r}" if len(keys) == 1 else \
             f"keys {keys[0]!r} and {len(keys) - 1} more"
-
-    # -- reads ------------------------------------------------------------------------
-
-    def _read(self, keys: list[str]) -> tuple[dict[str, bytes | None], dict[str, StoreError]]:
-        """``get`` of distinct, checked ``keys``: the blob (or None) of each key read,
-        and the error of each that could not be."""
-        domains = self._by_domain(keys)
-        cap = self.blob_cap
-        got: dict[str, bytes | None] = {}
-        errors: dict[str, StoreError] = {}
-        plan: dict[int, list[Block]] = {}
-        for d, ks in domains.items():
-            if self._held(d):  # (only a cluster store holds domains: it counts read_errors)
-                self._count(gets=len(ks), read_errors=len(ks))
-                continue
-            plan[d] = [self._spaces[d].get_block(c, cap) for c in self._chunks(ks)]
-        for d, replies in self._run(plan).items():
-            ks = domains[d]
-            if self._redirected(replies):
-                for k in ks:  # the client's routing follows the slot
-                    self._read_one(d, k, got, errors)
-                continue
-            try:
-                if isinstance(replies, BaseException):
-                    raise replies
-                reads = [self._replied(r) for r in replies]
-            except Exception as e:
-                self._read_failed(d, ks, e, errors)
-                self._count(gets=len(ks) - sum(k in errors for k in ks))
-                continue
-            self._reached(d)
-            self._got(ks, reads, got)
-        return got, errors
-
-    def _got(self, keys: list[str], reads: list[Read], got: dict[str, bytes | None]) -> None:
-        blobs = [b for r in reads for b in r.blobs]
-        got.update(zip(keys, blobs))
-        self._oversized([keys[i * _CHUNK_KEYS + j] for i, r in enumerate(reads)
-                         for j in r.oversized])
-        self._count(gets=len(keys), hits=sum(b is not None for b in blobs))
-
-    def _read_one(self, d: int, key: str, got: dict[str, Any],
-                  errors: dict[str, StoreError]) -> None:
-        """``get`` of ``key`` through the client (which follows a slot that moved)."""
-        try:
-            blob = self._spaces[d].get(self._client, key)
-        except Exception as e:
-            self._read_failed(d, [key], e, errors)
-            self._count(gets=int(key not in errors))
-            return
-        self._reached(d)
-        cap = self.blob_cap
-        over = blob is not None and cap is not None and len(blob) > cap
-        self._got([key], [Read([None if over else blob], [0] if over else [])], got)
-
-    def get(self, key: str) -> bytes | None:
-        """The whole blob under ``key`` (and marks it recently used), or None (also
-        for a blob over the cap, and in ``RedisClusterStore`` when its node is down).
-
-        Raises:
-          StoreError: the key could not be read (a standalone server down, a reply
-            that broke the protocol).
-        """
-        self._domain(key)
-        self._check_open()
-        got, errors = self._read([key])
-        if key in errors:
-            raise errors[key]
-        return got.get(key)
-
-    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
-        """The blob (or None) of each key, in order, each marked recently used (see
-        ``Store.get_many``): one transaction per domain, one round trip per server.
-
-        A key given twice is read once. Keys of a domain that cannot be read are
-        ``StoreBatchError``s here (misses in ``RedisClusterStore`` when their node is
-        down), never an error that loses the other keys.
-        """
-        keys = batch_keys(keys)
-        self._check_open()
-        got, errors = self._read(list(dict.fromkeys(keys)))
-        return _gather("get_many", keys, got, errors)
-
-    def _contains(self, keys: list[str]) -> tuple[dict[str, bool], dict[str, StoreError]]:
-        """``contains`` of distinct, checked ``keys`` (see ``_read``)."""
-        domains = self._by_domain(keys)
-        cap = self.blob_cap
-        got: dict[str, bool] = {}
-        errors: dict[str, StoreError] = {}
-        plan: dict[int, list[Block]] = {}
-        for d, ks in domains.items():
-            if self._held(d):
-                self._count(read_errors=len(ks))
-                got.update(dict.fromkeys(ks, False))
-                continue
-            plan[d] = [self._spaces[d].contains_block(c, cap) for c in self._chunks(ks)]
-        for d, replies in self._run(plan).items():
-            ks = domains[d]
-            try:
-                if isinstance(replies, BaseException):
-                    raise replies
-                if self._redirected(replies):
-                    found = [self._spaces[d].contains(self._client, k, cap) for k in ks]
-                else:
-                    found = [f for r in replies for f in self._replied(r)]
-            except Exception as e:
-                self._read_failed(d, ks, e, errors)
-                got.update((k, False) for k in ks if k not in errors)
-                continue
-            self._reached(d)
-            got.update(zip(ks, found))
-        return got, errors
-
-    def contains(self, key: str) -> bool:
-        """Whether a blob is stored under ``key`` (not marking it used); False in
-        ``RedisClusterStore`` when its node is down.
-
-        Raises:
-          StoreError: as ``get``.
-        """
-        self._domain(key)
-        self._check_open()
-        got, errors = self._contains([key])
-        if key in errors:
-            raise errors[key]
-        return got[key]
-
-    def contains_many(self, keys: Iterable[str]) -> list[bool]:
-        """Whether a blob is stored under each key, in order (not marking them used):
-        one round trip per server."""
-        keys = batch_keys(keys)
-        self._check_open()
-        got, errors = self._contains(list(dict.fromkeys(keys)))
-        return _gather("contains_many", keys, got, errors)
-
-    # -- writes -----------------------------------------------------------------------
-
-    def _put(self, domains: dict[int, Views], replace: bool
-             ) -> tuple[dict[str, bool], dict[str, StoreError]]:
-        """The puts of each domain's ``(key, blob)`` pairs (distinct keys, checked):
-        whether each wrote, and the error of each that failed."""
-        done: dict[str, bool] = {}
-        errors: dict[str, StoreError] = {}
-        plan: dict[int, list[Block]] = {}
-        for d, kv in domains.items():
-            if self._held(d):
-                err = self._refuse(d, f"cannot write {self._names([k for k, _ in kv])}")
-                errors.update((k, err) for k, _ in kv)
-                continue
-            plan[d] = [self._spaces[d].put_block(c, replace, self._caps[d])
-                       for c in _put_chunks(kv)]
-        for d, replies in self._run(plan).items():
-            kv = domains[d]
-            if isinstance(replies, BaseException):
-                err = self._write_failed(d, [k for k, _ in kv], replies)
-                errors.update((k, err) for k, _ in kv)
-            elif self._redirected(replies):
-                for key, view in kv:
-                    self._put_one(d, key, view, replace, done, errors)
-            else:
-                self._put_replies(d, kv, replies, done, errors)
-        return done, errors
-
-    def _put_replies(self, d: int, kv: Views, replies: list[BlockReply],
-                     done: dict[str, bool], errors: dict[str, StoreError]) -> None:
-        """What each put of domain ``d`` did, from its transactions' replies."""
-        outcomes: list[tuple[int, bool] | BaseException] = []
-        for chunk, r in zip(_put_chunks(kv), replies, strict=True):
-            outcomes += [r.error] * len(chunk) if r.error is not None else r.replies
-        self._wrote(d, kv, outcomes, done, errors)
-
-    def _put_one(self, d: int, key: str, view: memoryview, replace: bool,
-                 done: dict[str, bool], errors: dict[str, StoreError]) -> None:
-        """``put`` of ``key`` through the client (which follows a slot that moved)."""
-        try:
-            outcome: Any = self._spaces[d].put(self._client, key, view, replace,
-                                               self._caps[d])
-        except Exception as e:
-            outcome = e
-        self._wrote(d, [(key, view)], [outcome], done, errors, unmarked=True)
-
-    def _wrote(self, d: int, kv: Views, outcomes: list[tuple[int, bool] | BaseException],
-               done: dict[str, bool], errors: dict[str, StoreError],
-               unmarked: bool = False) -> None:
-        space = self._spaces[d]
-        evictions, written, reached = 0, 0, False
-        for (key, _), outcome in zip(kv, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                errors[key] = self._write_failed(d, [key], outcome)
-                continue
-            reached = True
-            evicted, stored = outcome
-            if evicted == -2:
-                if not unmarked:
-                    try:
-                        space.unmark(self._client, key)
-                    except Exception:
-                        pass  # a marker is a miss to every reader; the next put replaces it
-                errors[key] = StoreError(
-                    f"{self._where}: cannot write key {key!r}: its byte counter "
-                    f"{space.meta[2]!r} is not an integer (another client overwrote it); "
-                    "nothing was written")
-                continue
-            done[key] = stored
-            evictions += max(0, evicted)
-            written += 1
-        if reached:
-            self._reached(d)
-        self._count(puts=written, evictions=evictions)
-
-    def put(self, key: str, blob: bytes, *, replace: bool = False) -> bool:
-        """Stores ``blob`` under ``key`` (see ``Store.put``); atomic across all clients.
-
-        Raises:
-          ValueError: ``blob`` is larger than the capacity (its domain's share) or the
-            blob cap.
-          StoreError: the key's domain cannot be written (its server is down, or its
-            reply broke the protocol).
-        """
-        d, view = self._blob(key, blob)
-        self._check_open()
-        done, errors = self._put({d: [(key, view)]}, replace)
-        if key in errors:
-            raise errors[key]
-        return done[key]
-
-    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes], *,
-                 replace: bool = False) -> list[bool]:
-        """``put`` of each ``(key, blob)``, with its semantics per key (see
-        ``Store.put_many``): one transaction per domain, one round trip per server.
-
-        Every key and blob is checked (and every blob against its domain's share of
-        the capacity and the blob cap) before any is written.
-
-        Raises:
-          ValueError: a blob is larger than the capacity (its domain's share) or the
-            blob cap.
-          StoreBatchError: the keys of some domain could not be written (``results``
-            holds the others').
-        """
-        pairs = batch_items(items)
-        domains: dict[int, Views] = {}
-        for k, blob in _writes(pairs, replace).items():
-            d, view = self._blob(k, blob)
-            domains.setdefault(d, []).append((k, view))
-        self._check_open()
-        done, errors = self._put(domains, replace)
-        return _gather_puts(pairs, done, errors, replace)
-
-    def delete(self, key: str) -> bool:
-        """Removes ``key``; returns whether it was there.
-
-        Raises:
-          StoreError: as ``put``.
-        """
-        d = self._domain(key)
-        self._check_open()
-        if self._held(d):
-            raise self._refuse(d, f"cannot delete key {key!r}")
-        space = self._spaces[d]
-        replies = self._run({d: [space.delete_block(key)]})[d]
-        try:
-            if isinstance(replies, BaseException):
-                raise replies
-            if self._redirected(replies):
-                found = space.delete(self._client, key)
-            else:
-                found = self._replied(replies[0])
-        except Exception as e:
-            raise self._write_failed(d, [key], e, "delete") from e
-        self._reached(d)
-        return found
 
     # -- the whole store ------------------------------------------------------------
 
@@ -572,16 +315,3 @@ class KeyspaceStore(Store):
         if not self._closed:
             self._closed = True
             self._client.close()
-
-
-def _put_chunks(kv: Views) -> list[Views]:
-    """``kv`` in transactions of at most ``_CHUNK_KEYS`` keys and about ``_CHUNK_BYTES``."""
-    out: list[Views] = []
-    size = 0
-    for item in kv:
-        if not out or len(out[-1]) == _CHUNK_KEYS or size + item[1].nbytes > _CHUNK_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(item)
-        size += item[1].nbytes
-    return out

@@ -84,7 +84,11 @@ def _key_bytes(key: str) -> bytes:
         raise TypeError(f"Expected a str key. Got {key!r} of type {type(key).__name__}")
     if not key:
         raise ValueError("Expected a non-empty key. Got ''")
-    return key.encode("utf-8")
+    try:
+        return key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"Expected a key that UTF-8 can encode. Got {key!r} (a lone "
+                         "surrogate)") from None
 
 
 def _blob_view(blob: Any) -> memoryview:
