@@ -114,7 +114,7 @@ def test_a_read_cut_short_by_keyboard_interrupt_leaves_no_reply_behind(cluster):
     with RedisClusterStore(cluster.spec, prefix=_prefix(), timeout_s=10) as s:
         keys, blobs, _ = _pages(s, 48)
         for p in cluster.proxies.values():
-            p.delaying(1.0)
+            p.delaying(3.0)
 
         def interrupt(*_):
             raise KeyboardInterrupt
@@ -228,9 +228,9 @@ def test_junk_replies_are_store_errors_counted_and_the_connection_is_dropped(cal
 
 
 def test_a_reply_slower_than_the_timeout_is_a_store_error_never_read_later(proxy):
-    s = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", prefix=_prefix(), timeout_s=0.5)
+    s = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", prefix=_prefix(), timeout_s=1.0)
     assert s.put_many([("k", b"the blob"), ("j", b"jay")]) == [True, True]
-    proxy.delaying(1.0)
+    proxy.delaying(3.0)
     try:
         with pytest.raises(StoreError, match="cannot read key 'k'"):
             s.get("k")
