@@ -16,9 +16,9 @@ socket, a directory or a symbolic link under a blob's name is skipped, and so is
 file this process may not open or may not remove when evicting; each is counted in
 ``stats()["skipped"]`` and named in a warning, and the store goes on with the rest.
 A frame's declared blob size must equal the file's size and, with
-``max_blob_bytes``, be within it before a byte of the blob is read (a file larger
-than that is a miss, counted in ``oversized``). A directory this process may not
-write opens read-only: gets work, puts and deletes raise ``StoreError``.
+``max_blob_bytes`` (or ``cap_blob_bytes``), be within it before a byte of the blob is
+read (a file larger than that is a miss, counted in ``oversized``). A directory this
+process may not write opens read-only: gets work, puts and deletes raise ``StoreError``.
 
 Recency is the file's modification time, set on put and on every hit, so the LRU
 order survives a restart; capacity is kept by evicting the least recently used
@@ -26,6 +26,7 @@ files. Several processes may share a directory: links and renames are atomic,
 evictions are serialised by a lock file, a temporary file is removed on open only
 when its writer no longer holds its lock (a writer killed mid-put), and a reader of
 a file another process evicts reads the whole blob or misses.
+
 The file format is ``kvxfer/store/_frame.py``; the directory's index, lock file,
 cleaning and eviction are ``kvxfer/store/_directory.py``.
 """
