@@ -118,9 +118,9 @@ def _capped(path: pathlib.Path, how: str, cap: int) -> DiskStore:
     if how == "max_blob_bytes":
         return DiskStore(path, max_blob_bytes=cap)
     store = DiskStore(path)  # uncapped: opening reads no blob
-    store.cap_blob_bytes(cap * 2)
-    store.cap_blob_bytes(cap)  # lowered
-    store.cap_blob_bytes(cap * 4)  # never raised
+    store.cap_blob_bytes(cap // 2)
+    store.cap_blob_bytes(cap)  # a second cache of larger pages: the largest holds
+    assert store.blob_cap == store.max_blob_bytes == cap
     return store
 
 
@@ -350,3 +350,13 @@ if __name__ == "__main__":  # as_other_user's subprocess: everything is imported
         os.setgid(NOBODY)
         os.setuid(NOBODY)
     print(json.dumps(globals()[f"scenario_{name}"](pathlib.Path(directory), *rest)))
+
+
+def test_a_cap_never_goes_above_the_limit_a_store_was_built_with(tmp_path):
+    with DiskStore(tmp_path, max_blob_bytes=1000) as store:
+        store.cap_blob_bytes(1 << 30)  # a cache of huge pages cannot lift the store's own
+        assert store.blob_cap == store.max_blob_bytes == 1000
+        store.cap_blob_bytes(10)
+        assert store.blob_cap == 1000  # the largest asked, bounded by the store's limit
+        with pytest.raises(ValueError, match="max_blob_bytes=1000"):
+            store.put("k", b"x" * 1001)

@@ -248,8 +248,9 @@ def test_a_reply_slower_than_the_timeout_is_a_store_error_never_read_later(proxy
 
 def test_the_cap_is_a_miss_and_never_fetches_the_blob(store, proxy):
     assert store.put_many([("small", b"s" * 100), ("big", b"b" * (4 << 20))]) == [True] * 2
-    store.cap_blob_bytes(1000)
-    store.cap_blob_bytes(1 << 30)  # only ever lowered
+    store.cap_blob_bytes(500)
+    store.cap_blob_bytes(1000)  # a second cache of larger pages: the largest holds
+    store.cap_blob_bytes(700)
     assert store.blob_cap == 1000
     start = proxy.down_bytes
     assert store.get_many(["small", "big", "absent"]) == [b"s" * 100, None, None]

@@ -147,12 +147,13 @@ class Store(abc.ABC):
         """From now on this store never returns a blob larger than ``max_bytes``: such a
         blob is a miss for its key only, counted in ``stats()["oversized"]``.
 
-        A call only lowers the cap, never raises it (a larger ``max_bytes`` than the
-        cap in force changes nothing). Every store has it: one that does not override
-        this still has each blob its ``get`` and ``get_many`` return checked here. The
-        stores of this package do better: ``DiskStore`` refuses a file from its frame
-        header before reading its blob, the Redis stores fetch at most ``max_bytes +
-        1`` bytes of a blob; and they refuse to write a blob over the cap
+        Several callers (caches of other page sizes over one store) get the largest
+        cap any of them asked for, never more than a limit the store was built with
+        (``DiskStore(max_blob_bytes=...)``). Every store has it: one that does not
+        override this still has each blob its ``get`` and ``get_many`` return checked
+        here. The stores of this package do better: ``DiskStore`` refuses a file from
+        its frame header before reading its blob, the Redis stores fetch at most
+        ``max_bytes + 1`` bytes of a blob; and they refuse to write a blob over the cap
         (``ValueError``), which they would never return.
 
         A cache sets it to the size of one of its pages (``HostCache`` does), so a blob
@@ -170,16 +171,27 @@ class Store(abc.ABC):
             >>> with tempfile.TemporaryDirectory() as d, DiskStore(d) as s:
             ...     s.put("small", b"x" * 10), s.put("big", b"x" * 100)
             ...     s.cap_blob_bytes(50)
-            ...     s.cap_blob_bytes(1000)  # only ever lowered: the cap stays 50
             ...     s.get_many(["small", "big"]), s.blob_cap, s.stats()["oversized"]
+            ...     s.cap_blob_bytes(20)  # a second cache of smaller pages: the larger holds
+            ...     s.blob_cap
             (True, True)
             ([b'xxxxxxxxxx', None], 50, 1)
+            50
         """
         max_bytes = check_int(max_bytes, "max_bytes", minimum=0)
         with _CAP_LOCK:
-            cap = getattr(self, "_blob_cap", None)
-            if cap is None or max_bytes < cap:
-                self._blob_cap = max_bytes
+            self._blob_asked = max(getattr(self, "_blob_asked", 0), max_bytes)
+            self._settle_blob_cap()
+
+    def _limit_blobs(self, max_bytes: int) -> None:
+        """Sets the limit a store was built with: no ``cap_blob_bytes`` goes above it."""
+        with _CAP_LOCK:
+            self._blob_own = max_bytes
+            self._settle_blob_cap()
+
+    def _settle_blob_cap(self) -> None:
+        asked, own = getattr(self, "_blob_asked", None), getattr(self, "_blob_own", None)
+        self._blob_cap = own if asked is None else asked if own is None else min(own, asked)
 
     @abc.abstractmethod
     def put(self, key: str, blob: bytes, *, replace: bool = False) -> bool:
@@ -264,26 +276,6 @@ class Store(abc.ABC):
         """Counters: ``blobs``, ``bytes``, ``capacity_bytes``, ``puts``, ``gets``,
         ``hits``, ``evictions``; ``oversized`` (blobs refused by the cap) once
         ``cap_blob_bytes`` was called."""
-
-    def cap_blob_bytes(self, max_bytes: int) -> None:
-        """From now on no blob over ``max_bytes`` is read or returned: one is a miss.
-
-        A cache calls it with the largest frame one of its pages takes, so a blob that
-        claims gigabytes costs a lookup nothing. Several callers (caches of other page
-        sizes over one store) get the largest cap any asked for, never more than the
-        store's own ``max_blob_bytes``. The stores of this package that bound their
-        reads by ``max_blob_bytes`` apply it.
-
-        Raises:
-          ValueError: ``max_bytes`` is not an int of at least 1.
-        """
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"Expected max_bytes an int >= 1. Got {max_bytes!r} of type "
-                             f"{type(max_bytes).__name__}")
-        own, asked = getattr(self, "_blob_caps", (getattr(self, "max_blob_bytes", None), 0))
-        self._blob_caps = own, max(asked, max_bytes)
-        self.max_blob_bytes = self._blob_caps[1] if own is None else \
-            min(own, self._blob_caps[1])
 
     def close(self) -> None:
         """Releases connections or files (the stored blobs stay)."""

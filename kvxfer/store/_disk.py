@@ -124,7 +124,7 @@ class DiskStore(Directory, Store):
         except OSError as e:
             raise StoreError(f"disk store {self.path!r}: cannot open: {e}") from e
         if self.max_blob_bytes is not None:
-            self.cap_blob_bytes(self.max_blob_bytes)
+            self._limit_blobs(self.max_blob_bytes)
 
     def __repr__(self) -> str:
         return (f"DiskStore({self.path!r}, capacity_bytes={self.capacity_bytes!r}, "
@@ -399,7 +399,8 @@ class DiskStore(Directory, Store):
         self._close_directory()
 
     def cap_blob_bytes(self, max_bytes: int) -> None:
-        """See ``Store.cap_blob_bytes``: lowers ``max_blob_bytes`` to ``max_bytes``; a
+        """See ``Store.cap_blob_bytes``: sets ``max_blob_bytes`` to the cap (the largest
+        asked for, never above the ``max_blob_bytes`` the store was built with); a
         file framing a larger blob is refused from its frame's head, before a byte of
         its blob is read (a miss, counted in ``oversized``), and so is a put of one
         (``ValueError``)."""
