@@ -5,6 +5,11 @@ The ``redis_server`` fixture (conftest.py) skips when redis-server or redis-py i
 missing, and fails instead when ``KVXFER_REQUIRE_REDIS=1`` (CI sets it). The
 ``redis_cluster`` fixture does the same for a three-node Redis Cluster (``Cluster``),
 which also needs redis-cli (the same Debian package as redis-server).
+
+``Proxy`` stands between clients and one server, to make it misbehave on demand:
+answer chosen bytes, or hold its replies back; ``redis_cluster(proxied=True)`` puts one
+in front of each node (the nodes announce the proxies' ports, so every client of the
+cluster goes through them).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -101,6 +107,106 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+class Proxy:
+    """A TCP proxy on loopback in front of the server at ``127.0.0.1:target``: passes
+    bytes both ways (``passing``), answers every write of a client with chosen bytes
+    without passing it on (``answering``: a server that answers junk), or holds the
+    server's bytes back for a while before passing them on (``delaying``: a slow
+    server). ``down_bytes`` counts the bytes passed from the server to clients.
+    """
+
+    def __init__(self, target: int, port: int = 0):
+        self.target = target
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", port))
+        self._listener.listen(64)
+        self.port = self._listener.getsockname()[1]
+        self._mode: tuple = ("pass",)
+        self._lock = threading.Lock()
+        self.down_bytes = 0
+        self._held = 0  # chunks held back now
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def passing(self) -> None:
+        self._mode = ("pass",)
+
+    def answering(self, data: bytes) -> None:
+        self._mode = ("answer", data)
+
+    def delaying(self, seconds: float) -> None:
+        self._mode = ("delay", seconds)
+
+    def wait_delivered(self, timeout_s: float = 30.0) -> None:
+        """Until no chunk is held back (every delayed reply has reached its client)."""
+        deadline = time.monotonic() + timeout_s
+        while self._held and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+                server.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            threading.Thread(target=self._up, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket) -> None:
+        try:
+            while data := client.recv(1 << 16):
+                mode = self._mode
+                if mode[0] == "answer":
+                    client.sendall(mode[1])
+                else:
+                    server.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(client, server)
+
+    def _down(self, server: socket.socket, client: socket.socket) -> None:
+        try:
+            while data := server.recv(1 << 16):
+                mode = self._mode
+                if mode[0] == "delay":
+                    with self._lock:
+                        self._held += 1
+                    try:
+                        time.sleep(mode[1])
+                        client.sendall(data)
+                    finally:
+                        with self._lock:
+                            self._held -= 1
+                else:
+                    client.sendall(data)
+                with self._lock:
+                    self.down_bytes += len(data)
+        except OSError:
+            pass
+        finally:
+            _close(client, server)
+
+
+def _close(*socks: socket.socket) -> None:
+    for s in socks:
+        try:
+            s.close()
+        except OSError:
+            pass
+
+
 class Cluster:
     """A Redis Cluster of primaries on loopback, started by ``redis_cluster``.
 
@@ -110,14 +216,23 @@ class Cluster:
     its keys).
     """
 
-    def __init__(self, exe: str, cli: str, work: str, ports: list[int], buses: list[int]):
+    def __init__(self, exe: str, cli: str, work: str, ports: list[int], buses: list[int],
+                 proxied: bool = False):
         self.exe, self.cli, self.work = exe, cli, work
         self.ports, self._buses = ports, dict(zip(ports, buses))
         self._procs: dict[int, subprocess.Popen] = {}
+        #: With ``proxied``: each node's ``Proxy`` by the node's port.
+        self.proxies = {p: Proxy(p) for p in ports} if proxied else {}
 
     @property
     def spec(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        ports = [self.proxies[p].port for p in self.ports] if self.proxies else self.ports
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+
+    def proxy_of(self, node: str) -> Proxy:
+        """The proxy a node's clients reach it through, by the ``HOST:PORT`` they know."""
+        port = int(node.rpartition(":")[2])
+        return next(p for p in self.proxies.values() if p.port == port)
 
     def log(self, port: int) -> str:
         path = os.path.join(self.work, f"redis-{port}.log")
@@ -133,7 +248,10 @@ class Cluster:
              "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "2000",
              "--cluster-port", str(self._buses[port]),
              "--cluster-require-full-coverage", "no", "--appendonly", "no", "--save", "",
-             "--dir", self.work, "--logfile", os.path.join(self.work, f"redis-{port}.log")],
+             "--dir", self.work, "--logfile", os.path.join(self.work, f"redis-{port}.log"),
+             *(("--cluster-announce-port", str(self.proxies[port].port),
+                "--cluster-announce-bus-port", str(self._buses[port]))
+               if self.proxies else ())],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
     def ping(self, port: int) -> bool:
@@ -182,11 +300,15 @@ class Cluster:
     def stop(self) -> None:
         for proc in self._procs.values():
             _stop(proc)
+        for proxy in self.proxies.values():
+            proxy.close()
 
 
 @contextlib.contextmanager
-def redis_cluster(nodes: int = 3, timeout_s: float = 30.0) -> Iterator[Cluster]:
+def redis_cluster(nodes: int = 3, timeout_s: float = 30.0,
+                  proxied: bool = False) -> Iterator[Cluster]:
     """A running Redis Cluster of ``nodes`` primaries, no replicas; yields its ``Cluster``.
+    With ``proxied``, each node announces (and clients reach it through) its ``Proxy``.
 
     Raises:
       RuntimeError: a node did not start, ``redis-cli --cluster create`` failed, or the
@@ -202,7 +324,7 @@ def redis_cluster(nodes: int = 3, timeout_s: float = 30.0) -> Iterator[Cluster]:
         ports = [s.getsockname()[1] for s in socks]
         for s in socks:
             s.close()
-        cluster = Cluster(exe, cli, work, ports[:nodes], ports[nodes:])
+        cluster = Cluster(exe, cli, work, ports[:nodes], ports[nodes:], proxied)
         try:
             for port in cluster.ports:
                 cluster.start(port)

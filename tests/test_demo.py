@@ -210,6 +210,41 @@ def test_bad_options_name_the_value(kw, match):
         run(**kw)
 
 
+# -- a store that cannot be used fails the run before any work -----------------------------
+
+
+def _unusable_store(kind, tmp_path):
+    """A store spec that cannot be opened: a Redis port nothing listens on, or a
+    directory under a regular file."""
+    if kind == "redis":
+        import redis_rig
+
+        redis_rig.require()
+        return f"redis://127.0.0.1:{redis_rig.free_port()}", "redis store at redis://127.0.0.1:"
+    (tmp_path / "file").write_text("not a directory")
+    where = str(tmp_path / "file" / "store")
+    return where, f"disk store {where!r}: cannot open"
+
+
+@pytest.mark.parametrize("entry", ["kvxfer", "python -m kvxfer.demo"])
+@pytest.mark.parametrize("kind", ["redis", "disk"])
+def test_an_unusable_store_fails_before_any_work_with_one_line(tmp_path, monkeypatch, capsys,
+                                                               kind, entry):
+    from kvxfer import cli
+    from kvxfer.demo import command
+
+    spec, names = _unusable_store(kind, tmp_path)
+    started = []
+    monkeypatch.setattr(command, "reference_tokens", lambda *a: started.append(a))
+    monkeypatch.setattr(command, "make_workload", lambda *a, **kw: started.append(a))
+    argv = ["--store", spec, "--requests", "4"]
+    status = cli.main(["demo", *argv]) if entry == "kvxfer" else demo.main(argv)
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and started == []
+    (line,) = err.splitlines()
+    assert line.startswith("kvxfer demo: error: --store: " + names), line
+
+
 # -- a prefix split across tiers -----------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -266,6 +267,74 @@ def test_a_reused_id_is_not_scattered_from_a_stale_stage(dev):
         pool.close()
 
 
+def test_an_id_freed_while_its_flush_waits_takes_a_new_backup_that_waits(dev):
+    # The D2H worker waits in flush_backup for an offload still writing the slot; the
+    # engine thread frees the id, gets it again and backs a new page up into it.
+    pool = host_pool(dev, pool_size=1)
+    landing, land = threading.Event(), threading.Event()
+    previous = pool.manager.set_transfer_hook(None)
+
+    def hold(event, layer, array):
+        out = previous(event, layer, array)
+        if event == "host_written" and not land.is_set():
+            landing.set()
+            land.wait(60)                       # the offload lands when the test says
+        return out
+
+    pool.manager.set_transfer_hook(hold)
+    try:
+        (b,) = pool.alloc(1).tolist()
+        pool.stage_backup([1], [b])
+        with concurrent.futures.ThreadPoolExecutor(2) as threads:
+            flush = threads.submit(pool.flush_backup, [b])
+            assert landing.wait(60)
+            deadline = time.monotonic() + 60    # until the worker took the entry
+            while b in pool._pending_gather and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert b not in pool._pending_gather and not flush.done()
+            pool.free([b])
+            assert pool.alloc(1).tolist() == [b]
+            want = snapshot(dev, 3)
+            backup = threads.submit(pool.stage_backup, [3], [b])
+            land.set()
+            backup.result(60)                   # waited for the old backup, no PoolError
+            flush.result(60)                    # the freed id published nothing
+        pool.flush_backup([b])
+        assert pool.manager.num_free_pages == 0  # the old page freed, the new one held
+        assert pool.copy_to_device([b], [6]).ok
+        assert_page(dev, 6, want)
+    finally:
+        land.set()
+        pool.close()
+
+
+def test_a_call_naming_an_id_twice_is_refused_before_anything_is_lost(dev, pool):
+    a, b = pool.alloc(2).tolist()
+    want = [snapshot(dev, 1), snapshot(dev, 2)]
+    with pytest.raises(ValueError, match=f"stage_backup names host page id={a} more"):
+        pool.stage_backup([1, 2], [a, a])
+    assert pool._pending_gather == {} and pool.manager.num_free_pages == 4
+    pool.stage_backup([1, 2], [a, b])
+    with pytest.raises(ValueError, match=f"flush_backup names host page id={b} more"):
+        pool.flush_backup([b, a, b])
+    pool.flush_backup([a, b])                   # the refusal kept both staged backups
+    with pytest.raises(ValueError, match=f"stage_load names host page id={a} more"):
+        pool.copy_to_device([a, a], [5, 6])
+    pool.stage_load([a, b])
+    with pytest.raises(ValueError, match=f"flush_load names host page id={a} more"):
+        pool.flush_load([a, a], [5, 6])
+    with pytest.raises(ValueError, match="flush_load names device page id=5 more"):
+        pool.flush_load([a, b], [5, 5])
+    assert pool.flush_load([a, b], [5, 6]).ok   # the staged loads survived both
+    assert_page(dev, 5, want[0])
+    assert_page(dev, 6, want[1])
+    with pytest.raises(ValueError, match="copy_to_device names device page id=7 more"):
+        pool.copy_to_device([a, b], [7, 7])
+    assert pool._pending_load == {}
+    assert pool.copy_to_device([b, a], [7, 8]).ok
+    assert_page(dev, 8, want[0])
+
+
 def test_precompile_takes_no_slot_and_writes_no_page(dev, pool):
     before = [testing.bits(b).copy() for b in dev.kv_buffer]
     pool.precompile_transfers()
@@ -511,7 +580,7 @@ def test_a_gather_point_that_raises_fails_the_backup_and_stages_nothing(dev, poo
 
 def test_importing_kvxfer_or_the_integration_imports_no_engine():
     code = ("import sys, kvxfer; assert 'kvxfer.integrations' not in sys.modules; "
-            "import kvxfer.integrations.sglang_jax; "
+            "import kvxfer.integrations.sglang_jax, kvxfer.integrations.sglang_jax_launch; "
             "bad = [m for m in sys.modules if m.split('.')[0] == 'sgl_jax']; "
             "assert not bad, bad")
     env = dict(os.environ, JAX_PLATFORMS="cpu")

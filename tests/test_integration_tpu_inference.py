@@ -14,6 +14,7 @@ import enum
 import os
 import subprocess
 import sys
+import threading
 import types
 
 import jax
@@ -304,6 +305,73 @@ def test_hybrid_layers_round_trip():
         assert_blocks(w.runner.kv_caches, 9, want)
     finally:
         w.close()
+
+
+# -- every save is published once, whoever polls ------------------------------------
+
+
+class _LandsBetweenReads:
+    """An offload handle that lands between the first ``done()`` read and the next:
+    the first read waits for the real save and still says False, later ones True."""
+
+    def __init__(self, handle):
+        self._handle, self._reads = handle, 0
+
+    def done(self):
+        self._reads += 1
+        if self._reads == 1:
+            self._handle.exception()
+            return False
+        return self._handle.done()
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def test_a_save_landing_between_two_done_reads_is_still_published(worker):
+    w, conn, caches = worker
+    want = blocks_of(caches, 3)
+    offload = w.manager.offload
+    w.manager.offload = lambda *a, **kw: _LandsBetweenReads(offload(*a, **kw))
+    step_save(w, conn, save_meta("s", [3], [6], final=True))  # polls: not done yet
+    assert w.get_finished() == ({"s"}, set())  # the next poll sees it landed
+    assert w.get_kv_connector_stats().data["finished_save_chunks"] == {"s": [[6, 0]]}
+    assert step_load(w, conn, load_meta("l", [6], [12])) == set()
+    assert_blocks(w.runner.kv_caches, 12, want)
+
+
+def test_saves_polled_from_a_second_thread_are_each_published_once(worker):
+    w, conn, _ = worker
+    seen, stop = [], threading.Event()
+
+    def collect():
+        stats = w.get_kv_connector_stats()
+        if stats is not None:
+            seen.extend((req, c) for req, chunks in
+                        stats.data["finished_save_chunks"].items() for c, _ in chunks)
+
+    def poll():
+        while not stop.is_set():
+            collect()
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        steps = 40
+        for step in range(steps):  # four one-chunk saves a step, half the chunks each
+            half = 4 * (step % 2)
+            conn.bind_connector_metadata(Metadata([
+                save_meta(f"r{step}-{i}", [i], [half + i], final=True) for i in range(4)]))
+            w.start_load_kv(None)
+            w.start_save_kv()
+    finally:
+        w.wait_for_saves()
+        stop.set()
+        poller.join()
+    collect()
+    want = [(f"r{step}-{i}", 4 * (step % 2) + i) for step in range(steps) for i in range(4)]
+    assert sorted(seen) == sorted(want)
+    assert w.get_finished()[0] == {req for req, _ in want}
 
 
 # -- faults reach the engine as load errors -------------------------------------------

@@ -290,12 +290,13 @@ def test_inspect_reads_array_layout():
     assert g2.addressable and g2.bytes_per_block == 4 * 128 * 4
 
 
-def test_docstring_examples_hold():
+@pytest.mark.parametrize("name", ["kvxfer.layout", "kvxfer._layout_dtypes",
+                                  "kvxfer._layout_geometry", "kvxfer._layout_proof"])
+def test_docstring_examples_hold(name):
     import doctest
+    import importlib
 
-    from kvxfer import layout as layout_module
-
-    result = doctest.testmod(layout_module, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, result
 
 

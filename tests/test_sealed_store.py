@@ -101,7 +101,15 @@ def test_bad_keys_and_options_are_named(tmp_path):
         kvxfer.HostCache(mgr, auth_key=KEY)
     with pytest.raises(ValueError, match="is not valid UTF-8 text"):
         kvxfer.HostCache(mgr, disk, namespace="bad\udc80")
-    assert "00" not in repr(Sealer(KEY)) and repr(Sealer(KEY)) == "Sealer(auth)"
+    sealer = Sealer(KEY)
+    assert "00" not in repr(sealer) and repr(sealer) == f"Sealer(auth, key id {sealer.key_id})"
+    assert sealer.key_id not in (KEY.hex(), KEY[:8].hex()) and len(sealer.key_id) == 16
+    with pytest.raises(ValueError, match="previous key 1 has 3 bytes; use at least 16"):
+        Sealer(KEY, previous_keys=[KEY, b"old"])
+    with pytest.raises(TypeError, match="previous_keys must be a list of keys"):
+        Sealer(KEY, previous_keys=KEY)
+    with pytest.raises(ValueError, match="encrypt=True, but auth_key=Sealer.auth"):
+        kvxfer.HostCache(mgr, disk, auth_key=sealer, encrypt=True)
     with pytest.raises(SealError, match="is not sealed for auth"):
         Sealer(KEY).open("k", Sealer(KEY, encrypt=True).seal("k", b"blob"))
     mgr.close(), disk.close()

@@ -110,6 +110,10 @@ def test_bad_keys_and_blobs_are_refused_by_name(any_store: Store):
         any_store.get("")
     with pytest.raises(TypeError, match="bytes-like blob. Got str"):
         any_store.put("k", "text")
+    for call in (any_store.get, any_store.contains, any_store.delete,
+                 lambda k: any_store.put(k, b"x"), lambda k: any_store.get_many(["a", k])):
+        with pytest.raises(ValueError, match=r"a key that UTF-8 can encode. Got 'a\\ud800b'"):
+            call("a\ud800b")
 
 
 def test_closed_store_says_so(any_store: Store):

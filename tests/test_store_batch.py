@@ -467,7 +467,7 @@ def test_an_unreachable_redis_server_fails_the_batch_by_name():
                                               r"cannot read keys 'k' and 1 more") as e:
         s.get_many(["k", "j"])
     assert isinstance(e.value, StoreError) and e.value.results == [None, None]
-    with pytest.raises(StoreBatchError, match="cannot write keys 'k'"):
+    with pytest.raises(StoreBatchError, match="cannot write key 'k'"):
         s.put_many([("k", b"v")])
     s.close()
 

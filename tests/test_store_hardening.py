@@ -114,18 +114,31 @@ def test_a_fifo_under_a_key_is_a_miss_never_a_hang(tmp_path, caplog):
 # -- 2. a declared blob size is checked before anything is read ---------------------
 
 
-def test_a_sparse_file_over_max_blob_bytes_is_a_miss_without_reading_it(tmp_path):
+def _capped(path: pathlib.Path, how: str, cap: int) -> DiskStore:
+    if how == "max_blob_bytes":
+        return DiskStore(path, max_blob_bytes=cap)
+    store = DiskStore(path)  # uncapped: opening reads no blob
+    store.cap_blob_bytes(cap // 2)
+    store.cap_blob_bytes(cap)  # a second cache of larger pages: the largest holds
+    assert store.blob_cap == store.max_blob_bytes == cap
+    return store
+
+
+@pytest.mark.parametrize("how", ["max_blob_bytes", "cap_blob_bytes"])
+def test_a_sparse_file_over_max_blob_bytes_is_a_miss_without_reading_it(tmp_path, how):
     huge = 2 << 30
     path = sparse_frame(tmp_path, "huge", huge)
     assert path.stat().st_size == file_bytes("huge", huge)
     assert path.stat().st_blocks * 512 < 1 << 20  # the file system holds almost nothing
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     t0 = time.monotonic()
-    with within(lambda: DiskStore(tmp_path, max_blob_bytes=1 << 20)) as store:
+    with within(lambda: _capped(tmp_path, how, 1 << 20)) as store:
+        assert store.blob_cap == 1 << 20
+        assert within(lambda: store.get_many(["huge", "nothing"])) == [None, None]
         assert within(lambda: store.get("huge")) is None
         assert not store.contains("huge")
         s = store.stats()
-        assert (s["oversized"], s["gets"], s["hits"], s["cleaned"]) == (1, 1, 0, 0)
+        assert (s["oversized"], s["gets"], s["hits"], s["cleaned"]) == (2, 3, 0, 0)
         assert s["max_blob_bytes"] == 1 << 20 and "max_blob_bytes=1048576" in repr(store)
         with pytest.raises(ValueError, match="larger than max_blob_bytes=1048576"):
             store.put("big", bytes((1 << 20) + 1))
@@ -136,6 +149,31 @@ def test_a_sparse_file_over_max_blob_bytes_is_a_miss_without_reading_it(tmp_path
     assert path.exists()  # a whole file: a store with a larger limit may read it
     with pytest.raises(ValueError, match="max_blob_bytes=-1 must be >= 0"):
         DiskStore(tmp_path, max_blob_bytes=-1)
+
+
+def test_a_sparse_key_is_never_read_and_a_key_of_junk_is_never_listed(tmp_path, caplog):
+    """A frame may claim a key of gigabytes (a hole) or hold bytes no str encodes to."""
+    page = "geo/page-1"
+    huge = (1 << 32) - 1
+    head = struct.pack("<8sIQ", b"KVXBLOB1", huge, 4)
+    with open(tmp_path / file_name(page), "wb") as f:  # the key's name, a 4 GiB key
+        f.write(head + struct.pack("<I", 0))
+        f.seek(huge + 4, os.SEEK_CUR)
+        f.write(struct.pack("<I8s", 0, b"KVXBEND1"))
+    junk = b"\xff\xfe"  # not UTF-8: a whole frame no put wrote
+    head = struct.pack("<8sIQ", b"KVXBLOB1", len(junk), 1)
+    crc = zlib.crc32(head + junk)
+    (tmp_path / "ff.kvb").write_bytes(head + struct.pack("<I", crc) + junk + b"x" +
+                                      struct.pack("<I8s", crc, b"KVXBEND1"))
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with within(lambda: DiskStore(tmp_path)) as store:
+        assert within(lambda: store.get(page)) is None and not store.contains(page)
+        assert within(store.keys) == []
+        assert store.put(page, b"mine", replace=True) and store.get(page) == b"mine"
+        assert store.keys() == [page]
+    grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert grew_kib < 256 << 10, f"peak memory grew by {grew_kib} KiB"
+    assert (tmp_path / "ff.kvb").exists()  # whole: not the store's to clean away
 
 
 # -- 3. one bad entry never makes a store unopenable --------------------------------
@@ -312,3 +350,13 @@ if __name__ == "__main__":  # as_other_user's subprocess: everything is imported
         os.setgid(NOBODY)
         os.setuid(NOBODY)
     print(json.dumps(globals()[f"scenario_{name}"](pathlib.Path(directory), *rest)))
+
+
+def test_a_cap_never_goes_above_the_limit_a_store_was_built_with(tmp_path):
+    with DiskStore(tmp_path, max_blob_bytes=1000) as store:
+        store.cap_blob_bytes(1 << 30)  # a cache of huge pages cannot lift the store's own
+        assert store.blob_cap == store.max_blob_bytes == 1000
+        store.cap_blob_bytes(10)
+        assert store.blob_cap == 1000  # the largest asked, bounded by the store's limit
+        with pytest.raises(ValueError, match="max_blob_bytes=1000"):
+            store.put("k", b"x" * 1001)

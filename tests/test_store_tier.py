@@ -100,8 +100,8 @@ def test_a_damaged_or_misfiled_blob_is_a_miss_and_leaves_the_store(tmp_path, cap
         disk.put(victim, disk.get(victim)[:-100], replace=True)
     elif damage == "other-key":
         disk.put(victim, disk.get(cache.store_key(10)), replace=True)
-    else:  # another model's page, misfiled under this model's key
-        other = testing.random_caches(2, 8, (4, 32), "float32")
+    else:  # another model's page (of a page's size: no larger blob is read at all)
+        other = testing.random_caches(2, 8, (4, 32), "float16")
         omgr = kvxfer.KVCacheManager(other, num_host_blocks=1)
         (page,) = omgr.offload(other, [0], keys=[11]).wait()
         disk.put(victim, omgr.export_page(page), replace=True)

@@ -39,8 +39,11 @@ __all__ = ["run_bench", "SCHEMA", "Only"]
 #: ``policy`` section (hit rates per eviction policy and tier, store bytes per
 #: write-through setting); 7: the ``copy_sizes`` section (the DMA mover by bytes per
 #: copy) and the plain-JAX routes (``jax_gather_pinned``, ``jax_put_scatter``) in the
-#: throughput and sweep rows.
-SCHEMA = "kvxfer-bench/7"
+#: throughput and sweep rows; 8: each target line names its ``Targets`` field
+#: (``target``) and the hardware it applies to (``hardware``), and a target for other
+#: hardware than the run's is a line of status ``"N/A"`` with ``value`` null (before
+#: 8 such targets were left out; the report code reads runs of schema 3 and later).
+SCHEMA = "kvxfer-bench/8"
 
 #: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
 Only = Literal["store", "fit", "model", "policy"]

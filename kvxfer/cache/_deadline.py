@@ -156,6 +156,10 @@ class Calls:
             raise TimeoutError(f"no answer within the call's deadline ({deadline})")
         return future.result()
 
+    def bound(self, call: Callable[[Any], Any], deadline: Deadline) -> Callable[[Any], Any]:
+        """``call`` as a function of one argument that this makes, until ``deadline``."""
+        return lambda arg: self(lambda: call(arg), deadline)
+
     def close(self) -> None:
         """No call starts from now on; those running end on their own."""
         self._pool.shutdown(wait=False, cancel_futures=True)

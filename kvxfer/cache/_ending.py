@@ -70,7 +70,7 @@ class Ending:
             self._host.wait_all(deadline)
             self._collect()
             mine = self._write_missing(self._store, deadline)
-            queued = self._store.queued()
+            queued = self._store.pending()
         _, late = wait_done(queued.values(), deadline)
         if late:
             keys = [k for k, f in queued.items() if f in late]

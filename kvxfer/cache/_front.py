@@ -25,7 +25,7 @@ from kvxfer.cache._settle import Loads
 from kvxfer.cache._store_tier import StoreTier, WriteThrough, store_key
 from kvxfer.cache._views import IndexViews
 from kvxfer.manager import Agreement, Blocks, Gate, KVCacheManager, check_key
-from kvxfer.store import Store
+from kvxfer.store import Sealer, Store
 
 __all__ = ["HostCache"]
 
@@ -62,7 +62,9 @@ class HostCache(IndexViews, Ending):
         page is imported; a blob that fails is a miss, counted
         (``store_auth_failures``), logged and deleted. Caches sharing the store's
         pages need the same key. None (default): blobs trusted as far as the
-        store's writers are.
+        store's writers are. A ``kvxfer.store.Sealer`` instead rotates keys:
+        ``Sealer(new, previous_keys=[old])`` reads pages sealed with ``old`` and
+        writes them again under ``new`` (``store_rekeyed`` counts them).
       encrypt: also encrypt page bytes at rest (AES-256-GCM keyed from
         ``auth_key``; ``pip install 'kvxfer[crypto]'``), for stores shared across
         tenants.
@@ -88,7 +90,7 @@ class HostCache(IndexViews, Ending):
     def __init__(self, mgr: KVCacheManager, store: Store | None = None, *,
                  namespace: str = "", policy: PolicyName | CachePolicy = "lru",
                  write_through: WriteThrough | bool = "never",
-                 auth_key: bytes | None = None, encrypt: bool = False):
+                 auth_key: bytes | Sealer | None = None, encrypt: bool = False):
         sealer = check_options(mgr, store, namespace, write_through, auth_key, encrypt)
         self.policy = make_policy(policy, mgr.plan.num_host_blocks)
         self.mgr = mgr

@@ -112,10 +112,8 @@ class Finder:
 
     def _from_queue(self, key: int, batch: Batch) -> PageRef | None:
         """Page ``key`` imported from the blob its queued store write holds, or None (no
-        room, or the cache closed meanwhile)."""
+        room; ``read_many`` holds none once the cache closed)."""
         assert self.store is not None and batch.held is not None
-        if self.store.closed:
-            return None
         try:
             return self.host.admit(key, batch.held[key])
         except PageFormatError as e:  # this cache's own export: its pool changed

@@ -69,6 +69,11 @@ def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
         raise ValueError("encrypt=True needs auth_key (the key material)")
     if auth_key is not None and store is None:
         raise ValueError("auth_key seals store blobs; it needs a store")
+    if isinstance(auth_key, Sealer):  # a key with its previous ones (a rotation)
+        if encrypt and not auth_key.encrypt:
+            raise ValueError(f"encrypt=True, but auth_key={auth_key!r} does not encrypt: "
+                             "build it with Sealer(key, encrypt=True, ...)")
+        return auth_key
     return None if auth_key is None else Sealer(auth_key, encrypt=encrypt)
 
 

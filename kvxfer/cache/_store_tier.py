@@ -12,12 +12,19 @@ It remembers which pages the store holds as far as this cache knows (it wrote th
 read them from there), so a page it knows is there is never written again: no store
 call at all. A page leaves that memory when this cache deletes it from the store, or
 finds it missing there.
+
+Sealed pages are stored under their key's id: caches with other keys miss them (and
+never delete them); after a rotation, ``_rekey`` finds the pages sealed with the keys
+it replaced, and this tier writes them again under the new key's id. The store is
+capped, once, at the largest blob a page of this cache takes
+(``Store.cap_blob_bytes``): a larger one is a miss, never read.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -29,14 +36,15 @@ import jax
 from kvxfer._counters import Counters
 from kvxfer.cache._deadline import Calls, Deadline
 from kvxfer.cache._events import EventHub
+from kvxfer.cache._rekey import PreviousKeys
 from kvxfer.hostpool import PageRef
-from kvxfer.manager import KVCacheManager, PageFormatError
+from kvxfer.manager import KVCacheManager, PageFormatError, blob_bytes
 from kvxfer.store import SealError, Sealer, Store, StoreBatchError, StoreError
 
 if TYPE_CHECKING:
     from kvxfer.cache._host import HostTier
 
-__all__ = ["StoreTier", "Batch", "WriteThrough", "store_key", "unlocked"]
+__all__ = ["StoreTier", "Batch", "WriteThrough", "store_key", "frame_bytes", "unlocked"]
 
 #: When host pages reach the store: ``"always"`` (as soon as they are on host, and
 #: again when evicted), ``"never"`` (write-back: when evicted, and by ``flush()``), or
@@ -51,14 +59,21 @@ DELETE_TIMEOUT_S = 10.0  # a bad page's delete, when its caller has no deadline
 
 
 def store_key(namespace: str, mgr: KVCacheManager, sealer: Sealer | None, key: int) -> str:
-    """The store key of page ``key``: namespace, geometry fingerprint, mode, rank, key."""
+    """The store key of page ``key``: namespace, geometry fingerprint, mode (and the
+    sealing key's id), rank, key."""
     mode = "" if mgr.integrity == "page" else "-nodigest"
-    if sealer is not None:  # sealed pages never meet unsealed readers
-        mode += f"-{sealer.mode}"
+    if sealer is not None:  # sealed pages never meet unsealed readers, nor other keys'
+        mode += f"-{sealer.mode}-{sealer.key_id}"
     # Each rank of a multi-process job holds its own shards of a page.
     rank = f"-rank{jax.process_index()}of{jax.process_count()}" \
         if jax.process_count() > 1 else ""
     return f"{namespace}{mgr.fingerprint}{mode}{rank}:{key:016x}"
+
+
+def frame_bytes(mgr: KVCacheManager, sealer: Sealer | None) -> int:
+    """The largest blob a page of ``mgr`` takes in a store: a whole page's blob, sealed
+    when ``sealer`` is given (the tier frames nothing else around it)."""
+    return blob_bytes(mgr.plan) + (0 if sealer is None else sealer.overhead)
 
 
 @contextlib.contextmanager
@@ -80,6 +95,9 @@ class Batch(NamedTuple):
 
     got: dict[int, Any]
     errors: dict[int, OSError]
+    #: The pages whose blob in ``got`` was found under a previous key's id, sealed again
+    #: with the current key: written under its id once imported.
+    rekeyed: frozenset[int] = frozenset()
     #: blobs of writes still queued (this cache's own, not sealed yet), by page
     held: dict[int, bytes] | None = None
     #: the deadline of the call that read it (a bad page's delete waits until then)
@@ -114,7 +132,11 @@ class StoreTier:
         self._writes: dict[int, concurrent.futures.Future] = {}
         self._held: dict[int, bytes] = {}  # the blobs of the writes in _writes
         self._known: set[int] = set()  # keys this cache knows the store holds
-        stats.add(store_writes_skipped=0)
+        self._spilled: set[int] = set()  # queued writes of pages gone from host memory
+        stats.add(store_writes_skipped=0, store_rekeyed=0)
+        store.cap_blob_bytes(frame_bytes(mgr, sealer))
+        self._previous = None if sealer is None or not sealer.previous else PreviousKeys(
+            sealer, functools.partial(store_key, namespace, mgr), stats, store.name)
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvxfer-store")
         self._probe = _StatsProbe(store)
@@ -124,10 +146,6 @@ class StoreTier:
     @property
     def name(self) -> str:
         return self.store.name
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def key(self, key: int) -> str:
         return store_key(self.namespace, self.mgr, self._sealer, key)
@@ -141,6 +159,7 @@ class StoreTier:
 
     def arrived(self, key: int, ref: PageRef) -> None:
         """A page just indexed on host: written now under ``"always"``."""
+        self._spilled.discard(key)  # (in host memory again)
         if self.write_through == "always":
             self.write(key, ref)
 
@@ -163,6 +182,8 @@ class StoreTier:
             self._stats.add(store_writes_gated=1)
         elif key not in self._writes:
             self.write(key, ref)
+        if key in self._writes:  # the page is freed next: that write is its only copy
+            self._spilled.add(key)
 
     def write(self, key: int, ref: PageRef) -> concurrent.futures.Future | None:
         """Exports a page now and stores it on the writer thread; no store call for a
@@ -183,20 +204,23 @@ class StoreTier:
         self._held[key] = blob  # a lookup of the page meanwhile reads it from here
         return future
 
-    def _put(self, key: int, blob: bytes) -> bool:
-        """Stores one blob (writer thread); whether it was written (not there before)."""
+    def _put(self, key: int, blob: bytes, rekeyed: bool = False) -> bool:
+        """Stores one blob (writer thread; ``rekeyed``: sealed already); whether it was
+        written. Whatever the store raises is a write error, counted and logged."""
         skey = self.key(key)
         try:
-            if self._sealer is not None:
+            if self._sealer is not None and not rekeyed:
                 blob = self._sealer.seal(skey, blob)
             written = self.store.put(skey, blob)
-        except (StoreError, ValueError, OSError) as e:
-            log.warning("page %#x was not written to the %s store: %s", key, self.name, e)
+        except Exception as e:
+            log.warning("page %#x was not written to the %s store: %s: %s", key,
+                        self.name, type(e).__name__, e)
             self._stats.add(store_write_errors=1)
             return False
         self._known.add(key)
         if written:
-            self._stats.add(store_pages_written=1, store_bytes_written=len(blob))
+            self._stats.add(store_pages_written=1, store_bytes_written=len(blob),
+                            store_rekeyed=int(rekeyed))
             self._events.emit("stored", key, "store")
         return written
 
@@ -207,12 +231,10 @@ class StoreTier:
         """Forgets finished writes."""
         for key in [k for k, f in self._writes.items() if f.done()]:
             del self._writes[key]
+            self._spilled.discard(key)
             self._held.pop(key, None)
 
-    def pending(self) -> list[concurrent.futures.Future]:
-        return list(self._writes.values())
-
-    def queued(self) -> dict[int, concurrent.futures.Future]:
+    def pending(self) -> dict[int, concurrent.futures.Future]:
         return dict(self._writes)
 
     # -- reads and promotion -------------------------------------------------------
@@ -222,9 +244,8 @@ class StoreTier:
         if key in self._writes:
             return True
         try:
-            skey = self.key(key)
             with unlocked(self._lock):
-                there = self._io(lambda: self.store.contains(skey), deadline)
+                there = self._io(lambda: self.store.contains(self.key(key)), deadline)
         except (StoreError, OSError) as e:
             log.warning("the %s store could not be asked for page %#x: %s",
                         self.name, key, e)
@@ -240,6 +261,9 @@ class StoreTier:
         ask = [k for k in dict.fromkeys(keys) if k not in self._writes]
         with unlocked(self._lock):
             batch = self._batch(self.store.contains_many, ask, deadline)
+            if self._previous is not None:  # a rotation: what old keys' ids hold
+                self._previous.held(batch.got, batch.errors,
+                                    self._io.bound(self.store.contains_many, deadline))
         batch.got.update((k, True) for k in keys if k not in batch.got)
         return batch
 
@@ -254,17 +278,17 @@ class StoreTier:
         return there
 
     def read_many(self, keys: list[int], deadline: Deadline) -> Batch:
-        """The stored blobs of ``keys`` in one ``get_many``, with no cache lock held,
-        until ``deadline``: a lookup's whole promotion is one read. A page whose write
-        is still queued is not read (nor waited for): its blob is the one this cache
-        handed the queue (``held``).
-        """
+        """The stored blobs of ``keys`` in one ``get_many`` (no lock held, by ``deadline``):
+        a lookup's whole promotion is one read; a page whose write is queued is ``held``."""
         keys = list(dict.fromkeys(keys))
         held = {k: self._held[k] for k in keys if k in self._writes and k in self._held}
         with unlocked(self._lock):
             batch = self._batch(self.store.get_many, [k for k in keys if k not in held],
                                 deadline)
-        return batch._replace(held=held, deadline=deadline)
+            if self._previous is not None:  # a rotation: what old keys' ids hold
+                batch = batch._replace(rekeyed=self._previous.read(
+                    batch.got, batch.errors, self._io.bound(self.store.get_many, deadline)))
+        return batch._replace(held={} if self._closed else held, deadline=deadline)
 
     def _batch(self, call: Callable[[list[str]], list[Any]], keys: list[int],
                deadline: Deadline) -> Batch:
@@ -273,8 +297,7 @@ class StoreTier:
             return Batch({}, {})
         errors: dict[int, OSError] = {}
         try:
-            skeys = [self.key(k) for k in keys]
-            results = self._io(lambda: call(skeys), deadline)
+            results = self._io(lambda: call([self.key(k) for k in keys]), deadline)
         except StoreBatchError as e:  # the other keys were answered
             results = e.results
             errors = {keys[i]: err for i, err in e.errors.items()}
@@ -320,15 +343,16 @@ class StoreTier:
         except PageFormatError as e:
             self.drop(key, str(e), batch.deadline)
             return None
-        if ref is not None:
+        if ref is not None and key in batch.rekeyed:  # written under the new key's id
+            self._writes[key] = self._writer.submit(self._put, key, batch.got[key], True)
+        elif ref is not None:
             self._known.add(key)
         return ref
 
     # -- bad pages -----------------------------------------------------------------
 
     def drop(self, key: int, why: str, deadline: Deadline | None = None) -> None:
-        """A store page that is not a whole page of this cache: a miss, deleted (waiting
-        until ``deadline``, see ``delete``)."""
+        """A store page that is not a whole page of this cache: a miss, deleted."""
         log.warning("page %#x in the %s store is bad (%s); dropped from the store", key,
                     self.name, why)
         self._stats.add(bad_pages=1)
@@ -349,7 +373,7 @@ class StoreTier:
                 deleted = self._io(lambda: self.store.delete(skey), deadline)
             if deleted:
                 self._events.emit("removed", key, "store")
-        except (StoreError, OSError) as e:
+        except Exception as e:  # a store's own exception never reaches the caller
             log.warning("page %#x could not be deleted from the %s store: %s", key,
                         self.name, e)
 
@@ -361,7 +385,7 @@ class StoreTier:
     def stop_writes(self) -> list[concurrent.futures.Future]:
         """No write starts from now on; the writes queued (for ``close``)."""
         self._closed = True
-        return self.pending()
+        return list(self._writes.values())
 
     def close(self, writes: list[concurrent.futures.Future], timeout: float | None,
               deadline: float | None) -> None:
@@ -370,13 +394,34 @@ class StoreTier:
         left = None if deadline is None else max(deadline - time.monotonic(), 0)
         _, late = concurrent.futures.wait(writes, left)
         if late:
-            log.warning("%d store writes did not finish within %g s of close(); "
-                        "dropped (the pages stay in host memory until the manager "
-                        "frees them)", len(late), timeout)
+            log.warning("%d store writes did not finish within %g s of close(); dropped: "
+                        "%s", len(late), timeout, _dropped(late, self._writes, self._spilled))
         self._writer.shutdown(wait=not late, cancel_futures=True)
         self._io.close()
         self._held.clear()
         self._probe.close()
+
+
+def _dropped(late: set[concurrent.futures.Future],
+             writes: dict[int, concurrent.futures.Future], spilled: set[int]) -> str:
+    """What dropping the ``late`` of ``writes`` costs, page by page: the ``spilled`` pages
+    are in no tier but that write (close's warning)."""
+    keys = [k for k, f in list(writes.items()) if f in late]
+    lost = [k for k in keys if k in spilled]
+    kept = [k for k in keys if k not in spilled]
+    said = []
+    if lost:
+        said.append("lost from every tier (freed from host memory when evicted; "
+                    f"recomputed when asked for again): {_pages(lost)}")
+    if kept:
+        said.append(f"kept in host memory until the manager frees them: {_pages(kept)}")
+    return "; ".join(said) or f"{len(late)} writes of pages this cache no longer tracks"
+
+
+def _pages(keys: list[int]) -> str:
+    shown = ", ".join(f"{k:#x}" for k in keys[:8])
+    return f"page{'s' if len(keys) > 1 else ''} {shown}" + \
+        (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
 
 
 class _StatsProbe:

@@ -7,9 +7,11 @@ over a ``kvxfer.KVCacheManager``, and below it in an optional store tier (a loca
 directory or Redis); every request's tokens are checked against a run with no
 cache. Modules, one idea each:
 
+* ``model``: the decoder (its rooms ``_model_config`` and ``_model_layers``).
 * ``tiers``: page keys and the device tier (``DeviceBlocks``).
-* ``inject``: the demo's fault injector, on ``kvxfer.testing``'s injectors.
 * ``server``: ``PrefixCacheServer``, which serves one request at a time.
+* ``inject``: the demo's fault injector, on ``kvxfer.testing``'s injectors (the
+  server's ``Injector``; it imports the server, never the other way).
 * ``workload``: the requests, their caches' placement, the no-cache reference.
 * ``command``: ``DemoOptions``, ``run_demo``, the summary and the command line.
 

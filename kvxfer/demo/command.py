@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import json
 import sys
@@ -35,7 +34,7 @@ from kvxfer.demo.inject import INJECT_MODES, FaultInjector, InjectMode
 from kvxfer.demo.server import PrefixCacheServer, RequestKind, RequestOutcome
 from kvxfer.demo.workload import make_workload, reference_tokens, shard_caches
 from kvxfer.manager import Gate, IntegrityMode
-from kvxfer.store import open_store
+from kvxfer.store import Store, StoreError, open_store
 
 __all__ = ["ModelPreset", "MODEL_PRESETS", "CacheDtype", "CACHE_DTYPES", "DemoOptions",
            "run_demo", "format_summary", "add_arguments", "build_parser", "register_cli",
@@ -199,6 +198,7 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
 
     Raises:
         ValueError: a bad option (e.g. too few device blocks for a request).
+        StoreError: ``store`` cannot be opened or reached (checked before any work).
 
     Example:
         >>> s = run_demo(requests=4, system_pages=(2, 3), new_tokens=2, device_blocks=5,
@@ -208,6 +208,28 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
     """
     opts = _options(options, overrides)
     t_start = time.perf_counter()
+    # The store first: one that cannot be opened or reached fails the run before the
+    # reference run and the warm-up (seconds of work) start.
+    store = _open_demo_store(opts.store)
+    try:
+        return _run(opts, store, t_start)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _open_demo_store(spec: str | None) -> Store | None:
+    """The ``--store`` tier, opened and reached (a Redis server answers a ping)."""
+    if spec is None:
+        return None
+    try:
+        return open_store(spec)
+    except StoreError as e:  # its message names the store, its password redacted
+        raise StoreError(f"--store: {e}") from e
+
+
+def _run(opts: DemoOptions, store: Store | None, t_start: float) -> dict:
+    """``run_demo`` once its options are checked and its store is open."""
     devices_n = opts.devices
     if opts.inject == "one-shard" and devices_n < 2:
         devices_n = 2  # corruption on one shard needs at least two shards
@@ -244,18 +266,13 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
 
     injector = FaultInjector(opts.inject, opts.injections) if opts.inject else None
     outcomes: list[RequestOutcome] = []
-    store = open_store(opts.store) if opts.store else None
     # The geometry is in every store key already; the weights are not: pages are
     # shared only between runs of the same model and seed.
     namespace = (f"demo-{opts.model}-s{opts.scale}-l{cfg.num_layers}-{opts.dtype}-"
                  f"seed{opts.seed}:")
-    with contextlib.ExitStack() as stack:
-        if store is not None:
-            stack.enter_context(store)
-        srv = stack.enter_context(PrefixCacheServer(
-            model, fresh_caches(), num_host_blocks=opts.host_blocks,
-            integrity=opts.integrity, gate=opts.gate, injector=injector, store=store,
-            namespace=namespace))
+    with PrefixCacheServer(model, fresh_caches(), num_host_blocks=opts.host_blocks,
+                           integrity=opts.integrity, gate=opts.gate, injector=injector,
+                           store=store, namespace=namespace) as srv:
         progress("warm-up: compiling the transfer programs", force=True)
         t0 = time.perf_counter()
         srv.warm_up(max(opts.system_pages))
@@ -556,12 +573,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0, 1 when tokens differ from a run with no cache, 2 on a
-        bad option.
+        bad option or a store that cannot be opened or reached.
     """
     args = build_parser().parse_args(argv)
     try:
         return _cmd_demo(args)
-    except (ValueError, MemoryError) as e:
+    except (ValueError, MemoryError, StoreError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kvxfer demo: error: {message}", file=sys.stderr)
         return 2

@@ -34,15 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 from kvxfer import testing
 from kvxfer.cache import CacheHit
+from kvxfer.demo.server import PrefixCacheServer
 from kvxfer.demo.tiers import SCRATCH_KEY
 from kvxfer.hostpool import PageRef, PoolExhaustedError
-
-if TYPE_CHECKING:
-    from kvxfer.demo.server import PrefixCacheServer
 
 __all__ = ["InjectMode", "INJECT_MODES", "Injection", "FaultInjector"]
 
@@ -82,6 +80,8 @@ class Injection:
 
 class FaultInjector:
     """Injects one fault into the host tier before up to ``limit`` prefix hits load.
+
+    The server's ``Injector``: it calls ``before_lookup`` and ``before_load``.
 
     ``bitflip`` and ``one-shard`` alternate between the first layer (caught before
     any layer is consumed) and the last one (the layers before it were already

@@ -43,21 +43,34 @@ Partial last pages: a prompt whose length is not a multiple of ``block_size``
 has its last page processed as one masked page (tokens padded to 16 with id 0,
 ``num_valid < 16``). The padding rows are written into the block too; they are
 never read (masked by position) and decoding overwrites them in order.
+
+The model's rooms: ``_model_config`` (``ModelConfig``, ``LayerKV``, the presets),
+``_model_layers`` (the jitted layer programs); this module holds the weights,
+the caches, the block tables and the ``Model`` driver, and re-exports the rest.
+
+Example:
+    >>> m = Model(tiny_llama())
+    >>> kv = m.make_kv_caches(4)
+    >>> kv, tokens = m.generate(kv, list(range(1, 20)), [0, 1], 3)
+    >>> len(tokens), kv[0].shape
+    (3, (4, 16, 2, 2, 32))
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kvxfer.demo._model_config import LayerKV, ModelConfig, mixed_layers, scaled, tiny_llama
+from kvxfer.demo._model_layers import (LayerParams, compiled_layer_programs,
+                                       decode_layer_step, embed, greedy_token, layer_step,
+                                       logits, rms_norm, rope)
 
 __all__ = [
     "LayerKV",
@@ -80,175 +93,6 @@ __all__ = [
     "rope",
     "compiled_layer_programs",
 ]
-
-LayerParams = dict[str, jax.Array]
-"""Per-layer weights: attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down."""
-
-
-# --------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerKV:
-    """KV geometry of one layer.
-
-    Attributes:
-        num_kv_heads: Number of key/value heads (GQA groups) of the layer.
-        head_dim: Per-head dimension of the layer's q/k/v (must be even: RoPE
-            rotates pairs of channels).
-    """
-
-    num_kv_heads: int
-    head_dim: int
-
-    def block_shape(self, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of one cache block of this layer: ``[block_size, 2, kv_heads, head_dim]``."""
-        return (block_size, 2, self.num_kv_heads, self.head_dim)
-
-    def bytes_per_block(self, block_size: int, dtype: Any = jnp.float32) -> int:
-        """Bytes of one cache block of this layer (K and V together) in ``dtype``."""
-        return math.prod(self.block_shape(block_size)) * np.dtype(dtype).itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Hyper-parameters of the demo model.
-
-    Attributes:
-        vocab_size: Number of token ids.
-        d_model: Width of the residual stream.
-        num_layers: Number of decoder layers; must equal ``len(layers)``.
-        num_q_heads: Query heads of every layer; a multiple of each layer's
-            ``num_kv_heads``.
-        ffn_dim: Hidden width of the SwiGLU MLP.
-        layers: One ``LayerKV`` per layer; layers may differ, which gives the
-            KV cache several "slice classes" with different bytes per block.
-        block_size: Tokens per KV block (= tokens per prefill page).
-        max_blocks_per_seq: Block tables are padded to this length, which
-            fixes every compiled shape; it bounds the sequence length to
-            ``block_size * max_blocks_per_seq`` tokens.
-        rope_theta: RoPE base frequency.
-        norm_eps: RMSNorm epsilon.
-    """
-
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_q_heads: int
-    ffn_dim: int
-    layers: tuple[LayerKV, ...]
-    block_size: int = 16
-    max_blocks_per_seq: int = 32
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-
-    def __post_init__(self) -> None:
-        # Accept any sequence for convenience but store a tuple so the config
-        # stays hashable (it is used as a cache key and compared in tests).
-        object.__setattr__(self, "layers", tuple(self.layers))
-        if len(self.layers) != self.num_layers:
-            raise ValueError(
-                f"num_layers={self.num_layers} but {len(self.layers)} LayerKV entries given"
-            )
-        for i, lkv in enumerate(self.layers):
-            if lkv.num_kv_heads <= 0 or lkv.head_dim <= 0:
-                raise ValueError(f"layer {i}: non-positive KV geometry {lkv}")
-            if self.num_q_heads % lkv.num_kv_heads:
-                raise ValueError(
-                    f"layer {i}: num_q_heads={self.num_q_heads} is not a multiple of "
-                    f"num_kv_heads={lkv.num_kv_heads}"
-                )
-            if lkv.head_dim % 2:
-                raise ValueError(f"layer {i}: head_dim={lkv.head_dim} must be even for RoPE")
-        for name in ("vocab_size", "d_model", "num_q_heads", "ffn_dim", "block_size",
-                     "max_blocks_per_seq"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-
-    @property
-    def max_seq_len(self) -> int:
-        """Longest sequence (prompt + generated) a block table can describe."""
-        return self.block_size * self.max_blocks_per_seq
-
-    def kv_block_bytes(self, dtype: Any = jnp.float32) -> tuple[int, ...]:
-        """Bytes of one block, per layer, for caches of ``dtype``."""
-        return tuple(lkv.bytes_per_block(self.block_size, dtype) for lkv in self.layers)
-
-    def slice_classes(self) -> dict[LayerKV, tuple[int, ...]]:
-        """Groups layer indices by KV geometry (layers of one class share block shape)."""
-        classes: dict[LayerKV, list[int]] = {}
-        for i, lkv in enumerate(self.layers):
-            classes.setdefault(lkv, []).append(i)
-        return {k: tuple(v) for k, v in classes.items()}
-
-
-def tiny_llama() -> ModelConfig:
-    """A 4-layer toy Llama: d_model 128, 4 q heads, 2 kv heads of dim 32, vocab 512."""
-    return ModelConfig(
-        vocab_size=512,
-        d_model=128,
-        num_layers=4,
-        num_q_heads=4,
-        ffn_dim=256,
-        layers=(LayerKV(2, 32),) * 4,
-    )
-
-
-def mixed_layers() -> ModelConfig:
-    """Like :func:`tiny_llama` but layers alternate (2 kv heads, dim 32) / (1 kv head, dim 128).
-
-    The cache then has two slice classes whose blocks differ in shape *and* in
-    size (8 KiB vs 16 KiB per block in float32). The often-quoted pair
-    (2, 32) / (1, 64) would give equal bytes per block, so dim 128 is used.
-    """
-    return dataclasses.replace(tiny_llama(), layers=(LayerKV(2, 32), LayerKV(1, 128)) * 2)
-
-
-def scaled(
-    cfg: ModelConfig,
-    factor: int = 1,
-    *,
-    num_layers: int | None = None,
-    vocab_size: int | None = None,
-    max_blocks_per_seq: int | None = None,
-) -> ModelConfig:
-    """Returns a bigger (or re-shaped) copy of ``cfg`` for benchmarks and CLIs.
-
-    Args:
-        cfg: Base configuration.
-        factor: Width multiplier: ``d_model``, ``ffn_dim``, ``num_q_heads`` and
-            every layer's ``num_kv_heads`` are multiplied by it (head_dim is
-            kept, so the GQA ratio and RoPE are unchanged and KV bytes per
-            block grow by ``factor``).
-        num_layers: New depth; the per-layer KV geometry pattern of ``cfg`` is
-            repeated cyclically. ``None`` keeps the depth.
-        vocab_size: New vocabulary size, or ``None`` to keep it.
-        max_blocks_per_seq: New padded block-table length, or ``None``.
-
-    Returns:
-        The new configuration.
-    """
-    if factor < 1:
-        raise ValueError("factor must be >= 1")
-    depth = cfg.num_layers if num_layers is None else num_layers
-    layers = tuple(
-        LayerKV(cfg.layers[i % cfg.num_layers].num_kv_heads * factor,
-                cfg.layers[i % cfg.num_layers].head_dim)
-        for i in range(depth)
-    )
-    return dataclasses.replace(
-        cfg,
-        d_model=cfg.d_model * factor,
-        ffn_dim=cfg.ffn_dim * factor,
-        num_q_heads=cfg.num_q_heads * factor,
-        num_layers=depth,
-        layers=layers,
-        vocab_size=cfg.vocab_size if vocab_size is None else vocab_size,
-        max_blocks_per_seq=(cfg.max_blocks_per_seq if max_blocks_per_seq is None
-                            else max_blocks_per_seq),
-    )
 
 
 # --------------------------------------------------------------------------
@@ -366,181 +210,12 @@ def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int = 16) ->
     return -(-written // block_size)
 
 
-# --------------------------------------------------------------------------
-# Math
-# --------------------------------------------------------------------------
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(var + eps) * w
-
-
-def rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE. ``x``: ``[T, H, hd]``, ``pos``: ``int32[T]``."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * (2.0 / x.shape[-1])))
-    ang = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def _layer_impl(p: LayerParams, x: jax.Array, kv: jax.Array, block_table: jax.Array,
-                start_pos: jax.Array, num_valid: jax.Array, *, rope_theta: float,
-                norm_eps: float) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer for ``T`` consecutive tokens of one request.
-
-    The tokens occupy positions ``[start_pos, start_pos + T)``, all inside the
-    block ``block_table[start_pos // block_size]``. Every geometry is read off
-    the array shapes so one Python function serves all layer kinds.
-    """
-    t = x.shape[0]
-    _, bs, _, hkv, hd = kv.shape
-    hq = p["wq"].shape[1] // hd
-    pos = start_pos + jnp.arange(t, dtype=jnp.int32)
-
-    h = rms_norm(x, p["attn_norm"], norm_eps)
-    q = rope((h @ p["wq"]).reshape(t, hq, hd), pos, rope_theta)
-    k = rope((h @ p["wk"]).reshape(t, hkv, hd), pos, rope_theta)
-    v = (h @ p["wv"]).reshape(t, hkv, hd)
-
-    # Write first, then read the window back from the cache: the tokens of
-    # this page then see their own K/V rounded to the cache dtype, exactly as
-    # later pages (or a request reusing this block) will see them.
-    new = jnp.stack([k, v], axis=1).astype(kv.dtype)[None]  # [1, T, 2, hkv, hd]
-    blk = block_table[start_pos // bs]
-    kv = jax.lax.dynamic_update_slice(kv, new, (blk, start_pos % bs, 0, 0, 0))
-
-    win = kv[block_table]  # [max_blocks, bs, 2, hkv, hd]; padding ids gathered, masked below
-    s = win.shape[0] * bs
-    win = win.reshape(s, 2, hkv, hd).astype(jnp.float32)
-    key_pos = jnp.arange(s, dtype=jnp.int32)
-    key_ok = key_pos < start_pos + num_valid
-    # Zero (not just mask) everything beyond the valid prefix so stale bytes
-    # in unwritten rows / foreign blocks can never reach the arithmetic.
-    win = jnp.where(key_ok[:, None, None, None], win, jnp.zeros((), win.dtype))
-    kw, vw = win[:, 0], win[:, 1]
-
-    qg = q.reshape(t, hkv, hq // hkv, hd)
-    scores = jnp.einsum("tkgd,skd->kgts", qg, kw) * jnp.float32(hd ** -0.5)
-    allowed = key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [T, S]
-    scores = jnp.where(allowed[None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    attn = jnp.einsum("kgts,skd->tkgd", probs, vw).reshape(t, hq * hd)
-    x = x + attn @ p["wo"]
-
-    h = rms_norm(x, p["mlp_norm"], norm_eps)
-    x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-    return x, kv
-
-
-# Donating the cache lets XLA update the block in place instead of copying the
-# whole per-layer array every step.
-_layer_jit = jax.jit(_layer_impl, static_argnames=("rope_theta", "norm_eps"), donate_argnums=(2,))
-
-
-def compiled_layer_programs() -> int:
-    """How many layer programs are compiled so far (each shape compiles once)."""
-    return _layer_jit._cache_size()
-
-
 def _check_table(block_table: jax.Array | np.ndarray | Sequence[int], max_blocks: int) -> jax.Array:
     """Returns an already padded int32 device table as is, pads anything else."""
     if (isinstance(block_table, jax.Array) and block_table.dtype == jnp.int32
             and block_table.shape == (max_blocks,)):
         return block_table
     return pad_block_table(block_table, max_blocks)
-
-
-def layer_step(params_i: LayerParams, x: jax.Array, kv_i: jax.Array, block_table: jax.Array,
-               start_pos: int, num_valid: int | None = None, *, rope_theta: float = 10000.0,
-               norm_eps: float = 1e-5) -> tuple[jax.Array, jax.Array]:
-    """Runs one layer over one page of ``block_size`` new tokens (jitted, cache donated).
-
-    Computes K/V for the page, writes them into block
-    ``block_table[start_pos // block_size]`` of ``kv_i`` and attends causally
-    over positions ``[0, start_pos + num_valid)`` through the block table. One
-    compiled program serves every position of every request of this layer
-    geometry.
-
-    Args:
-        params_i: Weights of the layer.
-        x: ``float32[block_size, d_model]`` hidden states of the page.
-        kv_i: The layer's cache; it is donated and must not be used afterwards.
-        block_table: ``int32[max_blocks_per_seq]`` padded block table (see
-            :func:`pad_block_table`).
-        start_pos: First position of the page; a multiple of ``block_size``.
-        num_valid: Real tokens in the page (``block_size`` unless it is a
-            partial last page). Rows beyond are computed and written but never
-            attended to.
-        rope_theta: RoPE base frequency.
-        norm_eps: RMSNorm epsilon.
-
-    Returns:
-        ``(x_out, kv_i_new)``: hidden states ``[block_size, d_model]`` and the
-        updated cache.
-    """
-    bs = kv_i.shape[1]
-    if x.shape[0] != bs:
-        raise ValueError(f"a page has {bs} tokens, got x of shape {x.shape}")
-    if start_pos % bs:
-        raise ValueError(f"start_pos={start_pos} is not page aligned")
-    n = bs if num_valid is None else num_valid
-    if not 1 <= n <= bs:
-        raise ValueError(f"num_valid={n} outside [1, {bs}]")
-    # Scalars always go in as traced int32 so every page hits the same program
-    # (a Python constant would be baked in and change the compiled code).
-    return _layer_jit(params_i, x, kv_i, block_table, np.int32(start_pos), np.int32(n),
-                      rope_theta=float(rope_theta), norm_eps=float(norm_eps))
-
-
-def decode_layer_step(params_i: LayerParams, x: jax.Array, kv_i: jax.Array,
-                      block_table: jax.Array, pos: int, *, rope_theta: float = 10000.0,
-                      norm_eps: float = 1e-5) -> tuple[jax.Array, jax.Array]:
-    """Runs one layer for a single token at position ``pos`` (jitted, cache donated).
-
-    Writes the token's K/V into row ``pos % block_size`` of block
-    ``block_table[pos // block_size]`` (which may be partially filled) and
-    attends over positions ``[0, pos]``. Fixed shapes: one program per layer
-    geometry for all positions.
-
-    Args:
-        params_i: Weights of the layer.
-        x: ``float32[1, d_model]`` hidden state of the token.
-        kv_i: The layer's cache; donated.
-        block_table: ``int32[max_blocks_per_seq]`` padded block table.
-        pos: Position of the token.
-        rope_theta: RoPE base frequency.
-        norm_eps: RMSNorm epsilon.
-
-    Returns:
-        ``(x_out [1, d_model], kv_i_new)``.
-    """
-    if x.shape[0] != 1:
-        raise ValueError(f"decode_layer_step takes one token, got x of shape {x.shape}")
-    return _layer_jit(params_i, x, kv_i, block_table, np.int32(pos), np.int32(1),
-                      rope_theta=float(rope_theta), norm_eps=float(norm_eps))
-
-
-@jax.jit
-def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Embeds ``int32[T]`` tokens with ``table`` ``[vocab, d_model]`` -> ``[T, d_model]``."""
-    return jnp.take(table, tokens, axis=0)
-
-
-@partial(jax.jit, static_argnames=("norm_eps",))
-def logits(final_norm: jax.Array, unembed: jax.Array, hidden: jax.Array,
-           norm_eps: float = 1e-5) -> jax.Array:
-    """Final RMSNorm + unembedding: ``[..., d_model]`` -> ``float32[..., vocab]``."""
-    return rms_norm(hidden, final_norm, norm_eps) @ unembed
-
-
-@partial(jax.jit, static_argnames=("norm_eps",))
-def greedy_token(final_norm: jax.Array, unembed: jax.Array, hidden: jax.Array,
-                 norm_eps: float = 1e-5) -> jax.Array:
-    """Argmax token (int32, lowest id on ties) for one hidden state ``[d_model]``."""
-    return jnp.argmax(rms_norm(hidden, final_norm, norm_eps) @ unembed).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------
@@ -731,11 +406,6 @@ class Model:
             kv_caches, last_hidden = self.prefill_page(
                 kv_caches, prompt[lo: lo + cfg.block_size], bt, lo, before_layer)
         return self.decode(kv_caches, bt, plen, last_hidden, max_new_tokens)
-
-
-# --------------------------------------------------------------------------
-# CLI: quick timing
-# --------------------------------------------------------------------------
 
 
 def _bench(cfg: ModelConfig, prompt_len: int, new_tokens: int, dtype: Any, reps: int) -> dict:

@@ -37,19 +37,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import jax
 import numpy as np
 
-from kvxfer.demo import model as _model
-from kvxfer.demo.inject import FaultInjector
 from kvxfer.cache import CacheHit, CacheLoad, HostCache
+from kvxfer.demo import model as _model
 from kvxfer.demo.tiers import SCRATCH_KEY, DeviceBlocks, page_keys
 from kvxfer.manager import Gate, IntegrityError, IntegrityMode, KVCacheManager
 from kvxfer.store import Store
 
-__all__ = ["Request", "RequestKind", "RequestOutcome", "ServeStats", "PrefixCacheServer"]
+__all__ = ["Request", "RequestKind", "RequestOutcome", "ServeStats", "Injector",
+           "PrefixCacheServer"]
 
 RequestKind = Literal["miss", "device_hit", "host_hit", "recovered"]
 """How a request's prompt was served (see ``RequestOutcome.kind``)."""
@@ -122,6 +122,22 @@ class ServeStats:
     detection_reasons: list[str] = dataclasses.field(default_factory=list)
 
 
+class Injector(Protocol):
+    """What the server calls to damage its cached pages (``kvxfer.demo.FaultInjector``).
+
+    The server knows only these two hooks; an injector reaches the tiers through the
+    server it is handed (``cache``, ``mgr``, ``blocks``, ``kv``, ``stats``).
+    """
+
+    def before_lookup(self, server: PrefixCacheServer, keys: Sequence[int]) -> None:
+        """Called with the keys a request is about to look up below the device tier."""
+
+    def before_load(self, server: PrefixCacheServer, hit: CacheHit
+                    ) -> tuple[CacheHit, Callable[[], None] | None]:
+        """Called with a pinned hit about to load: the hit to load, and a cleanup to
+        call once the load is issued (or None)."""
+
+
 class _PrefixShrunk(Exception):
     """Raised from ``before_layer`` when a layer is released with a shorter prefix."""
 
@@ -136,7 +152,8 @@ class PrefixCacheServer:
         num_host_blocks: Host pages of the host tier.
         integrity: ``page`` or ``off`` (passed to the manager).
         gate: ``layer`` or ``all`` (how loads release layers).
-        injector: Optional fault injector, called before each lookup and load.
+        injector: Optional fault injector (an ``Injector``), called before each lookup
+            and load.
         store: Optional store tier below host memory (the server does not close it).
         namespace: Prefixes the store keys: pages are shared only between servers of
             the same model (its geometry is in the keys already; its weights are not).
@@ -144,7 +161,7 @@ class PrefixCacheServer:
 
     def __init__(self, model: _model.Model, kv_caches: Sequence[jax.Array], *,
                  num_host_blocks: int, integrity: IntegrityMode = "page",
-                 gate: Gate = "layer", injector: FaultInjector | None = None,
+                 gate: Gate = "layer", injector: Injector | None = None,
                  store: Store | None = None, namespace: str = ""):
         self.model = model
         self.kv = list(kv_caches)

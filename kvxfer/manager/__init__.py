@@ -14,7 +14,7 @@ Besides the manager and what it hands back, the package exports what the cache a
 the fault injectors build on: ``check_key`` (a page key as the manager takes it),
 ``Agreement`` and ``describe_keys`` (lockstep rounds across processes, which a
 ``HostCache`` lookup takes part in too), ``first_span`` (where a page blob's bytes
-start) and ``PrefetchHandle``. Nothing outside the package imports its private
+start), ``blob_bytes`` (how large a whole page's blob is) and ``PrefetchHandle``. Nothing outside the package imports its private
 modules.
 """
 
@@ -31,6 +31,7 @@ from kvxfer.manager._manager import Blocks as Blocks
 from kvxfer.manager._manager import IntegrityMode as IntegrityMode
 from kvxfer.manager._manager import KVCacheManager as KVCacheManager
 from kvxfer.manager._pages import PageFormatError as PageFormatError
+from kvxfer.manager._pages import blob_bytes as blob_bytes
 from kvxfer.manager._pages import first_span as first_span
 from kvxfer.manager._prefetch import PrefetchHandle as PrefetchHandle
 from kvxfer.manager._select import AUTO_RULES as AUTO_RULES
@@ -41,4 +42,4 @@ from kvxfer.manager._verify import TransferHook as TransferHook
 __all__ = ["KVCacheManager", "OffloadHandle", "LoadHandle", "LoadResult", "IntegrityError",
            "Gate", "IntegrityMode", "PathMode", "PATHS", "AUTO_RULES", "TransferHook", "Blocks",
            "PageFormatError", "AgreementError", "PrefetchHandle", "Agreement", "describe_keys",
-           "check_key", "first_span"]
+           "check_key", "first_span", "blob_bytes"]

@@ -31,7 +31,7 @@ from kvxfer.hostpool import DIGEST_SLOTS
 from kvxfer.plan import Plan
 
 __all__ = ["PAGE_FORMAT_VERSION", "PageFormatError", "PageBlob", "fingerprint", "encode",
-           "decode", "first_span"]
+           "decode", "first_span", "blob_bytes"]
 
 PAGE_FORMAT_VERSION = 1
 """Version of the blob format and of what a page's bytes mean; in every fingerprint."""
@@ -200,3 +200,21 @@ def first_span(blob: bytes | bytearray | memoryview) -> tuple[int, int]:
     _, nbytes = _CLASS.unpack_from(buf, _HEADER.size)
     start = _HEADER.size + _CLASS.size
     return start, start + nbytes
+
+
+def blob_bytes(plan: Plan) -> int:
+    """The bytes of the blob of a whole page of ``plan`` (every slice class held): the
+    largest blob ``encode`` makes for it and ``decode`` takes.
+
+    Example:
+        >>> import jax.numpy as jnp, kvxfer
+        >>> caches = [jnp.ones((8, 128), jnp.float32)]
+        >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=1)
+        >>> (page,) = mgr.offload(caches, [0], keys=[1]).wait()
+        >>> len(mgr.export_page(page)) == blob_bytes(mgr.plan)
+        True
+        >>> mgr.close()
+    """
+    return _HEADER.size + sum(
+        _CLASS.size + c.page_bytes + len(c.layers) * c.num_shards * DIGEST_SLOTS * 4
+        for c in plan.classes)

@@ -18,6 +18,12 @@ round trip per Redis server (one pass over the files on disk). A key that cannot
 done (a server down) fails its batch with a ``StoreBatchError`` that still holds every
 other key's result; a blob that fails its checks is a miss for its key only.
 
+``cap_blob_bytes(n)`` (every store) makes a blob larger than ``n`` a miss, refused
+before it is read where the store can (a cache sets it to its page size). A store
+denies service only by misses, ``StoreError`` and counters in ``stats()``, never by
+another library's exception: a server answering junk is a ``StoreError`` counted in
+``bad_replies``, and its connection is never used again.
+
 Example:
     >>> import tempfile
     >>> from kvxfer import store

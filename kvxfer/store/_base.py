@@ -13,8 +13,12 @@ package override them with one round trip (Redis: per server) or one pass (disk)
 from __future__ import annotations
 
 import abc
+import functools
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+from kvxfer._check import check_int
 
 __all__ = ["Store", "StoreError", "StoreBatchError", "batch_keys", "batch_items"]
 
@@ -115,10 +119,79 @@ class Store(abc.ABC):
     Implementations are thread-safe. ``get`` of a key that was never put, was
     evicted, or whose blob is incomplete (a write cut short by a crash) is a miss
     (``None``), never a partial blob.
+
+    A store denies service only by misses, ``StoreError`` and its counters: what its
+    server or its files do wrong (a connection lost, a reply of junk, a file that is
+    not whole) never reaches a caller as another library's exception.
     """
 
     #: The tier's name in stats and warnings (``"disk"``, ``"redis"``).
     name: str = "store"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every store keeps the blob cap on what it returns (``cap_blob_bytes``), its
+        # own calls or not: a subclass's get, get_many and stats are wrapped here.
+        super().__init_subclass__(**kwargs)
+        for attr, wrap in (("get", _capped_get), ("get_many", _capped_get_many),
+                           ("stats", _capped_stats)):
+            fn = cls.__dict__.get(attr)
+            if callable(fn) and not getattr(fn, "_kvxfer_capped", False):
+                setattr(cls, attr, wrap(fn))
+
+    @property
+    def blob_cap(self) -> int | None:
+        """The largest blob this store returns (``cap_blob_bytes``), or None: no cap."""
+        return getattr(self, "_blob_cap", None)
+
+    def cap_blob_bytes(self, max_bytes: int) -> None:
+        """From now on this store never returns a blob larger than ``max_bytes``: such a
+        blob is a miss for its key only, counted in ``stats()["oversized"]``.
+
+        Several callers (caches of other page sizes over one store) get the largest
+        cap any of them asked for, never more than a limit the store was built with
+        (``DiskStore(max_blob_bytes=...)``). Every store has it: one that does not
+        override this still has each blob its ``get`` and ``get_many`` return checked
+        here. The stores of this package do better: ``DiskStore`` refuses a file from
+        its frame header before reading its blob, the Redis stores fetch at most
+        ``max_bytes + 1`` bytes of a blob; and they refuse to write a blob over the cap
+        (``ValueError``), which they would never return.
+
+        A cache sets it to the size of one of its pages (``HostCache`` does), so a blob
+        that claims gigabytes under a page's key costs nothing.
+
+        Args:
+          max_bytes: the largest blob returned, in bytes (>= 0).
+
+        Raises:
+          TypeError, ValueError: ``max_bytes`` is not an integer >= 0.
+
+        Example:
+            >>> import tempfile
+            >>> from kvxfer.store import DiskStore
+            >>> with tempfile.TemporaryDirectory() as d, DiskStore(d) as s:
+            ...     s.put("small", b"x" * 10), s.put("big", b"x" * 100)
+            ...     s.cap_blob_bytes(50)
+            ...     s.get_many(["small", "big"]), s.blob_cap, s.stats()["oversized"]
+            ...     s.cap_blob_bytes(20)  # a second cache of smaller pages: the larger holds
+            ...     s.blob_cap
+            (True, True)
+            ([b'xxxxxxxxxx', None], 50, 1)
+            50
+        """
+        max_bytes = check_int(max_bytes, "max_bytes", minimum=0)
+        with _CAP_LOCK:
+            self._blob_asked = max(getattr(self, "_blob_asked", 0), max_bytes)
+            self._settle_blob_cap()
+
+    def _limit_blobs(self, max_bytes: int) -> None:
+        """Sets the limit a store was built with: no ``cap_blob_bytes`` goes above it."""
+        with _CAP_LOCK:
+            self._blob_own = max_bytes
+            self._settle_blob_cap()
+
+    def _settle_blob_cap(self) -> None:
+        asked, own = getattr(self, "_blob_asked", None), getattr(self, "_blob_own", None)
+        self._blob_cap = own if asked is None else asked if own is None else min(own, asked)
 
     @abc.abstractmethod
     def put(self, key: str, blob: bytes, *, replace: bool = False) -> bool:
@@ -201,7 +274,8 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters: ``blobs``, ``bytes``, ``capacity_bytes``, ``puts``, ``gets``,
-        ``hits``, ``evictions``."""
+        ``hits``, ``evictions``; ``oversized`` (blobs refused by the cap) once
+        ``cap_blob_bytes`` was called."""
 
     def close(self) -> None:
         """Releases connections or files (the stored blobs stay)."""
@@ -211,6 +285,65 @@ class Store(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# -- the blob cap every store keeps -------------------------------------------------
+
+_CAP_LOCK = threading.Lock()  # (rare: a cap set, an oversized blob counted)
+
+
+def _over(store: Store, blob: Any) -> bool:
+    """Whether ``blob`` is over ``store``'s cap (and then counted)."""
+    cap = getattr(store, "_blob_cap", None)
+    if cap is None or blob is None:
+        return False
+    try:
+        size = memoryview(blob).nbytes
+    except TypeError:
+        return False  # not a blob at all: not the cap's to judge
+    if size <= cap:
+        return False
+    with _CAP_LOCK:
+        store._blob_capped = getattr(store, "_blob_capped", 0) + 1
+    return True
+
+
+def _capped_get(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def get(self: Store, key: str) -> bytes | None:
+        blob = fn(self, key)
+        return None if _over(self, blob) else blob
+
+    get._kvxfer_capped = True  # type: ignore[attr-defined]
+    return get
+
+
+def _capped_get_many(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def get_many(self: Store, keys: Iterable[str]) -> list[bytes | None]:
+        try:
+            blobs = fn(self, keys)
+        except StoreBatchError as e:
+            e.results = [None if _over(self, b) else b for b in e.results]
+            raise
+        return [None if _over(self, b) else b for b in blobs]
+
+    get_many._kvxfer_capped = True  # type: ignore[attr-defined]
+    return get_many
+
+
+def _capped_stats(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def stats(self: Store) -> dict[str, Any]:
+        out = fn(self)
+        refused = getattr(self, "_blob_capped", 0)
+        if isinstance(out, dict) and (refused or self.blob_cap is not None):
+            out = dict(out)
+            out["oversized"] = out.get("oversized", 0) + refused
+        return out
+
+    stats._kvxfer_capped = True  # type: ignore[attr-defined]
+    return stats
 
 
 # -- what the batched calls share --------------------------------------------------

@@ -16,9 +16,9 @@ socket, a directory or a symbolic link under a blob's name is skipped, and so is
 file this process may not open or may not remove when evicting; each is counted in
 ``stats()["skipped"]`` and named in a warning, and the store goes on with the rest.
 A frame's declared blob size must equal the file's size and, with
-``max_blob_bytes``, be within it before a byte of the blob is read (a file larger
-than that is a miss, counted in ``oversized``). A directory this process may not
-write opens read-only: gets work, puts and deletes raise ``StoreError``.
+``max_blob_bytes`` (or ``cap_blob_bytes``), be within it before a byte of the blob is
+read (a file larger than that is a miss, counted in ``oversized``). A directory this
+process may not write opens read-only: gets work, puts and deletes raise ``StoreError``.
 
 Recency is the file's modification time, set on put and on every hit, so the LRU
 order survives a restart; capacity is kept by evicting the least recently used
@@ -26,224 +26,37 @@ files. Several processes may share a directory: links and renames are atomic,
 evictions are serialised by a lock file, a temporary file is removed on open only
 when its writer no longer holds its lock (a writer killed mid-put), and a reader of
 a file another process evicts reads the whole blob or misses.
+
+The file format is ``kvxfer/store/_frame.py``; the directory's index, lock file,
+cleaning and eviction are ``kvxfer/store/_directory.py``.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import errno
 import fcntl
-import hashlib
 import logging
 import os
-import re
-import stat
-import struct
-import threading
-import time
 import uuid
-import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvxfer._check import check_int
 from kvxfer.store._base import (Store, StoreError, _gather, _gather_puts, _writes,
                                 batch_items, batch_keys)
+from kvxfer.store._directory import _TMP, Directory
+from kvxfer.store._frame import (FRAME_BYTES, _GONE, _blob_view, _Frame, _frame,
+                                 _frame_of, _key_bytes, _name, _open_regular, _pread_all,
+                                 _read_frame, _Unreadable, _write_all, file_name)
 
 log = logging.getLogger("kvxfer")
 
 __all__ = ["DiskStore", "file_name", "FRAME_BYTES"]
 
-_MAGIC, _END = b"KVXBLOB1", b"KVXBEND1"
-_HEAD = struct.Struct("<8sIQI")  # magic, key bytes, blob bytes, crc32 of head + key
-_TAIL = struct.Struct("<I8s")  # the same crc32, end magic
-#: Bytes a file holds beyond its blob and its UTF-8 key (the frame's head and tail).
-FRAME_BYTES = _HEAD.size + _TAIL.size
-_SUFFIX = ".kvb"
-_TMP = ".kvxfer-tmp-"
-_LOCK = ".kvxfer-lock"
-_SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
-_PLAIN = re.compile(r"[a-z0-9_-]{1,200}")
-_MAX_NAME = 200  # below every common file system's 255-byte limit, suffix included
-_RESCAN_S = 1.0  # at most one directory rescan a second for changes other processes made
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV}
-# O_NONBLOCK: opening a FIFO or a device must not wait (it changes nothing for a
-# regular file). O_NOFOLLOW: the store places only regular files, never links.
-_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-# What an open of one entry may say of that entry (its kind, who may read it), as
-# opposed to errors of the store or the process, which are StoreErrors.
-_NOT_OURS = {errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENXIO, errno.ENODEV,
-             errno.EOPNOTSUPP, errno.EISDIR, errno.EAGAIN, errno.ETXTBSY}
-# Errors of the process, not of one entry: opening the directory must not hide them.
-_PROCESS_LIMITS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM}
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link"))
 
 
-def file_name(key: str) -> str:
-    """The file that holds ``key``'s blob: any string key gives a safe, unique name.
-
-    Lower-case letters, digits, ``_`` and ``-`` are kept, every other UTF-8 byte is
-    written ``%XX`` (so names differ on case-insensitive file systems too); a name
-    that would be longer than 200 characters is ``=`` and the key's SHA-256 instead.
-    The key itself is also stored in the file and checked on every read.
-
-    Example:
-        >>> file_name("geo-3fa2/page:00ff")
-        'geo-3fa2%2Fpage%3A00ff.kvb'
-        >>> file_name("x" * 300)[:9], len(file_name("x" * 300))
-        ('=0d4e2ca9', 69)
-    """
-    return _name(key, _key_bytes(key))
-
-
-def _name(key: str, raw: bytes) -> str:
-    if _PLAIN.fullmatch(key):  # the common case, without a loop over the bytes
-        return key + _SUFFIX
-    name = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
-    if len(name) > _MAX_NAME:
-        name = "=" + hashlib.sha256(raw).hexdigest()
-    return name + _SUFFIX
-
-
-def _key_bytes(key: str) -> bytes:
-    if not isinstance(key, str):
-        raise TypeError(f"Expected a str key. Got {key!r} of type {type(key).__name__}")
-    if not key:
-        raise ValueError("Expected a non-empty key. Got ''")
-    return key.encode("utf-8")
-
-
-def _blob_view(blob: Any) -> memoryview:
-    try:
-        view = memoryview(blob)
-    except TypeError:
-        raise TypeError(f"Expected a bytes-like blob. Got {type(blob).__name__}") from None
-    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
-
-
-def _frame(kb: bytes, blob_len: int) -> tuple[bytes, bytes]:
-    """The head (with the key) and the tail of a file holding a blob of ``blob_len``."""
-    head = struct.pack("<8sIQ", _MAGIC, len(kb), blob_len)
-    crc = zlib.crc32(head + kb)
-    return head + struct.pack("<I", crc) + kb, _TAIL.pack(crc, _END)
-
-
-def _pread_all(fd: int, n: int, offset: int) -> bytes | None:
-    data = os.pread(fd, n, offset)
-    if len(data) == n:
-        return data
-    parts = [data]
-    got = len(data)
-    while got < n:
-        more = os.pread(fd, n - got, offset + got)
-        if not more:
-            return None
-        parts.append(more)
-        got += len(more)
-    return b"".join(parts)
-
-
-class _Unreadable(Exception):
-    """An entry the store does not read: not a regular file, or not one it may open."""
-
-
-def _open_regular(path: str) -> int:
-    """A read-only descriptor of the regular file at ``path``, opened without blocking.
-
-    Raises:
-      FileNotFoundError: nothing is there.
-      _Unreadable: what is there is not a regular file this process may open (says why).
-    """
-    try:
-        fd = os.open(path, _READ)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _Unreadable("a symbolic link (not followed)") from None
-        if e.errno in _NOT_OURS:
-            raise _Unreadable(f"cannot open it: {e.strerror}") from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise _Unreadable(_not_regular(mode))
-    return fd
-
-
-def _not_regular(mode: int) -> str:
-    kind = next((name for test, name in _KINDS if test(mode)), f"mode {mode:#o}")
-    return f"not a regular file but {kind}"
-
-
-class _Frame:
-    """What a whole file holds: its key, the blob's size and place, its file size."""
-
-    __slots__ = ("key", "blob_len", "blob_offset", "size")
-
-    def __init__(self, key: bytes, blob_len: int, blob_offset: int, size: int):
-        self.key, self.blob_len, self.blob_offset, self.size = key, blob_len, blob_offset, size
-
-
-_GONE = object()  # what _frame_of says of a file that is not there (any more)
-
-
-def _frame_of(path: str) -> _Frame | None | object:
-    """The frame of the file at ``path``, None when not one whole file, or ``_GONE``.
-
-    Raises:
-      _Unreadable: not a regular file this process may open.
-    """
-    try:
-        fd = _open_regular(path)
-    except FileNotFoundError:
-        return _GONE
-    try:
-        return _read_frame(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_frame(fd: int) -> _Frame | None:
-    """The frame of the open file ``fd``, or None when it is not one whole file."""
-    size = os.fstat(fd).st_size
-    first = os.pread(fd, _HEAD.size + 256, 0)
-    if len(first) < _HEAD.size:
-        return None
-    magic, klen, blen, crc = _HEAD.unpack_from(first)
-    if magic != _MAGIC or size != _HEAD.size + klen + blen + _TAIL.size:
-        return None
-    kb = first[_HEAD.size:_HEAD.size + klen]
-    if len(kb) < klen:
-        kb = _pread_all(fd, klen, _HEAD.size)
-        if kb is None:
-            return None
-    if zlib.crc32(first[:_HEAD.size - 4] + kb) != crc or \
-            os.pread(fd, _TAIL.size, size - _TAIL.size) != _TAIL.pack(crc, _END):
-        return None
-    return _Frame(kb, blen, _HEAD.size + klen, size)
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view.nbytes:
-        view = view[os.write(fd, view):]
-
-
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    size: int  # bytes of the file
-    stamp: int  # its modification time (ns): the recency
-
-
-class DiskStore(Store):
+class DiskStore(Directory, Store):
     """Page blobs as files in one directory, with a capacity and LRU eviction.
 
     Reopening a directory finds its blobs again (in their LRU order). Opening removes
@@ -305,27 +118,13 @@ class DiskStore(Store):
             raise TypeError(f"Expected a bool for durable. Got {durable!r} of type "
                             f"{type(durable).__name__}")
         self.durable = durable
-        self._lock = threading.RLock()
-        self._index: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
-        self._used = 0
-        self._counts = dict.fromkeys(("puts", "gets", "hits", "evictions", "incomplete",
-                                      "cleaned", "skipped", "oversized"), 0)
-        self._skipped: set[str] = set()  # names counted in "skipped" (each once)
-        self.read_only = False
-        self._last_stamp = 0
         self._hard_links = True
-        self._dir_fd = self._lock_fd = -1
         try:
-            os.makedirs(self.path, exist_ok=True)
-            self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-            self._lock_fd = self._open_lock()
-            with self._dir_locked():
-                self._clean()
-                self._rescan()
-                self._evict(keep=None)
+            self._open_directory()
         except OSError as e:
-            self.close()
             raise StoreError(f"disk store {self.path!r}: cannot open: {e}") from e
+        if self.max_blob_bytes is not None:
+            self._limit_blobs(self.max_blob_bytes)
 
     def __repr__(self) -> str:
         return (f"DiskStore({self.path!r}, capacity_bytes={self.capacity_bytes!r}, "
@@ -494,7 +293,7 @@ class DiskStore(Store):
         except OSError as e:
             raise StoreError(f"disk store {self.path!r}: cannot read key {key!r}: {e}") from e
         try:
-            frame = _read_frame(fd)
+            frame = _read_frame(fd, kb)
             blob = None
             if frame is not None and frame.key == kb:
                 if not self._fits(frame):
@@ -568,8 +367,12 @@ class DiskStore(Store):
                     continue
                 if frame is _GONE:
                     continue
-                if frame is not None and file_name(frame.key.decode("utf-8")) == name:
-                    out.append(frame.key.decode("utf-8"))
+                try:
+                    key = frame.key.decode("utf-8") if frame and frame.key else None
+                except UnicodeDecodeError:  # a whole frame no put of this store wrote
+                    key = None
+                if key is not None and file_name(key) == name:
+                    out.append(key)
         except OSError as e:
             raise StoreError(f"disk store {self.path!r}: cannot list keys: {e}") from e
         return out
@@ -593,45 +396,19 @@ class DiskStore(Store):
 
     def close(self) -> None:
         """Closes the directory's handles (the blobs stay)."""
+        self._close_directory()
+
+    def cap_blob_bytes(self, max_bytes: int) -> None:
+        """See ``Store.cap_blob_bytes``: sets ``max_blob_bytes`` to the cap (the largest
+        asked for, never above the ``max_blob_bytes`` the store was built with); a
+        file framing a larger blob is refused from its frame's head, before a byte of
+        its blob is read (a miss, counted in ``oversized``), and so is a put of one
+        (``ValueError``)."""
+        super().cap_blob_bytes(max_bytes)
         with self._lock:
-            for fd in (self._dir_fd, self._lock_fd):
-                if fd >= 0:
-                    os.close(fd)
-            self._dir_fd = self._lock_fd = -1
+            self.max_blob_bytes = self.blob_cap
 
     # -- files --------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._dir_fd < 0:
-            raise StoreError(f"disk store {self.path!r} is closed")
-
-    def _check_writable(self, key: str) -> None:
-        self._check_open()
-        if self.read_only:
-            raise StoreError(f"disk store {self.path!r} is read-only (this process may not "
-                             f"write the directory): cannot change key {key!r}")
-
-    def _open_lock(self) -> int:
-        """The lock file's descriptor (-1 if there is none to read); sets ``read_only``."""
-        lock = os.path.join(self.path, _LOCK)
-        flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.read_only = not os.access(self.path, os.W_OK | os.X_OK)
-        if not self.read_only:
-            try:
-                return os.open(lock, os.O_RDWR | os.O_CREAT | flags, 0o644)
-            except OSError as e:
-                if e.errno == errno.EROFS:
-                    self.read_only = True
-                elif e.errno not in (errno.EACCES, errno.EPERM):
-                    raise
-        # Another user's lock file, or a directory this process may only read: flock
-        # needs no write access.
-        try:
-            return os.open(lock, os.O_RDONLY | flags)
-        except FileNotFoundError:
-            if not self.read_only:
-                raise
-            return -1  # nobody ever wrote here: there is no writer to serialise with
 
     def _fits(self, frame: _Frame) -> bool:
         return self.max_blob_bytes is None or frame.blob_len <= self.max_blob_bytes
@@ -646,7 +423,7 @@ class DiskStore(Store):
             self._skip(os.path.basename(path), str(e))
             return None
         try:
-            frame = _read_frame(fd)
+            frame = _read_frame(fd, kb)
         finally:
             os.close(fd)
         return frame if frame is not None and frame.key == kb else None
@@ -701,172 +478,3 @@ class DiskStore(Store):
         # Absent, or a file a crash cut short: take its place.
         os.replace(tmp, final)
         return True
-
-    def _clean(self) -> None:
-        """Removes dead writers' temporary files and files that are not whole; skips
-        (and counts) entries it cannot read, so that one of them never stops an open."""
-        for entry in os.scandir(self.path):
-            name = entry.name
-            temporary = name.startswith(_TMP)
-            if not temporary and (not name.endswith(_SUFFIX) or name.startswith(".")):
-                continue
-            try:
-                if not entry.is_file(follow_symlinks=False):  # not opened at all
-                    raise _Unreadable(_not_regular(entry.stat(follow_symlinks=False).st_mode))
-                self._clean_one(entry.path, temporary)
-            except FileNotFoundError:
-                continue
-            except _Unreadable as e:
-                self._skip(name, str(e))
-            except OSError as e:
-                if e.errno in _PROCESS_LIMITS:
-                    raise
-                self._skip(name, f"cannot read it: {e.strerror}")
-
-    def _clean_one(self, path: str, temporary: bool) -> None:
-        fd = _open_regular(path)
-        try:
-            if temporary:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    return  # a live writer holds it
-                self._unlink_quietly(path)
-            elif _read_frame(fd) is None:
-                self._unlink_quietly(path)
-        finally:
-            os.close(fd)
-
-    def _unlink_quietly(self, path: str) -> None:
-        if self.read_only:
-            return  # leftovers stay; reading them is a miss
-        try:
-            os.unlink(path)
-            self._counts["cleaned"] += 1
-        except FileNotFoundError:
-            pass
-        except OSError as e:  # another user's file in a sticky directory
-            self._skip(os.path.basename(path), f"cannot remove it: {e.strerror}")
-
-    # -- the index: sizes and recency of the files, least recent first ------------
-
-    def _stamp(self) -> int:
-        """A modification time for a put or a hit: now, and later than the last one."""
-        with self._lock:
-            self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
-            return self._last_stamp
-
-    def _skip(self, name: str, why: str) -> None:
-        """Counts (once) and names an entry the store passes over."""
-        with self._lock:
-            if name in self._skipped:
-                return
-            self._skipped.add(name)
-            self._counts["skipped"] += 1
-        log.warning("disk store %s: skipping %s: %s", self.path,
-                    os.path.join(self.path, name), why)
-
-    def _count(self, **counts: int) -> None:
-        with self._lock:
-            for k, v in counts.items():
-                self._counts[k] += v
-
-    def _remember(self, name: str, size: int, stamp: int, **counts: int) -> None:
-        with self._lock:
-            self._skipped.discard(name)  # readable now: counted again if it goes bad
-            old = self._index.pop(name, None)
-            self._used += size - (old.size if old else 0)
-            self._index[name] = _Entry(size, stamp)
-            for k, v in counts.items():
-                self._counts[k] += v
-
-    def _forget(self, name: str, **counts: int) -> None:
-        with self._lock:
-            old = self._index.pop(name, None)
-            if old:
-                self._used -= old.size
-            for k, v in counts.items():
-                self._counts[k] += v
-
-    def _rescan(self) -> None:
-        """Rebuilds the index from the directory (the truth) in modification-time order."""
-        found = []
-        for entry in os.scandir(self.path):
-            if entry.name.endswith(_SUFFIX) and not entry.name.startswith("."):
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    continue  # not a blob (skipped where it is read): no capacity of ours
-                found.append((st.st_mtime_ns, entry.name, st.st_size))
-        found.sort()
-        self._index = collections.OrderedDict((n, _Entry(s, t)) for t, n, s in found)
-        self._used = sum(s for _, _, s in found)
-        self._scanned_at = time.monotonic()
-        self._dir_seen = os.fstat(self._dir_fd).st_mtime_ns
-
-    def _note_own_change(self, before: int) -> None:
-        # A directory that changed only by our own put needs no rescan; one that
-        # had changed before it (another process) keeps its stale mark.
-        if before == self._dir_seen:
-            self._dir_seen = os.fstat(self._dir_fd).st_mtime_ns
-
-    def _maybe_rescan(self) -> None:
-        if time.monotonic() - self._scanned_at >= _RESCAN_S and \
-                os.fstat(self._dir_fd).st_mtime_ns != self._dir_seen:
-            self._rescan()
-
-    def _dir_locked(self):
-        return _Flock(self._lock_fd)
-
-    def _evict(self, keep: str | None) -> None:
-        """Removes least recently used files until the bytes fit (caller holds the locks)."""
-        if self.capacity_bytes is None or self.read_only:
-            return
-        skipped = set()
-        while self._used > self.capacity_bytes and len(skipped) < len(self._index):
-            name, entry = next((n, e) for n, e in self._index.items() if n not in skipped)
-            if name == keep:
-                skipped.add(name)
-                continue
-            path = os.path.join(self.path, name)
-            try:
-                st = os.stat(path, follow_symlinks=False)
-            except FileNotFoundError:
-                self._forget(name)
-                continue
-            if not stat.S_ISREG(st.st_mode):  # replaced by something that is not a blob
-                self._forget(name)
-                continue
-            if st.st_mtime_ns > entry.stamp:  # another process used it since we looked
-                self._remember(name, st.st_size, st.st_mtime_ns)
-                continue
-            try:
-                os.unlink(path)
-                self._counts["evictions"] += 1
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                # Not ours to remove (another user's, in a sticky directory): it keeps
-                # its bytes, and the next least recently used file goes instead.
-                self._skip(name, f"cannot evict it: {e.strerror}")
-                skipped.add(name)
-                continue
-            self._forget(name)
-
-
-class _Flock:
-    """The directory's lock file held exclusively (serialises evictions and cleaning)."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __enter__(self) -> None:
-        if self.fd >= 0:  # (none in a read-only directory nobody wrote)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc) -> None:
-        if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvxfer._check import check_int
 from kvxfer.store._base import StoreError
-from kvxfer.store._keyspace import KeyspaceStore
+from kvxfer.store._keyspace_store import KeyspaceStore
 
 __all__ = ["RedisStore", "INSTALL_HINT", "URL_SCHEMES"]
 
@@ -156,7 +156,7 @@ class RedisStore(KeyspaceStore):
                                       socket_connect_timeout=timeout_s)
         try:
             client.ping()
-        except errors as e:
+        except Exception as e:  # (a server that answers junk, too)
             client.close()
             raise StoreError(f"redis store at {_redact(url)}: cannot connect: {e}") from e
         self._setup(client, ["{" + prefix + "}"], self.capacity_bytes, errors,

@@ -14,7 +14,15 @@ key fails too):
 Frame: ``b"KVXSEAL1" | mode u8 | nonce (12 bytes, encrypt only) | body``, where the
 body is ``tag (32 bytes) | blob`` or the GCM ciphertext (blob and 16-byte tag). The
 two keys (MAC, cipher) are derived from the caller's key material with keyed
-BLAKE2b, each under its own personalisation.
+BLAKE2b, each under its own personalisation; key material longer than BLAKE2b's 64
+key bytes is hashed whole first (under a derivation of its own, so it never meets a
+short key's).
+
+Each sealer names its key with a key id (``key_id``: 16 hex digits of a keyed BLAKE2b
+under a personalisation of its own, which says nothing of the key). Store keys carry
+it, so caches with other keys (a rotation, another fleet) miss each other's pages
+instead of deleting them; ``previous_keys`` lets a rotated cache still open the pages
+its old keys sealed (``previous``: one sealer per old key).
 
 Example:
     >>> sealer = Sealer(b"sixteen byte key!")
@@ -25,6 +33,12 @@ Example:
     Traceback (most recent call last):
     ...
     kvxfer.store._seal.SealError: blob under 'page-2' fails its MAC (changed, moved from another key, or sealed with another key)
+    >>> rotated = Sealer(b"a new sixteen byte key", previous_keys=[b"sixteen byte key!"])
+    >>> old, = rotated.previous
+    >>> rotated.key_id != sealer.key_id, old.key_id == sealer.key_id, old.open("page-1", sealed)
+    (True, True, b'blob')
+    >>> len(sealed) == sealer.overhead + len(b"blob")
+    True
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ import hashlib
 import hmac
 import os
 import struct
+from collections.abc import Iterable
 
 __all__ = ["Sealer", "SealError", "MIN_KEY_BYTES"]
 
@@ -42,6 +57,8 @@ _AUTH, _ENCRYPT = 1, 2
 _TAG = 32
 _NONCE = 12
 MIN_KEY_BYTES = 16
+_BLAKE2B_KEY = 64  # the most key bytes BLAKE2b takes
+_GCM_TAG = 16
 CRYPTO_HINT = "pip install 'kvxfer[crypto]' (the cryptography package)"
 
 
@@ -49,9 +66,27 @@ class SealError(ValueError):
     """A sealed blob that does not open: not sealed, changed, or sealed otherwise."""
 
 
-def _derive(key: bytes, person: bytes) -> bytes:
-    return hashlib.blake2b(b"kvxfer-store-seal", key=key[:64] if len(key) > 64 else key,
-                           digest_size=32, person=person).digest()
+def _derive(key: bytes, person: bytes, size: int = 32) -> bytes:
+    """``size`` bytes derived from all of ``key`` under ``person``.
+
+    A key longer than BLAKE2b takes is hashed whole to 64 bytes first, and then keys a
+    different message: a short key equal to that hash derives other bytes.
+    """
+    message = b"kvxfer-store-seal"
+    if len(key) > _BLAKE2B_KEY:
+        key = hashlib.blake2b(key, digest_size=_BLAKE2B_KEY, person=b"kvxfer-longkey").digest()
+        message = b"kvxfer-store-seal-long"
+    return hashlib.blake2b(message, key=key, digest_size=size, person=person).digest()
+
+
+def _check_key(key: object, what: str) -> bytes:
+    if not isinstance(key, (bytes, bytearray)):
+        raise TypeError(f"{what} must be bytes (32 random bytes, say). Got "
+                        f"{type(key).__name__}")
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"{what} has {len(key)} bytes; use at least "
+                         f"{MIN_KEY_BYTES} (32 random bytes: os.urandom(32))")
+    return bytes(key)
 
 
 class Sealer:
@@ -59,23 +94,27 @@ class Sealer:
 
     Args:
       key: secret key material, bytes of at least 16 bytes (32 random bytes is
-        right); every process that shares the store's pages needs the same key.
+        right; every byte counts, however many); every process that shares the
+        store's pages needs the same key.
       encrypt: also encrypt the page bytes (AES-256-GCM; needs ``cryptography``).
+      previous_keys: keys this one replaced (a rotation): pages sealed with them can
+        still be opened by ``previous``, in this order, to be sealed again with
+        ``key``. Never used to seal.
 
     Raises:
-      TypeError, ValueError: ``key`` is not bytes or too short.
+      TypeError, ValueError: ``key`` or a previous key is not bytes or too short.
       ImportError: ``encrypt=True`` without the ``cryptography`` package.
     """
 
-    def __init__(self, key: bytes, *, encrypt: bool = False):
-        if not isinstance(key, (bytes, bytearray)):
-            raise TypeError(f"the store key must be bytes (32 random bytes, say). Got "
-                            f"{type(key).__name__}")
-        if len(key) < MIN_KEY_BYTES:
-            raise ValueError(f"the store key has {len(key)} bytes; use at least "
-                             f"{MIN_KEY_BYTES} (32 random bytes: os.urandom(32))")
-        key = bytes(key)
+    def __init__(self, key: bytes, *, encrypt: bool = False,
+                 previous_keys: Iterable[bytes] = ()):
+        key = _check_key(key, "the store key")
+        if isinstance(previous_keys, (bytes, bytearray, str)):
+            raise TypeError("previous_keys must be a list of keys (bytes). Got one "
+                            f"{type(previous_keys).__name__}: pass [key]")
+        old = [_check_key(k, f"previous key {i}") for i, k in enumerate(previous_keys)]
         self.encrypt = bool(encrypt)
+        self.key_id = _derive(key, b"kvxfer-key-id", 8).hex()
         self._mac_key = _derive(key, b"kvxfer-mac")
         self._cipher = None
         if self.encrypt:
@@ -84,11 +123,24 @@ class Sealer:
             except ImportError as e:
                 raise ImportError(f"encrypt=True needs AES-GCM: {CRYPTO_HINT}") from e
             self._cipher = AESGCM(_derive(key, b"kvxfer-aes"))
+        previous: dict[str, Sealer] = {}
+        for k in old:
+            sealer = Sealer(k, encrypt=self.encrypt)
+            if sealer.key_id != self.key_id:  # (the current key, listed again: no use)
+                previous.setdefault(sealer.key_id, sealer)
+        #: A sealer per previous key, in the order given (each key once).
+        self.previous: tuple[Sealer, ...] = tuple(previous.values())
 
     @property
     def mode(self) -> str:
         """``"auth"`` or ``"encrypt"`` (part of the store keys of sealed pages)."""
         return "encrypt" if self.encrypt else "auth"
+
+    @property
+    def overhead(self) -> int:
+        """Bytes a sealed blob has beyond the blob: the frame's head, and the nonce and
+        GCM tag (``encrypt``) or the MAC tag (``auth``)."""
+        return _HEAD.size + (_NONCE + _GCM_TAG if self.encrypt else _TAG)
 
     def seal(self, store_key: str, blob: bytes) -> bytes:
         """``blob`` sealed for ``store_key``."""
@@ -137,8 +189,9 @@ class Sealer:
                             "another key, or sealed with another key)")
         return bytes(blob)
 
-    def __repr__(self) -> str:
-        return f"Sealer({self.mode})"  # never the key
+    def __repr__(self) -> str:  # never the key; its id names it
+        old = f", {len(self.previous)} previous" if self.previous else ""
+        return f"Sealer({self.mode}, key id {self.key_id}{old})"
 
 
 def _framed(store_key: str) -> bytes:

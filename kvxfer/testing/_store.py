@@ -112,6 +112,12 @@ class CountingStore(Store):
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()  # not counted: a cache reads it on a thread of its own
 
+    def cap_blob_bytes(self, max_bytes: int) -> None:
+        """Caps this wrapper and passes the cap on, so the real store refuses an
+        oversized blob before reading it."""
+        super().cap_blob_bytes(max_bytes)
+        self.inner.cap_blob_bytes(max_bytes)
+
     def close(self) -> None:
         self.inner.close()
 

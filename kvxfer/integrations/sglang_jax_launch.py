@@ -1,0 +1,22 @@
+"""sglang-jax's server, with kvxfer's host pool installed in every engine process.
+
+Run it as the engine's own launcher, with the same arguments and HiCache on::
+
+    python -m kvxfer.integrations.sglang_jax_launch --model-path ... --hicache-storage none
+
+sglang-jax starts its scheduler in processes of its own (``multiprocessing`` with
+``spawn``), and ``spawn`` runs the launching module again in each of them under the
+name ``__mp_main__``: ``install()`` below runs there too, before the scheduler builds
+its HiCache. Importing this module does nothing (``install()`` only runs as a program
+or in the processes it spawns).
+"""
+
+from kvxfer.integrations.sglang_jax import install
+
+if __name__ in ("__main__", "__mp_main__"):
+    install()
+
+if __name__ == "__main__":
+    from sgl_jax.launch_server import main
+
+    main()

@@ -1,0 +1,63 @@
+"""The bench's parts, without a run: its config's checks, the progress estimate, and
+the physical limits it measures against.
+"""
+
+import pytest
+
+from kvxfer import bench
+from kvxfer.bench import limits, timing
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"reference": (32 * 1024, "bfloat16")}, "reference"),
+    ({"cells": ((16 * 1024 + 1, "bfloat16"),), "reference": (16 * 1024 + 1, "bfloat16")},
+     "multiple of 2"),
+    ({"batched_baseline": "some"}, "batched_baseline"),
+    ({"call_pages": 9}, "call_pages=9"),
+    # The throughput cell (16 KiB, bfloat16) has caches of 8 blocks: not new to the run.
+    ({"call_block_bytes": 16 * 1024, "call_blocks": 8}, "call_blocks=8: caches of 8 blocks"),
+    ({"call_block_bytes": 16 * 1024, "call_blocks": 7}, "call_blocks=7: caches of 8 blocks"),
+])
+def test_config_rejects_bad_sizes(kwargs, match):
+    base = bench.BenchConfig.smoke()
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    with pytest.raises(ValueError, match=match):
+        bench.BenchConfig(**{**fields, **kwargs})
+
+
+def test_progress_estimate_uses_the_mean_time_of_each_kind():
+    t, said = [0.0], []
+    p = timing.Progress(["cell", "cell", "cell", "sweep"], said.append, clock=lambda: t[0])
+    p.step("cell", "a")
+    assert p.left_s() is None
+    t[0] = 10.0
+    p.step("cell", "b")
+    assert p.left_s() == 30.0  # 3 steps left at the 10 s the first one took
+    t[0] = 40.0
+    p.step("cell", "c")
+    assert p.left_s() == 40.0  # cells average 20 s; the sweep, unseen, the same
+    t[0] = 45.0
+    p.step("sweep", "d")
+    assert p.left_s() == pytest.approx(15.0)
+    assert said == ["[1/4 0:00 elapsed] a", "[2/4 0:10 elapsed, about 0:30 left] b",
+                    "[3/4 0:40 elapsed, about 0:40 left] c",
+                    "[4/4 0:45 elapsed, about 0:15 left] d"]
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host", None])
+def test_jax_host_copy_limit_copies_both_ways(kind):
+    with limits.JaxHostCopy(1 << 20, host_kind=kind) as limit:
+        runners = limit.runners(1 << 16)
+        assert set(runners) == {"d2h", "h2d"}
+        assert all(fn() > 0 for fn in runners.values())
+        assert (kind or "no host memory kinds") in limit.label
+
+
+def test_limits_refuse_copies_beyond_their_buffers():
+    with limits.Memcpy(1024) as limit:
+        with pytest.raises(ValueError, match="capacity=1024"):
+            limit.runners(2048)
+    with pytest.raises(ValueError, match="Got 0 of type int"):
+        limits.Memcpy(0)
+    with pytest.raises(ValueError, match="Got 'device_host'"):
+        limits.JaxHostCopy(1024, host_kind="device_host")
