@@ -132,9 +132,9 @@ class Calls:
         self._pool = concurrent.futures.ThreadPoolExecutor(threads,
                                                            thread_name_prefix=name)
 
-    def __call__(self, call: Callable[[], Any], deadline: Deadline) -> Any:
+    def __call__(self, call: Callable[[], Any], deadline: Deadline | None) -> Any:
         """``call()``'s answer, waited for until ``deadline`` (made on this thread when
-        there is none).
+        there is none: None, or ``Deadline(None)``).
 
         Raises:
           TimeoutError: ``deadline`` passed first, or had passed (then ``call`` was
@@ -142,7 +142,7 @@ class Calls:
           OSError: closed (``call`` was not made).
           What ``call`` raised.
         """
-        if deadline.at is None:
+        if deadline is None or deadline.at is None:
             return call()
         if deadline.expired:
             raise TimeoutError(f"not asked: the call's deadline ({deadline}) had passed")
@@ -156,7 +156,8 @@ class Calls:
             raise TimeoutError(f"no answer within the call's deadline ({deadline})")
         return future.result()
 
-    def bound(self, call: Callable[[Any], Any], deadline: Deadline) -> Callable[[Any], Any]:
+    def bound(self, call: Callable[[Any], Any], deadline: Deadline | None
+              ) -> Callable[[Any], Any]:
         """``call`` as a function of one argument that this makes, until ``deadline``."""
         return lambda arg: self(lambda: call(arg), deadline)
 

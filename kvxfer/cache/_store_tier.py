@@ -239,7 +239,7 @@ class StoreTier:
 
     # -- reads and promotion -------------------------------------------------------
 
-    def has(self, key: int, deadline: Deadline) -> bool:
+    def has(self, key: int, deadline: Deadline | None = None) -> bool:
         """Whether the store holds page ``key`` (or a write of it is queued)."""
         if key in self._writes:
             return True
@@ -255,7 +255,7 @@ class StoreTier:
             self._known.discard(key)
         return there
 
-    def has_many(self, keys: list[int], deadline: Deadline) -> Batch:
+    def has_many(self, keys: list[int], deadline: Deadline | None = None) -> Batch:
         """Whether the store holds each of ``keys`` (a queued write of it counts), asked
         in one ``contains_many`` with no cache lock held, until ``deadline``."""
         ask = [k for k in dict.fromkeys(keys) if k not in self._writes]
@@ -277,7 +277,7 @@ class StoreTier:
             self._known.discard(key)
         return there
 
-    def read_many(self, keys: list[int], deadline: Deadline) -> Batch:
+    def read_many(self, keys: list[int], deadline: Deadline | None = None) -> Batch:
         """The stored blobs of ``keys`` in one ``get_many`` (no lock held, by ``deadline``):
         a lookup's whole promotion is one read; a page whose write is queued is ``held``."""
         keys = list(dict.fromkeys(keys))
@@ -291,7 +291,7 @@ class StoreTier:
         return batch._replace(held={} if self._closed else held, deadline=deadline)
 
     def _batch(self, call: Callable[[list[str]], list[Any]], keys: list[int],
-               deadline: Deadline) -> Batch:
+               deadline: Deadline | None) -> Batch:
         """One batched store call over ``keys``' store keys; what it said of each page."""
         if not keys:
             return Batch({}, {})
