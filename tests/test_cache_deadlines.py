@@ -99,6 +99,7 @@ def test_close_with_a_prefetch_queued_ends_with_the_running_one(tmp_path, timeou
 
         looking = threading.Thread(target=look)
         looking.start()
+        time.sleep(0.2)  # the lookup waits for `queued`
         closing = threading.Thread(target=lambda: cache.close(timeout))
         _, took = _elapsed(lambda: (closing.start(), closing.join(10)))
         assert not closing.is_alive() and took < 2.0, took  # not 3 s, not forever
@@ -133,7 +134,7 @@ def test_flush_names_the_writes_it_gave_up_on_and_close_ends_a_waiting_flush(red
 
             flushing = threading.Thread(target=flush)
             flushing.start()
-            time.sleep(0.2)  # the flush waits for the writes
+            time.sleep(0.5)  # the flush waits for the writes
             _, took = _elapsed(lambda: cache.close(timeout=0.3))
             assert took < 2.0, took
         error = _ends(flushing, box)["error"]  # the held SET ends once the pause does
