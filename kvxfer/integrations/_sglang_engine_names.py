@@ -18,6 +18,8 @@ import numpy as np
 from kvxfer.engine import PageBatch, bucket
 from kvxfer.hostpool import PageRef
 
+__all__: list[str] = []  # private: the names the engine's tests read inside its pool
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _HostCopy:

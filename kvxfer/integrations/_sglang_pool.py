@@ -29,6 +29,8 @@ from kvxfer.integrations._sglang_records import (
 )
 from kvxfer.manager import KVCacheManager
 
+__all__ = ["KvxferHostKVPool"]
+
 if TYPE_CHECKING:  # what mgr.prefetch returns; not a name kvxfer.manager exports
     from kvxfer.manager import PrefetchHandle
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from kvxfer.integrations._sglang_pool import KvxferHostKVPool
 from kvxfer.integrations._sglang_records import ENGINE_COMMIT
 
+__all__ = ["LoadBackVerdict", "load_back_verdict", "install", "uninstall", "installed"]
+
 if TYPE_CHECKING:
     from kvxfer.integrations._sglang_records import FlushLoadResult
 

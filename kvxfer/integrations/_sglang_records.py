@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import OffloadHandle
 
+__all__ = ["ENGINE_COMMIT", "FlushLoadResult"]
+
 if TYPE_CHECKING:  # what mgr.prefetch returns; not a name kvxfer.manager exports
     from kvxfer.manager import PrefetchHandle
 

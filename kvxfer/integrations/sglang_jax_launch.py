@@ -13,6 +13,8 @@ or in the processes it spawns).
 
 from kvxfer.integrations.sglang_jax import install
 
+__all__: list[str] = []  # a program: nothing to import
+
 if __name__ in ("__main__", "__mp_main__"):
     install()
 
