@@ -9,6 +9,7 @@ page reported as a miss through ``flush_load``. sglang-jax is not needed.
 import concurrent.futures
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -196,6 +197,8 @@ def test_two_phase_errors_are_loud(pool):
         pool.copy_into([1, 2], [b])
     with pytest.raises(ValueError, match="outside pool range"):
         pool.copy_to_device([99], [0])
+    with pytest.raises(ValueError, match="id=-1 outside pool range"):
+        pool.flush_backup([-1])
     with pytest.raises(RuntimeError, match="not allocated"):
         pool.stage_backup([0], [(b + 1) % 4])
     with pytest.raises(NotImplementedError):
@@ -333,6 +336,84 @@ def test_a_call_naming_an_id_twice_is_refused_before_anything_is_lost(dev, pool)
     assert pool._pending_load == {}
     assert pool.copy_to_device([b, a], [7, 8]).ok
     assert_page(dev, 8, want[0])
+
+
+# Each call that takes ids, given a bad one where ``b`` (host id 1) or a device page
+# belongs: truncated, 1.9 and True would both be 1.
+ID_CALLS = {
+    "free": lambda p, x, b: p.free([x]),
+    "release": lambda p, x, b: p.release(x),
+    "inc_lock_ref": lambda p, x, b: p.inc_lock_ref(x),
+    "dec_lock_ref": lambda p, x, b: p.dec_lock_ref(x),
+    "page_of": lambda p, x, b: p.page_of(x),
+    "stage_backup host": lambda p, x, b: p.stage_backup([3], [x]),
+    "stage_backup device": lambda p, x, b: p.stage_backup([x], [b]),
+    "copy_into host": lambda p, x, b: p.copy_into([3], [x]),
+    "copy_into device": lambda p, x, b: p.copy_into([x], [b]),
+    "flush_backup": lambda p, x, b: p.flush_backup([x]),
+    "stage_load": lambda p, x, b: p.stage_load([x]),
+    "flush_load host": lambda p, x, b: p.flush_load([x], [5]),
+    "flush_load device": lambda p, x, b: p.flush_load([b], [x]),
+    "copy_to_device host": lambda p, x, b: p.copy_to_device([x], [5]),
+    "copy_to_device device": lambda p, x, b: p.copy_to_device([b], [x]),
+}
+
+
+def pool_state(dev, pool):
+    return (pool.available_size(), list(pool._lock_ref), sorted(pool._pending_gather),
+            sorted(pool._pending_load), [pool.page_of(i) for i in range(4)],
+            [testing.bits(b).copy() for b in dev.kv_buffer])
+
+
+@pytest.mark.parametrize("call", list(ID_CALLS))
+def test_a_float_or_bool_id_is_refused_naming_it_before_anything_changes(dev, pool, call):
+    a, b = pool.alloc(2).tolist()
+    assert b == 1
+    pool.inc_lock_ref(a)                    # dec_lock_ref(1) would unlock nothing
+    pool.stage_backup([1, 2], [a, b])       # a backup of b pending: flush_backup(1) would
+    pool.flush_backup([a])                  # publish it
+    pool.stage_load([a])                    # a load of a staged
+    before = pool_state(dev, pool)
+    name = call.split()[0]
+    for bad in (1.9, True, 1.0, np.float32(1.0), np.bool_(True), jnp.float32(1.0)):
+        with pytest.raises(TypeError, match=f"{name} needs integer .*{re.escape(repr(bad))}"):
+            ID_CALLS[call](pool, bad, b)
+    if name not in ("release", "inc_lock_ref", "dec_lock_ref", "page_of"):
+        for arr in (np.array([1.0]), np.array([True]), jnp.asarray([1.5])):  # a whole array
+            with pytest.raises(TypeError, match=f"{name} needs integer .*dtype"):
+                _call_with_array(pool, call, arr, b)
+    after = pool_state(dev, pool)
+    assert after[:5] == before[:5]
+    assert all(np.array_equal(x, y) for x, y in zip(after[5], before[5]))
+
+
+def _call_with_array(pool, call, arr, b):
+    """``call`` with ``arr`` as the whole id argument where ID_CALLS passes a list."""
+    name, _, side = call.partition(" ")
+    if name in ("free", "flush_backup", "stage_load"):
+        return getattr(pool, name)(arr)
+    if name in ("stage_backup", "copy_into"):   # (device pages, host ids)
+        return getattr(pool, name)(*((np.asarray([3]), arr) if side == "host"
+                                     else (arr, np.asarray([b]))))
+    return getattr(pool, name)(*((arr, np.asarray([5])) if side == "host"
+                                 else (np.asarray([b]), arr)))
+
+
+def test_the_engines_integer_arrays_of_any_int_dtype_move_pages(dev, pool):
+    a, b = (jnp.int32(i) for i in pool.alloc(2))
+    want = [snapshot(dev, 1), snapshot(dev, 2)]
+    pool.copy_into(jnp.asarray([1, 2], jnp.int32), np.asarray([a, b], np.uint8))
+    pool.stage_load(jnp.asarray([a, b], jnp.int32))
+    assert pool.flush_load([a, np.int16(b)], np.asarray([5, 6], np.int64)).ok
+    assert pool.copy_to_device(np.asarray([b], np.uint32), [jnp.int32(7)]).ok
+    assert_page(dev, 5, want[0])
+    assert_page(dev, 6, want[1])
+    assert_page(dev, 7, want[1])
+    pool.inc_lock_ref(np.int64(a))
+    pool.dec_lock_ref(a)
+    assert pool.page_of(jnp.asarray(b, jnp.int32)) is not None
+    pool.free(jnp.asarray([a, b], jnp.int32))
+    assert pool.available_size() == 4
 
 
 def test_precompile_takes_no_slot_and_writes_no_page(dev, pool):

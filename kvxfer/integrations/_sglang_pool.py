@@ -20,6 +20,8 @@ from kvxfer.integrations._sglang_engine_names import _BackupCall, _EngineNames, 
 from kvxfer.integrations._sglang_records import (
     FlushLoadResult,
     _Gather,
+    _id,
+    _ids,
     _pairs,
     _PendingGather,
     _Stage,
@@ -56,7 +58,10 @@ class KvxferHostKVPool(_EngineNames):
 
     **Duplicates.** A call naming one host id (or, in a load, one device page) twice
     is refused with ``ValueError`` before anything is staged, flushed or dropped;
-    ``free`` deduplicates, as the engine's pool does.
+    ``free`` deduplicates, as the engine's pool does. Host ids and device pages are
+    Python ints or integer arrays (any int dtype, numpy or jax); a float, a bool or an
+    array of them is refused with ``TypeError`` naming it and the call, before
+    anything changes (``1.9`` or ``True`` is never page 1).
 
     **Engine-compatible internals.** sglang-jax's own tests read and rewrite some of
     ``LRUHostKVPool``'s private state (``_generation``, ``_pending_gather``,
@@ -196,6 +201,7 @@ class KvxferHostKVPool(_EngineNames):
 
     def page_of(self, host_id: int) -> PageRef | None:
         """The kvxfer page a host id holds (None: never backed up, or dropped)."""
+        host_id = _id(host_id, "host page", "page_of")
         with self._lock:
             self._check_range(host_id)
             return self._pages[host_id]
@@ -229,7 +235,7 @@ class KvxferHostKVPool(_EngineNames):
           ValueError: the id is out of range.
           RuntimeError: the slot is free already, or locked.
         """
-        self.free([buffer_id])
+        self.free([_id(buffer_id, "host page", "release")])
 
     def free(self, host_page_ids: Sequence[int]) -> None:
         """Returns slots, deduplicated; checks every id before freeing any.
@@ -238,7 +244,7 @@ class KvxferHostKVPool(_EngineNames):
           ValueError: an id is out of range.
           RuntimeError: a slot is free already, or locked (``lock_ref != 0``).
         """
-        ids = list(dict.fromkeys(int(i) for i in host_page_ids))
+        ids = list(dict.fromkeys(_ids(host_page_ids, "host page", "free")))
         to_free: list[PageRef] = []
         releases: list[PrefetchHandle] = []
         with self._lock:
@@ -266,6 +272,7 @@ class KvxferHostKVPool(_EngineNames):
         Raises:
           ValueError: out of range. RuntimeError: not allocated.
         """
+        buffer_id = _id(buffer_id, "host page", "inc_lock_ref")
         with self._lock:
             self._require_allocated(buffer_id)
             self._lock_ref[buffer_id] += 1
@@ -276,6 +283,7 @@ class KvxferHostKVPool(_EngineNames):
         Raises:
           ValueError: out of range. RuntimeError: not allocated, or not locked.
         """
+        buffer_id = _id(buffer_id, "host page", "dec_lock_ref")
         with self._lock:
             self._require_allocated(buffer_id)
             if self._lock_ref[buffer_id] <= 0:
@@ -301,7 +309,7 @@ class KvxferHostKVPool(_EngineNames):
             host id named twice (refused before anything is staged).
           RuntimeError: a host id is not allocated.
         """
-        ids, device_indices = _pairs(host_buffer_ids, device_indices)
+        ids, device_indices = _pairs(host_buffer_ids, device_indices, "stage_backup")
         if not ids:
             return
         _unique(ids, "host page", "stage_backup")
@@ -338,17 +346,20 @@ class KvxferHostKVPool(_EngineNames):
         waits is not published; a backup staged into it again waits for this one.
 
         Raises:
-          ValueError: a host id named twice (refused before anything is flushed: the
-            staged backups stay staged).
+          ValueError: a host id out of range, or named twice (refused before anything
+            is flushed: the staged backups stay staged).
+          TypeError: a host id is not an integer (a float, a bool, a float array).
           RuntimeError: a host id has no staged backup (``stage_backup`` first).
           TransferError: the copy failed (the slot holds nothing new).
         """
-        ids = _unique([int(i) for i in host_buffer_ids], "host page", "flush_backup")
+        ids = _unique(_ids(host_buffer_ids, "host page", "flush_backup"), "host page",
+                      "flush_backup")
         if not ids:
             return
         entries = []
         with self._lock:
             for i in ids:
+                self._check_range(i)
                 if i not in self._pending_gather:
                     raise RuntimeError(f"flush_backup of host page id={i} with no staged "
                                        "backup; stage_backup() must run first")
@@ -391,8 +402,8 @@ class KvxferHostKVPool(_EngineNames):
     def copy_into(self, device_indices: Sequence[int], host_buffer_ids: Sequence[int]
                   ) -> None:
         """``stage_backup`` then ``flush_backup`` on one thread."""
-        ids = list(host_buffer_ids)
-        self.stage_backup(device_indices, ids)
+        ids, pages = _pairs(host_buffer_ids, device_indices, "copy_into")
+        self.stage_backup(pages, ids)
         self.flush_backup(ids)
 
     def copy_from_device(self, layers: Any, buffer_id: int) -> Any:
@@ -418,7 +429,8 @@ class KvxferHostKVPool(_EngineNames):
           RuntimeError: a host id is not allocated, or holds no page.
           TransferError: staging failed.
         """
-        ids = _unique([int(i) for i in host_buffer_ids], "host page", "stage_load")
+        ids = _unique(_ids(host_buffer_ids, "host page", "stage_load"), "host page",
+                      "stage_load")
         if not ids:
             return
         with self._lock:
@@ -462,7 +474,7 @@ class KvxferHostKVPool(_EngineNames):
           TransferError: a device or transfer failure (``kv_buffer`` holds the
             caches to continue with).
         """
-        ids, device_indices = _pairs(host_buffer_ids, device_indices)
+        ids, device_indices = _pairs(host_buffer_ids, device_indices, "flush_load")
         if not ids:
             return FlushLoadResult((), (), (), (), {})
         _unique(ids, "host page", "flush_load")
@@ -529,7 +541,7 @@ class KvxferHostKVPool(_EngineNames):
     def copy_to_device(self, host_buffer_ids: Sequence[int], device_indices: Sequence[int]
                        ) -> FlushLoadResult:
         """``stage_load`` then ``flush_load`` on one thread (duplicates refused first)."""
-        ids, pages = _pairs(host_buffer_ids, device_indices)
+        ids, pages = _pairs(host_buffer_ids, device_indices, "copy_to_device")
         _unique(pages, "device page", "copy_to_device")
         self.stage_load(ids)
         return self.flush_load(ids, pages)

@@ -8,7 +8,10 @@ in one, and the checks of the ids a call names.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import OffloadHandle
@@ -96,10 +99,50 @@ class _Staged:
     reason: str | None
 
 
-def _pairs(host_buffer_ids: Any, device_indices: Any) -> tuple[list[int], list[int]]:
-    """Host ids and device pages as ints, checked to pair up one to one."""
-    ids = [int(i) for i in host_buffer_ids]
-    pages = [int(d) for d in device_indices]
+def _ids(values: Any, what: str, call: str) -> list[int]:
+    """``values`` as Python ints: a sequence of ints or an integer array (any int dtype).
+
+    Floats and bools are refused, never truncated (``1.9`` is not page 1, ``True``
+    is not page 1), before the call changes anything.
+
+    Raises:
+      TypeError: a value, or the array's dtype, is not an integer (the message
+        names the value and the call).
+    """
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None:
+        if np.dtype(dtype).kind not in "iu":
+            head = np.asarray(values).ravel()
+            shown = f"{head[:8].tolist()!r}" + (" ..." if head.size > 8 else "")
+            raise TypeError(f"{call} needs integer {what} ids; got an array of dtype "
+                            f"{np.dtype(dtype)}: {shown} (nothing was changed)")
+        values = np.asarray(values).tolist()
+    return [_id(v, what, call) for v in values]
+
+
+def _id(value: Any, what: str, call: str) -> int:
+    """One id as a Python int (see ``_ids``).
+
+    Raises:
+      TypeError: a bool, a float, or anything else that is not an integer.
+    """
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, (bool, np.bool_)) or \
+            (dtype is not None and np.dtype(dtype).kind not in "iu"):
+        raise TypeError(f"{call} needs integer {what} ids; got {value!r} of type "
+                        f"{type(value).__name__} (nothing was changed)")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{call} needs integer {what} ids; got {value!r} of type "
+                        f"{type(value).__name__} (nothing was changed)") from None
+
+
+def _pairs(host_buffer_ids: Any, device_indices: Any, call: str
+           ) -> tuple[list[int], list[int]]:
+    """Host ids and device pages as ints (``_ids``), checked to pair up one to one."""
+    ids = _ids(host_buffer_ids, "host page", call)
+    pages = _ids(device_indices, "device page", call)
     if len(ids) != len(pages):
         raise ValueError(f"host_buffer_ids ({len(ids)}) and device_indices ({len(pages)}) "
                          "differ in length")
