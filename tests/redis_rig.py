@@ -110,9 +110,10 @@ def _stop(proc: subprocess.Popen) -> None:
 class Proxy:
     """A TCP proxy on loopback in front of the server at ``127.0.0.1:target``: passes
     bytes both ways (``passing``), answers every write of a client with chosen bytes
-    without passing it on (``answering``: a server that answers junk), or holds the
-    server's bytes back for a while before passing them on (``delaying``: a slow
-    server). ``down_bytes`` counts the bytes passed from the server to clients.
+    without passing it on (``answering``: a server that answers junk; ``answering_once``:
+    one write, as a node that redirects once), or holds the server's bytes back for a
+    while before passing them on (``delaying``: a slow server). ``down_bytes`` counts
+    the bytes passed from the server to clients.
     """
 
     def __init__(self, target: int, port: int = 0):
@@ -125,6 +126,7 @@ class Proxy:
         self._mode: tuple = ("pass",)
         self._lock = threading.Lock()
         self.down_bytes = 0
+        self.answered_once = 0  # writes ``answering_once`` answered
         self._held = 0  # chunks held back now
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -137,6 +139,11 @@ class Proxy:
 
     def delaying(self, seconds: float) -> None:
         self._mode = ("delay", seconds)
+
+    def answering_once(self, trigger: bytes, data: bytes) -> None:
+        """Answers the next write of a client that holds ``trigger`` with ``data``
+        (without passing it on), then passes bytes both ways again."""
+        self._mode = ("once", trigger, data)
 
     def wait_delivered(self, timeout_s: float = 30.0) -> None:
         """Until no chunk is held back (every delayed reply has reached its client)."""
@@ -169,6 +176,16 @@ class Proxy:
                 mode = self._mode
                 if mode[0] == "answer":
                     client.sendall(mode[1])
+                elif mode[0] == "once" and mode[1] in data:
+                    with self._lock:
+                        mine = self._mode is mode
+                        if mine:
+                            self._mode = ("pass",)
+                    if mine:
+                        self.answered_once += 1
+                        client.sendall(mode[2])
+                    else:
+                        server.sendall(data)
                 else:
                     server.sendall(data)
         except OSError:

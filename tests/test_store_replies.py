@@ -274,6 +274,42 @@ def test_the_cap_on_the_cluster_store(cluster):
         s.clear()
 
 
+@pytest.mark.parametrize("redirect", ["MOVED", "ASK"])
+def test_the_cap_holds_when_a_slot_redirects_a_batch(cluster, redirect):
+    """A node that answers a batch with MOVED (a slot that moved) or ASK (one moving)
+    sends that domain's keys one by one through the client: with the same capped read
+    and the same checks, never a plain GET of the whole blob."""
+    from redis.crc import key_slot
+
+    with RedisClusterStore(cluster.spec, prefix=_prefix(), timeout_s=10) as s:
+        d = s.domain_of("big")
+        small = next(k for k in (f"small-{i}" for i in range(1000)) if s.domain_of(k) == d)
+        assert s.put_many([("big", b"b" * (4 << 20)), (small, b"s" * 100)]) == [True] * 2
+        s.cap_blob_bytes(1000)
+        node = s.domain_nodes()[d]
+        proxy = cluster.proxy_of(node)
+        refused = f"-{redirect} {key_slot(s.domain_root(d).encode())} {node}\r\n".encode()
+
+        def redirect_once(trigger: bytes, commands: int, atomic: bool = True) -> None:
+            replies = refused * commands
+            if atomic:
+                replies = b"+OK\r\n" + replies + b"-EXECABORT Transaction discarded\r\n"
+            proxy.answering_once(trigger, replies)
+
+        start, answered = proxy.down_bytes, proxy.answered_once
+        redirect_once(b"MULTI", 3)  # GETRANGE of each key, then the touch script
+        assert s.get_many([small, "big"]) == [b"s" * 100, None]
+        redirect_once(b"MULTI", 2)
+        assert s.get("big") is None
+        redirect_once(b"EXISTS", 4, atomic=False)  # EXISTS and STRLEN of each key
+        assert s.contains_many([small, "big"]) == [True, False]
+        assert proxy.answered_once - answered == 3  # each call was redirected
+        assert proxy.down_bytes - start < 20_000  # never the 4 MiB blob
+        st = s.stats()
+        assert (st["oversized"], st["hits"], st["read_errors"]) == (2, 1, 0)
+        s.clear()
+
+
 class _DictStore(kvxfer.store.Store):
     """A store of someone else's: it knows nothing of caps."""
 

@@ -47,7 +47,7 @@ import functools
 from typing import Any
 
 from kvxfer.store._pipeline import BadReply, Block
-from kvxfer.store._scripts import DELETE, MARKER, PUT, TOUCH, TOUCH_MANY, UNMARK, is_marker
+from kvxfer.store._scripts import DELETE, MARKER, PUT, TOUCH_MANY, UNMARK, is_marker
 
 __all__ = ["Keyspace", "MARKER", "Read"]
 
@@ -273,14 +273,15 @@ class Keyspace:
             self.unmark(client, key)
         return evicted, bool(stored)
 
-    def get(self, client: Any, key: str) -> bytes | None:
-        bkey = self.blobs + key
+    def get(self, client: Any, key: str, cap: int | None) -> Read:
+        """What a ``get_block`` of ``key`` reads, through the client: the same commands
+        (with a ``cap``, at most ``cap + 1`` bytes of the blob) and the same checks."""
+        block = self.get_block([key], cap)
         with client.pipeline(transaction=True) as pipe:
-            pipe.get(bkey)
-            pipe.execute_command("EVAL", TOUCH, 5, bkey, *self.meta, key)
-            blob, _ = _array(pipe.execute(), 2, "a read")
-        blob = _bulk(blob, "a blob")
-        return None if is_marker(blob) else blob  # (a failed put's, not yet removed)
+            for command in block.commands:
+                pipe.execute_command(*command)
+            replies = pipe.execute()
+        return block.parse(replies)
 
     def contains(self, client: Any, key: str, cap: int | None) -> bool:
         bkey = self.blobs + key

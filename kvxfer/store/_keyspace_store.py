@@ -72,15 +72,13 @@ class KeyspaceStore(Domains):
                   errors: dict[str, StoreError]) -> None:
         """``get`` of ``key`` through the client (which follows a slot that moved)."""
         try:
-            blob = self._spaces[d].get(self._client, key)
+            read = self._spaces[d].get(self._client, key, self.blob_cap)
         except Exception as e:
             self._read_failed(d, [key], e, errors)
             self._count(gets=int(key not in errors))
             return
         self._reached(d)
-        cap = self.blob_cap
-        over = blob is not None and cap is not None and len(blob) > cap
-        self._got([key], [Read([None if over else blob], [0] if over else [])], got)
+        self._got([key], [read], got)
 
     def get(self, key: str) -> bytes | None:
         """The whole blob under ``key`` (and marks it recently used), or None (also
