@@ -241,7 +241,9 @@ def test_a_file_the_process_may_not_open_is_skipped(shared_dir):
 
 
 def scenario_read_only(d: pathlib.Path) -> dict:
-    with DiskStore(d, capacity_bytes=40) as store:  # over it: no eviction read-only
+    # Two files of 41 bytes over a capacity of 60 (each alone within it, as a put's
+    # must be): no eviction read-only.
+    with DiskStore(d, capacity_bytes=60) as store:
         out = {"read_only": store.stats()["read_only"], "a": store.get("a") == b"aaaa",
                "keys": store.keys()}
         for name, call in (("put", lambda: store.put("b", b"b")),
@@ -257,12 +259,12 @@ def scenario_read_only(d: pathlib.Path) -> dict:
 @pytest.mark.parametrize("lock_file", ["present", "absent"])
 def test_a_read_only_directory_opens_read_only(shared_dir, lock_file):
     with DiskStore(shared_dir) as store:
-        store.put("a", b"aaaa")
+        store.put("a", b"aaaa"), store.put("c", b"cccc")
     if lock_file == "absent":  # a directory copied without the store's dot files
         (shared_dir / ".kvxfer-lock").unlink()
     shared_dir.chmod(0o555)  # (as root, writable to root only: nobody reads it)
     out = as_other_user("read_only", shared_dir)
-    assert out["read_only"] and out["a"] and out["keys"] == ["a"]
+    assert out["read_only"] and out["a"] and out["keys"] == ["a", "c"]
     for name in ("put", "delete"):
         assert out[name].startswith(f"disk store '{shared_dir}' is read-only"), out[name]
     assert (shared_dir / file_name("a")).read_bytes().endswith(b"KVXBEND1")
@@ -360,3 +362,77 @@ def test_a_cap_never_goes_above_the_limit_a_store_was_built_with(tmp_path):
         assert store.blob_cap == 1000  # the largest asked, bounded by the store's limit
         with pytest.raises(ValueError, match="max_blob_bytes=1000"):
             store.put("k", b"x" * 1001)
+
+
+# -- 6. a file no put wrote is never charged against the capacity -------------------
+
+
+def _forge(directory: pathlib.Path, key: str, kind: str) -> pathlib.Path:
+    """A sparse file of gigabytes under ``key``'s name: a whole frame of a 2 GiB blob
+    (``blob``), a frame of a 4 GiB key (``key``), or a frame of 10 bytes in a file of
+    2 GiB (``size``: the frame and the file disagree)."""
+    if kind == "blob":
+        return sparse_frame(directory, key, 2 << 30)
+    path = directory / file_name(key)
+    klen, blen = ((1 << 32) - 1, 4) if kind == "key" else (len(key.encode()), 10)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<8sIQI", b"KVXBLOB1", klen, blen, 0))
+        f.truncate(2 << 30 if kind == "size" else FRAME_BYTES + klen + blen)
+    return path
+
+
+def _good(store: DiskStore, keys: list[str]) -> None:
+    for k in keys:
+        assert store.put(k, k.encode().ljust(4000, b"x"))
+
+
+def _all_there(store: DiskStore, keys: list[str]) -> bool:
+    return store.get_many(keys) == [k.encode().ljust(4000, b"x") for k in keys]
+
+
+@pytest.mark.parametrize("kind", ["blob", "key", "size"])
+def test_a_file_claiming_more_than_the_capacity_evicts_no_good_page(tmp_path, caplog, kind):
+    capacity = 64 << 20
+    keys = [f"good-{i}" for i in range(9)]
+    with DiskStore(tmp_path, capacity_bytes=capacity) as store:
+        _good(store, keys[:8])
+    time.sleep(0.01)  # the forged files are the most recently used
+    before = _forge(tmp_path, "planted-1", kind)
+    with within(lambda: DiskStore(tmp_path, capacity_bytes=capacity)) as store:
+        after = _forge(tmp_path, "planted-2", kind)  # another process's, after the open
+        st = store.stats()  # a rescan
+        assert (st["blobs"], st["bytes"], st["evictions"]) == \
+            (8, 8 * file_bytes(keys[0], 4000), 0)
+        _good(store, keys[8:])  # a put that evicts past the capacity would empty the store
+        assert _all_there(store, keys)
+        assert within(lambda: store.get_many(["planted-1", "planted-2"])) == [None, None]
+        st = store.stats()
+        assert (st["blobs"], st["evictions"]) == (9, 0)
+        if kind == "size":  # not one whole file: removed on open; skipped after it
+            assert (st["cleaned"], st["skipped"]) == (1, 1) and not before.exists()
+        else:
+            assert st["skipped"] == 2 and str(before) in caplog.text
+        assert str(after) in caplog.text and "more than capacity_bytes=67108864" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["max_blob_bytes", "cap_blob_bytes"])
+def test_a_file_claiming_more_than_the_blob_cap_evicts_no_good_page(tmp_path, caplog, how):
+    capacity, cap = 64 << 10, 4096
+    keys = [f"good-{i}" for i in range(12)]
+    with DiskStore(tmp_path, capacity_bytes=capacity) as store:
+        _good(store, keys[:8])
+    time.sleep(0.01)
+    planted = sparse_frame(tmp_path, "planted", 20 << 10)  # within the capacity, over the cap
+    if how == "max_blob_bytes":
+        store = DiskStore(tmp_path, capacity_bytes=capacity, max_blob_bytes=cap)
+    else:
+        store = DiskStore(tmp_path, capacity_bytes=capacity)
+        store.cap_blob_bytes(cap)  # as a cache does once it knows its page size
+    with store:
+        _good(store, keys[8:])  # 12 pages fit; 12 and the forged file would not
+        assert _all_there(store, keys) and store.get("planted") is None
+        st = store.stats()
+        assert (st["blobs"], st["evictions"], st["skipped"], st["oversized"]) == (12, 0, 1, 1)
+        assert f"{planted}: it frames a blob of 20480 bytes, more than max_blob_bytes=4096" \
+            in caplog.text
+    assert planted.exists()  # a store of larger pages may read it

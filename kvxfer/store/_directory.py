@@ -24,8 +24,8 @@ import threading
 import time
 
 from kvxfer.store._base import StoreError
-from kvxfer.store._frame import (_SUFFIX, _Unreadable, _not_regular, _open_regular,
-                                 _read_frame)
+from kvxfer.store._frame import (_GONE, _SUFFIX, FRAME_BYTES, _frame_of, _Unreadable,
+                                 _not_regular, _open_regular, _read_frame)
 
 log = logging.getLogger("kvxfer")
 
@@ -222,12 +222,40 @@ class Directory:
                     continue
                 if not stat.S_ISREG(st.st_mode):
                     continue  # not a blob (skipped where it is read): no capacity of ours
+                why = self._unchargeable(entry.path, st.st_size)
+                if why is not None:
+                    self._skip(entry.name, why)
+                    continue
                 found.append((st.st_mtime_ns, entry.name, st.st_size))
         found.sort()
         self._index = collections.OrderedDict((n, _Entry(s, t)) for t, n, s in found)
         self._used = sum(s for _, _, s in found)
         self._scanned_at = time.monotonic()
         self._dir_seen = os.fstat(self._dir_fd).st_mtime_ns
+
+    def _unchargeable(self, path: str, size: int) -> str | None:
+        """Why the file at ``path`` (of ``size`` bytes) holds no blob a put could have
+        written here, or None. Such a file is never charged against the capacity (nor
+        evicted): a sparse file claiming gigabytes would otherwise push out every good
+        page. Its frame is read only when its size alone leaves room for doubt."""
+        if self.capacity_bytes is not None and size > self.capacity_bytes:
+            return (f"a file of {size} bytes, more than capacity_bytes="
+                    f"{self.capacity_bytes}: no put of this store wrote it")
+        limit = getattr(self, "max_blob_bytes", None)
+        if limit is None or size <= limit + FRAME_BYTES:
+            return None
+        try:
+            frame = _frame_of(path)
+        except _Unreadable as e:
+            return str(e)
+        if frame is _GONE:
+            return None  # (the next rescan does not see it)
+        if frame is None:
+            return f"a file of {size} bytes that is not one whole frame"
+        if frame.blob_len > limit:
+            return (f"it frames a blob of {frame.blob_len} bytes, more than "
+                    f"max_blob_bytes={limit}")
+        return None
 
     def _note_own_change(self, before: int) -> None:
         # A directory that changed only by our own put needs no rescan; one that
@@ -263,7 +291,12 @@ class Directory:
                 self._forget(name)
                 continue
             if st.st_mtime_ns > entry.stamp:  # another process used it since we looked
-                self._remember(name, st.st_size, st.st_mtime_ns)
+                why = self._unchargeable(path, st.st_size)
+                if why is None:
+                    self._remember(name, st.st_size, st.st_mtime_ns)
+                else:  # (replaced by a file no put wrote)
+                    self._forget(name)
+                    self._skip(name, why)
                 continue
             try:
                 os.unlink(path)

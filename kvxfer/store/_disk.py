@@ -17,8 +17,12 @@ file this process may not open or may not remove when evicting; each is counted 
 ``stats()["skipped"]`` and named in a warning, and the store goes on with the rest.
 A frame's declared blob size must equal the file's size and, with
 ``max_blob_bytes`` (or ``cap_blob_bytes``), be within it before a byte of the blob is
-read (a file larger than that is a miss, counted in ``oversized``). A directory this
-process may not write opens read-only: gets work, puts and deletes raise ``StoreError``.
+read (a file larger than that, or than the capacity, is a miss, counted in
+``oversized``). A file no put of the store could have written (larger than the
+capacity, or framing a blob over ``max_blob_bytes``) is never charged against the
+capacity, so never makes good pages leave: it is skipped (counted in ``skipped``,
+named in a warning) and left in place. A directory this process may not write opens
+read-only: gets work, puts and deletes raise ``StoreError``.
 
 Recency is the file's modification time, set on put and on every hit, so the LRU
 order survives a restart; capacity is kept by evicting the least recently used
@@ -72,7 +76,10 @@ class DiskStore(Directory, Store):
     Capacity counts the bytes of the files (blob, key and a 36-byte frame). Each
     process keeps it from its view of the directory: its own puts and deletes, and
     rescans (at most once a second) when the directory changed under it; several
-    writers may exceed it by what the others wrote since a writer's last rescan.
+    writers may exceed it by what the others wrote since a writer's last rescan. A
+    file larger than the capacity, or framing a blob over ``max_blob_bytes``, is no
+    put's: it is skipped, never charged (a sparse file claiming gigabytes evicts
+    nothing).
 
     Args:
       path: the directory (created if missing).
@@ -297,9 +304,11 @@ class DiskStore(Directory, Store):
             blob = None
             if frame is not None and frame.key == kb:
                 if not self._fits(frame):
-                    log.warning("blob under key %r in the disk store %s is %d bytes, more "
-                                "than max_blob_bytes=%d: a miss, not read", key, self.path,
-                                frame.blob_len, self.max_blob_bytes)
+                    log.warning("blob under key %r in the disk store %s is %d bytes (a "
+                                "file of %d), more than max_blob_bytes=%s or "
+                                "capacity_bytes=%s: a miss, not read", key, self.path,
+                                frame.blob_len, frame.size, self.max_blob_bytes,
+                                self.capacity_bytes)
                     self._count(gets=1, oversized=1)
                     return None, None
                 blob = _pread_all(fd, frame.blob_len, frame.blob_offset)
@@ -407,11 +416,17 @@ class DiskStore(Directory, Store):
         super().cap_blob_bytes(max_bytes)
         with self._lock:
             self.max_blob_bytes = self.blob_cap
+            if self._dir_fd >= 0:
+                try:
+                    self._rescan()  # files over the cap are no longer charged
+                except OSError as e:
+                    raise StoreError(f"disk store {self.path!r}: cannot list: {e}") from e
 
     # -- files --------------------------------------------------------------------
 
     def _fits(self, frame: _Frame) -> bool:
-        return self.max_blob_bytes is None or frame.blob_len <= self.max_blob_bytes
+        return (self.max_blob_bytes is None or frame.blob_len <= self.max_blob_bytes) and \
+            (self.capacity_bytes is None or frame.size <= self.capacity_bytes)
 
     def _frame_for(self, path: str, kb: bytes) -> _Frame | None:
         """The frame of the readable, whole file at ``path`` if it holds ``kb``, or None."""
