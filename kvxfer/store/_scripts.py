@@ -8,7 +8,7 @@ blob's bytes (a blob never passes through Lua: no extra copy on the server).
 
 from __future__ import annotations
 
-__all__ = ["PUT", "UNMARK", "TOUCH", "TOUCH_MANY", "DELETE", "MARKER", "is_marker"]
+__all__ = ["PUT", "UNMARK", "TOUCH_MANY", "DELETE", "MARKER", "is_marker"]
 
 # KEYS: blob, lru, sizes, bytes, clock. ARGV: key, size, replace (0/1), capacity (-1:
 # none), blob-key prefix, marker. Returns -1 when the key is there and not replaced (the
@@ -62,27 +62,10 @@ def is_marker(blob: bytes | None) -> bool:
     return blob is not None and len(blob) == len(_MARKER_BYTES) and blob == _MARKER_BYTES
 
 
-# KEYS: blob, lru, sizes, bytes, clock. ARGV: key. Marks a present blob used; drops the
-# bookkeeping of one that is gone (deleted or evicted by the server).
-TOUCH = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
-    redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[5]), ARGV[1])
-  end
-  return 1
-end
-local s = redis.call('HGET', KEYS[3], ARGV[1])
-if s then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('DECRBY', KEYS[4], tonumber(s))
-end
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 0
-"""
-
-# KEYS: lru, sizes, bytes, clock, then the blob of each key. ARGV: the keys. TOUCH of
-# each key in turn (so a batch's keys are marked used in its order); returns, per key,
-# whether its blob is there (1) or not (0).
+# KEYS: lru, sizes, bytes, clock, then the blob of each key. ARGV: the keys. Marks
+# each present blob used in turn (so a batch's keys are marked used in its order) and
+# drops the bookkeeping of one that is gone (deleted or evicted by the server); returns,
+# per key, whether its blob is there (1) or not (0).
 TOUCH_MANY = """
 local lru, sizes, total, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local found = {}
