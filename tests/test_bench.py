@@ -493,10 +493,17 @@ def test_targets_are_pass_miss_or_not_applicable_lines(run):
     text = bench.format_report(report)
     for t in report["targets"]:
         assert f"{t['status']:<4}  {t['name']}" in text
+        # Every line names its hardware, the run's or "any", as --targets does.
+        assert t["name"].startswith("any: " if t["hardware"] == "any" else
+                                    f"{t['hardware']}: "), t["name"]
     judged = [t for t in report["targets"] if t["status"] != "N/A"]
     met = sum(t["status"] == "PASS" for t in judged)
     assert f"{met} of {len(judged)} targets that apply to cpu met" in text
     assert f"{len(report['targets']) - len(judged)} for other hardware not applicable" in text
+    # Under the summary, what a MISS means and where today's status is kept.
+    summary_at = text.index(bench_report.summary(report))
+    assert text[summary_at:].splitlines()[1] == bench_report.MISS_MEANING
+    assert "not a correctness failure" in bench_report.MISS_MEANING
     assert "Prefix sweep" in text and "Host overhead" in text
 
 

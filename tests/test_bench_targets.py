@@ -35,10 +35,41 @@ def test_each_target_is_stated_once_with_its_hardware_and_reason():
         rows = [t.field for t in table if "host time of one call, device idle" in t.what
                 and t.applies(platform)]
         assert len(rows) == 1, (platform, rows)
-    # The printed table carries every row with its hardware and reason.
+    # The printed table carries every row with its hardware, the run lines it is
+    # judged on and its reason, in sizes, not the config's field names.
     text = bench.targets_table()
     for t in table:
-        assert f"{t.hardware_label:<9} {t.statement()}\n{'':<9} why: {t.why}" in text
+        assert f"{t.hardware_label:<9} {t.statement()}\n{'':<9} judged on {t.lines}\n" \
+            f"{'':<9} why: {t.why}" in text
+    assert text.startswith(f"kvxfer's {len(table)} targets: ")
+    config_fields = {f.name for f in dataclasses.fields(bench.BenchConfig)}
+    assert not [f for f in config_fields if "_" in f and f in text]
+    assert "of 256 MiB per call" in text and "warmup of 64 pages (16 with --quick)" in text
+
+
+def committed_quick_run():
+    runs = [p for p in committed_runs() if "quick" in p.parent.name]
+    if not runs:
+        pytest.skip("benchmarks/ is not beside tests/ (a copy of the tests)")
+    return json.loads(runs[-1].read_text())
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_each_target_is_judged_on_the_lines_the_table_says(platform):
+    # A kept run of every section, judged as it was (cpu) and as if on a GPU: each
+    # target's line count is the one --targets states.
+    report = committed_quick_run()
+    report = {**report, "meta": {**report["meta"], "platform": platform}}
+    lines = bench.evaluate_targets(report)
+    for t in bench.TARGET_TABLE:
+        mine = [x for x in lines if x["target"] == t.field]
+        if not t.applies(platform) or t.field == "store_lookup_speedup":
+            assert len(mine) == (0 if t.field == "store_lookup_speedup" else 1), t.field
+            continue
+        assert len(mine) == int(t.lines.split()[0]), (t.field, [x["name"] for x in mine])
+        # Every line names its hardware, as --targets does: the run's, or "any".
+        label = "any" if "any" in t.hardware else platform
+        assert all(x["name"].startswith(f"{label}: ") for x in mine), t.field
 
 
 def test_benchmarks_md_states_the_same_targets_table():
@@ -142,7 +173,7 @@ def test_the_lookup_target_is_checked_at_the_reference_page_size_of_32_pages():
 
     (t,) = bench.evaluate_targets(report(32, True, 3.4))
     assert t["status"] == "PASS" and t["value"] == 3.4 and t["threshold"] == 3.0
-    assert t["name"] == ("redis: 32-page prefix lookup, one get_many >= 3x as fast as one "
+    assert t["name"] == ("any: redis: 32-page prefix lookup, one get_many >= 3x as fast as one "
                          "get per page") and "32 KiB pages, redis://h:1/0" in t["where"]
     assert bench.evaluate_targets(report(32, True, 2.9))[0]["status"] == "MISS"
     assert bench.evaluate_targets(report(32, True, 2.9),

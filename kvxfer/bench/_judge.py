@@ -7,7 +7,7 @@ here reads only the report dict, so a kept ``bench.json`` can be judged again.
 Example:
     >>> report = {"meta": {"platform": "cpu"}, "memory": {"pool_over_plan": 1.004}}
     >>> [(t["status"], t["name"]) for t in evaluate_targets(report)]
-    [('PASS', 'host pool bytes within 1% of the plan')]
+    [('PASS', 'any: host pool bytes within 1% of the plan')]
     >>> exit_status({"targets": [{"status": "MISS"}]}, check=False), \\
     ...     exit_status({"targets": [{"status": "MISS"}]}, check=True)
     (0, 1)
@@ -23,7 +23,14 @@ from kvxfer.bench._config import KiB, MiB
 from kvxfer.bench._figures import pinned_figures
 from kvxfer.bench._targets import TARGET_TABLE, Target, Targets
 
-__all__ = ["evaluate_targets", "missed", "Verdict", "verdict", "summary", "exit_status"]
+__all__ = ["evaluate_targets", "missed", "Verdict", "verdict", "summary", "exit_status",
+           "MISS_MEANING"]
+
+#: What a MISS means, said under the summary of every run that judged a target.
+MISS_MEANING = ("A MISS is slower than the target on this machine, not a correctness "
+                "failure (correctness is what kvxfer demo and the tests check); "
+                "BENCHMARKS.md lists which targets are met today on which hardware; "
+                "--check judges (exit 1 on a MISS).")
 
 #: What an evaluator finds: (name without the platform, value, where it was read).
 Line = tuple[str, float, str]
@@ -270,7 +277,7 @@ def evaluate_targets(report: dict[str, Any], targets: Targets = Targets()
             out.append(_line(spec, f"{spec.hardware_label}: {spec.statement(threshold)}",
                              None, threshold, "N/A", f"not applicable to this {platform} run"))
             continue
-        prefix = "" if "any" in spec.hardware else f"{platform}: "
+        prefix = f"{spec.hardware_label if 'any' in spec.hardware else platform}: "
         for name, value, where in _EVALUATORS[spec.field](report, threshold):
             out.append(_line(spec, prefix + name, value, threshold,
                              "PASS" if _met(spec.op, value, threshold) else "MISS", where))

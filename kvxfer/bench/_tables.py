@@ -14,7 +14,7 @@ from typing import Any
 
 from kvxfer._text import format_bytes, table
 from kvxfer.bench._figures import pinned_figures
-from kvxfer.bench._judge import summary
+from kvxfer.bench._judge import MISS_MEANING, summary
 from kvxfer.bench._policies import policy_lines
 
 __all__ = ["format_report", "target_line"]
@@ -79,6 +79,8 @@ def format_report(report: dict[str, Any]) -> str:
               "kvxfer bench --check exits 1 on a MISS)"]
     lines += [target_line(t) for t in report["targets"]]
     lines.append(summary(report))
+    if any(t["status"] != "N/A" for t in report["targets"]):
+        lines.append(MISS_MEANING)
     lines.append(f"\n(wall time {meta['wall_s']:.0f} s)")
     return "\n".join(lines)
 

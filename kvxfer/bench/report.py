@@ -20,6 +20,7 @@ from kvxfer.bench._figures import pinned_figures as pinned_figures
 from kvxfer.bench._judge import Verdict as Verdict
 from kvxfer.bench._judge import evaluate_targets as evaluate_targets
 from kvxfer.bench._judge import exit_status as exit_status
+from kvxfer.bench._judge import MISS_MEANING as MISS_MEANING
 from kvxfer.bench._judge import missed as missed
 from kvxfer.bench._judge import summary as summary
 from kvxfer.bench._judge import verdict as verdict
@@ -39,4 +40,4 @@ from kvxfer.bench._targets import targets_table as targets_table
 __all__ = ["Targets", "evaluate_targets", "missed", "ZERO_OK", "iter_figures",
            "format_report", "pinned_figures", "Variant", "VARIANTS", "PANELS", "figure",
            "plot", "Target", "TARGET_TABLE", "TARGET_BY_FIELD", "targets_table", "Verdict",
-           "verdict", "summary", "exit_status", "target_line"]
+           "verdict", "summary", "exit_status", "target_line", "MISS_MEANING"]
