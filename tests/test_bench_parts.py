@@ -39,9 +39,23 @@ def test_progress_estimate_uses_the_mean_time_of_each_kind():
     t[0] = 45.0
     p.step("sweep", "d")
     assert p.left_s() == pytest.approx(15.0)
-    assert said == ["[1/4 0:00 elapsed] a", "[2/4 0:10 elapsed, about 0:30 left] b",
+    p.note("e")
+    # The estimate shows once two steps (a quarter, at least) have finished: one step
+    # is too little to go on. A note within a step repeats no step number.
+    assert said == ["[1/4 0:00 elapsed] a", "[2/4 0:10 elapsed] b",
                     "[3/4 0:40 elapsed, about 0:40 left] c",
-                    "[4/4 0:45 elapsed, about 0:15 left] d"]
+                    "[4/4 0:45 elapsed, about 0:15 left] d", "[0:45 elapsed] e"]
+
+
+def test_progress_estimate_waits_for_a_quarter_of_the_steps():
+    t, said = [0.0], []
+    p = timing.Progress(["x"] * 34, said.append, clock=lambda: t[0])
+    for i in range(34):
+        t[0] = 10.0 * i
+        p.step("x", f"s{i + 1}")
+    shown = [i + 1 for i, line in enumerate(said) if "left]" in line]
+    assert shown == list(range(10, 35))  # 8.5 steps done (34 / 4) before step 10
+    assert said[9] == "[10/34 1:30 elapsed, about 4:10 left] s10"
 
 
 @pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host", None])

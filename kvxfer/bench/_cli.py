@@ -95,7 +95,8 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
                    help="write bench.json (and bench.png when matplotlib is importable) here")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="fewer cases and repeats (a minute or so on a 2-core CPU)")
+                      help="fewer cases and repeats: about 2-3 minutes on a 2-core CPU "
+                      "(the full run, the default: about 10 minutes)")
     size.add_argument("--smoke", action="store_true",
                       help="tiny sizes: checks that every section runs, in seconds (its "
                       "figures, and so its targets, mean little)")

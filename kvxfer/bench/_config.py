@@ -220,12 +220,12 @@ class BenchConfig:
 
     @classmethod
     def full(cls) -> BenchConfig:
-        """The full run (a few minutes on a 2-core CPU)."""
+        """The full run (about 10 minutes on a 2-core CPU)."""
         return cls()
 
     @classmethod
     def quick(cls) -> BenchConfig:
-        """Every section, fewer cases and repeats (a minute or so on a 2-core CPU).
+        """Every section, fewer cases and repeats (about 2-3 minutes on a 2-core CPU).
 
         Its prefix sweep reuses the reference cell (64 KiB blocks, up to 128 pages) and
         its requests share the sweep's page counts: each new cache shape or page-count

@@ -65,12 +65,14 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     """Runs the benchmark; returns the report (also written to ``out_dir``).
 
     Args:
-      quick: the quick preset (a minute or so on a 2-core CPU) instead of the full one.
+      quick: the quick preset (about 2-3 minutes on a 2-core CPU) instead of the full
+        one (about 10 minutes).
       out_dir: when given, writes ``bench.json`` there and, when matplotlib is
         importable, ``bench.png`` (throughput vs bytes per call).
       config: explicit sizes (overrides ``quick``); see ``BenchConfig``.
       progress: called with a line per step as the run goes, each with the time
-        elapsed and, after the first step, an estimate of the time left.
+        elapsed and, once a quarter of the steps have finished, an estimate of the
+        time left.
       targets: the thresholds the run is checked against (default: kvxfer's).
       stores: the stores the store section measures, as ``kvxfer.store.open_store``
         specs (``DIR``, ``file://DIR``, ``redis://HOST:PORT[/DB]``,

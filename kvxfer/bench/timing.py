@@ -204,7 +204,9 @@ class Progress:
     The run announces its steps up front (``plan``, one kind a step, in order). When a
     step starts, the steps before it are done; each step still to run is estimated
     at the mean time of the finished steps of its kind, or of all finished steps
-    while none of its kind has finished.
+    while none of its kind has finished. Lines show the estimate only once a quarter
+    of the steps (two at least) have finished: before that it rests on too few kinds
+    and can be off by several times. A note within a step carries no step number.
 
     Args:
       plan: the kind of every step of the run, in order (``"throughput"``, ...).
@@ -218,12 +220,14 @@ class Progress:
         [1/3 0:00 elapsed] first cell
         >>> t[0] = 10.0
         >>> p.step("cell", "second cell")
-        [2/3 0:10 elapsed, about 0:20 left] second cell
+        [2/3 0:10 elapsed] second cell
+        >>> p.left_s()
+        20.0
         >>> t[0] = 40.0
         >>> p.step("sweep", "the sweep")
         [3/3 0:40 elapsed, about 0:20 left] the sweep
-        >>> p.note("a line between steps")
-        [3/3 0:40 elapsed] a line between steps
+        >>> p.note("a line within the step")
+        [0:40 elapsed] a line within the step
     """
 
     def __init__(self, plan: Iterable[str], say: Callable[[str], None],
@@ -253,19 +257,23 @@ class Progress:
         return sum(sum(by_kind[k]) / len(by_kind[k]) if k in by_kind else overall
                    for k in rest)
 
-    def _prefix(self, t: float, estimate: bool) -> str:
-        head = f"[{len(self.done) + 1}/{len(self.plan)} " \
-               f"{format_duration(t - self.started)} elapsed"
-        left = self.left_s() if estimate else None
-        return head + (f", about {format_duration(left)} left]" if left is not None else "]")
+    def shows_estimate(self) -> bool:
+        """Whether step lines carry the estimate: once a quarter of the steps, two at
+        least, have finished."""
+        return len(self.done) >= max(2, len(self.plan) / 4)
 
     def step(self, kind: str, line: str) -> None:
         """Starts the next step (of ``kind``) and says ``line`` with the times."""
         t = self.clock()
         self._finish_current(t)
         self._current = (kind, t)
-        self.say(f"{self._prefix(t, estimate=True)} {line}")
+        left = self.left_s() if self.shows_estimate() else None
+        self.say(f"[{len(self.done) + 1}/{len(self.plan)} {format_duration(t - self.started)} "
+                 "elapsed" + (f", about {format_duration(left)} left" if left is not None
+                              else "") + f"] {line}")
 
     def note(self, line: str) -> None:
-        """Says ``line`` with the elapsed time, within the current step."""
-        self.say(f"{self._prefix(self.clock(), estimate=False)} {line}")
+        """Says ``line`` with the elapsed time, within the current step (no step number:
+        the step's own line has it)."""
+        self.say(f"[{format_duration(self.clock() - self.started)} elapsed] {line}")
+
