@@ -174,19 +174,31 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
         ok = ok and summary["injected"].get("detected", False)
     return {"config": spec.name, "backend": jax.devices()[0].platform,
             "devices": devices, "path_requested": path, "integrity": integrity,
+            "tpu_layouts": emulate_tpu,
             "raw_refused": refusal, "layers": rows, "summary": summary,
             "disagreements": disagreements, "ok": ok}
 
 
-def _print_human(report: dict[str, Any]) -> None:
+def _layer_table(report: dict[str, Any]) -> str:
+    """The per-layer table; its TPU-layout columns only where the layouts were applied."""
+    tpu = report.get("tpu_layouts", True)
     rows = []
     for r in report["layers"]:
+        exact = "yes" if r["byte_exact"] else "NO"
+        if not tpu:
+            rows.append([r["name"], r["path"], format_bytes(r["host_bytes_per_block"]), exact])
+            continue
         verdict = "addressable" if r["addressable"] else f"NOT addressable (g={r['granularity']})"
         rows.append([r["name"], verdict, r["path"], format_bytes(r["host_bytes_per_block"]),
-                     format_bytes(r["device_bytes_per_block"]),
-                     "yes" if r["byte_exact"] else "NO"])
-    print(table(rows, ["layer", "verdict (TPU layout)", "path", "host bytes/block",
-                       "device bytes/block", "byte-exact"]))
+                     format_bytes(r["device_bytes_per_block"]), exact])
+    if not tpu:
+        return table(rows, ["layer", "path", "bytes/block", "byte-exact"])
+    return table(rows, ["layer", "verdict (TPU layout)", "path", "host bytes/block",
+                        "device bytes/block (TPU layout)", "byte-exact"])
+
+
+def _print_human(report: dict[str, Any]) -> None:
+    print(_layer_table(report))
     s = report["summary"]
     if report["raw_refused"]:
         print(f"raw path refused (expected for rejected layouts): {report['raw_refused']}")
@@ -246,7 +258,8 @@ def register_cli(sub: Any) -> None:
                    "only if it is detected at that page and the pages before it load exact")
     p.add_argument("--gate", choices=["all", "layer"], default="all")
     p.add_argument("--no-tpu-layouts", action="store_true",
-                   help="ignore the configs' emulated TPU layouts")
+                   help="ignore the configs' emulated TPU layouts (the table then drops "
+                   "its TPU-layout verdict and device bytes/block columns)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per config")
     p.set_defaults(func=_cmd_probe)

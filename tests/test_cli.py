@@ -1,5 +1,6 @@
 """The command line, run as a user would (a subprocess of the installed entry point)."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -203,3 +204,41 @@ def test_path_direct_is_refused_naming_raw(command, tmp_path):
     r = kvxfer(command, "--config", "tiny", "--path", "direct", cwd=tmp_path)
     assert r.returncode == 2
     assert "'direct' is now called 'raw'" in r.stderr and "--path raw" in r.stderr
+
+
+def _help(*command):
+    from kvxfer.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return " ".join(sub.choices[command[0]].format_help().split())
+
+
+def test_demo_help_says_which_gate_is_the_default():
+    text = _help("demo")
+    assert "layer: release each layer to the model once it is verified; all: release " \
+        "every layer together once all are (default: layer)" in text
+
+
+def test_bench_help_states_the_run_times():
+    text = _help("bench")
+    assert "about 2-3 minutes on a 2-core CPU (the full run, the default: about 10 " \
+        "minutes)" in text and "a minute or so" not in text
+
+
+def test_probe_without_tpu_layouts_drops_the_tpu_layout_columns(tmp_path):
+    from kvxfer.probe import _layer_table, run_probe
+
+    plain = run_probe("tiny", num_pages=2, num_blocks=8, emulate_tpu=False)
+    emulated = run_probe("tiny", num_pages=2, num_blocks=8)
+    assert (plain["tpu_layouts"], emulated["tpu_layouts"]) == (False, True)
+    head = _layer_table(plain).splitlines()[0].split()
+    assert head == ["layer", "path", "bytes/block", "byte-exact"]
+    assert "verdict (TPU layout)" in _layer_table(emulated).splitlines()[0]
+    assert "device bytes/block (TPU layout)" in _layer_table(emulated).splitlines()[0]
+    # A report kept before the key existed reads as one with the layouts.
+    old = {k: v for k, v in emulated.items() if k != "tpu_layouts"}
+    assert _layer_table(old) == _layer_table(emulated)
+    r = kvxfer("probe", "--config", "tiny", "--num-blocks", "8", "--pages", "2",
+               "--no-tpu-layouts", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.splitlines()[0].split() == head, r.stderr

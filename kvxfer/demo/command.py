@@ -512,7 +512,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--injections", type=int, default=d.injections,
                         help=f"how many times to inject (default {d.injections})")
     parser.add_argument("--gate", choices=_GATES, default=d.gate,
-                        help="release each layer once verified (default) or all at once")
+                        help="layer: release each layer to the model once it is verified; "
+                        f"all: release every layer together once all are (default: {d.gate})")
     parser.add_argument("--system-pages", type=positive_int, nargs="+", default=d.system_pages,
                         help="pages of each shared system prompt (default 6 8 10)")
     parser.add_argument("--new-tokens", type=positive_int, default=d.new_tokens,
