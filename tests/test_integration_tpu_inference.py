@@ -340,6 +340,51 @@ def test_a_save_landing_between_two_done_reads_is_still_published(worker):
     assert_blocks(w.runner.kv_caches, 12, want)
 
 
+WAIT = 30  # seconds: a bound for waits that end at once when the code is right
+
+
+class _HeldLanding:
+    """An offload handle that says it landed only once ``landed`` is set, and whose
+    ``result()`` (read while publishing) waits for ``release``."""
+
+    def __init__(self, handle, landed, publishing, release):
+        self._handle, self._landed = handle, landed
+        self._publishing, self._release = publishing, release
+
+    def done(self):
+        return self._landed.is_set() and self._handle.done()
+
+    def result(self, timeout=None):
+        self._publishing.set()
+        assert self._release.wait(WAIT)
+        return self._handle.result(timeout)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def test_wait_for_saves_waits_for_a_save_another_thread_is_publishing(worker):
+    w, conn, caches = worker
+    landed, publishing, release = threading.Event(), threading.Event(), threading.Event()
+    offload = w.manager.offload
+    w.manager.offload = lambda *a, **kw: _HeldLanding(offload(*a, **kw), landed,
+                                                      publishing, release)
+    step_save(w, conn, save_meta("s", [3], [6], final=True))  # not landed: pending
+    landed.set()
+    first = threading.Thread(target=w.wait_for_saves)  # takes the save, publishes it
+    first.start()
+    assert publishing.wait(WAIT)  # ... and is held while publishing
+    seen = []
+    second = threading.Thread(target=lambda: (w.wait_for_saves(),
+                                              seen.append("s" in w.finished_save_reqs)))
+    second.start()
+    second.join(0.5)  # with nothing pending it must still wait for the first's publish
+    release.set()
+    first.join(WAIT)
+    second.join(WAIT)
+    assert seen == [True]  # it returned only once the save was published
+
+
 def test_saves_polled_from_a_second_thread_are_each_published_once(worker):
     w, conn, _ = worker
     seen, stop = [], threading.Event()

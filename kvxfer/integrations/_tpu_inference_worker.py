@@ -101,6 +101,10 @@ class KvxferOffloadWorker:
         self.host_memory_kind: str | None = None
         self._mgr: KVCacheManager | None = None
         self._lock = threading.Lock()  # the pending saves and the counters
+        # Saves taken from the pending list and not yet published (another thread may
+        # be publishing them): wait_for_saves waits for them too.
+        self._publishing = 0
+        self._published = threading.Condition(self._lock)
         # The reports (offload_stats, finished_save_reqs): saves are published from any
         # thread that polls, while the engine thread reads and resets them.
         self._report_lock = threading.Lock()
@@ -284,9 +288,15 @@ class KvxferOffloadWorker:
             for e in self._pending_save_futures:
                 (done if e[0].done() else pending).append(e)
             self._pending_save_futures = pending
+            self._publishing += len(done)
         for handle, saves in done:
-            for save in saves:
-                self._publish(handle, save)
+            try:
+                for save in saves:
+                    self._publish(handle, save)
+            finally:
+                with self._published:
+                    self._publishing -= 1
+                    self._published.notify_all()
 
     def _publish(self, handle: OffloadHandle, save: Save) -> None:
         try:
@@ -315,7 +325,8 @@ class KvxferOffloadWorker:
         self._table.fail(chunks, reason)
 
     def wait_for_saves(self, timeout: float | None = None) -> None:
-        """Blocks until every save started so far has landed and is published."""
+        """Blocks until every save started so far has landed and is published, by this
+        thread or by another that is publishing it (``timeout``: seconds per wait)."""
         with self._lock:
             handles = [h for h, _ in self._pending_save_futures]
         for h in handles:
@@ -324,6 +335,8 @@ class KvxferOffloadWorker:
             except Exception:  # noqa: BLE001 — cancelled or failed: published as failed
                 pass
         self._process_completed_saves()
+        with self._published:
+            self._published.wait_for(lambda: self._publishing == 0, timeout)
 
     # -- loads ---------------------------------------------------------------------------
 
