@@ -321,6 +321,44 @@ class Cluster:
             proxy.close()
 
 
+def _start_cluster(exe: str, cli: str, work: str, nodes: int, timeout_s: float,
+                   proxied: bool) -> tuple[Cluster | None, str]:
+    """Starts the nodes, each answering PING: ``(cluster, "")``, or ``(None, log)`` when
+    one lost a port to another socket (its log says "Address already in use"), after
+    stopping them all.
+
+    Raises:
+      RuntimeError: a node exited, or did not answer PING within ``timeout_s``.
+    """
+    socks = [socket.socket() for _ in range(2 * nodes)]
+    for s in socks:  # held open together, so the ports differ
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    # The proxies bind ports of their own while the nodes' are still held, so the
+    # system never hands them a node's port or cluster bus port.
+    cluster = Cluster(exe, cli, work, ports[:nodes], ports[nodes:], proxied)
+    for s in socks:
+        s.close()
+    try:
+        for port in cluster.ports:
+            cluster.start(port)
+        deadline = time.monotonic() + timeout_s
+        for port in cluster.ports:
+            while not cluster.ping(port):
+                if cluster._procs[port].poll() is not None or time.monotonic() > deadline:
+                    log = cluster.log(port)
+                    if "Address already in use" in log:
+                        cluster.stop()
+                        return None, log
+                    raise RuntimeError(f"redis-server on port {port} did not answer "
+                                       f"PING:\n{log}")
+                time.sleep(0.02)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, ""
+
+
 @contextlib.contextmanager
 def redis_cluster(nodes: int = 3, timeout_s: float = 30.0,
                   proxied: bool = False) -> Iterator[Cluster]:
@@ -335,23 +373,13 @@ def redis_cluster(nodes: int = 3, timeout_s: float = 30.0,
     if exe is None or cli is None:
         raise FileNotFoundError("redis-server or redis-cli is not on PATH")
     with tempfile.TemporaryDirectory(prefix="kvxfer-redis-cluster-") as work:
-        socks = [socket.socket() for _ in range(2 * nodes)]
-        for s in socks:  # held open together, so the ports differ
-            s.bind(("127.0.0.1", 0))
-        ports = [s.getsockname()[1] for s in socks]
-        for s in socks:
-            s.close()
-        cluster = Cluster(exe, cli, work, ports[:nodes], ports[nodes:], proxied)
+        for _ in range(3):  # another socket may take a chosen port first: again
+            cluster, log = _start_cluster(exe, cli, work, nodes, timeout_s, proxied)
+            if cluster is not None:
+                break
+        else:
+            raise RuntimeError(f"redis-server could not bind its ports in 3 tries:\n{log}")
         try:
-            for port in cluster.ports:
-                cluster.start(port)
-            deadline = time.monotonic() + timeout_s
-            for port in cluster.ports:
-                while not cluster.ping(port):
-                    if cluster._procs[port].poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server on port {port} did not answer "
-                                           f"PING:\n{cluster.log(port)}")
-                    time.sleep(0.02)
             out = subprocess.run(
                 [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in cluster.ports),
                  "--cluster-replicas", "0", "--cluster-yes"],
