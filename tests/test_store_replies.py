@@ -20,6 +20,7 @@ import kvxfer
 import redis_rig
 from kvxfer import testing
 from kvxfer.store import RedisClusterStore, RedisStore, StoreBatchError, StoreError
+from test_store_batch import _DictStore  # a plain third-party store: single-key calls
 
 
 def _prefix() -> str:
@@ -308,31 +309,6 @@ def test_the_cap_holds_when_a_slot_redirects_a_batch(cluster, redirect):
         st = s.stats()
         assert (st["oversized"], st["hits"], st["read_errors"]) == (2, 1, 0)
         s.clear()
-
-
-class _DictStore(kvxfer.store.Store):
-    """A store of someone else's: it knows nothing of caps."""
-
-    def __init__(self):
-        self.blobs: dict[str, bytes] = {}
-
-    def put(self, key, blob, *, replace=False):
-        if key in self.blobs and not replace:
-            return False
-        self.blobs[key] = bytes(blob)
-        return True
-
-    def get(self, key):
-        return self.blobs.get(key)
-
-    def contains(self, key):
-        return key in self.blobs
-
-    def delete(self, key):
-        return self.blobs.pop(key, None) is not None
-
-    def stats(self):
-        return {"blobs": len(self.blobs)}
 
 
 def test_a_store_that_knows_nothing_of_caps_is_capped_by_the_base_class():
