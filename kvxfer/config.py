@@ -24,6 +24,20 @@ Format (TOML, read with ``tomllib``)::
     shard_dim = 3               # optional: dim of the FULL array split across devices
                                 # (e.g. kv heads), 1..rank-1, never the block dim 0;
                                 # omit = replicated under tensor parallelism
+    tpu_compiled = [            # optional: the real TPU compiler's layout of ONE SHARD,
+      { shards = 1, blocks = [1, 65536], layout = "{4,3,2,1,0:T(8,128)(2,1)}" },
+      { shards = 4, blocks = [1, 65536], layout = "{4,3,2,1,0:T(2,128)(2,1)}" },
+    ]                           # by shard count and block count (inclusive ranges);
+                                # `python -m kvxfer.tpu_catalog` writes it
+    tpu_layout_note = "..."     # required when tpu_layout is not the compiler's choice
+                                # for one device at engine sizes: why it is kept
+
+Where a group has ``tpu_compiled``, the layouts of its caches (``layer_specs``,
+``inspect_layers``, ``tpu_layouts``) are the compiler's choice for the shard count and
+block count asked (the last range's beyond it), and ``tpu_layout`` must be that
+choice for one device at the largest block count, unless ``tpu_layout_note`` says
+why the config keeps another (a non-default layout an engine can request): then
+``tpu_layout`` is used for every count.
 
 Layers are numbered in file order; layer ``i`` of group ``g`` is named ``"g.i"``.
 Unknown keys are errors (a typo must not be silently ignored), and every error is a
@@ -75,7 +89,8 @@ _MAX_COUNT = 2**31 - 1
 
 _TOP_KEYS = ("name", "description", "num_device_blocks", "num_host_blocks", "block_size",
              "layers")
-_GROUP_KEYS = ("name", "count", "block_shape", "dtype", "tpu_layout", "shard_dim")
+_GROUP_KEYS = ("name", "count", "block_shape", "dtype", "tpu_layout", "shard_dim",
+               "tpu_compiled", "tpu_layout_note")
 _NAME_RE = re.compile(r"[A-Za-z0-9_\-]+")
 
 
@@ -125,8 +140,71 @@ def _unknown_keys(table: Mapping[str, Any], allowed: Sequence[str], where: str,
                       f"{', '.join(allowed)}")
 
 
+def _validate_layout(text: Any, key: str, block_shape: tuple[int, ...], dtype: str,
+                     err: _Err) -> Layout:
+    rank = 1 + len(block_shape)
+    if isinstance(text, Layout):
+        layout = text
+    else:
+        try:
+            layout = Layout.parse(_check_str(text, key, err))
+        except LayoutError as e:
+            raise err(key, f"bad layout {text!r}: {e}") from None
+    if layout.rank != rank:
+        raise err(key, f"layout {str(layout)!r} has rank {layout.rank}, but "
+                  f"the full array [blocks, *block_shape={list(block_shape)}] has rank "
+                  f"{rank}")
+    try:  # tiles must fit the shape (sub-tiles dividing their tiles, ...)
+        inspect((1, *block_shape), dtype, layout)
+    except LayoutError as e:
+        raise err(key, f"layout {str(layout)!r} does not fit "
+                  f"{dtype}[blocks,{','.join(map(str, block_shape))}]: {e}") from None
+    return layout
+
+
+def _validate_compiled(raw: Any, block_shape: tuple[int, ...], dtype: str,
+                       shard_dim: int | None, err: _Err) -> tuple[tuple[int, int, int, str], ...]:
+    """``tpu_compiled`` as ``(shards, first, last, layout)`` tuples, ranges checked."""
+    if raw is None:
+        return ()
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
+        raise err("tpu_compiled", f"expected a list of {{ shards, blocks, layout }} tables, "
+                  f"got {raw!r}")
+    out = []
+    for i, item in enumerate(raw):
+        key = f"tpu_compiled[{i}]"
+        if isinstance(item, tuple) and len(item) == 4:
+            item = dict(zip(("shards", "first", "last", "layout"), item))
+            item["blocks"] = [item.pop("first"), item.pop("last")]
+        if not isinstance(item, Mapping) or set(item) != {"shards", "blocks", "layout"}:
+            raise err(key, f"expected {{ shards = N, blocks = [first, last], layout = "
+                      f"\"...\" }}, got {item!r}")
+        shards = _check_int(item["shards"], f"{key}.shards", err)
+        if shards > 1 and (shard_dim is None or block_shape[shard_dim - 1] % shards):
+            raise err(f"{key}.shards", f"{shards} shards: the group has no shard_dim that "
+                      f"divides into {shards}")
+        blocks = item["blocks"]
+        if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence) or \
+                len(blocks) != 2:
+            raise err(f"{key}.blocks", f"expected [first, last], got {blocks!r}")
+        first = _check_int(blocks[0], f"{key}.blocks[0]", err)
+        last = _check_int(blocks[1], f"{key}.blocks[1]", err, minimum=first)
+        shard_shape = list(block_shape)
+        if shards > 1:
+            shard_shape[shard_dim - 1] //= shards
+        layout = _validate_layout(item["layout"], f"{key}.layout", tuple(shard_shape),
+                                  dtype, err)
+        prev = [o for o in out if o[0] == shards]
+        if prev and first <= prev[-1][2]:
+            raise err(f"{key}.blocks", f"[{first}, {last}] overlaps or precedes "
+                      f"[{prev[-1][1]}, {prev[-1][2]}] of the same shard count")
+        out.append((shards, first, last, str(layout)))
+    return tuple(out)
+
+
 def _validate_group(name: Any, count: Any, block_shape: Any, dtype: Any, tpu_layout: Any,
-                    shard_dim: Any, err: _Err) -> dict[str, Any]:
+                    shard_dim: Any, err: _Err, tpu_compiled: Any = None,
+                    tpu_layout_note: Any = None) -> dict[str, Any]:
     """Checks one group's values; returns them normalized (LayerGroup's fields)."""
     name = _check_name(name, "name", err)
     count = _check_int(count, "count", err, maximum=MAX_LAYERS)
@@ -146,23 +224,7 @@ def _validate_group(name: Any, count: Any, block_shape: Any, dtype: Any, tpu_lay
     dtype = dtype_name(dt)
     layout_text = None
     if tpu_layout is not None:
-        if isinstance(tpu_layout, Layout):
-            layout = tpu_layout
-        else:
-            try:
-                layout = Layout.parse(_check_str(tpu_layout, "tpu_layout", err))
-            except LayoutError as e:
-                raise err("tpu_layout", f"bad layout {tpu_layout!r}: {e}") from None
-        if layout.rank != rank:
-            raise err("tpu_layout", f"layout {str(layout)!r} has rank {layout.rank}, but "
-                      f"the full array [blocks, *block_shape={list(block_shape)}] has rank "
-                      f"{rank}")
-        try:  # tiles must fit the shape (sub-tiles dividing their tiles, ...)
-            inspect((1, *block_shape), dt, layout)
-        except LayoutError as e:
-            raise err("tpu_layout", f"layout {str(layout)!r} does not fit "
-                      f"{dtype}[blocks,{','.join(map(str, block_shape))}]: {e}") from None
-        layout_text = str(layout)
+        layout_text = str(_validate_layout(tpu_layout, "tpu_layout", block_shape, dtype, err))
     if shard_dim is not None:
         shard_dim = _check_int(shard_dim, "shard_dim", err, minimum=0)
         if shard_dim == 0:
@@ -171,8 +233,19 @@ def _validate_group(name: Any, count: Any, block_shape: Any, dtype: Any, tpu_lay
         if shard_dim >= rank:
             raise err("shard_dim", f"{shard_dim} is out of range for the full array of rank "
                       f"{rank}; use 1..{rank - 1}")
+    compiled = _validate_compiled(tpu_compiled, block_shape, dtype, shard_dim, err)
+    if tpu_layout_note is not None:
+        tpu_layout_note = _check_str(tpu_layout_note, "tpu_layout_note", err)
+        if not tpu_layout_note.strip():
+            raise err("tpu_layout_note", "must say why the layout is kept (empty)")
+    one = [c for c in compiled if c[0] == 1]
+    if one and tpu_layout_note is None and layout_text != one[-1][3]:
+        raise err("tpu_layout", f"{layout_text!r} is not the compiler's choice for one "
+                  f"device at engine sizes ({one[-1][3]!r}, tpu_compiled); use it, or say "
+                  "why the config keeps another in tpu_layout_note")
     return dict(name=name, count=count, block_shape=block_shape, dtype=dtype,
-                tpu_layout=layout_text, shard_dim=shard_dim)
+                tpu_layout=layout_text, shard_dim=shard_dim, tpu_compiled=compiled,
+                tpu_layout_note=tpu_layout_note)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,6 +261,10 @@ class LayerGroup:
         ``[blocks, *block_shape]`` array, or None (row-major).
       shard_dim: dim of the full array split across devices (1..rank-1), or None
         when the layer is replicated under tensor parallelism.
+      tpu_compiled: the TPU compiler's layout of one shard, as ``(shards, first
+        block count, last block count, layout text)`` ranges (``kvxfer.tpu_catalog``).
+      tpu_layout_note: why ``tpu_layout`` is kept though the compiler chooses
+        another (None: it is the compiler's choice).
     """
 
     name: str
@@ -196,11 +273,14 @@ class LayerGroup:
     dtype: str
     tpu_layout: str | None = None
     shard_dim: int | None = None
+    tpu_compiled: tuple[tuple[int, int, int, str], ...] = ()
+    tpu_layout_note: str | None = None
 
     def __post_init__(self):
         values = _validate_group(self.name, self.count, self.block_shape, self.dtype,
                                  self.tpu_layout, self.shard_dim,
-                                 _prefixed(f"layer group {self.name!r}"))
+                                 _prefixed(f"layer group {self.name!r}"), self.tpu_compiled,
+                                 self.tpu_layout_note)
         for key, value in values.items():
             object.__setattr__(self, key, value)
 
@@ -213,6 +293,41 @@ class LayerGroup:
     def layout(self) -> Layout | None:
         """The parsed TPU layout, or None."""
         return None if self.tpu_layout is None else Layout.parse(self.tpu_layout)
+
+    def layout_for(self, num_blocks: int, num_shards: int = 1) -> Layout | None:
+        """The TPU layout of one shard of a ``num_blocks`` cache split ``num_shards`` ways.
+
+        The compiler's choice from ``tpu_compiled`` for that shard count and block
+        count (past the last range checked, its choice); ``tpu_layout`` where the
+        config keeps it on purpose (``tpu_layout_note``) or has no compiled choice.
+        """
+        ranges = [c for c in self.tpu_compiled if c[0] == num_shards]
+        if self.tpu_layout_note is not None or not ranges:
+            return self.layout
+        for _, first, last, text in ranges:
+            if first <= num_blocks <= last:
+                return Layout.parse(text)
+        below = [c for c in ranges if c[2] < num_blocks]
+        return Layout.parse((below or ranges)[-1][3])
+
+    def compiled_note(self, num_blocks: int, num_shards: int = 1) -> str:
+        """What the config says of the layout at this size: '' when it is the
+        compiler's choice for it, else why not (kept on purpose; the count beyond what
+        was checked; no compiled choice; the choice changes with the block count)."""
+        ranges = [c for c in self.tpu_compiled if c[0] == num_shards]
+        if self.tpu_layout_note is not None:
+            chosen = next((c[3] for c in ranges if c[1] <= num_blocks <= c[2]), None)
+            return (f"kept on purpose ({self.tpu_layout_note})" +
+                    (f"; the compiler chooses {chosen}" if chosen else ""))
+        if not ranges:
+            return "no compiled choice in the config (emulated layout)"
+        if num_blocks > ranges[-1][2]:
+            return f"checked up to {ranges[-1][2]} blocks"
+        if len(ranges) > 1:
+            cur = next(c for c in ranges if c[1] <= num_blocks <= c[2])
+            return f"the compiler's choice for {cur[1]}-{cur[2]} blocks; it changes with " \
+                   "the block count"
+        return ""
 
     @property
     def logical_block_bytes(self) -> int:
@@ -227,7 +342,8 @@ class LayerGroup:
 
     def geometry(self, num_blocks: int) -> SliceGeometry:
         """Slice geometry of one layer's ``[num_blocks, *block_shape]`` array."""
-        return inspect((num_blocks, *self.block_shape), self.dtype, self.layout)
+        return inspect((num_blocks, *self.block_shape), self.dtype,
+                       self.layout_for(num_blocks))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -322,7 +438,7 @@ class ModelSpec:
             if shards > 1:
                 shard_shape[g.shard_dim] //= shards
             specs.append(LayerSpec(
-                name, shape, g.dtype, g.layout if emulate_tpu else None,
+                name, shape, g.dtype, g.layout_for(n, shards) if emulate_tpu else None,
                 num_shards=shards, replicas=num_devices if shards == 1 else 1,
                 shard_shape=tuple(shard_shape)))
         return specs
@@ -337,20 +453,17 @@ class ModelSpec:
         cache = {g.name: g.geometry(n) for g in self.groups}
         return [(name, cache[g.name]) for name, g in self._layers()]
 
-    def tpu_layouts(self, num_blocks: int | None = None) -> list[Layout | None]:
-        """Per-layer TPU layouts (None where the config gives none).
+    def tpu_layouts(self, num_blocks: int | None = None, num_devices: int = 1
+                    ) -> list[Layout | None]:
+        """Per-layer TPU layouts of one shard (None where the config gives none).
 
-        For ``KVCacheManager(layouts=...)``. Layouts do not depend on the block count;
-        ``num_blocks`` is checked to fit them.
+        For ``KVCacheManager(layouts=...)``: the compiler's choice for ``num_blocks``
+        blocks split as ``layer_specs(num_blocks, num_devices)`` splits them (see
+        ``LayerGroup.layout_for``).
         """
-        n = self._num_blocks(num_blocks)
-        out: list[Layout | None] = []
-        for g in self.groups:
-            layout = g.layout
-            if layout is not None:
-                g.geometry(n)
-            out.extend([layout] * g.count)
-        return out
+        return [s.layout if g.layout_for(s.shape[0], s.num_shards) is not None else None
+                for s, (_, g) in zip(self.layer_specs(num_blocks, num_devices),
+                                     self._layers())]
 
     # -- caches ---------------------------------------------------------------
 
@@ -468,7 +581,8 @@ def _parse(data: Mapping[str, Any], display: str, source: str) -> ModelSpec:
 
         values = _validate_group(table["name"], table["count"], table["block_shape"],
                                  table["dtype"], table.get("tpu_layout"),
-                                 table.get("shard_dim"), group_err)
+                                 table.get("shard_dim"), group_err,
+                                 table.get("tpu_compiled"), table.get("tpu_layout_note"))
         if values["tpu_layout"] is not None:
             try:  # the layout must fit the default cache too
                 inspect((num_device_blocks, *values["block_shape"]), values["dtype"],
