@@ -16,7 +16,10 @@ A catalogue is one JSON object::
 layout seen on hardware, ``derived`` for one built from the TPU tiling
 conventions, ``captured on <backend>`` for ``tpu_probes/capture_layouts.py``.
 ``expected`` may hold any subset of ``addressable``, ``granularity``,
-``bytes_per_block``, ``physical_bytes`` and ``padding_factor``.
+``bytes_per_block``, ``physical_bytes`` and ``padding_factor``. ``tpu_default`` (optional)
+says whether the real TPU compiler picks this layout for this shape by itself
+(``python -m kvxfer.tpu_catalog`` sets it); an entry it does not pick is a layout chosen
+on purpose, and ``tpu_default_note`` must say why it is kept.
 
 Example:
     >>> cat = load("seeds")
@@ -52,14 +55,21 @@ class Entry:
     block_dim: int
     source: str
     expected: dict[str, Any]
+    tpu_default: bool | None = None
+    tpu_default_note: str = ""
 
     def inspect(self) -> SliceGeometry:
         return inspect(self.shape, self.dtype, self.layout, block_dim=self.block_dim)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "layout": self.layout, "block_dim": self.block_dim, "source": self.source,
-                "expected": dict(self.expected)}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+               "layout": self.layout, "block_dim": self.block_dim, "source": self.source,
+               "expected": dict(self.expected)}
+        if self.tpu_default is not None:
+            out["tpu_default"] = self.tpu_default
+        if self.tpu_default_note:
+            out["tpu_default_note"] = self.tpu_default_note
+        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,8 +125,18 @@ def _entry(raw: Any, where: str) -> Entry:
                           f"known: {list(_EXPECTED_KEYS)}")
     shape = tuple(int(d) for d in raw["shape"])
     name = str(raw.get("name") or f"{raw['dtype']}{list(shape)}")
+    default = raw.get("tpu_default")
+    if default is not None and not isinstance(default, bool):
+        raise LayoutError(f"{where}: tpu_default must be true or false, got {default!r}")
+    note = raw.get("tpu_default_note", "")
+    if not isinstance(note, str):
+        raise LayoutError(f"{where}: tpu_default_note must be a string, got {note!r}")
+    if default is False and not note.strip():
+        raise LayoutError(f"{where}: tpu_default is false (the TPU compiler chooses "
+                          f"another layout for this shape), so tpu_default_note must say "
+                          "why the entry keeps this one")
     return Entry(name, shape, dtype_name(raw["dtype"]), str(raw["layout"]),
-                 int(raw.get("block_dim", 0)), str(raw["source"]), expected)
+                 int(raw.get("block_dim", 0)), str(raw["source"]), expected, default, note)
 
 
 def builtin_names() -> list[str]:

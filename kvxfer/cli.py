@@ -13,11 +13,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from kvxfer import _cli_target
 from kvxfer import catalog as _catalog
 from kvxfer._check import path_name, positive_int
 from kvxfer._text import format_bytes, table
 from kvxfer._version import __version__
 from kvxfer.layout import LayoutError, SliceGeometry, inspect
+from kvxfer.tpu import CompilerUnavailableError
 
 __all__ = ["main", "main_entry", "build_parser", "UsageError"]
 
@@ -60,6 +62,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if sum(sources) != 1:
         raise UsageError("give exactly one of --shape (with --dtype and --layout), "
                          "--catalog NAME|FILE or --config NAME|FILE")
+    if args.target is not None:
+        return _cli_target.inspect_target(args, _geometry_row, _GEOMETRY_HEADER)
+    for option in ("devices", "shard_dim", "num_blocks"):
+        if getattr(args, option) not in (None, 1):
+            raise UsageError(f"--{option.replace('_', '-')} goes with --target (layouts "
+                             "from the TPU compiler)")
     if args.shape is not None:
         if args.dtype is None:
             raise UsageError("--dtype is required with --shape")
@@ -147,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a JSON file: check every entry's verdict")
     p.add_argument("--config", help="a built-in config name (llama3-8b, ...) or a TOML file: "
                    "inspect every layer's cache, one row per slice class")
+    _cli_target.add_target_arguments(p, inspect=True)
     p.add_argument("--json", action="store_true", help="one JSON object per array")
     p.set_defaults(func=_cmd_inspect)
 
@@ -160,8 +169,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from kvxfer.plan import BudgetError, make_plan
 
     spec = _config.load(args.config)
-    layers = spec.layer_specs(args.num_blocks, num_devices=args.devices,
-                              emulate_tpu=not args.no_tpu_layouts)
+    layers, lines, source = _cli_target.plan_layers(spec, args)
     hosts = spec.num_host_blocks if args.num_host_blocks is None else args.num_host_blocks
     try:
         plan = make_plan(layers, hosts, path=args.path, host_memory_budget=args.budget)
@@ -171,10 +179,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"kvxfer plan: refused: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"config": spec.name, "refused": False, **plan.as_dict()}))
+        print(json.dumps({"config": spec.name, "refused": False, **plan.as_dict(),
+                          **source}))
     else:
         print(f"{spec.name}: {spec.description}")
         print(plan)
+        for line in lines:
+            print(line)
     return 0
 
 
@@ -202,6 +213,7 @@ def _register_plan(sub: Any) -> None:
                    help="shard KV heads over N devices")
     p.add_argument("--no-tpu-layouts", action="store_true",
                    help="plan with row-major layouts instead of the emulated TPU ones")
+    _cli_target.add_target_arguments(p, inspect=False)
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=_cmd_plan)
 
@@ -244,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (``| head``): stop quietly; further output goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (UsageError, LayoutError, ValueError, OSError, TimeoutError) as e:
+    except (UsageError, LayoutError, ValueError, OSError, TimeoutError,
+            CompilerUnavailableError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kvxfer {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ from kvxfer.layout import Layout, SliceGeometry, dtype_name, dtype_of, inspect, 
 __all__ = ["GENERATIONS", "CompilerUnavailableError", "CompiledLayout", "available",
            "libtpu_version", "require_compiler", "topology", "target_devices",
            "compiled_layout", "compiled_geometry", "addressable_alternatives",
-           "INSTALL_HINT"]
+           "compiler_layer_specs", "INSTALL_HINT"]
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 """The TPU generations libtpu compiles for here, oldest first."""
@@ -143,6 +143,9 @@ def _topology_devices(name: str) -> tuple[Any, ...]:
     # setting them keeps its start-up warnings off the terminal.
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-4")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu takes a machine-wide lock file so that one process owns the TPU; compiling
+    # for one claims no device, so several processes may compile at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return tuple(topologies.get_topology_desc(name, "tpu").devices)
     except Exception as e:  # noqa: BLE001 - libtpu's own errors carry no common type
@@ -345,3 +348,33 @@ def addressable_alternatives(shape: Sequence[int], dtype: Any, target: str, *,
             out.append((cand, c))
     out.sort(key=lambda item: item[1].geometry().padding_factor)
     return out
+
+
+def compiler_layer_specs(spec: Any, target: str, num_blocks: int | None = None,
+                         num_devices: int = 1) -> tuple[list[Any], list[CompiledLayout]]:
+    """A model config's ``LayerSpec``s with each shard laid out as the compiler chooses.
+
+    Args:
+      spec: a ``kvxfer.config.ModelSpec``.
+      target: a TPU generation or topology.
+      num_blocks: blocks per layer (default: the config's ``num_device_blocks``).
+      num_devices: devices the caches are split over, as the config splits them.
+
+    Returns:
+      The layer specs (for ``kvxfer.make_plan``) and the compiled layout of each
+      layer group, in group order.
+    """
+    import dataclasses as _dc
+
+    specs = spec.layer_specs(num_blocks, num_devices=num_devices, emulate_tpu=False)
+    out, per_group, index = [], [], 0
+    for g in spec.groups:
+        first = specs[index]
+        c = compiled_layout(first.shape, g.dtype, target,
+                            num_devices=first.num_shards,
+                            shard_dim=g.shard_dim if first.num_shards > 1 else None)
+        per_group.append(c)
+        for s in specs[index:index + g.count]:
+            out.append(_dc.replace(s, layout=c.layout))
+        index += g.count
+    return out, per_group
