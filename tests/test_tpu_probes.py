@@ -400,3 +400,30 @@ def test_mover_probe_refuses_bad_flags():
     assert r.returncode == 2 and "--pages" in r.stderr
     r = run_probe("mover_probe.py", "--config", "no-such-model")
     assert r.returncode == 2 and "no-such-model" in r.stderr
+
+
+# ---------------------------------------------------------------------------
+# compiled_layouts.py
+# ---------------------------------------------------------------------------
+
+
+def test_compiled_layouts_on_cpu_allocate_every_array_and_claim_nothing():
+    r = run_probe("compiled_layouts.py", "--max_blocks", "4", "--max_devices", "2",
+                  "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json_out(r)
+    assert report["backend"] == "cpu" and report["authoritative"] is False
+    assert "checked nothing authoritative" in report["summary"]
+    assert report["differs"] == [] and report["failures"] == []
+    assert report["compiled_with"]["libtpu"]  # the catalogue says what compiled it
+    rows = report["rows"]
+    assert rows and all(r["result"] == "not authoritative" for r in rows)
+    assert all(r["shape"][0] <= 4 and r["shards"] <= 2 for r in rows)
+    # Both ends of a range that starts low: llama3-8b's one-shard range from 1 block.
+    ends = {r["shape"][0] for r in rows if r["name"].startswith("llama3-8b/attn/shards1/")}
+    assert ends == {1, 4}
+    # What could not run here is said, not dropped.
+    assert any("shards4" in s for s in report["skipped"])
+    assert any("from 116 blocks" in s for s in report["skipped"])
+    # XLA:CPU lays every array out row-major.
+    assert all(":" not in r["runtime"] for r in rows)
