@@ -69,24 +69,24 @@ def alternatives_lines(c: Any, what: str) -> list[str]:
             f"{best['padding_factor']:.2f})"]
 
 
-def inspect_target(args: argparse.Namespace, row: Any, header: list[str]) -> int:
-    """``kvxfer inspect --target``: one array (``--shape``) or every group of a config."""
+def inspect_target(args: argparse.Namespace, row: Any, header: list[str],
+                   parse_shape: Any) -> int:
+    """``kvxfer inspect --target``: one array (``--shape``), every group of a config, or
+    every entry of a catalogue. Bad combinations are ``ValueError``s (one line, exit 2)."""
     from kvxfer import tpu
 
     tpu.require_compiler()
     if args.catalog is not None:
         return _inspect_catalog(args, row, header)
     if args.shape is not None:
-        from kvxfer.cli import UsageError, _parse_shape
-
         if args.dtype is None:
-            raise UsageError("--dtype is required with --shape")
+            raise ValueError("--dtype is required with --shape")
         if args.layout is not None:
-            raise UsageError("--layout and --target both say where the layout comes "
+            raise ValueError("--layout and --target both say where the layout comes "
                              "from: give one")
         if args.block_dim != 0:
-            raise UsageError("--target compiles caches whose block dim is 0")
-        items = [("array", tpu.compiled_layout(_parse_shape(args.shape), args.dtype,
+            raise ValueError("--target compiles caches whose block dim is 0")
+        items = [("array", tpu.compiled_layout(parse_shape(args.shape), args.dtype,
                                                args.target, num_devices=args.devices,
                                                shard_dim=args.shard_dim))]
     else:
@@ -171,9 +171,7 @@ def plan_layers(spec: Any, args: argparse.Namespace) -> tuple[list[Any], list[st
                 notes[g.name] = note
         return layers, lines, {"layout_source": "config", "layout_notes": notes}
     if args.no_tpu_layouts:
-        from kvxfer.cli import UsageError
-
-        raise UsageError("--no-tpu-layouts and --target both say where layouts come "
+        raise ValueError("--no-tpu-layouts and --target both say where layouts come "
                          "from: give one")
     layers, per_group = tpu.compiler_layer_specs(spec, args.target, args.num_blocks,
                                                  args.devices)

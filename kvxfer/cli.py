@@ -63,7 +63,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         raise UsageError("give exactly one of --shape (with --dtype and --layout), "
                          "--catalog NAME|FILE or --config NAME|FILE")
     if args.target is not None:
-        return _cli_target.inspect_target(args, _geometry_row, _GEOMETRY_HEADER)
+        return _cli_target.inspect_target(args, _geometry_row, _GEOMETRY_HEADER,
+                                          _parse_shape)
     for option in ("devices", "shard_dim", "num_blocks"):
         if getattr(args, option) not in (None, 1):
             raise UsageError(f"--{option.replace('_', '-')} goes with --target (layouts "
