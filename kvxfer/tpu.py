@@ -13,13 +13,15 @@ Targets are a TPU generation (``v4``, ``v5e``, ``v5p``, ``v6e``, ``tpu7x``: the
 smallest topology a host allows with enough devices) or a topology name
 (``"v6e:2x4"``).
 
-Example:
+Example (with the ``tpu`` extra installed, as CI has it):
     >>> from kvxfer import tpu
-    >>> c = tpu.compiled_layout((512, 3, 2048), "bfloat16", "v6e")  # doctest: +SKIP
-    >>> str(c.layout), c.geometry().addressable                    # doctest: +SKIP
-    ('{2,0,1:T(8,128)(2,1)}', False)
-
-(Skipped where libtpu is not installed; ``tpu.available()`` says which.)
+    >>> c = tpu.compiled_layout((512, 3, 2048), "bfloat16", "v6e")
+    >>> str(c.layout), c.geometry().addressable, c.target
+    ('{2,0,1:T(8,128)(2,1)}', False, 'v6e:2x2')
+    >>> c = tpu.compiled_layout((4096, 16, 2, 8, 128), "bf16", "tpu7x", num_devices=4,
+    ...                         shard_dim=3)
+    >>> c.shard_shape, str(c.layout), c.geometry().bytes_per_block
+    ((4096, 16, 2, 2, 128), '{4,3,2,1,0:T(2,128)(2,1)}', 16384)
 """
 
 from __future__ import annotations
