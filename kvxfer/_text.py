@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_bytes", "table"]
+__all__ = ["format_bytes", "parse_bytes", "table", "MAX_BYTES"]
+
+MAX_BYTES = 1 << 60
+"""The largest size ``parse_bytes`` takes (1 EiB): anything above is a typo."""
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+          "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 
 
 def format_bytes(n: int | None) -> str:
@@ -16,6 +26,32 @@ def format_bytes(n: int | None) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}" if n % size else f"{n // size} {unit}"
     return f"{n} B"
+
+
+def parse_bytes(text: str) -> int:
+    """``'64GiB'`` -> ``68719476736``: a size in bytes with an optional unit (B, KiB,
+    MiB, GiB, TiB, PiB in powers of 1024; KB, MB, GB, TB in powers of 1000; any case).
+
+    Raises:
+      ValueError: not a size, a fraction of a byte, or above ``MAX_BYTES``; naming the text.
+
+    Example:
+        >>> parse_bytes("64GiB"), parse_bytes("512 mib"), parse_bytes("1.5GB")
+        (68719476736, 536870912, 1500000000)
+    """
+    m = _SIZE.fullmatch(text) if isinstance(text, str) and len(text) <= 64 else None
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit "
+                         "such as 64GiB, 512MiB or 2GB")
+    digits = m.group(1)
+    value = int(digits) * unit if "." not in digits else float(digits) * unit
+    if not math.isfinite(value) or value > MAX_BYTES:
+        raise ValueError(f"{text!r} is above {format_bytes(MAX_BYTES)}, the largest size "
+                         "taken")
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
 
 
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:

@@ -44,7 +44,7 @@ def test_inspect_human_table_uses_binary_units():
     (["--shape", "512,3"], "--dtype is required"),
     (["--catalog", "no/such/file.json"], "no such file and no built-in catalogue"),
     (["--config", "no-such-model"], "no such file and no built-in config"),
-    (["--shape", "512,3", "--dtype", "bf16", "--block-dim", "x"], "invalid int value"),
+    (["--shape", "512,3", "--dtype", "bf16", "--block-dim", "x"], "'x' is not an integer"),
 ])
 def test_inspect_bad_input_exits_2_with_one_line(args, match):
     r = kvxfer("inspect", *args)

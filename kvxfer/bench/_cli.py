@@ -8,12 +8,15 @@ import functools
 import json
 import sys
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvxfer.bench import report as _report
-from kvxfer.bench._config import BenchConfig
-from kvxfer.bench._run import Only, run_bench
-from kvxfer.store import SPEC_FORMS
+from kvxfer import _resources
+from kvxfer._check import out_dir
+from kvxfer.bench._config import Only
+from kvxfer.store import SPEC_FORMS, spec_argument
+
+if TYPE_CHECKING:
+    from kvxfer.bench import report as _report
 
 __all__ = ["register_cli"]
 
@@ -22,7 +25,12 @@ def _progress(line: str) -> None:
     print(f"kvxfer bench: {line}", file=sys.stderr, flush=True)
 
 
-def _cmd_bench(args: argparse.Namespace, targets: _report.Targets) -> int:
+def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int:
+    from kvxfer.bench import report as _report
+    from kvxfer.bench._config import BenchConfig
+    from kvxfer.bench._run import run_bench
+
+    targets = _report.Targets() if targets is None else targets
     if args.targets:
         print(json.dumps([dataclasses.asdict(t) for t in _report.TARGET_TABLE]) if args.json
               else _report.targets_table(targets=targets))
@@ -43,6 +51,8 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets) -> int:
 
 def _say_misses(report: dict[str, Any], check: bool) -> None:
     """Names each missed target on stderr; says whether the misses set the exit status."""
+    from kvxfer.bench import report as _report
+
     misses = _report.missed(report)
     if not misses:
         if check:
@@ -53,13 +63,13 @@ def _say_misses(report: dict[str, Any], check: bool) -> None:
     print(f"kvxfer bench: {_report.summary(report)} ({how}):{names}", file=sys.stderr)
 
 
-def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets()
+def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
                  ) -> argparse.ArgumentParser:
     """Adds ``bench`` to an argparse subparsers object; returns its parser.
 
     Args:
       subparsers: what ``ArgumentParser.add_subparsers()`` returned.
-      targets: the thresholds the command checks the run against (default: kvxfer's).
+      targets: the thresholds the command checks the run against (None: kvxfer's).
 
     Example:
         >>> parser = argparse.ArgumentParser(prog="kvxfer")
@@ -91,7 +101,7 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
         "applies to this machine's hardware misses; 2 on bad input; a run that fails "
         "midway does not exit 0.")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--out", metavar="DIR",
+    p.add_argument("--out", metavar="DIR", type=out_dir,
                    help="write bench.json (and bench.png when matplotlib is importable) here")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
@@ -100,12 +110,13 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
     size.add_argument("--smoke", action="store_true",
                       help="tiny sizes: checks that every section runs, in seconds (its "
                       "figures, and so its targets, mean little)")
-    p.add_argument("--store", action="append", metavar="SPEC",
+    p.add_argument("--store", action="append", metavar="SPEC", type=spec_argument,
                    help=f"a store the store section measures ({SPEC_FORMS}); repeat for "
                    "several. Default: a disk store in a temporary directory. The bench "
                    "writes only in a new temporary directory inside DIR, or under a key "
                    "prefix of its own, and removes what it wrote")
     p.add_argument("--model", action="append", metavar="CONFIG",
+                   type=_resources.argument("configs"),
                    help="also measure a model config's own caches (a configs/ name such as "
                    "sglang-llama3-8b-p1, or a TOML file): offload and load of whole pages, "
                    "256 MiB per call (--smoke: 256 KiB), integrity off and page, against "

@@ -8,9 +8,12 @@ from typing import Any, Literal
 
 from kvxfer.layout import dtype_of
 
-__all__ = ["BenchConfig", "BatchedBaseline", "KiB", "MiB", "GiB"]
+__all__ = ["BenchConfig", "BatchedBaseline", "Only", "KiB", "MiB", "GiB"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+#: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
+Only = Literal["store", "fit", "model", "policy"]
 
 #: Where the batched user baselines run: every case, the reference cell only, or nowhere.
 BatchedBaseline = Literal["all", "reference", "none"]

@@ -10,7 +10,7 @@ import platform
 import subprocess
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 
@@ -18,6 +18,7 @@ from kvxfer.bench import report as _report
 from kvxfer.bench._caller import first_call_section, queued_section
 from kvxfer.bench._fit import fit_section
 from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._config import Only as Only
 from kvxfer.bench._copysizes import copy_size_section
 from kvxfer.bench._model import model_section
 from kvxfer.bench._policies import policy_section, policy_steps
@@ -44,10 +45,6 @@ __all__ = ["run_bench", "SCHEMA", "Only"]
 #: hardware than the run's is a line of status ``"N/A"`` with ``value`` null (before
 #: 8 such targets were left out; the report code reads runs of schema 3 and later).
 SCHEMA = "kvxfer-bench/8"
-
-#: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
-Only = Literal["store", "fit", "model", "policy"]
-
 
 def _preset(config: BenchConfig) -> str:
     for name in ("full", "quick", "smoke"):

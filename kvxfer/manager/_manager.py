@@ -17,11 +17,12 @@ import concurrent.futures
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
 
+from kvxfer._names import IntegrityMode as IntegrityMode
 from kvxfer._check import check_int
 from kvxfer.engine import (BlockGroups, GroupedMover, Mover, ShardedLayer, abstract, bucket,
                            deferred_compiles, own_context)
@@ -45,8 +46,6 @@ __all__ = ["KVCacheManager", "IntegrityMode", "Blocks"]
 
 Blocks = Sequence[int] | Mapping[int, Sequence[int]]
 """Device block ids: one list for every slice class, or ``{class index: ids}``."""
-IntegrityMode = Literal["page", "off"]
-"""``"page"`` digests every page on the device; ``"off"`` skips digests."""
 
 
 def _pool_and_movers(plan: Plan, caches: list[jax.Array], mover_types: list[type[Mover]],
