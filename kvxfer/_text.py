@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_bytes", "parse_bytes", "table", "MAX_BYTES"]
+__all__ = ["format_bytes", "parse_bytes", "table", "fit_width", "MAX_BYTES"]
 
 MAX_BYTES = 1 << 60
 """The largest size ``parse_bytes`` takes (1 EiB): anything above is a typo."""
@@ -61,3 +62,76 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+_RULE = re.compile(r"-+(?:  -+)*")
+
+
+def fit_width(text: str, width: int = 100, key_width: int = 24) -> str:
+    """``text`` with no line over ``width`` columns: a ``table`` wider than that is cut
+    into parts of whole columns, each repeating the leading columns that name a row (as
+    many as fit in ``key_width``, one at least); any other line is wrapped, its
+    continuation indented like it plus two spaces.
+
+    Example:
+        >>> wide = table([["a", "1" * 30, "2" * 30]], ["key", "first", "second"])
+        >>> print(fit_width(wide, 45))
+        key  first
+        ---  ------------------------------
+        a    111111111111111111111111111111
+        <BLANKLINE>
+        key  second
+        ---  ------------------------------
+        a    222222222222222222222222222222
+    """
+    lines, out, i = text.split("\n"), [], 0
+    while i < len(lines):
+        line = lines[i]
+        rule = lines[i + 1] if i + 1 < len(lines) else ""
+        if len(rule) > width and _RULE.fullmatch(rule):
+            end = i + 2
+            while end < len(lines) and lines[end].strip():
+                end += 1
+            out += _split_table(lines[i:end], rule, width, key_width)
+            i = end
+            continue
+        if len(line) <= width:
+            out.append(line)
+        else:
+            indent = " " * (len(line) - len(line.lstrip()))
+            out += textwrap.wrap(line, width, initial_indent="", subsequent_indent=indent + "  ",
+                                 break_on_hyphens=False) or [line[:width]]
+        i += 1
+    return "\n".join(out)
+
+
+def _split_table(block: list[str], rule: str, width: int, key_width: int) -> list[str]:
+    """A table (header, rule, rows) cut into parts of whole columns that fit ``width``."""
+    spans = [(m.start(), m.end()) for m in re.finditer(r"-+", rule)]
+    cells = [[ln[a:(spans[k + 1][0] if k + 1 < len(spans) else len(ln))].strip()
+              for k, (a, _) in enumerate(spans)] for ln in block]
+    widths = [b - a for a, b in spans]
+    keys, used = 1, widths[0]
+    while keys < len(widths) - 1 and used + 2 + widths[keys] <= key_width:
+        used += 2 + widths[keys]
+        keys += 1
+    parts: list[list[int]] = []
+    current: list[int] = []
+    for k in range(keys, len(widths)):
+        size = used + sum(2 + widths[j] for j in current) + 2 + widths[k]
+        if current and size > width:
+            parts.append(current)
+            current = []
+        current.append(k)
+    if current:
+        parts.append(current)
+    out: list[str] = []
+    for n, part in enumerate(parts):
+        columns = list(range(keys)) + part
+        if n:
+            out.append("")
+        for r, row in enumerate(cells):
+            text = "  ".join(("-" * widths[k]) if r == 1 else row[k].ljust(widths[k])
+                             for k in columns)
+            out.append(text.rstrip())
+    return out

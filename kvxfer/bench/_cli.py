@@ -42,7 +42,7 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int
     if args.json:
         print(json.dumps(report))
     else:
-        print(_report.format_report(report))
+        print(_report.format_report(report, width=None if args.wide else 100))
         if "files" in report:
             print("wrote " + ", ".join(report["files"].values()))
     _say_misses(report, args.check)
@@ -101,6 +101,11 @@ def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
         "applies to this machine's hardware misses; 2 on bad input; a run that fails "
         "midway does not exit 0.")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--wide", action="store_true",
+                   help="print every table whole, however wide (default: no line over 100 "
+                   "columns; a wider table is cut into parts of whole columns, each "
+                   "repeating the columns that name its rows). --json and --out hold "
+                   "every figure either way")
     p.add_argument("--out", metavar="DIR", type=out_dir,
                    help="write bench.json (and bench.png when matplotlib is importable) here")
     size = p.add_mutually_exclusive_group()
