@@ -259,7 +259,8 @@ def test_unmaterialized_cache_times_out_naming_the_layer(tiny_caches):
 def test_budget_refused_before_allocation_and_staged_accepted():
     spec = config.load_builtin("seed-interleaved")
     layers = spec.layer_specs()
-    with pytest.raises(kvxfer.BudgetError, match=r"host plan needs 221.02 GiB .* hold device bytes"):
+    with pytest.raises(kvxfer.BudgetError,
+                       match=r"host plan needs 221.02 GiB .* hold device bytes"):
         kvxfer.make_plan(layers, 1886, path="raw", host_memory_budget=16 << 30)
     with pytest.raises(ValueError, match="path='direct' is now called path='raw'"):
         kvxfer.make_plan(layers, 1886, path="direct")

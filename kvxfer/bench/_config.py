@@ -228,15 +228,17 @@ class BenchConfig:
 
     @classmethod
     def quick(cls) -> BenchConfig:
-        """Every section, fewer cases and repeats (about 2-3 minutes on a 2-core CPU).
+        """Every section, fewer cases and repeats, 64 MiB a call (the full run: 256 MiB).
 
-        Its prefix sweep reuses the reference cell (64 KiB blocks, up to 128 pages) and
-        its requests share the sweep's page counts: each new cache shape or page-count
-        bucket costs seconds of compilation. Its caller-thread sections move 8 pages a
-        call, as a warm-up compiles every bucket up to the size it is given.
+        Sized to hold under 2 GB of host memory at its peak: 64 MiB calls, a 256 MiB
+        large cache. Its prefix sweep reuses the reference cell (64 KiB blocks, up to 32
+        pages) and its requests share the sweep's page counts: each new cache shape or
+        page-count bucket costs seconds of compilation. Its caller-thread sections move
+        8 pages a call, as a warm-up compiles every bucket up to the size it is given.
         """
         return cls(cells=((64 * KiB, "bfloat16"), (16 * KiB, "int8"), (2 * MiB, "float32")),
-                   prefix_block_bytes=64 * KiB, prefix_pages=(1, 4, 32, 128), request_pages=4,
+                   batch_bytes=64 * MiB, cache_large_bytes=256 * MiB, copy_bytes=16 * MiB,
+                   prefix_block_bytes=64 * KiB, prefix_pages=(1, 4, 32), request_pages=4,
                    repeats=5, overhead_repeats=20, baseline_budget_s=0.2,
                    cache_size_extras=False, batched_baseline="none", call_pages=8,
                    call_repeats=5, fit_pages=16, fit_step_ms=50.0, fit_repeats=3,

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kvxfer.demo._options import add_arguments
 from kvxfer.store import StoreError
@@ -50,6 +50,14 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad options are one line on stderr and exit 2, as in ``kvxfer demo``."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser(prog: str = "python -m kvxfer.demo") -> argparse.ArgumentParser:
     """The parser of the demo command on its own (``main``'s).
 
@@ -57,7 +65,7 @@ def build_parser(prog: str = "python -m kvxfer.demo") -> argparse.ArgumentParser
         >>> build_parser().parse_args([]).requests
         32
     """
-    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION)
+    parser = _OneLineParser(prog=prog, description=_DESCRIPTION)
     add_arguments(parser)
     return parser
 
@@ -69,7 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0, 1 when tokens differ from a run with no cache, 2 on a
         bad option or a store that cannot be opened or reached.
     """
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
     try:
         return _cmd_demo(args)
     except (ValueError, MemoryError, StoreError) as e:
