@@ -221,6 +221,13 @@ def _register_plan(sub: Any) -> None:
 
 
 def _extra_commands() -> list[Callable[[Any], None]]:
+    """The register functions of the commands after ``inspect``, in ``--help`` order.
+
+    Each lives in a module that imports no JAX (nor what imports it): ``kvxfer --help``,
+    ``inspect`` and ``plan`` start without it (tests/test_cli_hostile.py checks), and a
+    command imports what it runs when it runs. A new option is walked with hostile
+    values by that test too; give it a ``type=`` that names a bad value.
+    """
     from kvxfer import bench, demo, probe
 
     return [_register_plan, probe.register_cli, bench.register_cli, demo.register_cli]
