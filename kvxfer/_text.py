@@ -89,8 +89,11 @@ def fit_width(text: str, width: int = 100, key_width: int = 24) -> str:
         line = lines[i]
         rule = lines[i + 1] if i + 1 < len(lines) else ""
         if len(rule) > width and _RULE.fullmatch(rule):
+            gaps = [k for k, c in enumerate(rule) if c == " "]
             end = i + 2
-            while end < len(lines) and lines[end].strip():
+            # A row of the table: no text where the rule has its gaps between columns.
+            while end < len(lines) and lines[end].strip() and len(lines[end]) <= len(rule) \
+                    and all(k >= len(lines[end]) or lines[end][k] == " " for k in gaps):
                 end += 1
             out += _split_table(lines[i:end], rule, width, key_width)
             i = end

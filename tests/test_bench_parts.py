@@ -92,3 +92,20 @@ def test_limits_refuse_copies_beyond_their_buffers():
         limits.Memcpy(0)
     with pytest.raises(ValueError, match="Got 'device_host'"):
         limits.JaxHostCopy(1024, host_kind="device_host")
+
+
+def test_fit_width_cuts_wide_tables_into_whole_columns_and_wraps_the_rest():
+    from kvxfer._text import fit_width, table
+
+    wide = table([["a", "1" * 50, "2" * 50], ["b", "3", "4"]], ["key", "first", "second"])
+    text = fit_width(wide + "\n  -: a note right under the table, long enough to be wrapped "
+                     "at the width asked for", 70)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 70
+    # Each part repeats the key column; every cell is still there, whole.
+    assert [line.split()[0] for line in lines if line[:1] in ("a", "b")] == ["a", "b", "a", "b"]
+    assert "1" * 50 in text and "2" * 50 in text
+    # The note is not taken for a row of the table: it is wrapped as prose.
+    assert lines[-2] == "  -: a note right under the table, long enough to be wrapped at the"
+    assert lines[-1] == "    width asked for"
+    assert fit_width(wide, 200) == wide

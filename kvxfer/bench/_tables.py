@@ -141,7 +141,7 @@ def _cell_notes(report: dict[str, Any]) -> list[str]:
         notes.append(f"  above 1.00x (up to {max(over):.2f}x): the limit is measured in the "
                      "same run; on a busy machine its best repeat can come out slower than a "
                      "case's, so read such a figure as at the limit")
-    return notes
+    return [""] + notes if notes else []
 
 
 def _transfer_lines(report: dict[str, Any]) -> list[str]:
