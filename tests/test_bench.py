@@ -623,6 +623,10 @@ def test_the_report_fits_100_columns_and_says_why_a_cell_is_empty(run):
     wide, narrow = bench.format_report(report), bench.format_report(report, width=100)
     assert max(map(len, wide.splitlines())) > 100  # the smoke run has wide tables
     assert max(map(len, narrow.splitlines())) <= 100
+    # The run records what it cost and how busy the machine was.
+    meta = report["meta"]
+    assert meta["peak_rss_bytes"] > 0 and len(meta["load_average"]) == 3
+    assert f"peak host memory {meta['peak_rss_bytes'] / 1e9:.2f} GB" in narrow.splitlines()[-1]
     # Cut into parts of whole columns: every header of the wide report is still there.
     for header in ("user gather->pinned batched", "kvxfer integrity=page", "page/layer"):
         assert header in wide and header in narrow

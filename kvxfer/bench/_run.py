@@ -161,6 +161,8 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         report["policy"] = policy_section(steps, requests=cfg.policy_requests)
     report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
+    report["meta"]["peak_rss_bytes"] = _peak_rss_bytes()
+    report["meta"]["load_average"] = _load_average()
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
         files = {"json": os.path.join(out_dir, "bench.json")}
@@ -202,6 +204,25 @@ def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress
     report["fit"] = fit_section(cfg, steps)
     report["not_measured"] = report["memory"].pop("not_measured") + \
         ([skipped] if skipped else [])
+
+
+def _peak_rss_bytes() -> int | None:
+    """The most host memory this process has held so far (its peak resident set)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if platform.system() == "Darwin" else peak * 1024  # bytes there, KiB here
+
+
+def _load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages at the end of the run (how busy it
+    was: on a shared machine every figure moves with it)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _source() -> str:

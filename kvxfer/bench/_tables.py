@@ -92,7 +92,11 @@ def _format_report(report: dict[str, Any]) -> str:
     lines.append(summary(report))
     if any(t["status"] != "N/A" for t in report["targets"]):
         lines.append(MISS_MEANING)
-    lines.append(f"\n(wall time {meta['wall_s']:.0f} s)")
+    peak, load = meta.get("peak_rss_bytes"), meta.get("load_average")
+    lines.append(f"\n(wall time {meta['wall_s']:.0f} s"
+                 + (f", peak host memory {peak / 1e9:.2f} GB" if peak else "")
+                 + (f", load average {load[0]:.1f} on {meta['cpu_count']} CPUs"
+                    if load else "") + ")")
     return "\n".join(lines)
 
 
