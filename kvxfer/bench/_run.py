@@ -62,8 +62,8 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     """Runs the benchmark; returns the report (also written to ``out_dir``).
 
     Args:
-      quick: the quick preset (about 2-3 minutes on a 2-core CPU) instead of the full
-        one (about 10 minutes).
+      quick: the quick preset (``BenchConfig.quick()``: 32 MiB calls, under 2 GB of host
+        memory) instead of the full one (about 10 minutes on an idle 2-core CPU).
       out_dir: when given, writes ``bench.json`` there and, when matplotlib is
         importable, ``bench.png`` (throughput vs bytes per call).
       config: explicit sizes (overrides ``quick``); see ``BenchConfig``.
