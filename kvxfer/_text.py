@@ -71,7 +71,8 @@ def fit_width(text: str, width: int = 100, key_width: int = 24) -> str:
     """``text`` with no line over ``width`` columns: a ``table`` wider than that is cut
     into parts of whole columns, each repeating the leading columns that name a row (as
     many as fit in ``key_width``, one at least); any other line is wrapped, its
-    continuation indented like it plus two spaces.
+    continuation lined up after a leading label column, else indented like it plus two
+    spaces.
 
     Example:
         >>> wide = table([["a", "1" * 30, "2" * 30]], ["key", "first", "second"])
@@ -101,8 +102,12 @@ def fit_width(text: str, width: int = 100, key_width: int = 24) -> str:
         if len(line) <= width:
             out.append(line)
         else:
-            indent = " " * (len(line) - len(line.lstrip()))
-            out += textwrap.wrap(line, width, initial_indent="", subsequent_indent=indent + "  ",
+            # A continuation lines up after a leading label column (``cpu       text``),
+            # else after the line's own indent and two spaces.
+            label = re.match(r"\s*\S+ {2,}(?=\S)", line)
+            hang = len(label.group(0)) if label and len(label.group(0)) <= 24 else \
+                len(line) - len(line.lstrip()) + 2
+            out += textwrap.wrap(line, width, subsequent_indent=" " * hang,
                                  break_on_hyphens=False) or [line[:width]]
         i += 1
     return "\n".join(out)

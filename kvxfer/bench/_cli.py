@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvxfer import _resources
 from kvxfer._check import out_dir
+from kvxfer._text import fit_width
 from kvxfer.bench._config import Only
 from kvxfer.store import SPEC_FORMS, spec_argument
 
@@ -32,8 +33,9 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int
 
     targets = _report.Targets() if targets is None else targets
     if args.targets:
+        text = _report.targets_table(targets=targets)
         print(json.dumps([dataclasses.asdict(t) for t in _report.TARGET_TABLE]) if args.json
-              else _report.targets_table(targets=targets))
+              else text if args.wide else fit_width(text, 100))
         return 0
     config = BenchConfig.smoke() if args.smoke else None
     report = run_bench(quick=args.quick, out_dir=args.out, config=config, progress=_progress,
