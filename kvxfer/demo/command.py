@@ -137,7 +137,12 @@ def _open_demo_store(spec: str | None) -> Store | None:
 def footprint(cfg: _model.ModelConfig, opts: DemoOptions) -> dict[str, int]:
     """Bytes a demo run holds at once, by part, before any of it is allocated: the
     weights (float32), three sets of device caches (the reference run's, the server's
-    and a donated step's), the host pool and the store's copy of it in memory."""
+    and a donated step's), the host pool and the store's copy of it in memory.
+
+    Example:
+        >>> footprint(_model.tiny_llama(), DemoOptions())["host pool"]  # 2 x 64 x 32 KiB
+        4194304
+    """
     d, v, q = cfg.d_model, cfg.vocab_size, cfg.num_q_heads
     weights = 2 * v * d + sum(d * q * lkv.head_dim * 2 + 2 * d * lkv.num_kv_heads * lkv.head_dim
                               + 3 * d * cfg.ffn_dim + 2 * d for lkv in cfg.layers)
