@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import stat
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int", "check_timeout", "positive_int", "path_name"]
+from kvxfer._text import parse_bytes
+
+__all__ = ["check_int", "check_timeout", "positive_int", "bounded_int", "byte_size",
+           "path_name", "out_dir", "MAX_COUNT"]
+
+MAX_COUNT = 1 << 31
+"""The largest count (pages, blocks, layers, ...) any command takes: larger values are
+refused as typed, before anything is sized from them."""
 
 
 def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
@@ -54,20 +64,72 @@ def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
     return float(timeout)
 
 
+def _int_text(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
 def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (``--pages 0`` is an error, not a default).
+    """An argparse type: an integer from 1 to ``MAX_COUNT`` (``--pages 0`` is an error,
+    not a default).
 
     Example:
         >>> positive_int("3")
         3
+        >>> positive_int("99999999999999999999")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: 99999999999999999999 is above 2147483648, the most any ...
     """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _int_text(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{value} is above {MAX_COUNT}, the most any count "
+                                         "may be")
     return value
+
+
+def bounded_int(minimum: int, maximum: int, what: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer from ``minimum`` to ``maximum`` (``what`` says why
+    the maximum is what it is).
+
+    Example:
+        >>> seed = bounded_int(0, 2**32 - 1)
+        >>> seed("7")
+        7
+        >>> seed("-1")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: -1 must be >= 0
+    """
+    def parse(text: str) -> int:
+        value = _int_text(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} must be <= {maximum}"
+                                             + (f" ({what})" if what else ""))
+        return value
+
+    parse.__name__ = f"integer from {minimum} to {maximum}"
+    return parse
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size in bytes, with or without a unit (``64GiB``, ``512 MiB``,
+    ``1.5GB``, ``4096``); binary units are powers of 1024, decimal ones of 1000.
+
+    Example:
+        >>> byte_size("64GiB"), byte_size("1.5 KiB"), byte_size("2GB"), byte_size("4096")
+        (68719476736, 1536, 2000000000, 4096)
+    """
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def path_name(text: str) -> str:
@@ -81,4 +143,25 @@ def path_name(text: str) -> str:
     if text == "direct":
         raise argparse.ArgumentTypeError("'direct' is now called 'raw' (the raw mover); "
                                          "pass --path raw")
+    return text
+
+
+def out_dir(text: str) -> str:
+    """An argparse type for a directory written to: ``text`` unless it is empty or
+    something other than a directory is there (it is created if missing).
+
+    Example:
+        >>> out_dir("/dev/null")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: /dev/null is not a directory
+    """
+    if not text.strip() or "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory name")
+    try:
+        mode = os.stat(text).st_mode
+    except (OSError, ValueError):
+        return text
+    if not stat.S_ISDIR(mode):
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
     return text

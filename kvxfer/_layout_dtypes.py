@@ -57,12 +57,15 @@ def dtype_of(dtype: Any) -> np.dtype:
     Raises:
       LayoutError: the name is not a known dtype.
     """
-    import jax.numpy as jnp  # ml_dtypes' bfloat16, float8 and int4 come through jax.
+    import ml_dtypes  # bfloat16, float8 and int4 (what jax uses; without starting jax)
 
     if isinstance(dtype, str):
         dtype = _XLA_DTYPE_NAMES.get(dtype.strip().lower(), dtype.strip())
+        extra = getattr(ml_dtypes, dtype, None)
+        if isinstance(extra, type) and issubclass(extra, np.generic):
+            return np.dtype(extra)
     try:
-        return np.dtype(jnp.dtype(dtype))
+        return np.dtype(dtype)
     except TypeError as e:
         raise LayoutError(f"Unknown dtype {dtype!r}; expected a name such as "
                           "'bfloat16', 'bf16', 'int8', 'float8_e4m3fn' or 'int4'") from e

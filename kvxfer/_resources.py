@@ -8,11 +8,15 @@ to an existing file is read as given.
 
 from __future__ import annotations
 
+import argparse
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["Kind", "data_dir", "builtin_names", "find", "UnknownNameError"]
+__all__ = ["Kind", "data_dir", "builtin_names", "find", "read", "argument",
+           "UnknownNameError", "MAX_FILE_BYTES"]
 
 Kind = Literal["configs", "layouts"]
 _SUFFIX = {"configs": ".toml", "layouts": ".json"}
@@ -21,8 +25,29 @@ _WHAT = {"configs": "config", "layouts": "catalogue"}
 _PACKAGE = Path(__file__).resolve().parent
 
 
+MAX_FILE_BYTES = 16 << 20
+"""The largest config or catalogue file read (16 MiB); the shipped ones are a few KiB."""
+
+
 class UnknownNameError(ValueError):
-    """Neither a built-in name nor an existing file."""
+    """Neither a built-in name nor a readable regular file (the message says which)."""
+
+
+def _not_a_file(p: Path | int) -> str | None:
+    """What ``p`` (a path or an open descriptor) is when it exists but is not a regular
+    file (``"a directory"``, ``"a FIFO"``, ...); None for a file or nothing there."""
+    try:
+        mode = os.fstat(p).st_mode if isinstance(p, int) else p.stat().st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in ((stat.S_ISDIR, "a directory"),
+                                          (stat.S_ISFIFO, "a FIFO"),
+                                          (stat.S_ISCHR, "a character device"),
+                                          (stat.S_ISBLK, "a block device"),
+                                          (stat.S_ISSOCK, "a socket")) if test(mode)),
+                "not a regular file")
 
 
 def data_dir(kind: Kind) -> Path:
@@ -59,7 +84,14 @@ def find(kind: Kind, name: str | os.PathLike[str]) -> Path:
         'seeds.json'
     """
     text = os.fspath(name)
+    shown = text if text.strip() else repr(text)
+    if not text.strip() or "\0" in text:
+        raise UnknownNameError(f"{shown}: expected a built-in {_WHAT[kind]} name or a "
+                               f"{_SUFFIX[kind]} file")
     p = Path(text)
+    what = _not_a_file(p)
+    if what is not None:
+        raise UnknownNameError(f"{text}: is {what}, not a {_WHAT[kind]} file")
     if p.is_file():
         return p
     stem = p.name[:-len(_SUFFIX[kind])] if p.name.endswith(_SUFFIX[kind]) else p.name
@@ -70,3 +102,48 @@ def find(kind: Kind, name: str | os.PathLike[str]) -> Path:
     raise UnknownNameError(
         f"{text}: no such file and no built-in {_WHAT[kind]} of that name (built-in "
         f"{_WHAT[kind]}s: {', '.join(names) or 'none found in ' + str(data_dir(kind))})")
+
+
+def read(kind: Kind, name: str | os.PathLike[str]) -> tuple[Path, bytes]:
+    """``(path, contents)`` of the file ``find`` names, read only if it is a regular file
+    of at most ``MAX_FILE_BYTES`` (a FIFO, a device or a directory is never opened).
+
+    Raises:
+      UnknownNameError: what ``find`` raises, and a file over ``MAX_FILE_BYTES``.
+      OSError: the file cannot be read.
+
+    Example:
+        >>> path, data = read("layouts", "seeds")
+        >>> path.name, data[:1]
+        ('seeds.json', b'{')
+    """
+    path = find(kind, name)
+    # Non-blocking, so a FIFO put there since ``find`` looked cannot hang the open.
+    with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        what = _not_a_file(f.fileno())
+        if what is not None:
+            raise UnknownNameError(f"{os.fspath(name)}: is {what}, not a {_WHAT[kind]} file")
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise UnknownNameError(f"{os.fspath(name)}: larger than {MAX_FILE_BYTES >> 20} MiB, "
+                               f"too large for a {_WHAT[kind]} file")
+    return path, data
+
+
+def argument(kind: Kind) -> Callable[[str], str]:
+    """An argparse type for a ``kind`` name or file: ``find``'s answer, so an unknown
+    name, a directory, a FIFO or a device is refused as the command line is read.
+
+    Example:
+        >>> argument("configs")("tiny")
+        'tiny'
+    """
+    def parse(text: str) -> str:
+        try:
+            find(kind, text)
+        except UnknownNameError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    parse.__name__ = f"{_WHAT[kind]} name or file"
+    return parse

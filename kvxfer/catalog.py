@@ -118,6 +118,15 @@ def _entry(raw: Any, where: str) -> Entry:
     missing = [k for k in ("shape", "dtype", "layout", "source") if k not in raw]
     if missing:
         raise LayoutError(f"{where}: missing key(s) {', '.join(missing)}")
+    try:
+        return _entry_of(raw, where)
+    except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, LayoutError):
+            raise
+        raise LayoutError(f"{where}: {e}") from None
+
+
+def _entry_of(raw: dict[str, Any], where: str) -> Entry:
     expected = dict(raw.get("expected", {}))
     unknown = sorted(set(expected) - set(_EXPECTED_KEYS))
     if unknown:
@@ -153,16 +162,23 @@ def load(path: str | os.PathLike) -> Catalog:
       LayoutError: the file is not a catalogue (naming the file and entry).
       OSError: the file cannot be read.
     """
-    path = _resources.find("layouts", path)
-    with open(path, encoding="utf-8") as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise LayoutError(f"{path}: not valid JSON ({e})") from None
+    path, data = _resources.read("layouts", path)
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise LayoutError(f"{path}: not UTF-8 text (byte {e.start}): not a JSON "
+                          "catalogue") from None
+    except json.JSONDecodeError as e:
+        raise LayoutError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise LayoutError(f"{path}: not a catalogue: JSON nested too deeply") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("arrays"), list):
         raise LayoutError(f"{path}: expected an object with an 'arrays' list")
     entries = tuple(_entry(a, f"{path}: arrays[{i}]") for i, a in enumerate(raw["arrays"]))
-    return Catalog(entries, str(raw.get("description", "")), dict(raw.get("provenance", {})))
+    provenance = raw.get("provenance", {})
+    if not isinstance(provenance, dict):
+        raise LayoutError(f"{path}: 'provenance' must be an object")
+    return Catalog(entries, str(raw.get("description", "")), dict(provenance))
 
 
 def entry_from_geometry(name: str, g: SliceGeometry, source: str) -> Entry:

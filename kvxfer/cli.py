@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvxfer import _cli_target
+from kvxfer import _resources
 from kvxfer import catalog as _catalog
-from kvxfer._check import path_name, positive_int
+from kvxfer._check import bounded_int, byte_size, path_name, positive_int
 from kvxfer._text import format_bytes, table
 from kvxfer._version import __version__
 from kvxfer.layout import LayoutError, SliceGeometry, inspect
@@ -29,7 +31,15 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, like every other error."""
+    """An argument parser whose errors are one line, like every other error.
+
+    A value that starts with ``-`` and a digit (``--shape -5,3``, ``--seed -1``) is
+    a value, so the option's own check names it, never "expected one argument".
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-[\d.,\[]|^-(nan|inf)", re.IGNORECASE)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
@@ -151,10 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="e.g. bfloat16, bf16, int8, float8_e4m3fn, int4")
     p.add_argument("--layout", help="XLA layout text, e.g. '{2,0,1:T(8,128)(2,1)}' "
                    "(default row-major)")
-    p.add_argument("--block-dim", type=int, default=0, help="the block dim (default 0)")
-    p.add_argument("--catalog", help="a built-in catalogue name (seeds, tpu_kv_derived, ...) "
-                   "or a JSON file: check every entry's verdict")
-    p.add_argument("--config", help="a built-in config name (llama3-8b, ...) or a TOML file: "
+    p.add_argument("--block-dim", type=bounded_int(0, 63), default=0,
+                   help="the block dim (default 0)")
+    p.add_argument("--catalog", type=_resources.argument("layouts"),
+                   help="a built-in catalogue name (seeds, tpu_kv_derived, ...) or a JSON "
+                   "file: check every entry's verdict")
+    p.add_argument("--config", type=_resources.argument("configs"),
+                   help="a built-in config name (llama3-8b, ...) or a TOML file: "
                    "inspect every layer's cache, one row per slice class")
     _cli_target.add_target_arguments(p, inspect=True)
     p.add_argument("--json", action="store_true", help="one JSON object per array")
@@ -199,7 +212,8 @@ def _register_plan(sub: Any) -> None:
                        description="Groups a model's layers into slice classes, sizes each "
                        "class's host pool on its own and checks the total against the "
                        "host-memory budget, before anything is allocated.")
-    p.add_argument("--config", required=True, help="a built-in config name or a TOML file")
+    p.add_argument("--config", required=True, type=_resources.argument("configs"),
+                   help="a built-in config name or a TOML file")
     p.add_argument("--num-host-blocks", type=positive_int,
                    help="host pages (default: the config's)")
     p.add_argument("--num-blocks", type=positive_int,
@@ -208,10 +222,10 @@ def _register_plan(sub: Any) -> None:
                    help="staged stores dense blocks; raw stores the device bytes a raw "
                    "copy moves (whole granularity groups when not addressable); auto: "
                    "device bytes where addressable, else dense blocks")
-    p.add_argument("--budget", type=int, help="host-memory budget in bytes (default: half "
-                   "of the available host memory)")
-    p.add_argument("--devices", type=positive_int, default=1,
-                   help="shard KV heads over N devices")
+    p.add_argument("--budget", type=byte_size, help="host-memory budget: bytes or a size "
+                   "with a unit, e.g. 64GiB (default: half of the available host memory)")
+    p.add_argument("--devices", type=bounded_int(1, 4096), default=1,
+                   help="shard KV heads over N devices (at most 4096)")
     p.add_argument("--no-tpu-layouts", action="store_true",
                    help="plan with row-major layouts instead of the emulated TPU ones")
     _cli_target.add_target_arguments(p, inspect=False)
@@ -220,6 +234,13 @@ def _register_plan(sub: Any) -> None:
 
 
 def _extra_commands() -> list[Callable[[Any], None]]:
+    """The register functions of the commands after ``inspect``, in ``--help`` order.
+
+    Each lives in a module that imports no JAX (nor what imports it): ``kvxfer --help``,
+    ``inspect`` and ``plan`` start without it (tests/test_cli_hostile.py checks), and a
+    command imports what it runs when it runs. A new option is walked with hostile
+    values by that test too; give it a ``type=`` that names a bad value.
+    """
     from kvxfer import bench, demo, probe
 
     return [_register_plan, probe.register_cli, bench.register_cli, demo.register_cli]
@@ -241,14 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     devices = getattr(args, "devices", None)
     if isinstance(devices, int) and devices > 1:
-        # On the CPU backend, several devices exist only if asked for before start-up;
-        # once JAX has started (an in-process caller), the devices it has are what count.
-        import jax
-
-        try:
-            jax.config.update("jax_num_cpu_devices", devices)
-        except RuntimeError:
-            pass
+        _ask_for_cpu_devices(devices)
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()
@@ -257,11 +271,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (``| head``): stop quietly; further output goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (UsageError, LayoutError, ValueError, OSError, TimeoutError,
-            CompilerUnavailableError) as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"kvxfer {args.command}: error: {message}", file=sys.stderr)
-        return 2
+    except (UsageError, LayoutError, ValueError, OSError, TimeoutError, MemoryError,
+            RecursionError, CompilerUnavailableError) as e:
+        return _one_line(args.command, e)
+    except RuntimeError as e:
+        # The accelerator ran out of memory: an outcome of the sizes asked for, not a bug.
+        if "RESOURCE_EXHAUSTED" not in str(e).split(":", 1)[0]:
+            raise
+        return _one_line(args.command, e)
+
+
+def _one_line(command: str, e: BaseException) -> int:
+    """Reports ``e`` on one line of stderr; returns the exit status, 2."""
+    if isinstance(e, RecursionError):
+        message = "input nested too deeply"
+    else:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, MemoryError) and type(e).__name__ == "MemoryError":
+        message = f"out of host memory ({message})"
+    print(f"kvxfer {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _ask_for_cpu_devices(devices: int) -> None:
+    """On the CPU backend several devices exist only if asked for before JAX starts.
+    Before then the request goes in the environment, so a command that never needs
+    JAX (``plan``) does not start it; once JAX has started (an in-process caller), the
+    devices it has are what count."""
+    if "jax" not in sys.modules:
+        os.environ["JAX_NUM_CPU_DEVICES"] = str(devices)
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError:
+        pass
 
 
 def main_entry() -> None:

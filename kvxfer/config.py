@@ -73,7 +73,6 @@ except ModuleNotFoundError:  # Python 3.10 (TPU VM images): the same parser, as 
     import tomli as tomllib
 
 from kvxfer import _resources
-from kvxfer import testing
 from kvxfer.layout import (Layout, LayoutError, SliceGeometry, dtype_name, dtype_of,
                            inspect)
 from kvxfer.plan import LayerSpec
@@ -523,6 +522,8 @@ class ModelSpec:
         """
         import jax
 
+        from kvxfer.testing import random_bits
+
         n = self._num_blocks(num_blocks)
         shardings = self.shardings(devices)
         caches = []
@@ -533,7 +534,7 @@ class ModelSpec:
                 raise ConfigError(f"{self.source or self.name}: layers[{gi}].dtype: "
                                   f"{g.dtype} needs jax_enable_x64 to build a cache")
             for _ in range(g.count):
-                host = testing.random_bits((n, *g.block_shape), dt, seed=(int(seed), index))
+                host = random_bits((n, *g.block_shape), dt, seed=(int(seed), index))
                 # XLA:CPU may alias an aligned numpy array (one buffer under every
                 # replica): copy, so each cache owns its device buffers.
                 cache = jax.device_put(host, shardings[index])
@@ -631,16 +632,20 @@ def load(path: str | os.PathLike[str]) -> ModelSpec:
     """
     display = os.fspath(path)
     try:
-        p = _resources.find("configs", display)
+        p, raw = _resources.read("configs", display)
     except _resources.UnknownNameError as e:
         raise ConfigError(str(e)) from None
-    try:
-        with open(p, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{display}: invalid TOML: {e}") from None
     except OSError as e:
         raise ConfigError(f"{display}: cannot read: {e.strerror or e}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{display}: not UTF-8 text (byte {e.start}): not a TOML "
+                          "config") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{display}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{display}: invalid TOML: nested too deeply") from None
     return _parse(data, display, str(p.resolve()))
 
 

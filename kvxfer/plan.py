@@ -364,7 +364,8 @@ def make_plan(layers: Sequence[LayerSpec], num_host_blocks: int, *, path: Path =
                            f"{format_bytes(c.host_bytes)}" for c in classes)
         raise BudgetError(
             f"host plan needs {format_bytes(plan.total_host_bytes)} "
-            f"({plan.total_host_bytes} bytes) for {num_host_blocks} host blocks on the "
-            f"{path} path, over the budget of {format_bytes(budget)} ({budget} bytes); "
+            f"({plan.total_host_bytes} bytes) for {num_host_blocks} host blocks "
+            f"({_HOST_FORMAT[path]}), over the budget of {format_bytes(budget)} "
+            f"({budget} bytes); "
             f"nothing was allocated. Per class: {detail}")
     return plan

@@ -18,25 +18,31 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
+from kvxfer import _resources
 from kvxfer import config as _config
-from kvxfer._check import check_int, path_name, positive_int
+from kvxfer._check import bounded_int, check_int, path_name, positive_int
+from kvxfer._names import FAULTS, PATHS
 from kvxfer._text import format_bytes, table
-from kvxfer.engine import TransferError
-from kvxfer import testing
-from kvxfer.testing import FAULTS
 from kvxfer.layout import LayoutError
-from kvxfer.manager import PATHS, KVCacheManager
+
+if TYPE_CHECKING:
+    import jax
+
+    from kvxfer.manager import KVCacheManager
 
 __all__ = ["run_probe", "register_cli", "round_trip"]
 
 
 def _clobber(a: jax.Array, blocks: np.ndarray) -> jax.Array:
     """A copy of ``a`` whose ``blocks`` hold inverted bits (same layout and sharding)."""
+    import jax
+
+    from kvxfer import testing
+
     x = np.array(testing.bits(a))
     x[blocks] = ~x[blocks]
     if a.dtype.name in ("int4", "uint4"):
@@ -54,8 +60,12 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
     summary says whether the fault was detected at that page.
 
     Returns:
-      ``(new_caches, per-layer rows, summary)``; each row has ``byte_exact``.
+      ``(new_caches, per-layer rows, summary)``; each row has ``byte_exact``. At most
+      the caches' blocks per layer move (``run_probe`` refuses more).
     """
+    from kvxfer import testing
+    from kvxfer.engine import TransferError
+
     rng = np.random.default_rng(seed)
     n = caches[0].shape[0]
     k = min(num_pages, n)
@@ -122,6 +132,29 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
     return new, rows, summary
 
 
+def _check_size(spec: _config.ModelSpec, num_pages: int, num_blocks: int | None,
+                devices: int, emulate_tpu: bool) -> None:
+    """Refuses, before anything is allocated, pages above the device blocks and a probe
+    whose caches (held about five times: the caches, their clobbered copies, the
+    expected and loaded bits, the result) and host pool exceed the host memory available
+    now (``BudgetError``, naming the sizes)."""
+    from kvxfer.plan import BudgetError, available_host_memory
+
+    layers = spec.layer_specs(num_blocks, num_devices=devices, emulate_tpu=emulate_tpu)
+    n = layers[0].num_blocks if layers else 0
+    if num_pages > n:
+        raise ValueError(f"--pages {num_pages} is more than the {n} device blocks per layer "
+                         f"of {spec.name} (raise --num-blocks or lower --pages)")
+    caches = sum(s.num_blocks * s.logical_block_bytes for s in layers)
+    pool = num_pages * sum(s.logical_block_bytes for s in layers)
+    need, have = 5 * caches + 2 * pool, available_host_memory()
+    if need > have:
+        raise BudgetError(f"probing {spec.name} with {n} blocks per layer and {num_pages} "
+                          f"pages needs about {format_bytes(need)} of host memory (caches "
+                          f"{format_bytes(caches)} held five times, host pool "
+                          f"{format_bytes(pool)}); {format_bytes(have)} is available")
+
+
 def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None,
               devices: int = 1, path: str = "auto", integrity: str = "off",
               emulate_tpu: bool = True, gate: str = "all", seed: int = 0,
@@ -132,9 +165,14 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
     are refused by the manager (a ``LayoutError`` naming the layout); the probe then
     records the refusal and checks the same caches round-trip on the staged path.
     """
+    import jax
+
+    from kvxfer.manager import KVCacheManager
+
     spec = _config.load_builtin(config)
     devices = check_int(devices, "devices", minimum=1)
     num_pages = check_int(num_pages, "num_pages", minimum=1)
+    _check_size(spec, num_pages, num_blocks, devices, emulate_tpu)
     devs = jax.devices()[:devices] if devices > 1 else None
     if devices > len(jax.devices()):
         raise ValueError(f"--devices {devices}: only {len(jax.devices())} devices present")
@@ -145,13 +183,13 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
     refusal = None
     try:
         mgr = KVCacheManager(caches, num_host_blocks=num_pages, layouts=layouts,
-                             integrity=integrity, path=path, host_memory_budget=1 << 40)
+                             integrity=integrity, path=path)
     except LayoutError as e:
         if path != "raw":
             raise
         refusal = str(e)
         mgr = KVCacheManager(caches, num_host_blocks=num_pages, layouts=layouts,
-                             integrity=integrity, path="staged", host_memory_budget=1 << 40)
+                             integrity=integrity, path="staged")
     with mgr:
         if inject is not None and integrity != "page":
             raise ValueError(f"--inject {inject} needs --integrity page")
@@ -241,13 +279,16 @@ def register_cli(sub: Any) -> None:
     p = sub.add_parser("probe", help="registration + permuted per-block round trip",
                        description="Offloads a random permutation of blocks, clobbers the "
                        "device blocks, loads the pages elsewhere and checks every byte.")
-    p.add_argument("--config", action="append",
+    p.add_argument("--config", action="append", type=_resources.argument("configs"),
                    help=f"a built-in config name or a TOML file (repeatable); built in: "
                    f"{', '.join(_config.builtin_names())}")
     p.add_argument("--seeds", action="store_true", help="the upstream report's seed shapes")
-    p.add_argument("--pages", type=positive_int, default=16, help="pages to move (default 16)")
-    p.add_argument("--num-blocks", type=positive_int, help="device blocks per layer (default: config)")
-    p.add_argument("--devices", type=positive_int, default=1, help="shard over N devices")
+    p.add_argument("--pages", type=positive_int, default=16,
+                   help="pages to move, at most the blocks per layer (default 16)")
+    p.add_argument("--num-blocks", type=positive_int,
+                   help="device blocks per layer (default: config)")
+    p.add_argument("--devices", type=bounded_int(1, 256), default=1,
+                   help="shard over N devices (at most 256)")
     p.add_argument("--path", type=path_name, choices=list(PATHS), default="auto",
                    help="the manager's path= (default: auto)")
     p.add_argument("--integrity", choices=["off", "page"],
@@ -260,6 +301,7 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--no-tpu-layouts", action="store_true",
                    help="ignore the configs' emulated TPU layouts (the table then drops "
                    "its TPU-layout verdict and device bytes/block columns)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=bounded_int(0, 2**32 - 1), default=0,
+                   help="the random bits' and block ids' seed (default 0)")
     p.add_argument("--json", action="store_true", help="one JSON object per config")
     p.set_defaults(func=_cmd_probe)

@@ -43,7 +43,6 @@ CALL_GEOMETRY = {"case", "dtype", "path", "movers", "integrity", "layers", "bloc
 STATS = {"n", "best_s", "p50_s", "p99_s"}
 PROGRESS = re.compile(r"^kvxfer bench: \[(\d+)/(\d+) \d+:\d\d elapsed"
                       r"(, about \d+:\d\d left)?\] (.*)$")
-NOTE = re.compile(r"^kvxfer bench: \[\d+:\d\d elapsed\] (.*)$")
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 # A call host time target of 0 ms cannot be met: every call takes some time.
 UNMEETABLE = bench.Targets(call_idle_ms_cpu=0.0, host_overhead_ms=0.0)
@@ -110,8 +109,7 @@ def test_report_has_every_section(run):
         assert set(r["methods"]) == {"offload", "load"}
         assert r["bytes"] == r["copies"] * r["copy_bytes"] and r["copies"] > 1
         assert all(m["fraction_of_limit"] > 0 for m in r["methods"].values())
-    said = [m.group(m.lastindex) for line in lines if (m := PROGRESS.match(line) or
-                                                       NOTE.match(line))]
+    said = [m.group(m.lastindex) for line in lines if (m := PROGRESS.match(line))]
     for section in ("throughput", "memory", "concurrency", "host overhead", "prefix sweep",
                     "cache size", "first call", "queued steps", "engine fit", "warm-up",
                     "store", "policies"):
@@ -599,20 +597,46 @@ def test_missed_and_forced_targets_on_a_report(run):
 
 def test_progress_lines_count_every_step_and_estimate_what_is_left(run):
     _, _, lines = run
-    steps = [PROGRESS.match(line) for line in lines if PROGRESS.match(line)]
-    notes = [line for line in lines if NOTE.match(line)]
-    assert notes and any("memory: host pool vs plan" in line for line in notes)
-    assert steps and len(steps) + len(notes) == \
-        len([line for line in lines if "elapsed" in line])
-    totals = {int(m.group(2)) for m in steps}
+    numbered = [PROGRESS.match(line) for line in lines if PROGRESS.match(line)]
+    # Every progress line carries a step number, notes within a step too.
+    assert numbered and len(numbered) == len([line for line in lines if "elapsed" in line])
+    steps = [m for i, m in enumerate(numbered)
+             if i == 0 or m.group(1) != numbered[i - 1].group(1)]
+    notes = [m.group(4) for m in numbered if m not in steps]
+    assert any("memory: host pool vs plan" in note for note in notes)
+    totals = {int(m.group(2)) for m in numbered}
     assert len(totals) == 1
     numbers = [int(m.group(1)) for m in steps]
-    assert sorted(set(numbers)) == list(range(1, totals.pop() + 1))
-    assert numbers == list(range(1, len(numbers) + 1))  # each step number once
-    # The estimate shows once a quarter of the steps (two at least) have finished.
+    assert numbers == list(range(1, totals.pop() + 1))  # each step number once, in order
+    # The estimate shows once a quarter of the steps (two at least) have finished, and
+    # never rises.
     total = int(steps[0].group(2))
     assert [bool(m.group(3)) for m in steps] == \
         [n - 1 >= max(2, total / 4) for n in numbers]
+    left = [int(a) * 60 + int(b) for m in steps if m.group(3)
+            for a, b in [re.search(r"(\d+):(\d\d) left", m.group(3)).groups()]]
+    assert left == sorted(left, reverse=True)
+
+
+def test_the_report_fits_100_columns_and_says_why_a_cell_is_empty(run):
+    report, _, _ = run
+    wide, narrow = bench.format_report(report), bench.format_report(report, width=100)
+    assert max(map(len, wide.splitlines())) > 100  # the smoke run has wide tables
+    assert max(map(len, narrow.splitlines())) <= 100
+    # The run records what it cost and how busy the machine was.
+    meta = report["meta"]
+    assert meta["peak_rss_bytes"] > 0 and len(meta["load_average"]) == 3
+    assert f"peak host memory {meta['peak_rss_bytes'] / 1e9:.2f} GB" in narrow.splitlines()[-1]
+    # Cut into parts of whole columns: every header of the wide report is still there.
+    for header in ("user gather->pinned batched", "kvxfer integrity=page", "page/layer"):
+        assert header in wide and header in narrow
+    skipped = {**report, "throughput": [
+        {**r, "methods": {**r["methods"], "user_batched_gather_pinned": None}}
+        for r in report["throughput"]],
+        "meta": {**report["meta"], "config": {**report["meta"]["config"],
+                                              "batched_baseline": "none"}}}
+    text = bench.format_report(skipped, width=100)
+    assert text.count("-: the batched user baselines are timed in no cell of this preset") == 1
 
 
 def test_out_dir_holds_the_report_and_a_plot_when_matplotlib_is_there(run):

@@ -2,6 +2,8 @@
 the physical limits it measures against.
 """
 
+import re
+
 import pytest
 
 from kvxfer import bench
@@ -41,10 +43,25 @@ def test_progress_estimate_uses_the_mean_time_of_each_kind():
     assert p.left_s() == pytest.approx(15.0)
     p.note("e")
     # The estimate shows once two steps (a quarter, at least) have finished: one step
-    # is too little to go on. A note within a step repeats no step number.
+    # is too little to go on. A note within a step carries that step's number.
     assert said == ["[1/4 0:00 elapsed] a", "[2/4 0:10 elapsed] b",
                     "[3/4 0:40 elapsed, about 0:40 left] c",
-                    "[4/4 0:45 elapsed, about 0:15 left] d", "[0:45 elapsed] e"]
+                    "[4/4 0:45 elapsed, about 0:15 left] d", "[4/4 0:45 elapsed] e"]
+
+
+def test_progress_estimate_never_rises():
+    # Fast steps first, then slow ones of the same kind: the mean rises, the estimate
+    # shown holds instead. Every line, notes too, carries a step number.
+    t, said = [0.0], []
+    p = timing.Progress(["x"] * 8, said.append, clock=lambda: t[0])
+    for i, at in enumerate([0, 1, 2, 3, 30, 70, 120, 180]):
+        t[0] = float(at)
+        p.step("x", f"s{i + 1}")
+        p.note("n")
+    left = [int(m.group(1)) * 60 + int(m.group(2)) for line in said
+            if (m := re.search(r"about (\d+):(\d+) left", line))]
+    assert len(left) == 6 and left == sorted(left, reverse=True) and left[0] > left[-1]
+    assert all(re.match(r"\[\d+/8 ", line) for line in said)
 
 
 def test_progress_estimate_waits_for_a_quarter_of_the_steps():
@@ -75,3 +92,20 @@ def test_limits_refuse_copies_beyond_their_buffers():
         limits.Memcpy(0)
     with pytest.raises(ValueError, match="Got 'device_host'"):
         limits.JaxHostCopy(1024, host_kind="device_host")
+
+
+def test_fit_width_cuts_wide_tables_into_whole_columns_and_wraps_the_rest():
+    from kvxfer._text import fit_width, table
+
+    wide = table([["a", "1" * 50, "2" * 50], ["b", "3", "4"]], ["key", "first", "second"])
+    text = fit_width(wide + "\n  -: a note right under the table, long enough to be wrapped "
+                     "at the width asked for", 70)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 70
+    # Each part repeats the key column; every cell is still there, whole.
+    assert [line.split()[0] for line in lines if line[:1] in ("a", "b")] == ["a", "b", "a", "b"]
+    assert "1" * 50 in text and "2" * 50 in text
+    # The note is not taken for a row of the table: it is wrapped as prose.
+    assert lines[-2] == "  -: a note right under the table, long enough to be wrapped at the"
+    assert lines[-1] == "    width asked for"
+    assert fit_width(wide, 200) == wide

@@ -199,8 +199,9 @@ def test_register_cli_adds_bench_with_its_options():
     args = parser.parse_args(["bench", "--store", "d", "--store", "redis://h:1", "--only",
                               "store"])
     assert (args.store, args.only) == (["d", "redis://h:1"], "store")
-    args = parser.parse_args(["bench", "--only", "model", "--model", "a", "--model", "b.toml"])
-    assert (args.model, args.only) == (["a", "b.toml"], "model")
+    args = parser.parse_args(["bench", "--only", "model", "--model", "tiny", "--model",
+                              "llama3-8b.toml"])
+    assert (args.model, args.only) == (["tiny", "llama3-8b.toml"], "model")
     assert parser.parse_args(["bench"]).model is None
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
         parser.parse_args(["bench", "--only", "sweep"])

@@ -44,7 +44,7 @@ def test_inspect_human_table_uses_binary_units():
     (["--shape", "512,3"], "--dtype is required"),
     (["--catalog", "no/such/file.json"], "no such file and no built-in catalogue"),
     (["--config", "no-such-model"], "no such file and no built-in config"),
-    (["--shape", "512,3", "--dtype", "bf16", "--block-dim", "x"], "invalid int value"),
+    (["--shape", "512,3", "--dtype", "bf16", "--block-dim", "x"], "'x' is not an integer"),
 ])
 def test_inspect_bad_input_exits_2_with_one_line(args, match):
     r = kvxfer("inspect", *args)
@@ -222,8 +222,9 @@ def test_demo_help_says_which_gate_is_the_default():
 
 def test_bench_help_states_the_run_times():
     text = _help("bench")
-    assert "about 2-3 minutes on a 2-core CPU (the full run, the default: about 10 " \
-        "minutes)" in text and "a minute or so" not in text
+    assert "32 MiB a call (the full run: 256 MiB, about 10 minutes on an idle 2-core CPU); " \
+        "its peak host memory stays under 2 GB" in text and "a minute or so" not in text
+    assert "last line says its wall time, peak memory and the load average" in text
 
 
 def test_probe_without_tpu_layouts_drops_the_tpu_layout_columns(tmp_path):

@@ -110,6 +110,55 @@ def test_install_without_sglang_jax_says_what_it_needs(monkeypatch):
     assert not sglang_jax.installed()
 
 
+def _engine_without(tmp_path, missing):
+    """A package laid out like sglang-jax where ``install()`` looks, defining every
+    name of ``ENGINE_NAMES`` except ``missing`` (an sglang-jax of another version)."""
+    root = tmp_path / "engine"
+    mem = root / "sgl_jax" / "srt" / "mem_cache"
+    mem.mkdir(parents=True)
+    for d in (root / "sgl_jax", root / "sgl_jax" / "srt", mem):
+        (d / "__init__.py").write_text("")
+    radix = [n.split(".")[1] for m, n in sglang_jax.ENGINE_NAMES if n.startswith("Unified")]
+    methods = "".join(f"    def {n}(self, *a, **k): pass\n" for n in radix if n != missing)
+    (mem / "unified_radix_cache.py").write_text(
+        "class UnifiedRadixCache:\n" + (methods or "    pass\n"))
+    (mem / "host_kv_pool.py").write_text("class LRUHostKVPool: pass\n")
+    (mem / "unified_cache_components.py").write_text(
+        "class EvictLayer:\n    DEVICE = 1\n")
+    return root
+
+
+@pytest.mark.parametrize("missing", ["init_load_back", "_split_node"])
+def test_install_on_an_unchecked_engine_names_the_missing_name_and_changes_nothing(
+        tmp_path, missing):
+    root = _engine_without(tmp_path, missing)
+    code = ("import sys; from kvxfer.integrations import sglang_jax\n"
+            "from sgl_jax.srt.mem_cache import host_kv_pool, unified_radix_cache\n"
+            "try:\n    sglang_jax.install()\n"
+            "except sglang_jax.EngineMismatchError as e:\n    print(e)\n"
+            "print(sglang_jax.installed(), host_kv_pool.LRUHostKVPool.__module__,\n"
+            "      'kvxfer' in str(vars(unified_radix_cache.UnifiedRadixCache)))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    message, state = out.stdout.strip().splitlines()
+    assert f"UnifiedRadixCache.{missing}" in message
+    assert sglang_jax.ENGINE_COMMIT in message and "Nothing was installed" in message
+    assert state == "False sgl_jax.srt.mem_cache.host_kv_pool False"
+
+
+def test_the_launcher_without_sglang_jax_says_so_on_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvxfer.integrations.sglang_jax_launch",
+                          "--model-path", "m"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    if "sgl_jax" not in out.stderr:
+        pytest.skip("sglang-jax is importable here: the launcher starts the engine")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "needs sglang-jax" in out.stderr
+
+
 # -- inside sglang-jax (skipped where it is not installed) --------------------------------
 
 PAGE = 2            # tokens a page

@@ -223,6 +223,20 @@ def test_a_returned_cache_donated_since_is_refused_by_the_next_load(mgr_with_pag
         mgr.offload(caches, [0], keys=[1])
 
 
+def test_caches_a_load_consumed_are_refused_naming_that_load(mgr_with_pages):
+    mgr, caches, before, pages = mgr_with_pages
+    new, handle = mgr.load(caches, pages[:1], [14])
+    handle.result()
+    assert caches[0].is_deleted()  # load() donates what it is given
+    for call in (lambda: mgr.load(caches, pages[1:], [12]),
+                 lambda: mgr.offload(caches, [0], keys=[1])):
+        with pytest.raises(ValueError, match=r"layer 0 was consumed by this manager's "
+                           r"load\(\) \(its load number 1\).* pass the arrays that load "
+                           "returned"):
+            call()
+    mgr.free(mgr.offload(new, [0], keys=[1]).wait())  # what it returned is usable
+
+
 def test_unmaterialized_cache_times_out_naming_the_layer(tiny_caches):
     _, caches = tiny_caches
 
@@ -245,7 +259,8 @@ def test_unmaterialized_cache_times_out_naming_the_layer(tiny_caches):
 def test_budget_refused_before_allocation_and_staged_accepted():
     spec = config.load_builtin("seed-interleaved")
     layers = spec.layer_specs()
-    with pytest.raises(kvxfer.BudgetError, match=r"host plan needs 221.02 GiB .* raw path"):
+    with pytest.raises(kvxfer.BudgetError,
+                       match=r"host plan needs 221.02 GiB .* hold device bytes"):
         kvxfer.make_plan(layers, 1886, path="raw", host_memory_budget=16 << 30)
     with pytest.raises(ValueError, match="path='direct' is now called path='raw'"):
         kvxfer.make_plan(layers, 1886, path="direct")

@@ -65,20 +65,21 @@ Example:
     (True, True)
 """
 
-from kvxfer.bench._cli import register_cli as register_cli
-from kvxfer.bench._config import BenchConfig as BenchConfig
-from kvxfer.bench._run import SCHEMA as SCHEMA
-from kvxfer.bench._run import run_bench as run_bench
-from kvxfer.bench._sections import PINNED_METHODS as PINNED_METHODS
-from kvxfer.bench.report import TARGET_TABLE as TARGET_TABLE
-from kvxfer.bench.report import ZERO_OK as ZERO_OK
-from kvxfer.bench.report import Target as Target
-from kvxfer.bench.report import Targets as Targets
-from kvxfer.bench.report import evaluate_targets as evaluate_targets
-from kvxfer.bench.report import format_report as format_report
-from kvxfer.bench.report import iter_figures as iter_figures
-from kvxfer.bench.report import missed as missed
-from kvxfer.bench.report import targets_table as targets_table
+from kvxfer import _lazy
+
+_WHERE = {
+    "kvxfer.bench._cli": ["register_cli"],
+    "kvxfer.bench._config": ["BenchConfig"],
+    "kvxfer.bench._run": ["SCHEMA", "run_bench"],
+    "kvxfer.bench._sections": ["PINNED_METHODS"],
+    "kvxfer.bench.report": ["TARGET_TABLE", "ZERO_OK", "Target", "Targets",
+                            "evaluate_targets", "format_report", "iter_figures", "missed",
+                            "targets_table"],
+}
+"""Where each name lives: imported from there on first use (``kvxfer --help`` starts
+without JAX)."""
+
+__getattr__, __dir__ = _lazy.exports(__name__, _WHERE)
 
 __all__ = ["BenchConfig", "run_bench", "register_cli", "format_report", "iter_figures",
            "evaluate_targets", "missed", "Targets", "ZERO_OK", "SCHEMA", "PINNED_METHODS",

@@ -8,12 +8,16 @@ import functools
 import json
 import sys
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvxfer.bench import report as _report
-from kvxfer.bench._config import BenchConfig
-from kvxfer.bench._run import Only, run_bench
-from kvxfer.store import SPEC_FORMS
+from kvxfer import _resources
+from kvxfer._check import out_dir
+from kvxfer._text import fit_width
+from kvxfer.bench._config import Only
+from kvxfer.store import SPEC_FORMS, spec_argument
+
+if TYPE_CHECKING:
+    from kvxfer.bench import report as _report
 
 __all__ = ["register_cli"]
 
@@ -22,10 +26,16 @@ def _progress(line: str) -> None:
     print(f"kvxfer bench: {line}", file=sys.stderr, flush=True)
 
 
-def _cmd_bench(args: argparse.Namespace, targets: _report.Targets) -> int:
+def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int:
+    from kvxfer.bench import report as _report
+    from kvxfer.bench._config import BenchConfig
+    from kvxfer.bench._run import run_bench
+
+    targets = _report.Targets() if targets is None else targets
     if args.targets:
+        text = _report.targets_table(targets=targets)
         print(json.dumps([dataclasses.asdict(t) for t in _report.TARGET_TABLE]) if args.json
-              else _report.targets_table(targets=targets))
+              else text if args.wide else fit_width(text, 100))
         return 0
     config = BenchConfig.smoke() if args.smoke else None
     report = run_bench(quick=args.quick, out_dir=args.out, config=config, progress=_progress,
@@ -34,7 +44,7 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(_report.format_report(report))
+        print(_report.format_report(report, width=None if args.wide else 100))
         if "files" in report:
             print("wrote " + ", ".join(report["files"].values()))
     _say_misses(report, args.check)
@@ -43,6 +53,8 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets) -> int:
 
 def _say_misses(report: dict[str, Any], check: bool) -> None:
     """Names each missed target on stderr; says whether the misses set the exit status."""
+    from kvxfer.bench import report as _report
+
     misses = _report.missed(report)
     if not misses:
         if check:
@@ -53,13 +65,13 @@ def _say_misses(report: dict[str, Any], check: bool) -> None:
     print(f"kvxfer bench: {_report.summary(report)} ({how}):{names}", file=sys.stderr)
 
 
-def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets()
+def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
                  ) -> argparse.ArgumentParser:
     """Adds ``bench`` to an argparse subparsers object; returns its parser.
 
     Args:
       subparsers: what ``ArgumentParser.add_subparsers()`` returned.
-      targets: the thresholds the command checks the run against (default: kvxfer's).
+      targets: the thresholds the command checks the run against (None: kvxfer's).
 
     Example:
         >>> parser = argparse.ArgumentParser(prog="kvxfer")
@@ -91,21 +103,30 @@ def register_cli(subparsers: Any, *, targets: _report.Targets = _report.Targets(
         "applies to this machine's hardware misses; 2 on bad input; a run that fails "
         "midway does not exit 0.")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--out", metavar="DIR",
+    p.add_argument("--wide", action="store_true",
+                   help="print every table whole, however wide (default: no line over 100 "
+                   "columns; a wider table is cut into parts of whole columns, each "
+                   "repeating the columns that name its rows). --json and --out hold "
+                   "every figure either way")
+    p.add_argument("--out", metavar="DIR", type=out_dir,
                    help="write bench.json (and bench.png when matplotlib is importable) here")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="fewer cases and repeats: about 2-3 minutes on a 2-core CPU "
-                      "(the full run, the default: about 10 minutes)")
+                      help="every section, fewer cases and repeats, 32 MiB a call (the full "
+                      "run: 256 MiB, about 10 minutes on an idle 2-core CPU); its peak host "
+                      "memory stays under 2 GB. Each run's last line says its wall time, "
+                      "peak memory and the load average it ran under")
     size.add_argument("--smoke", action="store_true",
-                      help="tiny sizes: checks that every section runs, in seconds (its "
+                      help="tiny sizes: checks that every section runs, in about a minute of "
+                      "CPU time (its "
                       "figures, and so its targets, mean little)")
-    p.add_argument("--store", action="append", metavar="SPEC",
+    p.add_argument("--store", action="append", metavar="SPEC", type=spec_argument,
                    help=f"a store the store section measures ({SPEC_FORMS}); repeat for "
                    "several. Default: a disk store in a temporary directory. The bench "
                    "writes only in a new temporary directory inside DIR, or under a key "
                    "prefix of its own, and removes what it wrote")
     p.add_argument("--model", action="append", metavar="CONFIG",
+                   type=_resources.argument("configs"),
                    help="also measure a model config's own caches (a configs/ name such as "
                    "sglang-llama3-8b-p1, or a TOML file): offload and load of whole pages, "
                    "256 MiB per call (--smoke: 256 KiB), integrity off and page, against "

@@ -8,9 +8,12 @@ from typing import Any, Literal
 
 from kvxfer.layout import dtype_of
 
-__all__ = ["BenchConfig", "BatchedBaseline", "KiB", "MiB", "GiB"]
+__all__ = ["BenchConfig", "BatchedBaseline", "Only", "KiB", "MiB", "GiB"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+#: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
+Only = Literal["store", "fit", "model", "policy"]
 
 #: Where the batched user baselines run: every case, the reference cell only, or nowhere.
 BatchedBaseline = Literal["all", "reference", "none"]
@@ -225,15 +228,20 @@ class BenchConfig:
 
     @classmethod
     def quick(cls) -> BenchConfig:
-        """Every section, fewer cases and repeats (about 2-3 minutes on a 2-core CPU).
+        """Every section, fewer cases and repeats, 32 MiB a call (the full run: 256 MiB).
 
-        Its prefix sweep reuses the reference cell (64 KiB blocks, up to 128 pages) and
-        its requests share the sweep's page counts: each new cache shape or page-count
-        bucket costs seconds of compilation. Its caller-thread sections move 8 pages a
-        call, as a warm-up compiles every bucket up to the size it is given.
+        Sized to stay well under 2 GB of host memory at its peak (64 MiB calls peaked at
+        2.07 GB: each throughput cell holds four managers' pools of twice its pages):
+        32 MiB calls, a 256 MiB large cache, up to 4 requests in flight. Its prefix
+        sweep reuses the reference cell (64 KiB blocks, up to 16 pages) and its requests
+        share the sweep's page counts: each new cache shape or page-count bucket costs
+        seconds of compilation. Its caller-thread sections move 8 pages a call, as a
+        warm-up compiles every bucket up to the size it is given.
         """
-        return cls(cells=((64 * KiB, "bfloat16"), (16 * KiB, "int8"), (2 * MiB, "float32")),
-                   prefix_block_bytes=64 * KiB, prefix_pages=(1, 4, 32, 128), request_pages=4,
+        return cls(cells=((64 * KiB, "bfloat16"), (16 * KiB, "int8"), (1 * MiB, "float32")),
+                   batch_bytes=32 * MiB, cache_large_bytes=256 * MiB, copy_bytes=16 * MiB,
+                   concurrency=(1, 2, 4), overhead_pages=16,
+                   prefix_block_bytes=64 * KiB, prefix_pages=(1, 4, 16), request_pages=4,
                    repeats=5, overhead_repeats=20, baseline_budget_s=0.2,
                    cache_size_extras=False, batched_baseline="none", call_pages=8,
                    call_repeats=5, fit_pages=16, fit_step_ms=50.0, fit_repeats=3,

@@ -10,7 +10,7 @@ import platform
 import subprocess
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 
@@ -18,6 +18,7 @@ from kvxfer.bench import report as _report
 from kvxfer.bench._caller import first_call_section, queued_section
 from kvxfer.bench._fit import fit_section
 from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._config import Only as Only
 from kvxfer.bench._copysizes import copy_size_section
 from kvxfer.bench._model import model_section
 from kvxfer.bench._policies import policy_section, policy_steps
@@ -45,10 +46,6 @@ __all__ = ["run_bench", "SCHEMA", "Only"]
 #: 8 such targets were left out; the report code reads runs of schema 3 and later).
 SCHEMA = "kvxfer-bench/8"
 
-#: The sections a run may be limited to (``only=``, ``kvxfer bench --only``).
-Only = Literal["store", "fit", "model", "policy"]
-
-
 def _preset(config: BenchConfig) -> str:
     for name in ("full", "quick", "smoke"):
         if config == getattr(BenchConfig, name)():
@@ -65,8 +62,8 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     """Runs the benchmark; returns the report (also written to ``out_dir``).
 
     Args:
-      quick: the quick preset (about 2-3 minutes on a 2-core CPU) instead of the full
-        one (about 10 minutes).
+      quick: the quick preset (``BenchConfig.quick()``: 32 MiB calls, under 2 GB of host
+        memory) instead of the full one (about 10 minutes on an idle 2-core CPU).
       out_dir: when given, writes ``bench.json`` there and, when matplotlib is
         importable, ``bench.png`` (throughput vs bytes per call).
       config: explicit sizes (overrides ``quick``); see ``BenchConfig``.
@@ -164,6 +161,8 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         report["policy"] = policy_section(steps, requests=cfg.policy_requests)
     report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
+    report["meta"]["peak_rss_bytes"] = _peak_rss_bytes()
+    report["meta"]["load_average"] = _load_average()
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
         files = {"json": os.path.join(out_dir, "bench.json")}
@@ -205,6 +204,25 @@ def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress
     report["fit"] = fit_section(cfg, steps)
     report["not_measured"] = report["memory"].pop("not_measured") + \
         ([skipped] if skipped else [])
+
+
+def _peak_rss_bytes() -> int | None:
+    """The most host memory this process has held so far (its peak resident set)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if platform.system() == "Darwin" else peak * 1024  # bytes there, KiB here
+
+
+def _load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages at the end of the run (how busy it
+    was: on a shared machine every figure moves with it)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _source() -> str:

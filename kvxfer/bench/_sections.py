@@ -152,6 +152,7 @@ def throughput_cell(cfg: BenchConfig, limit: Limit, block_bytes: int, dtype: str
         ids = list(range(pages))
         held: _Held = {}
         cold: dict[str, float] = {}
+        progress.note("first calls: compiling the offload and load programs")
         for integ in ("off", "page"):  # first calls: they compile the class's programs
             t0 = now()
             held[(integ, "auto")] = rig.hold(integ, ids)
@@ -164,6 +165,8 @@ def throughput_cell(cfg: BenchConfig, limit: Limit, block_bytes: int, dtype: str
             report["memory"] = _memory_section(rig, held, ids, device_before)
         batched = cfg.batched_baseline == "all" or (
             reference and cfg.batched_baseline == "reference")
+        progress.note(f"timing the limit, the user baselines and kvxfer, {cfg.repeats} "
+                      "repeats each, interleaved")
         lim, methods = _measure_case(cfg, limit, rig, held, ids, block_bytes, batched)
         for name, seconds in cold.items():
             methods[name]["first_call_s"] = seconds

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer._text import format_bytes, table
+from kvxfer._text import fit_width, format_bytes, table
 from kvxfer.bench._figures import pinned_figures
 from kvxfer.bench._judge import MISS_MEANING, summary
 from kvxfer.bench._policies import policy_lines
@@ -38,14 +38,25 @@ _CACHE_SIZE_LABELS = {"off_auto": "kvxfer integrity=off, path=auto",
                       "user_scatter": "user device_put + donated scatter"}
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_report(report: dict[str, Any], *, width: int | None = None) -> str:
     """The human-readable report: tables, then the PASS/MISS target lines (a report of
     the store section alone has its table only).
 
     A *block* is one layer's block; a *page* is one block index across every
     layer (what one host slot holds). ``integrity`` and ``gate`` name
     ``KVCacheManager``'s options.
+
+    Args:
+      report: what ``run_bench`` returned.
+      width: when given, no line is wider: wider tables are cut into parts of whole
+        columns, each repeating the columns that name a row, and prose is wrapped
+        (``kvxfer bench`` prints 100 columns). None: every table whole (``--wide``).
     """
+    text = _format_report(report)
+    return text if width is None else fit_width(text, width)
+
+
+def _format_report(report: dict[str, Any]) -> str:
     meta = report["meta"]
     preset = f", {meta['preset']}" if meta.get("preset") not in (None, "full") else ""
     only = f", --only {meta['only']}" if meta.get("only") else ""
@@ -81,7 +92,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(summary(report))
     if any(t["status"] != "N/A" for t in report["targets"]):
         lines.append(MISS_MEANING)
-    lines.append(f"\n(wall time {meta['wall_s']:.0f} s)")
+    peak, load = meta.get("peak_rss_bytes"), meta.get("load_average")
+    lines.append(f"\n(wall time {meta['wall_s']:.0f} s"
+                 + (f", peak host memory {peak / 1e9:.2f} GB" if peak else "")
+                 + (f", load average {load[0]:.1f} on {meta['cpu_count']} CPUs"
+                    if load else "") + ")")
     return "\n".join(lines)
 
 
@@ -96,6 +111,41 @@ def target_line(t: dict[str, Any]) -> str:
     if t["value"] is None:
         return f"{t['status']:<4}  {t['name']} ({t['where']})"
     return f"{t['status']:<4}  {t['name']}: {t['value']:.3g} ({t['where']})"
+
+
+_BATCHED = ("user_batched_gather_pinned", "user_batched_put_scatter")
+
+
+def _fractions(node: Any) -> list[float]:
+    """Every ``fraction_of_limit`` in a report (any depth)."""
+    if isinstance(node, dict):
+        found = [float(node["fraction_of_limit"])] if isinstance(
+            node.get("fraction_of_limit"), (int, float)) else []
+        return found + [f for v in node.values() for f in _fractions(v)]
+    if isinstance(node, list):
+        return [f for v in node for f in _fractions(v)]
+    return []
+
+
+def _cell_notes(report: dict[str, Any]) -> list[str]:
+    """Once, under the throughput tables: why a cell is ``-``, and what a figure above
+    its limit means."""
+    cfg = report["meta"]["config"]
+    methods = [r["methods"] for r in report["throughput"] + report.get("sweep", [])]
+    notes = []
+    if any(m.get(k) is None for m in methods for k in _BATCHED):
+        where = {"none": "in no cell of this preset", "reference": "on the reference cell "
+                 "only in this preset"}.get(cfg.get("batched_baseline"), "in some cells")
+        notes.append(f"  -: the batched user baselines are timed {where} (on CPU one sample "
+                     "of a batched gather can take seconds); the full run times every cell")
+    if any(m.get(k) is None for m in methods for k in ("jax_gather_pinned", "jax_put_scatter")):
+        notes.append("  -: plain JAX is not timed for this cell (see 'not measured' below)")
+    over = [f for f in _fractions(report) if f > 1.0]
+    if over:
+        notes.append(f"  above 1.00x (up to {max(over):.2f}x): the limit is measured in the "
+                     "same run; on a busy machine its best repeat can come out slower than a "
+                     "case's, so read such a figure as at the limit")
+    return [""] + notes if notes else []
 
 
 def _transfer_lines(report: dict[str, Any]) -> list[str]:
@@ -140,6 +190,7 @@ def _transfer_lines(report: dict[str, Any]) -> list[str]:
                               "kvxfer off/all", "off/layer",
                               "page/all", "page/layer", "page/off", "1st call s (integrity=page)",
                               "mover"]))
+    lines += _cell_notes(report)
 
     lines += _pinned_lines(report, d2h, h2d)
 

@@ -206,7 +206,9 @@ class Progress:
     at the mean time of the finished steps of its kind, or of all finished steps
     while none of its kind has finished. Lines show the estimate only once a quarter
     of the steps (two at least) have finished: before that it rests on too few kinds
-    and can be off by several times. A note within a step carries no step number.
+    and can be off by several times; and a shown estimate never rises (a step slower
+    than its kind's mean holds it where it was). A note within a step carries that
+    step's number.
 
     Args:
       plan: the kind of every step of the run, in order (``"throughput"``, ...).
@@ -227,7 +229,7 @@ class Progress:
         >>> p.step("sweep", "the sweep")
         [3/3 0:40 elapsed, about 0:20 left] the sweep
         >>> p.note("a line within the step")
-        [0:40 elapsed] a line within the step
+        [3/3 0:40 elapsed] a line within the step
     """
 
     def __init__(self, plan: Iterable[str], say: Callable[[str], None],
@@ -238,6 +240,7 @@ class Progress:
         self.started = clock()
         self.done: list[tuple[str, float]] = []  # (kind, seconds) of finished steps
         self._current: tuple[str, float] | None = None
+        self._shown_left: float | None = None  # the last estimate shown: never exceeded
 
     def _finish_current(self, t: float) -> None:
         if self._current is not None:
@@ -268,12 +271,17 @@ class Progress:
         self._finish_current(t)
         self._current = (kind, t)
         left = self.left_s() if self.shows_estimate() else None
+        if left is not None:
+            if self._shown_left is not None:
+                left = min(left, self._shown_left)
+            self._shown_left = left
         self.say(f"[{len(self.done) + 1}/{len(self.plan)} {format_duration(t - self.started)} "
                  "elapsed" + (f", about {format_duration(left)} left" if left is not None
                               else "") + f"] {line}")
 
     def note(self, line: str) -> None:
-        """Says ``line`` with the elapsed time, within the current step (no step number:
-        the step's own line has it)."""
-        self.say(f"[{format_duration(self.clock() - self.started)} elapsed] {line}")
+        """Says ``line`` with the current step's number and the elapsed time."""
+        number = len(self.done) + (1 if self._current is not None else 0)
+        self.say(f"[{max(number, 1)}/{len(self.plan)} "
+                 f"{format_duration(self.clock() - self.started)} elapsed] {line}")
 

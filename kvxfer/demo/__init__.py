@@ -13,7 +13,8 @@ cache. Modules, one idea each:
 * ``inject``: the demo's fault injector, on ``kvxfer.testing``'s injectors (the
   server's ``Injector``; it imports the server, never the other way).
 * ``workload``: the requests, their caches' placement, the no-cache reference.
-* ``command``: ``DemoOptions``, ``run_demo``, the summary and the command line.
+* ``command``: ``run_demo`` and its summary; ``_options`` (``DemoOptions``, the
+  flags) and ``_cli`` (the command line) import nothing heavy.
 
 Example:
     >>> from kvxfer import demo
@@ -21,27 +22,22 @@ Example:
     32
 """
 
-from kvxfer.demo.command import DemoOptions as DemoOptions
-from kvxfer.demo.command import add_arguments as add_arguments
-from kvxfer.demo.command import build_parser as build_parser
-from kvxfer.demo.command import format_summary as format_summary
-from kvxfer.demo.command import main as main
-from kvxfer.demo.command import register_cli as register_cli
-from kvxfer.demo.command import run_demo as run_demo
-from kvxfer.demo.inject import INJECT_MODES as INJECT_MODES
-from kvxfer.demo.inject import FaultInjector as FaultInjector
-from kvxfer.demo.inject import InjectMode as InjectMode
-from kvxfer.demo.inject import Injection as Injection
-from kvxfer.demo.server import PrefixCacheServer as PrefixCacheServer
-from kvxfer.demo.server import Request as Request
-from kvxfer.demo.server import RequestKind as RequestKind
-from kvxfer.demo.server import RequestOutcome as RequestOutcome
-from kvxfer.demo.server import ServeStats as ServeStats
-from kvxfer.demo.tiers import DeviceBlocks as DeviceBlocks
-from kvxfer.demo.tiers import page_keys as page_keys
-from kvxfer.demo.workload import make_workload as make_workload
-from kvxfer.demo.workload import reference_tokens as reference_tokens
-from kvxfer.demo.workload import shard_caches as shard_caches
+from kvxfer import _lazy
+
+_WHERE = {
+    "kvxfer.demo._options": ["DemoOptions", "add_arguments", "INJECT_MODES", "InjectMode"],
+    "kvxfer.demo._cli": ["build_parser", "main", "register_cli"],
+    "kvxfer.demo.command": ["format_summary", "run_demo"],
+    "kvxfer.demo.inject": ["FaultInjector", "Injection"],
+    "kvxfer.demo.server": ["PrefixCacheServer", "Request", "RequestKind", "RequestOutcome",
+                           "ServeStats"],
+    "kvxfer.demo.tiers": ["DeviceBlocks", "page_keys"],
+    "kvxfer.demo.workload": ["make_workload", "reference_tokens", "shard_caches"],
+}
+"""Where each name lives: imported from there on first use (``kvxfer --help`` starts
+without JAX)."""
+
+__getattr__, __dir__ = _lazy.exports(__name__, _WHERE)
 
 __all__ = ["DemoOptions", "run_demo", "format_summary", "add_arguments", "build_parser",
            "register_cli", "main", "InjectMode", "INJECT_MODES", "FaultInjector", "Injection",

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvxfer.demo.command import main
+from kvxfer.demo._cli import main
 
 sys.exit(main())

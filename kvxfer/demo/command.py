@@ -1,15 +1,14 @@
-"""The ``kvxfer demo`` command: options, one run, its summary, the command line.
+"""The ``kvxfer demo`` command: one run and its summary.
 
 ``run_demo`` serves a workload through :class:`PrefixCacheServer`, then compares
 every request's tokens with a run of the same requests with no cache at all;
-``format_summary`` prints what the run showed; ``register_cli`` adds the command
-to ``kvxfer``'s parser and ``main`` runs it alone (``python -m kvxfer.demo``).
+``format_summary`` prints what the run showed. The options (``DemoOptions``) and the
+command line (``kvxfer.demo.register_cli``, ``main``) live in modules of their own,
+which import nothing heavy.
 
 Example:
-    >>> parser = build_parser()
-    >>> args = parser.parse_args(["--requests", "6", "--inject", "bitflip"])
-    >>> DemoOptions.from_namespace(args).inject
-    'bitflip'
+    >>> format_summary.__name__, run_demo.__name__
+    ('format_summary', 'run_demo')
 """
 
 from __future__ import annotations
@@ -21,116 +20,23 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvxfer._check import positive_int
 from kvxfer._text import format_bytes, table
 from kvxfer.demo import model as _model
-from kvxfer.demo.inject import INJECT_MODES, FaultInjector, InjectMode
+from kvxfer.demo._options import DemoOptions
+from kvxfer.demo.inject import FaultInjector
 from kvxfer.demo.server import PrefixCacheServer, RequestKind, RequestOutcome
 from kvxfer.demo.workload import make_workload, reference_tokens, shard_caches
-from kvxfer.manager import Gate, IntegrityMode
 from kvxfer.store import Store, StoreError, open_store
 
-__all__ = ["ModelPreset", "MODEL_PRESETS", "CacheDtype", "CACHE_DTYPES", "DemoOptions",
-           "run_demo", "format_summary", "add_arguments", "build_parser", "register_cli",
-           "main"]
-
-ModelPreset = Literal["tiny", "mixed"]
-MODEL_PRESETS: tuple[str, ...] = get_args(ModelPreset)
-CacheDtype = Literal["float32", "bfloat16"]
-CACHE_DTYPES: tuple[str, ...] = get_args(CacheDtype)
-_INTEGRITY_MODES: tuple[str, ...] = get_args(IntegrityMode)
-_GATES: tuple[str, ...] = get_args(Gate)
+__all__ = ["DemoOptions", "run_demo", "format_summary", "footprint"]
 
 _REQUEST_KINDS: tuple[str, ...] = get_args(RequestKind)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DemoOptions:
-    """Options of :func:`run_demo` (the ``kvxfer demo`` flags).
-
-    Attributes:
-        model: ``tiny`` (uniform layers) or ``mixed`` (two slice classes).
-        scale: Width multiplier (KV heads, d_model, ...).
-        layers: Decoder layers (None: the preset's 4).
-        requests: Requests to serve.
-        devices: Devices to shard KV heads over (``NamedSharding``).
-        device_blocks: Device KV blocks per layer (small, so the device tier fills).
-        host_blocks: Host pages of the host tier.
-        integrity: ``page`` (digests verified on load) or ``off``.
-        inject: A fault to inject into the host or store tier, or None.
-        injections: How many times to inject it.
-        gate: ``layer`` (layer i starts once verified) or ``all``.
-        system_pages: Pages of each shared system prompt.
-        new_tokens: Tokens generated per request.
-        dtype: Cache dtype, ``float32`` or ``bfloat16``.
-        seed: Seed of the weights and the workload.
-        progress: Progress lines on stderr for runs longer than a few seconds.
-        store: A store tier below host memory: a directory, ``file://DIR`` or
-            ``redis://HOST:PORT[/DB]`` (None: no store). Host pages are written to it
-            when evicted and at the end, so a later run on the same store gets hits.
-
-    Example:
-        >>> DemoOptions(requests=0).check()
-        Traceback (most recent call last):
-        ...
-        ValueError: requests=0 must be >= 1
-    """
-
-    model: ModelPreset = "tiny"
-    scale: int = 1
-    layers: int | None = None
-    requests: int = 32
-    devices: int = 1
-    device_blocks: int = 20
-    host_blocks: int = 64
-    integrity: IntegrityMode = "page"
-    inject: InjectMode | None = None
-    injections: int = 2
-    gate: Gate = "layer"
-    system_pages: tuple[int, ...] = (6, 8, 10)
-    new_tokens: int = 8
-    dtype: CacheDtype = "float32"
-    seed: int = 0
-    progress: bool = True
-    store: str | None = None
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace) -> DemoOptions:
-        """The options of a parsed ``kvxfer demo`` command line (other names ignored)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-    def check(self) -> None:
-        """Raises ValueError naming the first bad option."""
-        for name, choices in (("model", MODEL_PRESETS), ("integrity", _INTEGRITY_MODES),
-                              ("gate", _GATES), ("dtype", CACHE_DTYPES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}={getattr(self, name)!r}; expected one of "
-                                 f"{', '.join(choices)}")
-        if self.inject is not None and self.inject not in INJECT_MODES:
-            raise ValueError(f"inject={self.inject!r}; expected one of {', '.join(INJECT_MODES)}")
-        for name in ("scale", "requests", "devices", "device_blocks", "host_blocks",
-                     "new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.layers is not None and self.layers < 1:
-            raise ValueError(f"layers={self.layers} must be >= 1")
-        if self.injections < 0:
-            raise ValueError(f"injections={self.injections} must be >= 0")
-        if not self.system_pages or min(self.system_pages) < 1:
-            raise ValueError(f"system_pages={self.system_pages} must be positive page counts")
-        if self.inject == "store-bitflip" and not self.store:
-            raise ValueError("inject='store-bitflip' damages pages at rest in the store: "
-                             "give --store DIR or --store redis://HOST:PORT")
-        if self.store is not None and (not isinstance(self.store, str) or not self.store):
-            raise ValueError(f"store={self.store!r}; expected a directory, file://DIR or "
-                             "redis://HOST:PORT[/DB]")
 
 
 class _Progress:
@@ -228,6 +134,38 @@ def _open_demo_store(spec: str | None) -> Store | None:
         raise StoreError(f"--store: {e}") from e
 
 
+def footprint(cfg: _model.ModelConfig, opts: DemoOptions) -> dict[str, int]:
+    """Bytes a demo run holds at once, by part, before any of it is allocated: the
+    weights (float32), three sets of device caches (the reference run's, the server's
+    and a donated step's), the host pool and the store's copy of it in memory.
+
+    Example:
+        >>> footprint(_model.tiny_llama(), DemoOptions())["host pool"]  # 2 x 64 x 32 KiB
+        4194304
+    """
+    d, v, q = cfg.d_model, cfg.vocab_size, cfg.num_q_heads
+    weights = 2 * v * d + sum(d * q * lkv.head_dim * 2 + 2 * d * lkv.num_kv_heads * lkv.head_dim
+                              + 3 * d * cfg.ffn_dim + 2 * d for lkv in cfg.layers)
+    block = sum(cfg.kv_block_bytes(np.dtype(opts.dtype)))
+    return {"weights": 4 * weights, "device caches": 3 * opts.device_blocks * block,
+            "host pool": 2 * opts.host_blocks * block}
+
+
+def _check_footprint(cfg: _model.ModelConfig, opts: DemoOptions) -> None:
+    """Refuses (``BudgetError``) a demo whose ``footprint`` exceeds the host memory
+    available now, naming each part, before anything is allocated."""
+    from kvxfer.plan import BudgetError, available_host_memory
+
+    parts = footprint(cfg, opts)
+    budget = available_host_memory()
+    if sum(parts.values()) > budget:
+        named = ", ".join(f"{k} {format_bytes(n)}" for k, n in parts.items())
+        raise BudgetError(f"this demo needs {format_bytes(sum(parts.values()))} ({named}; "
+                          f"--scale {opts.scale}, {cfg.num_layers} layers, --device-blocks "
+                          f"{opts.device_blocks}, --host-blocks {opts.host_blocks}) but "
+                          f"{format_bytes(budget)} of host memory is available")
+
+
 def _run(opts: DemoOptions, store: Store | None, t_start: float) -> dict:
     """``run_demo`` once its options are checked and its store is open."""
     devices_n = opts.devices
@@ -251,6 +189,7 @@ def _run(opts: DemoOptions, store: Store | None, t_start: float) -> dict:
                          f"{len(devices)} devices; the layers have "
                          f"{sorted({lkv.num_kv_heads for lkv in cfg.layers})} KV heads "
                          "(use --devices 2 or raise --scale)")
+    _check_footprint(cfg, opts)
     model = _model.Model(cfg, seed=opts.seed)
     dtype = jnp.dtype(opts.dtype)
 
@@ -470,116 +409,3 @@ def format_summary(summary: dict) -> str:
     lines += [f"injected: {t}" for t in summary["injections"]]
     lines += [f"detected: {t}" for t in summary["detections"]]
     return "\n".join(lines + _shown(summary))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the ``kvxfer demo`` options to ``parser``.
-
-    Example:
-        >>> p = argparse.ArgumentParser()
-        >>> add_arguments(p)
-        >>> p.parse_args(["--system-pages", "3", "4"]).system_pages
-        [3, 4]
-    """
-    d = DemoOptions()
-    parser.add_argument("--model", choices=MODEL_PRESETS, default=d.model,
-                        help="tiny: uniform layers; mixed: two slice classes (default tiny)")
-    parser.add_argument("--scale", type=positive_int, default=d.scale,
-                        help="width multiplier: KV heads, d_model, ffn (default 1)")
-    parser.add_argument("--layers", type=positive_int, default=d.layers,
-                        help="decoder layers (default: the preset's 4)")
-    parser.add_argument("--requests", type=positive_int, default=d.requests,
-                        help=f"requests to serve (default {d.requests})")
-    parser.add_argument("--devices", type=positive_int, default=d.devices,
-                        help="devices to shard KV heads over (default 1; CPU devices are "
-                        "created as needed)")
-    parser.add_argument("--device-blocks", type=positive_int, default=d.device_blocks,
-                        help=f"device KV blocks per layer (default {d.device_blocks}: few, "
-                        "so cold pages go to host)")
-    parser.add_argument("--host-blocks", type=positive_int, default=d.host_blocks,
-                        help=f"host pages (default {d.host_blocks})")
-    parser.add_argument("--integrity", choices=_INTEGRITY_MODES, default=d.integrity,
-                        help="page: verify page digests on load (default); off: skip")
-    parser.add_argument("--inject", choices=INJECT_MODES, default=None,
-                        help="damage cached pages after offload: "
-                        f"{', '.join(INJECT_MODES)} (one-shard forces --devices >= 2; "
-                        "store-bitflip needs --store)")
-    parser.add_argument("--store", default=None,
-                        metavar="DIR|redis://HOST:PORT|redis+cluster://HOST:PORT,...",
-                        help="a store tier below host memory: evicted host pages (and all "
-                        "of them at the end) go there, and a later run on the same store "
-                        "starts with its pages")
-    parser.add_argument("--injections", type=int, default=d.injections,
-                        help=f"how many times to inject (default {d.injections})")
-    parser.add_argument("--gate", choices=_GATES, default=d.gate,
-                        help="layer: release each layer to the model once it is verified; "
-                        f"all: release every layer together once all are (default: {d.gate})")
-    parser.add_argument("--system-pages", type=positive_int, nargs="+", default=d.system_pages,
-                        help="pages of each shared system prompt (default 6 8 10)")
-    parser.add_argument("--new-tokens", type=positive_int, default=d.new_tokens,
-                        help=f"tokens generated per request (default {d.new_tokens})")
-    parser.add_argument("--dtype", choices=CACHE_DTYPES, default=d.dtype,
-                        help="KV cache dtype (default float32)")
-    parser.add_argument("--seed", type=int, default=d.seed, help="weights and workload seed")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--quiet", dest="progress", action="store_false",
-                        help="no progress lines on stderr")
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    summary = run_demo(args)
-    print(json.dumps(summary) if args.json else format_summary(summary))
-    return 0 if summary["tokens_match"] else 1
-
-
-_DESCRIPTION = ("Serves requests that share long system prompts through a two-tier "
-                "prefix cache: device blocks, and host pages moved and verified by "
-                "kvxfer. Checks every request's tokens against a run with no cache; "
-                "exits 1 if any differ.")
-
-
-def register_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Adds the ``demo`` subcommand to an ``argparse`` subparsers object.
-
-    The command's handler is ``args.func(args) -> exit status``.
-
-    Example:
-        >>> p = argparse.ArgumentParser(prog="kvxfer")
-        >>> sub = p.add_subparsers(dest="command")
-        >>> _ = register_cli(sub)
-        >>> p.parse_args(["demo", "--inject", "bitflip"]).inject
-        'bitflip'
-    """
-    p = subparsers.add_parser("demo", help="serving loop with a verified host-tier prefix cache",
-                              description=_DESCRIPTION)
-    add_arguments(p)
-    p.set_defaults(func=_cmd_demo)
-    return p
-
-
-def build_parser(prog: str = "python -m kvxfer.demo") -> argparse.ArgumentParser:
-    """The parser of the demo command on its own (``main``'s).
-
-    Example:
-        >>> build_parser().parse_args([]).requests
-        32
-    """
-    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION)
-    add_arguments(parser)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvxfer.demo [options]``: the ``kvxfer demo`` command on its own.
-
-    Returns:
-        The exit status: 0, 1 when tokens differ from a run with no cache, 2 on a
-        bad option or a store that cannot be opened or reached.
-    """
-    args = build_parser().parse_args(argv)
-    try:
-        return _cmd_demo(args)
-    except (ValueError, MemoryError, StoreError) as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"kvxfer demo: error: {message}", file=sys.stderr)
-        return 2

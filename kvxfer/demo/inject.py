@@ -34,20 +34,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Literal, get_args
 
 from kvxfer import testing
 from kvxfer.cache import CacheHit
+from kvxfer.demo._options import INJECT_MODES as INJECT_MODES
+from kvxfer.demo._options import InjectMode as InjectMode
 from kvxfer.demo.server import PrefixCacheServer
 from kvxfer.demo.tiers import SCRATCH_KEY
 from kvxfer.hostpool import PageRef, PoolExhaustedError
 
 __all__ = ["InjectMode", "INJECT_MODES", "Injection", "FaultInjector"]
 
-InjectMode = Literal["bitflip", "wrong-key", "stale-slot", "one-shard", "store-bitflip"]
-INJECT_MODES: tuple[str, ...] = get_args(InjectMode)
-"""The faults ``kvxfer demo --inject`` knows (``kvxfer.testing.FAULTS`` of the host tier,
-and ``store-bitflip`` at rest in the store tier)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from kvxfer.integrations._sglang_pool import KvxferHostKVPool
 from kvxfer.integrations._sglang_records import ENGINE_COMMIT
 
-__all__ = ["LoadBackVerdict", "load_back_verdict", "install", "uninstall", "installed"]
+__all__ = ["LoadBackVerdict", "load_back_verdict", "install", "uninstall", "installed",
+           "EngineMismatchError", "ENGINE_NAMES"]
 
 if TYPE_CHECKING:
     from kvxfer.integrations._sglang_records import FlushLoadResult
@@ -31,6 +32,68 @@ log = logging.getLogger("kvxfer")
 _BASE = 0  # sglang-jax's BASE_COMPONENT_TYPE (ComponentType.FULL)
 _lock = threading.Lock()
 _originals: list[tuple[Any, str, Any]] = []  # (owner, name, what it held): uninstall
+
+_RADIX = "sgl_jax.srt.mem_cache.unified_radix_cache"
+ENGINE_NAMES: tuple[tuple[str, str], ...] = (
+    ("sgl_jax.srt.mem_cache.host_kv_pool", "LRUHostKVPool"),
+    ("sgl_jax.srt.mem_cache.unified_cache_components", "EvictLayer.DEVICE"),
+    (_RADIX, "UnifiedRadixCache.init_load_back"),
+    (_RADIX, "UnifiedRadixCache._split_node"),
+    (_RADIX, "UnifiedRadixCache._cascade_evict"),
+    (_RADIX, "UnifiedRadixCache._update_evictable_leaf_sets"),
+)
+"""``(module, name)`` of each sglang-jax name ``install()`` rebinds or calls, as they
+are at ``ENGINE_COMMIT``; ``install()`` checks them all before it changes anything."""
+
+
+class EngineMismatchError(ImportError):
+    """The sglang-jax importable here lacks a name ``install()`` needs (a version other
+    than the one checked against); nothing was installed."""
+
+
+def _engine_parts() -> dict[str, Any]:
+    """Every ``ENGINE_NAMES`` entry, looked up (``"module:name"`` -> value), before
+    anything is rebound.
+
+    Raises:
+      ImportError: sglang-jax is not importable at all.
+      EngineMismatchError: a module or name is missing, naming the first one and the
+        commit this integration was checked against.
+    """
+    import importlib
+
+    try:
+        importlib.import_module("sgl_jax")
+    except ImportError as e:
+        raise ImportError("kvxfer.integrations.sglang_jax.install() needs sglang-jax "
+                          f"(the sgl_jax package) importable: {e}") from e
+    found = {}
+    for module_name, name in ENGINE_NAMES:
+        missing = None
+        try:
+            value: Any = importlib.import_module(module_name)
+        except ImportError:
+            missing = module_name
+        else:
+            owner_name = module_name
+            for part in name.split("."):
+                # init_load_back is wrapped where the class defines it, never inherited.
+                holder = value.__dict__ if part == "init_load_back" else None
+                if holder is not None and part not in holder or \
+                        holder is None and not hasattr(value, part):
+                    missing = f"{owner_name}.{part}"
+                    break
+                value = holder[part] if holder is not None else getattr(value, part)
+                owner_name = f"{owner_name}.{part}"
+        if missing is not None:
+            raise EngineMismatchError(
+                f"kvxfer.integrations.sglang_jax.install(): this sglang-jax has no "
+                f"{missing}; kvxfer's integration was checked against sglang-jax commit "
+                f"{ENGINE_COMMIT} (2026-08-21), whose names it rebinds and calls. "
+                "Nothing was installed: use that sglang-jax, or a kvxfer checked against "
+                "yours")
+        found[f"{module_name}:{name}"] = value
+    return found
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,14 +201,16 @@ def install() -> None:
 
     Raises:
       ImportError: sglang-jax is not importable (the message says so).
+      EngineMismatchError: an ImportError: the sglang-jax found lacks one of
+        ``ENGINE_NAMES`` (a version not checked against); the message names it and
+        ``ENGINE_COMMIT``. Nothing is rebound.
     """
-    try:
-        from sgl_jax.srt.mem_cache import host_kv_pool
-        from sgl_jax.srt.mem_cache.unified_cache_components import EvictLayer
-        from sgl_jax.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    except ImportError as e:
-        raise ImportError("kvxfer.integrations.sglang_jax.install() needs sglang-jax "
-                          f"(the sgl_jax package) importable: {e}") from e
+    import importlib
+
+    parts = _engine_parts()
+    host_kv_pool = importlib.import_module("sgl_jax.srt.mem_cache.host_kv_pool")
+    UnifiedRadixCache = importlib.import_module(_RADIX).UnifiedRadixCache
+    device_layer = parts["sgl_jax.srt.mem_cache.unified_cache_components:EvictLayer.DEVICE"]
     with _lock:
         if _originals:
             return
@@ -157,7 +222,7 @@ def install() -> None:
                                            mem_quota=mem_quota)
             if not plan or not isinstance(self.host_pool, KvxferHostKVPool):
                 return indices, last, plan
-            kept = _verified_load_back(self, last, plan, EvictLayer.DEVICE)
+            kept = _verified_load_back(self, last, plan, device_layer)
             if kept is None:
                 return indices, last, []
             tokens, node = kept

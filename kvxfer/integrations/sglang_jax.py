@@ -19,7 +19,9 @@ verified: a page that misses cuts the matched prefix there, and the engine recom
 the rest (``kvxfer/integrations/_sglang_radix.py``). ``uninstall()`` undoes it.
 
 Checked against sglang-jax commit cddbf6f1cc33cbdd453bd8f36ff7051cf46ca176
-(2026-08-21). Importing this module never imports sglang-jax (``install()`` does):
+(2026-08-21); on a sglang-jax without one of the names ``install()`` rebinds or calls
+(``ENGINE_NAMES``) it raises ``EngineMismatchError`` naming it and that commit, and
+changes nothing. Importing this module never imports sglang-jax (``install()`` does):
 the pool reads only the device pool's ``kv_buffer`` (a list of per-layer arrays, page
 axis first, reassigned element by element as the engine's own pool does) and, in
 ``precompile_transfers``, its ``size`` and the page size.
@@ -39,6 +41,8 @@ Example:
 """
 
 from kvxfer.integrations._sglang_pool import KvxferHostKVPool as KvxferHostKVPool
+from kvxfer.integrations._sglang_radix import ENGINE_NAMES as ENGINE_NAMES
+from kvxfer.integrations._sglang_radix import EngineMismatchError as EngineMismatchError
 from kvxfer.integrations._sglang_radix import LoadBackVerdict as LoadBackVerdict
 from kvxfer.integrations._sglang_radix import install as install
 from kvxfer.integrations._sglang_radix import installed as installed
@@ -47,5 +51,6 @@ from kvxfer.integrations._sglang_radix import uninstall as uninstall
 from kvxfer.integrations._sglang_records import ENGINE_COMMIT as ENGINE_COMMIT
 from kvxfer.integrations._sglang_records import FlushLoadResult as FlushLoadResult
 
-__all__ = ["KvxferHostKVPool", "FlushLoadResult", "ENGINE_COMMIT", "install", "uninstall",
-           "installed", "LoadBackVerdict", "load_back_verdict"]
+__all__ = ["KvxferHostKVPool", "FlushLoadResult", "ENGINE_COMMIT", "ENGINE_NAMES",
+           "EngineMismatchError", "install", "uninstall", "installed", "LoadBackVerdict",
+           "load_back_verdict"]

@@ -8,17 +8,25 @@ sglang-jax starts its scheduler in processes of its own (``multiprocessing`` wit
 ``spawn``), and ``spawn`` runs the launching module again in each of them under the
 name ``__mp_main__``: ``install()`` below runs there too, before the scheduler builds
 its HiCache. Importing this module does nothing (``install()`` only runs as a program
-or in the processes it spawns).
+or in the processes it spawns). Without sglang-jax, or with one whose names differ from
+those checked against, it says so on one line and exits 2.
 """
+
+import sys
 
 from kvxfer.integrations.sglang_jax import install
 
 __all__: list[str] = []  # a program: nothing to import
 
-if __name__ in ("__main__", "__mp_main__"):
+if __name__ == "__mp_main__":
     install()
 
 if __name__ == "__main__":
-    from sgl_jax.launch_server import main
-
+    try:
+        install()
+        from sgl_jax.launch_server import main
+    except ImportError as e:
+        print(f"kvxfer.integrations.sglang_jax_launch: error: {str(e).splitlines()[0]}",
+              file=sys.stderr)
+        sys.exit(2)
     main()

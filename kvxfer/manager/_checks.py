@@ -225,6 +225,11 @@ class Checks:
         self._formats = [(a.format, Layout.of(a), tuple(a.shape)) for a in caches]
         self._validated: list[weakref.ref] = [_NONE] * len(caches)
         self._private: list[weakref.ref] = [_NONE] * len(caches)
+        # The arrays a load consumed (donated), per layer, and which load it was: a
+        # caller passing one back is told which call took it.
+        self._consumed: list[weakref.ref] = [_NONE] * len(caches)
+        self._consumed_by = [0] * len(caches)
+        self._loads = 0
         self._limits: dict[tuple[int, ...], int] = {}
 
     @property
@@ -236,12 +241,29 @@ class Checks:
         if self.closed:
             raise RuntimeError("the KVCacheManager is closed; create a new one")
 
-    def loaded(self, new: list[jax.Array], written: Sequence[int]) -> None:
+    def loaded(self, new: list[jax.Array], written: Sequence[int],
+               given: Sequence[jax.Array] = ()) -> None:
         """Remembers what a load returned: every array has the registered format, and
-        the buffers of the layers it wrote are their own (shared ones were copied)."""
+        the buffers of the layers it wrote are their own (shared ones were copied);
+        and which of the arrays it was ``given`` it consumed."""
         self._validated = list(map(weakref.ref, new))
+        self._loads += 1
         for i in written:
             self._private[i] = weakref.ref(new[i])
+            if given and given[i] is not new[i]:
+                self._consumed[i] = weakref.ref(given[i])
+                self._consumed_by[i] = self._loads
+
+    def _deleted(self, i: int, a: jax.Array) -> ValueError:
+        """The error for a deleted array at layer ``i``, naming the load that consumed
+        it when this manager's load did."""
+        if _is(self._consumed[i], a):
+            return ValueError(
+                f"layer {i} was consumed by this manager's load() (its load number "
+                f"{self._consumed_by[i]}): load() donates the caches it is given; pass "
+                "the arrays that load returned (new, handle = mgr.load(caches, ...))")
+        return ValueError(f"layer {i} is a deleted array (donated or freed); pass the "
+                          "arrays returned by the step that consumed it")
 
     def all_private(self, caches: Sequence[jax.Array]) -> bool:
         """Whether every cache is known to own its buffers (a load returned it)."""
@@ -258,8 +280,7 @@ class Checks:
             if not isinstance(a, jax.Array):
                 raise TypeError(f"layer {i}: expected a jax.Array. Got {type(a)}")
             if a.is_deleted():
-                raise ValueError(f"layer {i} is a deleted array (donated or freed); pass the "
-                                 "arrays returned by the step that consumed it")
+                raise self._deleted(i, a)
             if _is(self._validated[i], a):
                 continue  # checked (or returned by a load) before: skip the costly part
             registered, layout, shape = self._formats[i]

@@ -11,8 +11,9 @@ from concurrent.futures._base import CANCELLED as _CANCELLED
 from concurrent.futures._base import CANCELLED_AND_NOTIFIED as _CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
+from kvxfer._names import Gate as Gate
 from kvxfer._check import check_timeout
 from kvxfer.engine import TransferError
 from kvxfer.hostpool import PageRef
@@ -21,9 +22,6 @@ from kvxfer.manager._agree import AgreementError
 __all__ = ["Gate", "IntegrityError", "LoadResult", "OffloadHandle", "LoadHandle",
            "hooked_call", "current_hook"]
 
-Gate = Literal["all", "layer"]
-"""``"layer"`` releases each layer once its pages are verified; ``"all"`` releases
-nothing until every layer is verified."""
 
 
 # The transfer hook of the manager call running now (caller's thread) or of the

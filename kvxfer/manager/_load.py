@@ -136,7 +136,8 @@ class Loads:
         new = caches
         try:
             new, states, jobs = self.start(caches, batches, slots, gate, staged)
-            self._checks.loaded(new, [i for c in states for i in self._plan.classes[c].layers])
+            self._checks.loaded(new, [i for c in states for i in self._plan.classes[c].layers],
+                                caches)
             handle._verify_once = self._verifier.once(
                 handle, states, jobs, slots, reasons, may_stop=not self._agreement.multiprocess)
             self._worker.submit(handle.run, self.finish, round_, handle, new,

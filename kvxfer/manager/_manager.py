@@ -17,11 +17,12 @@ import concurrent.futures
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
 
+from kvxfer._names import IntegrityMode as IntegrityMode
 from kvxfer._check import check_int
 from kvxfer.engine import (BlockGroups, GroupedMover, Mover, ShardedLayer, abstract, bucket,
                            deferred_compiles, own_context)
@@ -39,14 +40,12 @@ from kvxfer.manager._select import PathMode, plan_path, select_movers
 from kvxfer.manager._thread import TransferThread
 from kvxfer._counters import Counters
 from kvxfer.manager._verify import LoadVerifier, TransferHook
-from kvxfer.plan import LayerSpec, Plan, make_plan
+from kvxfer.plan import BudgetError, LayerSpec, Plan, make_plan
 
 __all__ = ["KVCacheManager", "IntegrityMode", "Blocks"]
 
 Blocks = Sequence[int] | Mapping[int, Sequence[int]]
 """Device block ids: one list for every slice class, or ``{class index: ids}``."""
-IntegrityMode = Literal["page", "off"]
-"""``"page"`` digests every page on the device; ``"off"`` skips digests."""
 
 
 def _pool_and_movers(plan: Plan, caches: list[jax.Array], mover_types: list[type[Mover]],
@@ -151,8 +150,11 @@ class KVCacheManager:
         self.integrity = integrity
         self.ready_timeout = ready_timeout
         emulated = layouts is not None
-        plan = make_plan(specs, num_host_blocks, path=plan_path(path, emulated),
-                         host_memory_budget=host_memory_budget)
+        try:
+            plan = make_plan(specs, num_host_blocks, path=plan_path(path, emulated),
+                             host_memory_budget=host_memory_budget)
+        except BudgetError as e:  # the plan names how it sizes blocks, not the mover
+            raise BudgetError(f"KVCacheManager(path={path!r}): {e}") from None
         mover_types = select_movers(plan, specs, caches, path, emulated, pinned)
         # The plan sizes host blocks; its table names the mover of each class too.
         self._plan = dataclasses.replace(plan, movers=tuple(m.name for m in mover_types))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal, get_args
 
 import jax
 
+from kvxfer._names import PATHS as PATHS
+from kvxfer._names import PathMode as PathMode
 from kvxfer.engine import (DmaMover, EmulatedMover, Mover, PallasMover, RawMover,
                            RawOrPinnedMover, StagedMover, dma_refusal, pallas_refusal,
                            pinned_capable, pinned_mover, raw_capable)
@@ -15,18 +16,6 @@ from kvxfer.plan import LayerSpec, Plan, SliceClass
 
 __all__ = ["PathMode", "PATHS", "AUTO_RULES", "check_path", "plan_path", "select_movers"]
 
-PathMode = Literal["auto", "staged", "raw", "pinned", "pallas", "dma"]
-"""``"auto"``: the fastest proven mover per class (``AUTO_RULES``); ``"staged"``:
-compiled programs through pageable host buffers for every class; ``"raw"``: the raw
-mover's byte-range copies only (the emulated mover's with ``layouts=``), refusing
-what is not proven; ``"pinned"``: compiled programs
-straight to and from a pinned host pool, for every class (backends with a
-``pinned_host`` memory kind); ``"pallas"``: Pallas TPU DMA kernels for every class
-(interpret mode off TPU), refusing what is not proven; ``"dma"``: copy-engine copies
-ordered by XLA's stream between the caches and a pool pinned outside XLA, for every
-class (NVIDIA GPUs with ``cuda-bindings``; XLA:CPU with its host copy engine),
-refusing what it cannot address."""
-PATHS: tuple[str, ...] = get_args(PathMode)
 
 
 def check_path(path: object) -> None:

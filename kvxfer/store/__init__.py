@@ -42,9 +42,11 @@ from kvxfer.store._disk import DiskStore as DiskStore
 from kvxfer.store._open import SPEC_FORMS as SPEC_FORMS
 from kvxfer.store._open import open_store as open_store
 from kvxfer.store._open import parse_spec as parse_spec
+from kvxfer.store._open import spec_argument as spec_argument
 from kvxfer.store._redis import RedisStore as RedisStore
 from kvxfer.store._seal import SealError as SealError
 from kvxfer.store._seal import Sealer as Sealer
 
 __all__ = ["Store", "StoreError", "StoreBatchError", "DiskStore", "RedisStore",
-           "RedisClusterStore", "open_store", "parse_spec", "SPEC_FORMS", "Sealer", "SealError"]
+           "RedisClusterStore", "open_store", "parse_spec", "spec_argument", "SPEC_FORMS",
+           "Sealer", "SealError"]

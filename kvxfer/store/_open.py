@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import stat
+from collections.abc import Callable
 from typing import Literal
 
 from kvxfer.store._base import Store
@@ -11,7 +14,7 @@ from kvxfer.store._cluster import (CLUSTER_SCHEME, RedisClusterStore,
 from kvxfer.store._disk import DiskStore
 from kvxfer.store._redis import URL_SCHEMES, RedisStore, check_url
 
-__all__ = ["open_store", "parse_spec", "SPEC_FORMS", "StoreKind"]
+__all__ = ["open_store", "parse_spec", "spec_argument", "SPEC_FORMS", "StoreKind"]
 
 #: The kinds of store a spec names.
 StoreKind = Literal["disk", "redis", "redis-cluster"]
@@ -53,6 +56,34 @@ def open_store(spec: str | os.PathLike[str], *, capacity_bytes: int | None = Non
     return RedisStore(where, prefix=prefix, capacity_bytes=capacity_bytes)
 
 
+def _directory(path: str, bad: Callable[[str], ValueError]) -> str:
+    """``path`` unless something other than a directory is there (a file, a FIFO, a
+    device: a disk store is a directory, created if missing)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return path
+    if not stat.S_ISDIR(mode):
+        what = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if (
+            stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else "not a directory"
+        raise bad(f"{path} is {what}; a disk store is a directory")
+    return path
+
+
+def spec_argument(text: str) -> str:
+    """An argparse type for ``--store``: ``text`` if ``parse_spec`` accepts it.
+
+    Example:
+        >>> spec_argument("redis://127.0.0.1:6379")
+        'redis://127.0.0.1:6379'
+    """
+    try:
+        parse_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def parse_spec(spec: str | os.PathLike[str]) -> tuple[StoreKind, str]:
     """The kind of store ``spec`` names and its directory or URL, opening nothing.
 
@@ -76,13 +107,15 @@ def parse_spec(spec: str | os.PathLike[str]) -> tuple[StoreKind, str]:
 
     if not spec.strip():
         raise bad("it is empty")
+    if "\0" in spec:
+        raise bad("it holds a NUL character")
     scheme, sep, rest = spec.partition("://")
     if not sep:
-        return "disk", spec
+        return "disk", _directory(spec, bad)
     if scheme == "file":
         if not rest:
             raise bad("no directory after file://")
-        return "disk", rest
+        return "disk", _directory(rest, bad)
     if scheme == CLUSTER_SCHEME:
         return "redis-cluster", check_cluster_spec(spec)
     if scheme in URL_SCHEMES:

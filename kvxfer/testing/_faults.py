@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvxfer._names import FAULTS as FAULTS
+from kvxfer._names import Fault as Fault
 from kvxfer.engine import local
 from kvxfer.hostpool import PageRef
 from kvxfer.manager import KVCacheManager, TransferHook
@@ -35,10 +37,6 @@ __all__ = ["FAULTS", "Fault", "flip_bit", "wrong_keys", "misfile", "reuse_slot",
            "corrupt_shard", "tear", "failing_transfer", "zero_dma", "inject",
            "InjectedTransferError"]
 
-Fault = Literal["bitflip", "wrong-key", "misfile", "stale-slot", "one-shard", "torn",
-                "transfer", "zero-dma"]
-FAULTS: tuple[str, ...] = get_args(Fault)
-"""The faults ``inject`` and ``kvxfer probe --inject`` know (meanings: ``kvxfer.testing``)."""
 
 
 class InjectedTransferError(OSError):

@@ -1,0 +1,103 @@
+"""Walks every option of one ``kvxfer`` subcommand with hostile values, in this process.
+
+``python cli_walker.py COMMAND WORKDIR`` prints one JSON object per case: the argv, the
+exit status, stderr, and the traceback when ``kvxfer.cli.main`` raised. Options are
+enumerated from ``kvxfer.cli.build_parser()``, so an option added later is walked too.
+The test (tests/test_cli_hostile.py) runs it under a timeout and judges the cases.
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import resource
+import sys
+import traceback
+
+from kvxfer import cli
+
+HUGE, BIG = "99999999999999999999", "100000000"
+
+
+def hostile_values(workdir):
+    fifo = os.path.join(workdir, "fifo")
+    if not os.path.exists(fifo):
+        os.mkfifo(fifo)
+    directory = os.path.join(workdir, "dir")
+    os.makedirs(directory, exist_ok=True)
+    return [HUGE, BIG, "-1", "nan", "ünïcødé", "", fifo, directory, "/dev/zero"]
+
+
+# What each command needs besides the walked option to run on a tiny scale (an option
+# of a command not listed here is walked alone). The walked option replaces its own entry.
+BASES = {
+    "inspect": {"--shape": "8,128", "--dtype": "bf16"},
+    "plan": {"--config": "tiny"},
+    "probe": {"--config": "tiny", "--pages": "2", "--num-blocks": "4"},
+    "bench": {"--targets": None},
+    "demo": {"--requests": "1", "--system-pages": "1", "--new-tokens": "1",
+             "--device-blocks": "4", "--host-blocks": "4", "--quiet": None},
+}
+# Options that exclude the base's (inspect takes one source of arrays).
+ALONE = {("inspect", "--catalog"), ("inspect", "--config")}
+
+
+def subcommands():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, sub.choices
+
+
+def options(parser):
+    """``(option string, takes a value)`` of every option but ``--help``."""
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        yield action.option_strings[-1], action.nargs != 0
+
+
+def cases(command, subparser, workdir):
+    values = hostile_values(workdir)
+    for option, takes_value in options(subparser):
+        base = {} if (command, option) in ALONE else dict(BASES.get(command, {}))
+        base.pop(option, None)
+        argv = [command]
+        for k, v in base.items():
+            argv += [k] if v is None else [k, v]
+        if not takes_value:
+            yield option, HUGE, argv + [option, HUGE]
+            continue
+        for value in values:
+            yield option, value, argv + [option, value]
+
+
+def run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    status, raised = None, None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = cli.main(argv)
+        except SystemExit as e:  # --version
+            status = e.code
+        except BaseException:  # noqa: BLE001  (a traceback is what the walk looks for)
+            raised = traceback.format_exc()
+    return status, err.getvalue(), raised
+
+
+def main():
+    command, workdir = sys.argv[1], sys.argv[2]
+    _, commands = subcommands()
+    if command == "--list":
+        print(json.dumps(sorted(commands)))
+        return
+    os.chdir(workdir)
+    for option, value, argv in cases(command, commands[command], workdir):
+        status, err, raised = run(argv)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"option": option, "value": value, "argv": argv, "status": status,
+                          "stderr": err, "raised": raised, "peak_rss": peak}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
