@@ -77,8 +77,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                                           _parse_shape)
     for option in ("devices", "shard_dim", "num_blocks"):
         if getattr(args, option) not in (None, 1):
-            raise UsageError(f"--{option.replace('_', '-')} goes with --target (layouts "
-                             "from the TPU compiler)")
+            raise UsageError(f"--{option.replace('_', '-')} {getattr(args, option)} goes "
+                             "with --target (layouts from the TPU compiler)")
     if args.shape is not None:
         if args.dtype is None:
             raise UsageError("--dtype is required with --shape")
