@@ -18,16 +18,17 @@ order.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import numpy as np
 
 __all__ = ["Copies", "CopyEngine", "HostCopyEngine", "CopyJob", "Tickets", "TICKETS",
-           "Direction", "buffer_address"]
+           "Direction", "buffer_address", "CALLBACK_STEPS", "callback_fault", "step_fault"]
 
 Direction = Literal["offload", "load"]
 """``"offload"``: device blocks to host slots; ``"load"``: host slots to device blocks."""
@@ -145,19 +146,92 @@ class HostCopyEngine:
             self.bytes += copies.nbytes
 
 
-def buffer_address(buf: Any, on_gpu: bool) -> int:
-    """The device address of a buffer a ``buffer_callback`` is handed: through
-    ``__cuda_array_interface__`` on a GPU, ``__array__`` on XLA:CPU."""
-    if on_gpu:
+class _DLTensor(ctypes.Structure):
+    """The head of DLPack's ``DLTensor`` (``dlpack.h``): the data pointer comes first."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("dtype", ctypes.c_uint32), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("byte_offset", ctypes.c_uint64)]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def buffer_address(buf: Any) -> int:
+    """The device address of a buffer a ``buffer_callback`` is handed, for any dtype.
+
+    Read from the buffer's DLPack capsule (a ``DLManagedTensor``, whose ``DLTensor``
+    comes first): its data pointer plus byte offset, never its type, so float8 types
+    move where ``__cuda_array_interface__`` has no type string for them (XLA refuses
+    to build it). A type DLPack lacks (sub-byte integers) falls back to
+    ``__cuda_array_interface__`` on a GPU and ``__array__`` on XLA:CPU.
+
+    Raises:
+      Exception: the buffer offers no address (the callback records it on its job).
+    """
+    try:
+        capsule = buf.__dlpack__()
+    except Exception:  # noqa: BLE001 - a type DLPack has no code for
+        if hasattr(buf, "__array__"):
+            try:
+                return int(np.asarray(buf).__array_interface__["data"][0])
+            except Exception:  # noqa: BLE001 - device memory: not a host array
+                pass
         return int(buf.__cuda_array_interface__["data"][0])
-    return int(np.asarray(buf).__array_interface__["data"][0])
+    # The capsule keeps its name ("dltensor"): its destructor frees the export.
+    tensor = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    return int(tensor.data or 0) + int(tensor.byte_offset)
+
+
+#: The steps of a DMA program's callback, in order (``callback_fault`` names them):
+#: reading the ticket's address, finding its job, reading the buffers' addresses,
+#: describing the copies, and handing them to the copy engine.
+CALLBACK_STEPS: tuple[str, ...] = ("ticket", "lookup", "address", "describe", "copy")
+
+_faults: dict[str, BaseException] = {}
+
+
+@contextlib.contextmanager
+def callback_fault(step: str, error: BaseException | None = None) -> Iterator[None]:
+    """Makes step ``step`` of every DMA callback run inside the block raise ``error``.
+
+    For tests of what a failure inside a program's callback leaves behind: the
+    callback must record it on its job (or, before the job is found, with the
+    tickets) and return, so the program ends normally and its aliased outputs
+    still hold the caches.
+
+    Example:
+        >>> with callback_fault("copy"):
+        ...     step_fault("copy")
+        Traceback (most recent call last):
+        ...
+        RuntimeError: injected failure at the callback's copy step
+    """
+    if step not in CALLBACK_STEPS:
+        raise ValueError(f"step={step!r}; expected one of {CALLBACK_STEPS}")
+    _faults[step] = error if error is not None else RuntimeError(
+        f"injected failure at the callback's {step} step")
+    try:
+        yield
+    finally:
+        _faults.pop(step, None)
+
+
+def step_fault(step: str) -> None:
+    """Raises what ``callback_fault`` set for ``step`` (nothing when none is set)."""
+    error = _faults.get(step)
+    if error is not None:
+        raise error
 
 
 class CopyJob:
     """The copies of one program: blocks of one shard replica's layers and host slots.
 
     Made on the caller's thread with everything but the device addresses, which the
-    program's callback passes to ``run`` (the buffers XLA hands it).
+    program's callback reads from the buffers XLA hands it (``run``).
 
     Args:
       engine: what executes the copies.
@@ -167,8 +241,11 @@ class CopyJob:
       offsets: where each layer's block (of this shard) starts inside a slot.
       block_bytes: one block of one shard.
       ids: the device block of each page (``k``); None where the device side is a
-        page-major staging buffer (``run`` then gets its one address, each page's
+        page-major staging buffer (``run`` then gets its one buffer, each page's
         layers side by side in a row of ``len(offsets) * block_bytes`` bytes).
+      memory: what holds the pool's bytes (a ``HostMemory``): the job keeps it, so the
+        mapping and its pin outlive every program that may still copy to or from it,
+        whatever becomes of the manager.
 
     Attributes:
       ran: whether ``run`` executed the copies. error: what ``run`` raised instead.
@@ -176,11 +253,11 @@ class CopyJob:
     """
 
     __slots__ = ("engine", "direction", "pool", "page_bytes", "slots", "offsets",
-                 "block_bytes", "ids", "ran", "error", "copies", "keep")
+                 "block_bytes", "ids", "memory", "ran", "error", "copies", "keep")
 
     def __init__(self, engine: CopyEngine, direction: Direction, pool: int, page_bytes: int,
                  slots: np.ndarray, offsets: Sequence[int], block_bytes: int,
-                 ids: np.ndarray | None):
+                 ids: np.ndarray | None, memory: Any = None):
         self.engine = engine
         self.direction = direction
         self.pool = pool
@@ -189,10 +266,11 @@ class CopyJob:
         self.offsets = np.asarray(offsets, dtype=np.uint64)
         self.block_bytes = block_bytes
         self.ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
+        self.memory = memory
         self.ran = False
         self.error: BaseException | None = None
         self.copies = 0
-        self.keep: Any = None  # what must live until the program has run (its ticket)
+        self.keep: Any = None  # the ticket it is filed under
 
     def describe(self, device: Sequence[int]) -> Copies:
         """The copies, given the device buffers' addresses: each layer's cache (blocks
@@ -215,12 +293,20 @@ class CopyJob:
         return Copies(dst.ravel(), src.ravel(),
                       np.full(dst.size, self.block_bytes, dtype=np.uint64)).merged()
 
-    def run(self, device: Sequence[int], stream: int | None) -> None:
-        """Enqueues the copies (the program's callback). Never raises: a failure is
-        kept in ``error`` for the transfer thread, so XLA's program itself never fails
-        and the caches it hands back stay usable."""
+    def run(self, buffers: Sequence[Any], stream: int | None) -> None:
+        """Enqueues the copies between the buffers XLA handed the program's callback
+        and the host slots.
+
+        Never raises: a failure (an address XLA cannot give, a driver error) is kept
+        in ``error`` for the transfer thread, so XLA's program itself never fails and
+        the caches it hands back (aliased in to out) stay usable.
+        """
         try:
+            step_fault("address")
+            device = [buffer_address(b) for b in buffers]
+            step_fault("describe")
             copies = self.describe(device)
+            step_fault("copy")
             self.engine.copy(copies, stream, self.direction)
             self.copies = len(copies)
             self.ran = True
@@ -232,15 +318,22 @@ class Tickets:
     """Per-call identities for programs: a one-word device array whose buffer address
     names the ``CopyJob`` filed under it until the program's callback takes it.
 
-    A ticket is reused once its job is taken; its buffer is never written, so a
-    program still running with it is not disturbed. Tickets are made per device as
-    needed (a ``device_put`` each) and kept.
+    A ticket serves again once its job is taken (the program holding it has looked it
+    up) or withdrawn, which callers do only for a program that can no longer run (it
+    failed to enqueue, or ended without running its callback): never while a program
+    may still look the ticket up, so an old program can never take a new call's job.
+    Its buffer is never written. Tickets are made per device as needed (a
+    ``device_put`` each) and kept.
+
+    A callback that fails before it finds its job (the ticket's address unreadable,
+    no job filed there) records the failure here (``lost``), since no job can hold it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[Any, list[_Ticket]] = {}
         self._jobs: dict[int, tuple[_Ticket, CopyJob]] = {}
+        self._lost: list[str] = []
 
     def issue(self, device: Any, job: CopyJob) -> jax.Array:
         """A ticket on ``device`` with ``job`` filed under it."""
@@ -255,20 +348,35 @@ class Tickets:
             self._jobs[ticket.address] = (ticket, job)
         return ticket.token
 
-    def take(self, address: int) -> CopyJob:
-        """The job filed under the ticket at ``address``; the ticket is free again.
-
-        Raises:
-          KeyError: no job is filed there (the program was handed another buffer).
-        """
+    def take(self, address: int) -> CopyJob | None:
+        """The job filed under the ticket at ``address`` (its ticket is free again), or
+        None where none is (recorded in ``lost``). Never raises."""
         with self._lock:
-            ticket, job = self._jobs.pop(address)
+            filed = self._jobs.pop(address, None)
+            if filed is None:
+                self._record(f"no job is filed under ticket {address:#x}")
+                return None
+            ticket, job = filed
             self._free.setdefault(ticket.device, []).append(ticket)
         return job
 
+    def lose(self, error: BaseException) -> None:
+        """Records a callback's failure that came before it found its job."""
+        with self._lock:
+            self._record(f"{type(error).__name__}: {error}")
+
+    def _record(self, what: str) -> None:
+        self._lost.append(what)
+        del self._lost[:-8]  # the latest few: what a failed transfer's message quotes
+
+    def lost(self) -> list[str]:
+        """The latest failures of callbacks that never found their job."""
+        with self._lock:
+            return list(self._lost)
+
     def withdraw(self, job: CopyJob) -> None:
-        """Takes back a job whose program never ran its callback (it failed to enqueue,
-        or failed before the callback), so its ticket serves again."""
+        """Takes back a job whose program can no longer run its callback (it failed to
+        enqueue, or has ended without running it), so its ticket serves again."""
         ticket = job.keep
         with self._lock:
             filed = self._jobs.get(ticket.address)

@@ -42,12 +42,12 @@ from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 from kvxfer._hostmem import HostMemory
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._copies import TICKETS, CopyEngine, CopyJob, HostCopyEngine, \
-    buffer_address
+    buffer_address, step_fault
 from kvxfer.engine._cuda import cuda_engine, cuda_unavailable
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _args_abstract, \
     _sds
 from kvxfer.engine import _programs
-from kvxfer.engine._programs import (_UINT, _digest_impl, compile_ahead, page_loops,
+from kvxfer.engine._programs import (_digest_impl, compile_ahead, page_loops,
                                      page_rows, register_kind, scatter_rows, unit_count)
 from kvxfer.engine._raw import private_layers
 from kvxfer.hostpool import word_bytes
@@ -139,31 +139,37 @@ def relayout_mode() -> str:
 _DONE = jax.ShapeDtypeStruct((1,), np.uint32)
 
 
-def _run_job(on_gpu: bool, ctx: Any, out: Any, token: Any, *operands: Any) -> None:
-    """Runs the ``CopyJob`` filed under ``token`` on the buffers XLA hands over."""
-    if ctx.stage != ExecutionStage.EXECUTE:
-        return  # a handler may also be called to prepare: the copies belong to execution
-    job = TICKETS.take(buffer_address(token, on_gpu))
-    if job.ids is None:  # the staging buffer: an operand (offload) or the output (load)
-        buffers = [operands[0] if job.direction == "offload" else out[0]]
-    else:  # the caches: read (offload), or written in place (load: aliased outputs)
-        buffers = operands if job.direction == "offload" else out[:-1]
-    job.run([buffer_address(b, on_gpu) for b in buffers],
-            ctx.stream if job.engine.uses_stream else None)
+def _callback(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
+    """Runs the ``CopyJob`` filed under ``token`` on the buffers XLA hands over.
 
-
-def _callback_cpu(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
-    _run_job(False, ctx, out, token, *operands)
-
-
-def _callback_gpu(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
-    _run_job(True, ctx, out, token, *operands)
-
-
-def _callback(formats: tuple) -> Callable[..., None]:
-    """The program's callback: buffers are addressed as their platform offers them."""
-    on_cpu = all(d.platform == "cpu" for d in formats[0].sharding.device_set)
-    return _callback_cpu if on_cpu else _callback_gpu
+    Never raises: an exception here would fail the program after XLA confirmed the
+    donation of its inputs, so a load would lose the caches. Every failure is
+    recorded on the job (or, before the job is found, with the tickets) for the
+    transfer thread, and the program ends normally: a load's outputs, aliased to its
+    inputs, still hold the caches.
+    """
+    try:
+        if ctx.stage != ExecutionStage.EXECUTE:
+            return  # a handler may also be called to prepare: the copies belong to execution
+        step_fault("ticket")
+        address = buffer_address(token)
+        step_fault("lookup")
+        job = TICKETS.take(address)
+    except BaseException as e:  # noqa: BLE001 - see above
+        TICKETS.lose(e)
+        return
+    if job is None:
+        return
+    try:
+        if job.ids is None:  # the staging buffer: an operand (offload) or the output (load)
+            buffers = [operands[0] if job.direction == "offload" else out[0]]
+        else:  # the caches: read (offload), or written in place (load: aliased outputs)
+            buffers = operands if job.direction == "offload" else out[:-1]
+        stream = ctx.stream if job.engine.uses_stream else None
+    except BaseException as e:  # noqa: BLE001 - see above
+        job.error = e
+        return
+    job.run(buffers, stream)
 
 
 def _digests(arrays, ids, count, digest, raw, loop):
@@ -192,10 +198,13 @@ def _offload_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool,
 def _load_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, loop: bool,
                unit: int, callback: Callable[..., None]):
     if relayout:
-        rows = (ids.shape[0], sum(unit_count(a.shape, a.dtype, unit) for a in arrays))
+        # The staging rows start as the blocks' own bytes and the callback writes them
+        # in place, so a callback that copies nothing (it failed) scatters every block
+        # back unchanged: a failed load leaves the caches as they were.
+        rows = page_rows(arrays, ids, raw, unit)
         staging, done = buffer_callback(
-            callback, (jax.ShapeDtypeStruct(rows, _UINT[unit]), _DONE),
-            has_side_effect=False)(token)
+            callback, (jax.ShapeDtypeStruct(rows.shape, rows.dtype), _DONE),
+            has_side_effect=False, input_output_aliases={1: 0})(token, rows)
         out = scatter_rows(arrays, staging, ids, count, raw, unit)
     else:
         *out, done = buffer_callback(
@@ -209,14 +218,14 @@ def _load_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, lo
 def _offload_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
     relayout, loop, unit = options
     return (functools.partial(_offload_impl, raw=raw, relayout=relayout, loop=loop, unit=unit,
-                              callback=_callback(formats)),
+                              callback=_callback),
             dict(in_shardings=(formats, None, None, None) + (None, None) * with_digest))
 
 
 def _load_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
     relayout, loop, unit = options
     return (functools.partial(_load_impl, raw=raw, relayout=relayout, loop=loop, unit=unit,
-                              callback=_callback(formats)),
+                              callback=_callback),
             dict(donate_argnums=(0,),
                  in_shardings=(formats, None, None, None) + (None, None) * with_digest,
                  out_shardings=(formats, None) + (None,) * with_digest))
@@ -244,24 +253,48 @@ class DmaLoad(NamedTuple):
     done: list[jax.Array]
 
 
+def _wait_all(done: list[jax.Array]) -> BaseException | None:
+    """Waits until every program has ended, whatever any of them raised; returns the
+    first error."""
+    first = None
+    for d in done:
+        try:
+            d.block_until_ready()
+        except BaseException as e:  # noqa: BLE001 - the others are still waited for
+            first = first if first is not None else e
+    return first
+
+
+def _quiesce(jobs: list[CopyJob], done: list[jax.Array]) -> BaseException | None:
+    """Waits until none of the programs can still copy (never raising); a job whose
+    program ended without running its callback is withdrawn, its ticket free again.
+    Returns the first error a program raised."""
+    error = _wait_all(done)
+    for job in jobs:
+        if not job.ran and job.error is None:
+            TICKETS.withdraw(job)
+    return error
+
+
 def _settle(jobs: list[CopyJob], done: list[jax.Array], what: str) -> None:
     """Waits for the programs, then raises ``TransferError`` if a job's copies failed.
 
-    A job whose program never ran its callback (it failed first) is withdrawn, so its
-    ticket serves again.
+    Every program is waited for before anything is given back, also when one of them
+    failed: a program still queued may run its callback, which must find its own job
+    under its ticket (never a later call's) and the pool it copies to still mapped.
     """
-    try:
-        for d in done:
-            d.block_until_ready()
-    finally:
-        for job in jobs:
-            if not job.ran and job.error is None:
-                TICKETS.withdraw(job)
+    error = _quiesce(jobs, done)
     for job in jobs:
         if job.error is not None:
-            raise TransferError(f"{what}: the copies failed: {job.error}") from job.error
+            raise TransferError(f"{what}: the copies failed: {type(job.error).__name__}: "
+                                f"{job.error}") from job.error
+    if error is not None:
+        raise TransferError(f"{what}: a program failed: {error}") from error
+    for job in jobs:
         if not job.ran:
-            raise TransferError(f"{what}: a program ended without running its copies")
+            lost = TICKETS.lost()
+            raise TransferError(f"{what}: a program ended without running its copies"
+                                + (f" (latest callback failure: {lost[-1]})" if lost else ""))
 
 
 class DmaMover(Mover[DmaOffload, None, DmaLoad]):
@@ -307,7 +340,8 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
              ids: np.ndarray) -> CopyJob:
         return CopyJob(copy_engine(device), direction, self.pool.memory.address,
                        self.cls.page_bytes, slots, self._offsets[shard],
-                       self.cls.shard_block_bytes, None if self._relayout else ids)
+                       self.cls.shard_block_bytes, None if self._relayout else ids,
+                       memory=self.pool.memory)
 
     def _options(self, device: Any) -> tuple:
         return (self._relayout, page_loops(device), self._unit)
@@ -332,12 +366,18 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
 
     def start_offload(self, layers, batch, slots, with_digest):
         jobs, done, parts = [], [], []
-        for s in range(self.cls.num_shards):
-            out, job = self._run("dma_offload", tuple(layer.primary[s] for layer in layers), s,
-                                 batch, slots, with_digest)
-            jobs.append(job)
-            done.append(out[0])
-            parts.append(list(out[1:]))
+        try:
+            for s in range(self.cls.num_shards):
+                out, job = self._run("dma_offload", tuple(layer.primary[s] for layer in layers),
+                                     s, batch, slots, with_digest)
+                jobs.append(job)
+                done.append(out[0])
+                parts.append(list(out[1:]))
+        except BaseException:
+            # The shards enqueued write the offload's slots: the caller gives them back
+            # once these programs can no longer copy (a failure in the call waits).
+            _quiesce(jobs, done)
+            raise
         return DmaOffload(jobs, done, Pending(parts, batch.k) if with_digest else None)
 
     def finish_offload(self, state: DmaOffload, slots):
@@ -347,6 +387,9 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
             for s in range(self.cls.num_shards):
                 self._store_digests(slots, s, d[:, s])
 
+    def quiesce(self, state) -> None:
+        _quiesce(state.jobs, state.done)
+
     # -- load ---------------------------------------------------------------------
 
     def start_load(self, arrays, layers, request: LoadRequest, staged: None):
@@ -354,25 +397,43 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
             layers = private_layers(layers, request.shared)
             arrays = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
         single = isinstance(arrays[0].sharding, jax.sharding.SingleDeviceSharding)
+        # Each shard replica's arrays: the loaded ones once its program is enqueued.
         new_shards: list[list[list[jax.Array]]] = [
-            [[] for _ in range(self.cls.num_shards)] for _ in arrays]
+            [list(layer.shards[s]) for s in range(self.cls.num_shards)] for layer in layers]
         batch, slots = request.batch, np.asarray(request.slots)
         fused = request.on_digested is not None
         jobs, done = [], []
-        for s in range(self.cls.num_shards):
-            for r in range(len(layers[0].shards[s])):
-                local = tuple(arrays) if single else tuple(layer.shards[s][r] for layer in layers)
-                (out, d, *digests), job = self._run("dma_load", local, s, batch, slots, fused)
-                jobs.append(job)
-                done.append(d)
-                if fused:
-                    request.on_digested(s, r, digests[0])
-                if single:
-                    return list(out), DmaLoad(jobs, done)
-                for pos, a in enumerate(out):
-                    new_shards[pos][s].append(a)
-        new = [assemble(a, shards) for a, shards in zip(arrays, new_shards)]
-        return new, DmaLoad(jobs, done)
+        try:
+            for s in range(self.cls.num_shards):
+                for r in range(len(layers[0].shards[s])):
+                    local = tuple(arrays) if single else tuple(layer.shards[s][r]
+                                                               for layer in layers)
+                    (out, d, *digests), job = self._run("dma_load", local, s, batch, slots,
+                                                        fused)
+                    jobs.append(job)
+                    done.append(d)
+                    if single:
+                        new_shards = [[[a]] for a in out]
+                    else:
+                        for pos, a in enumerate(out):
+                            new_shards[pos][s][r] = a
+                    if fused:
+                        request.on_digested(s, r, digests[0])
+        except BaseException as e:
+            # Shards already enqueued consumed their inputs (donated): hand back what
+            # every layer lives in now, the loaded shards and the untouched ones, once
+            # no program can still copy out of the load's slots.
+            _quiesce(jobs, done)
+            raise TransferError(f"DMA load of {self.cls.name} failed after {len(jobs)} "
+                                f"shard program(s) were enqueued: {e}", kv_caches=[
+                                    self._whole(a, shards, single)
+                                    for a, shards in zip(arrays, new_shards)]) from e
+        return [self._whole(a, shards, single) for a, shards in zip(arrays, new_shards)], \
+            DmaLoad(jobs, done)
+
+    @staticmethod
+    def _whole(array: jax.Array, shards: list[list[jax.Array]], single: bool) -> jax.Array:
+        return shards[0][0] if single else assemble(array, shards)
 
     def load_layer_waits(self, state: DmaLoad, pos: int) -> bool:
         return any(not d.is_ready() for d in state.done)

@@ -269,6 +269,17 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         for pos in range(num_layers):
             self.finish_load_layer(state, pos)
 
+    def quiesce(self, state: Any) -> None:
+        """Waits, never raising, until no program of a transfer (``state``: what
+        ``start_offload`` or ``start_load`` returned) can still touch the class's host
+        pool outside XLA's view.
+
+        A failed transfer calls it before its host slots are given back or its pins
+        released, so a program still queued never copies into slots reused by then.
+        Movers whose programs reach the pool only through XLA (or not at all) need not
+        wait: XLA keeps what a queued program reads alive.
+        """
+
     def load_layer_waits(self, state: LoadT, pos: int) -> bool:
         """Whether ``finish_load_layer(state, pos)`` may wait (never blocks itself):
         layers verified before it are released first where it may."""
