@@ -34,6 +34,7 @@ _PROTOTYPES = {
     "cuMemHostUnregister": (c.c_void_p,),
     "cuDeviceGet": (c.POINTER(c.c_int), c.c_int),
     "cuDevicePrimaryCtxRetain": (c.POINTER(c.c_void_p), c.c_int),
+    "cuDevicePrimaryCtxRelease": (c.c_int,),  # CUdevice
     "cuCtxPushCurrent": (c.c_void_p,),
     "cuCtxPopCurrent": (c.POINTER(c.c_void_p),),
     "cuDeviceGetAttribute": (c.POINTER(c.c_int), c.c_int, c.c_int),
@@ -59,6 +60,7 @@ class FakeDriver:
         self.calls: list[tuple[str, Any]] = []
         self.context: list[int] = []
         self.registered: dict[int, tuple[int, int, int]] = {}  # address -> (size, flags, ctx)
+        self.retained: dict[int, int] = {}  # device -> primary context references held
         self._message = c.c_char_p(b"out of memory")
         self._keep: list[Any] = []
 
@@ -115,6 +117,13 @@ class FakeDriver:
 
     def _cuDevicePrimaryCtxRetain(self, out, dev):
         out[0] = 0x1000 + dev
+        self.retained[dev] = self.retained.get(dev, 0) + 1
+        return 0
+
+    def _cuDevicePrimaryCtxRelease(self, dev):
+        if not self.retained.get(dev):
+            return CUDA_ERROR_INVALID_VALUE  # released more often than retained
+        self.retained[dev] -= 1
         return 0
 
     def _cuCtxPushCurrent(self, ctx):

@@ -255,10 +255,41 @@ def test_cuda_engine_pins_host_memory_in_the_primary_context():
     mem = HostMemory(1 << 20, numa_node=engine.numa_node(), pin=engine.pin)
     assert mem.pinned
     assert fake.registered[mem.address] == (1 << 20, 1, 0x1002)  # portable, device 2's
-    assert fake.context == []
+    assert fake.context == [] and fake.retained == {2: 0}  # retained for the call only
+    assert "dc" in vm_flags(mem.address)  # not inherited by a forked child
     mem.close()
     assert mem.address not in fake.registered and fake.context == []
+    assert fake.retained == {2: 0}
+    plain = HostMemory(1 << 20)
+    assert "dc" not in vm_flags(plain.address)  # memory no copy engine locked forks as usual
     assert FakeDriver(numa=-1).driver().host_numa_node(0) is None  # no NUMA, no sysfs
+
+
+def vm_flags(address: int) -> list[str]:
+    """The kernel's ``VmFlags`` of the mapping holding ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_without_buffer_callback_the_mover_is_refused_with_its_reason(monkeypatch):
+    """jax before 0.6.1 has no ``buffer_callback``: ``import kvxfer`` still works and
+    the DMA mover says why it cannot run."""
+    from kvxfer.engine import _dma
+
+    monkeypatch.setattr(_dma, "buffer_callback", None)
+    x = jnp.zeros((8, 128), jnp.float32)
+    assert "has no jax.experimental.buffer_callback (first shipped in jax 0.6.1)" in \
+        dma_refusal(x)
+    with pytest.raises(kvxfer.LayoutError, match="buffer_callback"):
+        kvxfer.KVCacheManager([x], num_host_blocks=2, path="dma")
 
 
 def test_a_failed_pin_releases_nothing_twice():
@@ -266,7 +297,7 @@ def test_a_failed_pin_releases_nothing_twice():
     engine = CudaCopyEngine(fake.driver(), ordinal=0)
     with pytest.raises(DriverError, match="cuMemHostRegister failed"):
         HostMemory(1 << 16, pin=engine.pin)
-    assert fake.context == []
+    assert fake.context == [] and fake.retained == {0: 0}
 
 
 @HOST_ENGINE

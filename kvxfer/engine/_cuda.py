@@ -46,6 +46,7 @@ _ENTRIES: dict[str, tuple[Any, ...]] = {
     "cuMemHostUnregister": (_c.c_void_p,),
     "cuDeviceGet": (_c.POINTER(_c.c_int), _c.c_int),
     "cuDevicePrimaryCtxRetain": (_c.POINTER(_c.c_void_p), _c.c_int),
+    "cuDevicePrimaryCtxRelease": (_c.c_int,),
     "cuCtxPushCurrent": (_c.c_void_p,),
     "cuCtxPopCurrent": (_c.POINTER(_c.c_void_p),),
     "cuDeviceGetAttribute": (_c.POINTER(_c.c_int), _c.c_int, _c.c_int),
@@ -149,15 +150,22 @@ class Driver:
             self.check(fn(d, src, n, s), f"cuMemcpyAsync {j} of {len(copies)}")
 
     def in_primary_context(self, ordinal: int, fn: Callable[[], Any]) -> Any:
-        """Runs ``fn`` with device ``ordinal``'s primary context (XLA's) current."""
+        """Runs ``fn`` with device ``ordinal``'s primary context (XLA's) current.
+
+        The context is retained for the call and released after it (XLA holds its
+        own reference), so kvxfer never keeps a primary context alive on its own.
+        """
         dev, ctx = _c.c_int(), _c.c_void_p()
         self.call("cuDeviceGet", _c.byref(dev), ordinal)
         self.call("cuDevicePrimaryCtxRetain", _c.byref(ctx), dev.value)
-        self.call("cuCtxPushCurrent", ctx)
         try:
-            return fn()
+            self.call("cuCtxPushCurrent", ctx)
+            try:
+                return fn()
+            finally:
+                self.call("cuCtxPopCurrent", _c.byref(_c.c_void_p()))
         finally:
-            self.call("cuCtxPopCurrent", _c.byref(_c.c_void_p()))
+            self.call("cuDevicePrimaryCtxRelease", dev.value)
 
     def host_numa_node(self, ordinal: int) -> int | None:
         """The NUMA node of the host memory nearest device ``ordinal`` (None: unknown)."""
