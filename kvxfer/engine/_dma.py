@@ -30,9 +30,11 @@ overrides the choice, so a device check can measure both.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -57,7 +59,7 @@ from kvxfer.hostpool import word_bytes
 from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 
 __all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "relayout_mode",
-           "RELAYOUT_BELOW"]
+           "RELAYOUT_BELOW", "CallbackRecord", "spy_callbacks"]
 
 #: Shard blocks smaller than this are gathered on the device first (one copy a page).
 RELAYOUT_BELOW = 64 << 10
@@ -154,6 +156,49 @@ def relayout_mode() -> str:
 _DONE = jax.ShapeDtypeStruct((1,), np.uint32)
 
 
+class CallbackRecord(NamedTuple):
+    """What one callback saw (``spy_callbacks``): the thread it ran on, the stream XLA
+    handed it, and whether it found its job under its ticket (and which direction)."""
+
+    thread: int
+    stream: Any
+    found: bool
+    direction: str | None
+
+
+_spies: list[list[CallbackRecord]] = []
+
+
+@contextlib.contextmanager
+def spy_callbacks() -> Iterator[list[CallbackRecord]]:
+    """Records every DMA callback that executes inside the block (a device check's spy:
+    on a GPU the callback runs on the caller's thread at dispatch, with an int stream).
+
+    Example:
+        >>> with spy_callbacks() as seen:
+        ...     pass
+        >>> seen
+        []
+    """
+    seen: list[CallbackRecord] = []
+    _spies.append(seen)
+    try:
+        yield seen
+    finally:
+        _spies.remove(seen)
+
+
+def _spy(ctx: Any, job: CopyJob | None) -> None:
+    try:
+        stream = ctx.stream
+    except Exception:  # noqa: BLE001 - XLA:CPU has no stream to give
+        stream = None
+    record = CallbackRecord(threading.get_ident(), stream, job is not None,
+                            None if job is None else job.direction)
+    for seen in _spies:
+        seen.append(record)
+
+
 def _callback(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
     """Runs the ``CopyJob`` filed under ``token`` on the buffers XLA hands over.
 
@@ -173,6 +218,11 @@ def _callback(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
     except BaseException as e:  # noqa: BLE001 - see above
         TICKETS.lose(e)
         return
+    if _spies:
+        try:
+            _spy(ctx, job)
+        except BaseException:  # noqa: BLE001 - a spy never fails a transfer
+            pass
     if job is None:
         return
     try:
@@ -458,6 +508,17 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
 
     def finish_load(self, state: DmaLoad, num_layers: int) -> None:
         _settle(state.jobs, state.done, f"DMA load of {self.cls.name}")
+
+    def compiled_load(self, layers, b: int, with_digest: bool) -> jax.stages.Compiled:
+        """The load program of ``b`` pages into shard 0's first replica, compiled (for
+        checks: its HLO and ``memory_analysis()``); ``layers`` abstract or live."""
+        local = tuple(layer.shards[0][0] for layer in layers)
+        device = device_of(local[0])
+        ids, base, count = _args_abstract(self._size(b, local[0]) or b, device)
+        digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
+        return _programs.compiled("dma_load", local, _sds((1,), np.uint32, device), ids,
+                                  count, *digest, with_digest=with_digest,
+                                  options=self._options(device))
 
     # -- warm-up ------------------------------------------------------------------
 
