@@ -317,6 +317,26 @@ def test_the_dma_mover_runs_over_the_cuda_engine(monkeypatch):
     mgr.close()
 
 
+@HOST_ENGINE
+def test_a_looping_engine_relayouts_whatever_the_block_size(monkeypatch):
+    """A driver without the batch call: ``cuMemcpyAsync`` per page (or run of pages),
+    not per layer."""
+    fake = FakeDriver(version=12040)
+    engine = HostStreamEngine(fake.driver(), ordinal=0)
+    assert engine.mode == "loop"
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    caches = caches_of("float32", layers=4, shape=(64, 256))  # 64 KiB blocks
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    assert mgr._movers[0].relayout
+    caches, _, _ = round_trip(mgr, caches, [3, 1, 12], [0, 5, 6])
+    # Pages in consecutive slots and staging rows: one copy each way (without the
+    # relayout, one per layer and page: 12 each way).
+    assert [kind for kind, _ in fake.calls if kind != "register"] == ["copy"] * 2
+    monkeypatch.setenv("KVXFER_DMA_RELAYOUT", "never")
+    assert not kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")._movers[0].relayout
+    mgr.close()
+
+
 def test_host_memory_is_zeroed_aligned_and_bound():
     mem = HostMemory(3 << 20, numa_node=0)
     view = mem.view()

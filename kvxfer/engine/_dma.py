@@ -25,7 +25,9 @@ they are small (``RELAYOUT_BELOW``), the program first gathers a transfer's page
 the device into one page-major buffer (each page's layers side by side, as the pool
 holds them), so each page is one copy: copy engines run copies below about 28 KiB at
 a fraction of the link. ``KVXFER_DMA_RELAYOUT`` (``auto``, ``always``, ``never``)
-overrides the choice, so a device check can measure both.
+overrides the choice, so a device check can measure both. An engine that loops (one
+driver call per copy: a driver without ``cuMemcpyBatchAsync``, or
+``KVXFER_CUDA_COPY=loop``) relayouts whatever the block size.
 """
 
 from __future__ import annotations
@@ -375,8 +377,13 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
                              f"{cls.name} (DmaMover.host_backing)")
         self._unit = word_bytes(cls)
         mode = relayout_mode()
-        self._relayout = mode == "always" or mode == "auto" and cls.num_shards == 1 and \
-            cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device)
+        # An engine without a batch call pays a call per copy (about 5 us of the
+        # caller's time each on CUDA): one copy a page is worth a device gather at any
+        # block size. Sharded classes hold a shard's layers apart in a page (one range
+        # per layer), so a relayout would not join their copies.
+        looped = getattr(copy_engine(pool.device), "mode", "batch") == "loop"
+        self._relayout = mode == "always" or mode == "auto" and cls.num_shards == 1 and (
+            looped or cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device))
         self._offsets = [np.array([pool.shard_range(pos, s)[0] for pos in range(len(cls.layers))],
                                   dtype=np.uint64) for s in range(cls.num_shards)]
 
