@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import kvxfer
 from kvxfer import testing
 from kvxfer.engine import TransferError
+from kvxfer.engine import _dma
 from kvxfer.engine._copies import CALLBACK_STEPS, TICKETS, buffer_address, callback_fault
 
 bits = testing.bits
@@ -55,13 +56,24 @@ def assert_alive(caches: list[jax.Array], expected: list[np.ndarray]) -> None:
         assert np.array_equal(bits(c), e)
 
 
-@pytest.mark.parametrize("case", ["never", "always", "sharded"])
+@pytest.mark.parametrize("case", ["never", "always", "sharded", "beside"])
 @pytest.mark.parametrize("step", CALLBACK_STEPS)
 def test_each_step_of_the_callback_failing_leaves_the_caches_alive(step, case, monkeypatch):
+    """``beside``: the CUDA engine over the stand-in driver, offloads copying beside
+    XLA's stream (XLA:CPU only)."""
     sharded = case == "sharded"
     if sharded and len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
-    monkeypatch.setenv("KVXFER_DMA_RELAYOUT", "never" if sharded else case)
+    if case == "beside":
+        if jax.default_backend() != "cpu":
+            pytest.skip("the stand-in driver's engine runs on XLA:CPU")
+        from cuda_rig import FakeDriver, HostStreamEngine
+        from kvxfer.engine import COPY_ENGINES
+
+        engine = HostStreamEngine(FakeDriver(delay=0.01).driver(), ordinal=0)
+        monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    monkeypatch.setenv("KVXFER_DMA_RELAYOUT", "never" if sharded or case == "beside"
+                       else case)
     caches = mixed_caches(sharded)
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
     assert mgr.paths == ["dma"] * len(DTYPES)
@@ -78,7 +90,7 @@ def test_each_step_of_the_callback_failing_leaves_the_caches_alive(step, case, m
     assert err.value.kv_caches is not None
     assert_alive(err.value.kv_caches, before)  # a failed load writes no block
     assert all(a is b for a, b in zip(err.value.kv_caches, new))
-    assert TICKETS.pending() == 0 and mgr.num_free_pages == 5
+    assert TICKETS.pending() == 0 and mgr.num_free_pages == 5 and _dma._SIDE.held == 0
 
     # The caches go on: the same load, without the fault, lands every page.
     new, load = mgr.load(new, pages, [9, 10, 11])

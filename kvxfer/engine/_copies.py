@@ -27,8 +27,9 @@ from typing import Any, Literal, NamedTuple, Protocol
 import jax
 import numpy as np
 
-__all__ = ["Copies", "CopyEngine", "HostCopyEngine", "CopyJob", "Tickets", "TICKETS",
-           "Direction", "buffer_address", "CALLBACK_STEPS", "callback_fault", "step_fault"]
+__all__ = ["Copies", "CopyEngine", "Completion", "HostCopyEngine", "CopyJob", "Tickets",
+           "TICKETS", "Direction", "buffer_address", "CALLBACK_STEPS", "callback_fault",
+           "step_fault"]
 
 Direction = Literal["offload", "load"]
 """``"offload"``: device blocks to host slots; ``"load"``: host slots to device blocks."""
@@ -95,9 +96,27 @@ class CopyEngine(Protocol):
     name: str
     #: Whether ``copy`` needs the program's stream (``ExecutionContext.stream``).
     uses_stream: bool
+    #: Whether ``copy_beside`` is offered: copies on a stream of the engine's own.
+    side_stream: bool
 
     def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
              ) -> None: ...
+
+    def copy_beside(self, copies: Copies, stream: int | None,
+                    direction: Direction = "offload") -> Completion:
+        """Enqueues the copies on the engine's own stream after the work enqueued on
+        ``stream`` so far; later work on ``stream`` does not wait for them (engines
+        with ``side_stream`` only). Returns what waits for their end."""
+
+
+class Completion(Protocol):
+    """The end of copies running beside XLA's stream (``CopyEngine.copy_beside``)."""
+
+    def done(self) -> bool:
+        """Whether they have finished (never blocks)."""
+
+    def wait(self) -> None:
+        """Blocks until they have finished (idempotent); raises what failed."""
 
     def pin(self, address: int, nbytes: int) -> Callable[[], None] | None:
         """Page-locks host memory for this engine; returns the call that unlocks it (None:
@@ -124,6 +143,7 @@ class HostCopyEngine:
 
     name = "host"
     uses_stream = False
+    side_stream = False
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -246,18 +266,22 @@ class CopyJob:
       memory: what holds the pool's bytes (a ``HostMemory``): the job keeps it, so the
         mapping and its pin outlive every program that may still copy to or from it,
         whatever becomes of the manager.
+      beside: run the copies on the engine's own stream (``copy_beside``), after what
+        the program enqueued before its callback; ``completion`` then waits for them.
 
     Attributes:
       ran: whether ``run`` executed the copies. error: what ``run`` raised instead.
       copies: how many copies it ran (after merging).
+      completion: the end of copies run beside XLA's stream (None otherwise).
     """
 
     __slots__ = ("engine", "direction", "pool", "page_bytes", "slots", "offsets",
-                 "block_bytes", "ids", "memory", "ran", "error", "copies", "keep")
+                 "block_bytes", "ids", "memory", "beside", "ran", "error", "copies", "keep",
+                 "completion")
 
     def __init__(self, engine: CopyEngine, direction: Direction, pool: int, page_bytes: int,
                  slots: np.ndarray, offsets: Sequence[int], block_bytes: int,
-                 ids: np.ndarray | None, memory: Any = None):
+                 ids: np.ndarray | None, memory: Any = None, beside: bool = False):
         self.engine = engine
         self.direction = direction
         self.pool = pool
@@ -267,6 +291,8 @@ class CopyJob:
         self.block_bytes = block_bytes
         self.ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
         self.memory = memory
+        self.beside = beside
+        self.completion: Completion | None = None
         self.ran = False
         self.error: BaseException | None = None
         self.copies = 0
@@ -307,7 +333,10 @@ class CopyJob:
             step_fault("describe")
             copies = self.describe(device)
             step_fault("copy")
-            self.engine.copy(copies, stream, self.direction)
+            if self.beside:
+                self.completion = self.engine.copy_beside(copies, stream, self.direction)
+            else:
+                self.engine.copy(copies, stream, self.direction)
             self.copies = len(copies)
             self.ran = True
         except BaseException as e:  # noqa: BLE001 - reported by the transfer thread

@@ -4,8 +4,15 @@ One jitted program per slice class, shard replica and transfer (one per bucket o
 counts; on XLA:CPU one for every transfer of up to ``loop_pages`` pages):
 
 * **offload**: digests the blocks on the device, then calls a ``buffer_callback`` that
-  enqueues, on the stream XLA hands it, one batch of copies from the blocks to the
-  pages' host slots;
+  enqueues one batch of copies from the blocks to the pages' host slots. Where the copy
+  engine has a stream of its own (CUDA; ``KVXFER_DMA_STREAM=xla`` turns it off) the
+  program first gathers the pages into rows it returns (aliased: no copy), and the
+  callback records an event on XLA's stream and enqueues the copies on the engine's
+  stream after it: the engine's next step does not wait for them. The offload holds
+  the rows until the copies' own event says they are done (the transfer thread waits
+  for it before the pages are committed); the rows held at once are bounded by
+  ``KVXFER_DMA_SIDE_BYTES`` (1 GiB), past which an offload copies on XLA's stream;
+  otherwise, on the stream XLA hands the callback;
 * **load**: calls the callback with the caches aliased in to out (donated: written in
   place), copying the pages' host slots into the blocks, then digests the landed
   blocks on the device.
@@ -250,10 +257,19 @@ def _digests(arrays, ids, count, digest, raw, loop):
 
 
 def _offload_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, loop: bool,
-                  unit: int, callback: Callable[..., None]):
+                  unit: int, side: bool, callback: Callable[..., None]):
     # The digests read the blocks on the device; the copies read them too, so the two
     # may run in either order.
     out = (_digests(arrays, ids, count, digest, raw, loop),) if digest else ()
+    if side:
+        # Copies beside XLA's stream read the gathered rows after the program ends:
+        # the rows come back as an output (aliased, no copy) that the offload holds
+        # until its copies are done, so XLA cannot hand their memory to a later step.
+        rows = page_rows(arrays, ids, raw, unit)
+        staging, done = buffer_callback(
+            callback, (jax.ShapeDtypeStruct(rows.shape, rows.dtype), _DONE),
+            has_side_effect=False, input_output_aliases={1: 0})(token, rows)
+        return (done, staging, *out)
     if relayout:
         operands = (page_rows(arrays, ids, raw, unit),)
     else:
@@ -283,9 +299,9 @@ def _load_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, lo
 
 
 def _offload_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
-    relayout, loop, unit = options
+    relayout, loop, unit, side = options
     return (functools.partial(_offload_impl, raw=raw, relayout=relayout, loop=loop, unit=unit,
-                              callback=_callback),
+                              side=side, callback=_callback),
             dict(in_shardings=(formats, None, None, None) + (None, None) * with_digest))
 
 
@@ -306,11 +322,81 @@ register_kind("dma_load", _load_parts, same_formats=0)
 
 class DmaOffload(NamedTuple):
     """What an offload enqueued: its jobs, an output of each program (ready once its
-    copies are done), and the digests being computed (None with integrity off)."""
+    copies are done, or enqueued beside XLA's stream), the digests being computed
+    (None with integrity off), and for copies beside XLA's stream the gathered rows
+    they read (held until they are done; emptied then)."""
 
     jobs: list[CopyJob]
     done: list[jax.Array]
     digests: Pending | None
+    staging: list[jax.Array]
+
+
+class _SideBudget:
+    """Bytes of device staging the offloads beside XLA's stream hold at once, process
+    wide (``side_bytes``); an offload that would pass it runs on XLA's stream."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.held and self.held + nbytes > side_bytes():
+                return False
+            self.held += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+
+_SIDE = _SideBudget()
+
+
+def side_bytes() -> int:
+    """``KVXFER_DMA_SIDE_BYTES``: the device staging that offloads beside XLA's stream
+    may hold at once, process wide (default 1 GiB; one offload larger than it still
+    runs beside when it is alone).
+
+    Example:
+        >>> side_bytes() == int(os.environ.get("KVXFER_DMA_SIDE_BYTES", 1 << 30))
+        True
+    """
+    return int(os.environ.get("KVXFER_DMA_SIDE_BYTES", 1 << 30))
+
+
+def stream_mode() -> str:
+    """``KVXFER_DMA_STREAM``: ``"side"`` (the default: an offload's copies run on the
+    copy engine's own stream where it has one) or ``"xla"`` (on XLA's stream).
+
+    Example:
+        >>> stream_mode() == os.environ.get("KVXFER_DMA_STREAM", "side")
+        True
+    """
+    mode = os.environ.get("KVXFER_DMA_STREAM", "side")
+    if mode not in ("side", "xla"):
+        raise ValueError(f"KVXFER_DMA_STREAM={mode!r}; expected 'side' or 'xla'")
+    return mode
+
+
+def _finish_side(state: DmaOffload, nbytes: int, strict: bool) -> None:
+    """Waits for copies run beside XLA's stream, then lets their staging go (and its
+    bytes from the budget). ``strict``: raise ``TransferError`` for a failed wait."""
+    if not state.staging:
+        return
+    error = None
+    for job in state.jobs:
+        if job.completion is not None:
+            try:
+                job.completion.wait()
+            except BaseException as e:  # noqa: BLE001 - every copy is waited for first
+                error = error or e
+    state.staging.clear()
+    _SIDE.give(nbytes)
+    if error is not None and strict:
+        raise TransferError(f"the copies beside XLA's stream failed: {error}") from error
 
 
 class DmaLoad(NamedTuple):
@@ -409,58 +495,96 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
         return loop_pages(k, array.shape[0])
 
     def _job(self, direction: str, device: Any, shard: int, slots: np.ndarray,
-             ids: np.ndarray) -> CopyJob:
+             ids: np.ndarray, side: bool = False) -> CopyJob:
         return CopyJob(copy_engine(device), direction, self.pool.memory.address,
                        self.cls.page_bytes, slots, self._offsets[shard],
-                       self.cls.shard_block_bytes, None if self._relayout else ids,
-                       memory=self.pool.memory)
+                       self.cls.shard_block_bytes,
+                       None if self._relayout or side else ids, memory=self.pool.memory,
+                       beside=side)
 
-    def _options(self, device: Any) -> tuple:
-        return (self._relayout, page_loops(device), self._unit)
+    def _options(self, device: Any, side: bool | None = None) -> tuple:
+        """The programs' options; with ``side`` (an offload's), whether its copies run
+        beside XLA's stream."""
+        options = (self._relayout, page_loops(device), self._unit)
+        return options if side is None else options + (side,)
+
+    def _beside(self) -> bool:
+        """Whether offloads may run their copies beside XLA's stream."""
+        return stream_mode() == "side" and getattr(copy_engine(self.pool.device),
+                                                   "side_stream", False)
 
     # -- offload ------------------------------------------------------------------
 
     def _run(self, kind: str, arrays: tuple, shard: int, batch, slots: np.ndarray,
-             with_digest: bool) -> tuple[Any, CopyJob]:
+             with_digest: bool, side: bool = False) -> tuple[Any, CopyJob]:
         """Files a program's copies under a ticket and enqueues it: its outputs, its job."""
         device = device_of(arrays[0])
         ids, base, count = batch.args(device, shard, self._size(batch.k, arrays[0]))
-        job = self._job("offload" if kind == "dma_offload" else "load", device, shard, slots,
-                        batch.ids)
+        offload = kind == "dma_offload"
+        job = self._job("offload" if offload else "load", device, shard, slots, batch.ids,
+                        side)
         token = TICKETS.issue(device, job)
         digest = (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
         try:
             return _programs.run(kind, arrays, token, ids, count, *digest,
-                                 with_digest=with_digest, options=self._options(device)), job
+                                 with_digest=with_digest,
+                                 options=self._options(device, side if offload else None)), job
         except BaseException:
             TICKETS.withdraw(job)
             raise
 
+    def _side_bytes(self, k: int) -> int:
+        """Device staging an offload of ``k`` pages beside XLA's stream holds."""
+        return k * len(self.cls.layers) * self.cls.shard_block_bytes * self.cls.num_shards
+
     def start_offload(self, layers, batch, slots, with_digest):
-        jobs, done, parts = [], [], []
+        side = self._beside() and _SIDE.take(self._side_bytes(batch.k))
+        state = DmaOffload([], [], None, [])
+        parts = []
         try:
             for s in range(self.cls.num_shards):
                 out, job = self._run("dma_offload", tuple(layer.primary[s] for layer in layers),
-                                     s, batch, slots, with_digest)
-                jobs.append(job)
-                done.append(out[0])
-                parts.append(list(out[1:]))
+                                     s, batch, slots, with_digest, side)
+                state.jobs.append(job)
+                state.done.append(out[0])
+                if side:
+                    state.staging.append(out[1])
+                parts.append(list(out[2 if side else 1:]))
         except BaseException:
             # The shards enqueued write the offload's slots: the caller gives them back
             # once these programs can no longer copy (a failure in the call waits).
-            _quiesce(jobs, done)
+            self._quiesce(state, batch.k, side)
             raise
-        return DmaOffload(jobs, done, Pending(parts, batch.k) if with_digest else None)
+        return state._replace(digests=Pending(parts, batch.k) if with_digest else None)
 
     def finish_offload(self, state: DmaOffload, slots):
-        _settle(state.jobs, state.done, f"DMA offload of {self.cls.name}")
+        nbytes = self._side_bytes(len(slots))
+        try:
+            _settle(state.jobs, state.done, f"DMA offload of {self.cls.name}")
+        except BaseException:
+            _finish_side(state, nbytes, strict=False)
+            raise
+        _finish_side(state, nbytes, strict=True)  # the host pages are written after this
         if state.digests is not None:
             d = state.digests.get()
             for s in range(self.cls.num_shards):
                 self._store_digests(slots, s, d[:, s])
 
-    def quiesce(self, state) -> None:
+    def _quiesce(self, state: DmaOffload, k: int, side: bool) -> None:
         _quiesce(state.jobs, state.done)
+        if side:
+            if state.staging:
+                _finish_side(state, self._side_bytes(k), strict=False)
+            else:  # no program was enqueued: the budget taken goes back
+                _SIDE.give(self._side_bytes(k))
+
+    def quiesce(self, state) -> None:
+        if isinstance(state, DmaOffload):
+            _quiesce(state.jobs, state.done)
+            _finish_side(state, self._side_bytes(len(state.jobs[0].slots)) if state.jobs
+                         else 0, strict=False)
+        else:
+            _quiesce(state.jobs, state.done)
 
     # -- load ---------------------------------------------------------------------
 
@@ -542,5 +666,6 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
                 digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
                 kinds = ("dma_offload", "dma_load") if r == 0 else ("dma_load",)
                 for kind in kinds:
+                    side = self._beside() if kind == "dma_offload" else None
                     compile_ahead(kind, local, token, ids, count, *digest,
-                                  with_digest=with_digest, options=self._options(device))
+                                  with_digest=with_digest, options=self._options(device, side))
