@@ -39,6 +39,8 @@ def test_every_step_runs_and_reports(tmp_path):
     overlap = by["overlap"]
     assert overlap["alone_ms"] > 0 and overlap["ratio"] == overlap["after_offload_ms"] / \
         overlap["alone_ms"]
+    assert overlap["ratio_xla_stream"] == overlap["after_offload_xla_stream_ms"] / \
+        overlap["alone_ms"]
 
 
 def test_each_record_is_on_disk_when_its_step_ends(tmp_path):
