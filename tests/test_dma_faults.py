@@ -100,6 +100,48 @@ def test_each_step_of_the_callback_failing_leaves_the_caches_alive(step, case, m
     mgr.close()
 
 
+def test_a_load_failing_between_shards_hands_back_every_shard(monkeypatch):
+    """Shard 0's program is enqueued (its caches donated), shard 1's fails to enqueue:
+    the call's ``TransferError`` holds arrays whose shard 0 is the loaded one and shard
+    1 the untouched one, every shard alive; the pins go once shard 0's program ran."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    from kvxfer.engine import _programs
+
+    caches = mixed_caches(sharded=True)[:2]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    pages = mgr.offload(caches, [1, 2], keys=[1, 2]).wait()
+    before = [bits(c) for c in caches]
+    run, calls = _programs.run, []
+
+    def second_fails(kind, *args, **kwargs):
+        if kind == "dma_load":
+            calls.append(kind)
+            if len(calls) % 2 == 0:
+                raise RuntimeError("the second shard's program failed to enqueue")
+        return run(kind, *args, **kwargs)
+
+    monkeypatch.setattr(_programs, "run", second_fails)
+    with pytest.raises(TransferError, match="failed to enqueue") as err:
+        mgr.load(caches, pages, [9, 10])
+    monkeypatch.setattr(_programs, "run", run)
+    got = err.value.kv_caches
+    assert got is not None and len(got) == 2
+    for c, b in zip(got, before):
+        assert not c.is_deleted()
+        shards = sorted(c.addressable_shards, key=lambda s: s.device.id)
+        assert all(not s.data.is_deleted() for s in shards)
+        # Dim 1 split over the 2 devices; shard 1 was never written.
+        assert np.array_equal(bits(shards[1].data), b[:, 2:])
+    # The first class's shard 0 was loaded before its shard 1 failed.
+    shard0 = sorted(got[0].addressable_shards, key=lambda s: s.device.id)[0]
+    assert np.array_equal(bits(shard0.data)[[9, 10]], before[0][[1, 2], :2])
+    assert TICKETS.pending() == 0 and mgr.num_free_pages == 6
+    new, load = mgr.load(got, pages, [9, 10])
+    assert load.result().verified_prefix == 2
+    mgr.close()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_addresses_need_no_type_string(dtype):
     """The callback reads a buffer's address from its DLPack capsule alone: a buffer
