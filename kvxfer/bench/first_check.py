@@ -58,7 +58,7 @@ from kvxfer.engine import (CALLBACK_STEPS, DmaMover, callback_fault, copy_engine
                            dma_refusal, layers_of, spy_callbacks)
 from kvxfer.layout import short_dtype_name
 
-__all__ = ["CheckConfig", "STEPS", "run", "main"]
+__all__ = ["CheckConfig", "STEPS", "run", "main", "cache_copies"]
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -125,7 +125,7 @@ def _on_gpu() -> bool:
 
 # -- the steps --------------------------------------------------------------------
 
-def versions(cfg: CheckConfig) -> tuple[bool, Figures]:
+def _versions(cfg: CheckConfig) -> tuple[bool, Figures]:
     """Versions, the device, and the copy engine the DMA mover would use."""
     import jaxlib
 
@@ -144,7 +144,7 @@ def versions(cfg: CheckConfig) -> tuple[bool, Figures]:
     return why is None, out
 
 
-def callback_spy(cfg: CheckConfig) -> tuple[bool, Figures]:
+def _callback_spy(cfg: CheckConfig) -> tuple[bool, Figures]:
     """What the DMA programs' callbacks saw during one offload and one load."""
     caches = _caches(cfg, 2 * cfg.pages)
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=cfg.pages, path="dma")
@@ -171,7 +171,7 @@ def _bits(a: jax.Array) -> np.ndarray:
     return testing.bits(a)
 
 
-def round_trips(cfg: CheckConfig) -> tuple[bool, Figures]:
+def _round_trips(cfg: CheckConfig) -> tuple[bool, Figures]:
     """Exact, in-place round trips: bfloat16 and fp8, relayout never and always (and
     bfloat16 with every copy on XLA's stream)."""
     rng = np.random.default_rng(0)
@@ -204,7 +204,7 @@ def round_trips(cfg: CheckConfig) -> tuple[bool, Figures]:
     return ok, out
 
 
-def callback_faults(cfg: CheckConfig) -> tuple[bool, Figures]:
+def _callback_faults(cfg: CheckConfig) -> tuple[bool, Figures]:
     """Each step of the callback failing in turn (``CALLBACK_STEPS``), bfloat16 and
     fp8 classes: the offload and the load fail with ``TransferError``, the failed
     load's caches are alive with every byte they held, and the next load lands."""
@@ -241,7 +241,7 @@ def _fails(wait: Callable[[], Any]) -> bool:
     return False
 
 
-def no_cache_copy(cfg: CheckConfig) -> tuple[bool, Figures]:
+def _no_cache_copy(cfg: CheckConfig) -> tuple[bool, Figures]:
     """The compiled load program (relayout never and always) copies no cache."""
     out: Figures = {}
     for mode in ("never", "always"):
@@ -265,7 +265,15 @@ def no_cache_copy(cfg: CheckConfig) -> tuple[bool, Figures]:
 
 def cache_copies(program: Any, caches: Sequence[jax.Array]) -> Figures:
     """How many ``copy`` instructions of a cache's shape a compiled program holds, its
-    temporaries, the bytes its outputs alias from its inputs, and the caches' bytes."""
+    temporaries, the bytes its outputs alias from its inputs, and the caches' bytes.
+
+    Example:
+        >>> cache = jnp.zeros((64, 128), jnp.float32)
+        >>> step = jax.jit(lambda c: c.at[0].set(1.0), donate_argnums=0)
+        >>> found = cache_copies(step.lower(cache).compile(), [cache])
+        >>> found["cache_copies"], found["alias_bytes"] == found["cache_bytes"]
+        (0, True)
+    """
     text = program.as_text()
     shape = f"{short_dtype_name(caches[0].dtype)}[{','.join(map(str, caches[0].shape))}]"
     copies = len(re.findall(re.escape(shape) + r"(?:\{[^}]*\})?\s+copy(?:-start)?\(", text))
@@ -276,7 +284,7 @@ def cache_copies(program: Any, caches: Sequence[jax.Array]) -> Figures:
             "cache_bytes": sum(int(c.nbytes) for c in caches)}
 
 
-def copy_sizes(cfg: CheckConfig) -> tuple[bool, Figures]:
+def _copy_sizes(cfg: CheckConfig) -> tuple[bool, Figures]:
     """Throughput by bytes per copy, against one large pinned copy of the same bytes."""
     bench = dataclasses.replace(BenchConfig.smoke(), copy_sizes=cfg.copy_sizes,
                                 copy_bytes=cfg.copy_bytes, repeats=cfg.repeats)
@@ -294,7 +302,7 @@ def copy_sizes(cfg: CheckConfig) -> tuple[bool, Figures]:
     return why is None and len(rows) == len(cfg.copy_sizes), out
 
 
-def caller_time(cfg: CheckConfig) -> tuple[bool, Figures]:
+def _caller_time(cfg: CheckConfig) -> tuple[bool, Figures]:
     """The caller's time per ``offload()`` and ``load()`` call of ``pages`` pages."""
     blocks = 2 * cfg.pages
     caches = _caches(cfg, blocks)
@@ -324,7 +332,7 @@ def caller_time(cfg: CheckConfig) -> tuple[bool, Figures]:
     return True, out
 
 
-def overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
+def _overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
     """A matmul dispatched right after an ``offload()`` of ``offload_bytes``, against
     the same matmul alone: wall time from its dispatch until it is ready; with the
     offload's copies beside XLA's stream (the default) and on it."""
@@ -369,9 +377,10 @@ def overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
 
 
 STEPS: tuple[tuple[str, Step], ...] = (
-    ("versions", versions), ("callback_spy", callback_spy), ("round_trips", round_trips),
-    ("callback_faults", callback_faults), ("no_cache_copy", no_cache_copy), ("copy_sizes", copy_sizes),
-    ("caller_time", caller_time), ("overlap", overlap))
+    ("versions", _versions), ("callback_spy", _callback_spy),
+    ("round_trips", _round_trips), ("callback_faults", _callback_faults),
+    ("no_cache_copy", _no_cache_copy), ("copy_sizes", _copy_sizes),
+    ("caller_time", _caller_time), ("overlap", _overlap))
 """The steps, in the order they run: what is cheapest and says the most comes first."""
 
 
@@ -381,6 +390,15 @@ def run(out_dir: str | os.PathLike, cfg: CheckConfig,
 
     A record is ``{"step", "ok", "seconds", ...figures}``, or ``"error"`` where the
     step raised. Returns whether every step was ok.
+
+    Example:
+        >>> import tempfile
+        >>> out = tempfile.mkdtemp()
+        >>> run(out, CheckConfig.small(), [("one", lambda cfg: (True, {"pages": cfg.pages}))],
+        ...     say=lambda line: None)
+        True
+        >>> json.loads(open(os.path.join(out, "first.jsonl")).read())["pages"]
+        4
     """
     path = pathlib.Path(out_dir) / "first.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
