@@ -17,6 +17,8 @@
 # step ran to its end and no host-compute warning was printed, else 1.
 #
 # Usage (from the repository root):  bash benchmarks/device_check.sh OUTDIR
+# A dry run on a CPU machine:  KVXFER_PLATFORM=cpu KVXFER_FIRST_CHECK_ARGS=--small \
+#   bash benchmarks/device_check.sh OUTDIR
 #
 # Wheels: the machine's image already has jax (with its CUDA plugin), numpy, absl-py,
 # pytest, matplotlib, cuda-bindings, torch and cupy. kvxfer itself travels as its own
