@@ -143,6 +143,44 @@ def test_a_load_failing_between_shards_hands_back_every_shard(monkeypatch):
     mgr.close()
 
 
+def test_failures_on_data_parallel_groups_wait_for_every_group(monkeypatch):
+    """A block dim split over 2 devices (one DMA mover a group): an offload failing in
+    the call and a load failing on the transfer thread give back their slots and pins
+    only once every group's program has run; the caches go on."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    caches = testing.random_caches(2, 16, (4, 128), "float32",
+                                   sharding=NamedSharding(mesh, P("data")))
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    assert mgr.paths == ["dma", "dma"]
+    pages = mgr.offload(caches, [1, 9], keys=[1, 2]).wait()  # one page a group
+    before = [bits(c) for c in caches]
+
+    def hook(event, layer, array):
+        if event == "gather_enqueued":
+            raise OSError("fails once both groups are enqueued")
+
+    mgr.set_transfer_hook(hook)
+    with pytest.raises(TransferError, match="fails once both groups"):
+        mgr.offload(caches, [2, 10], keys=[3, 4])
+    mgr.set_transfer_hook(None)
+    assert mgr.num_free_pages == 6 and TICKETS.pending() == 0
+    with testing.failing_transfer(mgr):
+        new, load = mgr.load(caches, pages, [3, 11])
+    with pytest.raises(TransferError) as err:
+        load.result()
+    landed = [b.copy() for b in before]  # the programs ran; the thread failed after
+    for b in landed:
+        b[[3, 11]] = b[[1, 9]]
+    assert_alive(err.value.kv_caches, landed)
+    new, load = mgr.load(new, pages, [3, 11])
+    assert load.result().verified_prefix == 2
+    for c, b in zip(new, before):
+        assert np.array_equal(bits(c)[[3, 11]], b[[1, 9]])
+    mgr.close()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_addresses_need_no_type_string(dtype):
     """The callback reads a buffer's address from its DLPack capsule alone: a buffer
