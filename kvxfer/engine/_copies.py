@@ -178,6 +178,14 @@ class _DLTensor(ctypes.Structure):
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
+# Where the ``DLTensor`` sits in what a capsule holds: first in a ``DLManagedTensor``;
+# in a ``DLManagedTensorVersioned`` (DLPack 1.x) after its version (two uint32), its
+# manager context, its deleter and its flags (8 bytes each).
+_TENSOR_AT = {b"dltensor": 0, b"dltensor_versioned": 32}
 
 
 def buffer_address(buf: Any) -> int:
@@ -201,8 +209,12 @@ def buffer_address(buf: Any) -> int:
             except Exception:  # noqa: BLE001 - device memory: not a host array
                 pass
         return int(buf.__cuda_array_interface__["data"][0])
-    # The capsule keeps its name ("dltensor"): its destructor frees the export.
-    tensor = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    # The capsule keeps its name (it is not consumed): its destructor frees the export.
+    name = _capsule_name(capsule)
+    if name not in _TENSOR_AT:
+        raise TypeError(f"a DLPack capsule named {name!r}; expected one of "
+                        f"{sorted(_TENSOR_AT)}")
+    tensor = _DLTensor.from_address(_capsule_pointer(capsule, name) + _TENSOR_AT[name])
     return int(tensor.data or 0) + int(tensor.byte_offset)
 
 
