@@ -3,7 +3,8 @@
 The DMA mover describes every transfer as *copy descriptors*: three arrays of
 destination addresses, source addresses and sizes (``Copies``), adjacent ranges merged
 into one copy. A *copy engine* executes them: on a GPU the CUDA driver's copy engines,
-enqueued on XLA's own stream (``kvxfer.engine._cuda``); on XLA:CPU the
+enqueued on XLA's own stream or beside it on the engine's own (``kvxfer.engine._cuda``;
+``copy_beside``); on XLA:CPU the
 ``HostCopyEngine`` here, which runs the same descriptors with ``memmove`` inside the
 program. Nothing else differs between the two, so CPU tests run every line of the
 mover but the driver calls.
@@ -13,7 +14,13 @@ whose buffer address identifies the call while the program runs (``Tickets``). T
 caller's thread files a ``CopyJob`` under a ticket before it enqueues the program; the
 program's callback takes it by the address of the buffer it is handed. No device value
 is read on the host, so the lookup costs nothing on a GPU, and programs may run in any
-order.
+order. A ticket serves another call only once its program has looked it up or can no
+longer run, so an old program never takes a new call's job; a job holds the pool's
+memory, so no program copies to or from memory unmapped under it.
+
+Nothing in a callback may raise into XLA (a load's program would fail after XLA
+confirmed the donation of the caches): failures are kept on the job, and
+``callback_fault`` makes each step fail in turn for tests.
 """
 
 from __future__ import annotations
