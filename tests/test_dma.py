@@ -389,8 +389,8 @@ def test_offload_copies_run_beside_xlas_stream(missing_wait, monkeypatch):
         # What a mover that forgot the wait would commit; the wait (and the staging's
         # release) comes only at the end, so no copy reads memory already given back.
         finish = _dma._finish_side
-        monkeypatch.setattr(_dma, "_finish_side", lambda state, nbytes, strict: late.append(
-            lambda: finish(state, nbytes, strict)))
+        monkeypatch.setattr(_dma, "_finish_side", lambda state, strict: late.append(
+            lambda: finish(state, strict)))
     caches = caches_of("float32", layers=4)
     before = [bits(c) for c in caches]
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")

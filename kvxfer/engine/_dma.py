@@ -324,12 +324,13 @@ class DmaOffload(NamedTuple):
     """What an offload enqueued: its jobs, an output of each program (ready once its
     copies are done, or enqueued beside XLA's stream), the digests being computed
     (None with integrity off), and for copies beside XLA's stream the gathered rows
-    they read (held until they are done; emptied then)."""
+    they read (held until they are done; emptied then) and the budget they took."""
 
     jobs: list[CopyJob]
     done: list[jax.Array]
     digests: Pending | None
     staging: list[jax.Array]
+    side_bytes: int = 0
 
 
 class _SideBudget:
@@ -381,9 +382,10 @@ def stream_mode() -> str:
     return mode
 
 
-def _finish_side(state: DmaOffload, nbytes: int, strict: bool) -> None:
+def _finish_side(state: DmaOffload, strict: bool) -> None:
     """Waits for copies run beside XLA's stream, then lets their staging go (and its
-    bytes from the budget). ``strict``: raise ``TransferError`` for a failed wait."""
+    bytes from the budget; once). ``strict``: raise ``TransferError`` for a failed
+    wait."""
     if not state.staging:
         return
     error = None
@@ -394,7 +396,7 @@ def _finish_side(state: DmaOffload, nbytes: int, strict: bool) -> None:
             except BaseException as e:  # noqa: BLE001 - every copy is waited for first
                 error = error or e
     state.staging.clear()
-    _SIDE.give(nbytes)
+    _SIDE.give(state.side_bytes)
     if error is not None and strict:
         raise TransferError(f"the copies beside XLA's stream failed: {error}") from error
 
@@ -533,13 +535,16 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
             TICKETS.withdraw(job)
             raise
 
-    def _side_bytes(self, k: int) -> int:
-        """Device staging an offload of ``k`` pages beside XLA's stream holds."""
-        return k * len(self.cls.layers) * self.cls.shard_block_bytes * self.cls.num_shards
+    def _side_bytes(self, batch, array: Any) -> int:
+        """Device staging an offload of ``batch`` beside XLA's stream holds: the rows
+        of its padded block ids, every layer, every shard."""
+        rows = self._size(batch.k, array) or len(batch.padded)
+        return rows * len(self.cls.layers) * self.cls.shard_block_bytes * self.cls.num_shards
 
     def start_offload(self, layers, batch, slots, with_digest):
-        side = self._beside() and _SIDE.take(self._side_bytes(batch.k))
-        state = DmaOffload([], [], None, [])
+        nbytes = self._side_bytes(batch, layers[0].primary[0])
+        side = self._beside() and _SIDE.take(nbytes)
+        state = DmaOffload([], [], None, [], nbytes if side else 0)
         parts = []
         try:
             for s in range(self.cls.num_shards):
@@ -553,38 +558,30 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
         except BaseException:
             # The shards enqueued write the offload's slots: the caller gives them back
             # once these programs can no longer copy (a failure in the call waits).
-            self._quiesce(state, batch.k, side)
+            _quiesce(state.jobs, state.done)
+            if state.staging:
+                _finish_side(state, strict=False)
+            else:  # no program was enqueued: the budget taken goes back
+                _SIDE.give(state.side_bytes)
             raise
         return state._replace(digests=Pending(parts, batch.k) if with_digest else None)
 
     def finish_offload(self, state: DmaOffload, slots):
-        nbytes = self._side_bytes(len(slots))
         try:
             _settle(state.jobs, state.done, f"DMA offload of {self.cls.name}")
         except BaseException:
-            _finish_side(state, nbytes, strict=False)
+            _finish_side(state, strict=False)
             raise
-        _finish_side(state, nbytes, strict=True)  # the host pages are written after this
+        _finish_side(state, strict=True)  # the host pages are written after this
         if state.digests is not None:
             d = state.digests.get()
             for s in range(self.cls.num_shards):
                 self._store_digests(slots, s, d[:, s])
 
-    def _quiesce(self, state: DmaOffload, k: int, side: bool) -> None:
-        _quiesce(state.jobs, state.done)
-        if side:
-            if state.staging:
-                _finish_side(state, self._side_bytes(k), strict=False)
-            else:  # no program was enqueued: the budget taken goes back
-                _SIDE.give(self._side_bytes(k))
-
     def quiesce(self, state) -> None:
+        _quiesce(state.jobs, state.done)
         if isinstance(state, DmaOffload):
-            _quiesce(state.jobs, state.done)
-            _finish_side(state, self._side_bytes(len(state.jobs[0].slots)) if state.jobs
-                         else 0, strict=False)
-        else:
-            _quiesce(state.jobs, state.done)
+            _finish_side(state, strict=False)
 
     # -- load ---------------------------------------------------------------------
 
