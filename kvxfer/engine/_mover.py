@@ -35,7 +35,8 @@ class TransferError(RuntimeError):
 
     Attributes:
       kv_caches: for a load that failed in the call, the caches to continue with
-        (classes already loaded replaced, the rest as given); None otherwise.
+        (classes already loaded replaced, the rest as given); for a load whose handle
+        failed, the arrays ``load()`` returned; None otherwise.
     """
 
     def __init__(self, message: str, *, kv_caches: list[jax.Array] | None = None):
