@@ -331,8 +331,8 @@ class LoadHandle(_Transfer):
         failure = None
         if error is not None and not cancelled:
             failure = AgreementError(f"load failed: {error}", subjects=error.subjects) \
-                if isinstance(error, AgreementError) else TransferError(
-                    f"load failed: {error}", kv_caches=kv_caches)
+                if isinstance(error, AgreementError) else TransferError(f"load failed: {error}")
+            failure.kv_caches = kv_caches
             failure.__cause__ = error
         self._verify_once = None
         with self._layers:
