@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# One device check on an accelerator machine with no network (an NVIDIA H200 here):
-# installs kvxfer from wheels placed beside the checkout, records the machine, runs a
-# round trip and fault check through the public API on path=auto (the DMA mover on a
+# One device check on an accelerator machine with no network (an NVIDIA H100 or H200):
+# installs kvxfer from wheels placed beside the checkout, records the machine, then
+# runs first the short check (kvxfer.bench.first_check, about 2-3 minutes: versions and
+# driver ABI, a spy in the DMA callback, exact bf16 and fp8 round trips with relayout
+# never and always, in-place loads, no copy of the caches in the load program,
+# throughput per copy size against a large pinned copy, the caller's time per call, and
+# how long a matmul dispatched right after an offload waits), each step's figures
+# written to first.jsonl as soon as they exist, so a run cut short still reports. Then
+# a round trip and fault check through the public API on path=auto (the DMA mover on a
 # GPU with cuda-bindings) and path=pinned (the pure-JAX pages route), the tests that
 # can use the device, and one `kvxfer bench --quick` run (plain-JAX routes and the
 # copy-size sweep included), then counts XLA's host-compute warnings in the log. Each
-# step has its own time limit and the limits add up to 6 minutes; a failing step is
-# recorded and the next one still runs. Exit status: 0 when every step ran to its end
-# and no host-compute warning was printed, else 1.
+# step has its own time limit, sized for XLA:GPU's compiles (each new program costs
+# seconds there); the limits add up to under 10 minutes (one device command's limit).
+# A failing step is recorded and the next one still runs. Exit status: 0 when every
+# step ran to its end and no host-compute warning was printed, else 1.
 #
 # Usage (from the repository root):  bash benchmarks/device_check.sh OUTDIR
+# A dry run on a CPU machine:  KVXFER_PLATFORM=cpu KVXFER_FIRST_CHECK_ARGS=--small \
+#   bash benchmarks/device_check.sh OUTDIR
 #
 # Wheels: the machine's image already has jax (with its CUDA plugin), numpy, absl-py,
 # pytest, matplotlib, cuda-bindings, torch and cupy. kvxfer itself travels as its own
@@ -21,14 +30,15 @@
 # (PYTHONPATH).
 #
 # What comes back (at most 8 files, at most two folders deep):
-#   OUTDIR/log.txt            every step's output, with its time and exit status
+#   OUTDIR/log.txt            every step's output, with its time and exit status, and
+#                             the count of "does device compute in host memory space"
 #   OUTDIR/env.txt            nvidia-smi, python, jax and its devices, kvxfer version,
 #                             the CUDA driver and the copy engine kvxfer uses
+#   OUTDIR/first.jsonl        the short check: one JSON object a step, as it ended
 #   OUTDIR/check.json         the public-API check (benchmarks/device_check.py)
 #   OUTDIR/tests.xml          JUnit report of the device tests (absent if cut short)
 #   OUTDIR/bench/bench.json   the bench report (and bench/bench.png with matplotlib)
 #   OUTDIR/bench/bench.txt    the bench report as text
-#   OUTDIR/warnings.txt       the count of "does device compute in host memory space"
 set -u
 out=${1:?usage: bash benchmarks/device_check.sh OUTDIR}
 cd "$(dirname "$0")/.."
@@ -109,27 +119,29 @@ EOF
 } > "$out/env.txt" 2>&1 || status=1
 cat "$out/env.txt" >> "$log"
 
-step "public API check" 45 bash -c "JAX_PLATFORMS='$platform' '$py' \
+step "first check" 150 env JAX_PLATFORMS=$platform "$py" -m kvxfer.bench.first_check "$out" \
+  ${KVXFER_FIRST_CHECK_ARGS:-}
+
+step "public API check" 60 bash -c "JAX_PLATFORMS='$platform' '$py' \
   benchmarks/device_check.py > '$out/check.json'"
 
 # The tests run on the device: conftest.py only sets JAX_PLATFORMS when it is unset.
 # Tests written for XLA:CPU facts (4 CPU devices, the raw path) skip with their reason.
 # -v: one line per test in the log, so a run cut short by its limit still says which
 # tests passed.
-step "device tests" 75 env JAX_PLATFORMS=$platform "$py" -m pytest -v -p no:cacheprovider \
-  -rs --junitxml="$out/tests.xml" tests/test_dma.py tests/test_lowering.py \
+step "device tests" 180 env JAX_PLATFORMS=$platform "$py" -m pytest -v -p no:cacheprovider \
+  -rs --junitxml="$out/tests.xml" tests/test_dma.py tests/test_dma_faults.py tests/test_lowering.py \
   "tests/test_faults.py::test_zero_dma_is_caught_on_every_mover[dma-layer]" \
   "tests/test_faults.py::test_zero_dma_is_caught_on_every_mover[pinned-all]" \
   tests/test_manager.py::test_a_load_that_moves_nothing_keeps_the_sharing_scan \
   tests/test_integration_sglang.py::test_a_plain_host_pool_has_no_sharding_in_the_slots_view \
   tests/test_value_semantics.py tests/test_engine_loop.py
 
-step "kvxfer bench" 200 bash -c "env JAX_PLATFORMS=$platform '$py' -m kvxfer bench --quick \
+step "kvxfer bench" 150 bash -c "env JAX_PLATFORMS=$platform '$py' -m kvxfer bench --quick \
   --no-check --out '$out/bench' > '$out/bench/bench.txt'"
 
 # XLA prints one warning per instruction it turns into host compute.
-grep -c "does device compute in host memory space" "$log" > "$out/warnings.txt"
-warnings=$(cat "$out/warnings.txt")
+warnings=$(grep -c "does device compute in host memory space" "$log")
 echo "== host-compute warnings: $warnings" | tee -a "$log"
 [ "$warnings" -eq 0 ] || status=1
 

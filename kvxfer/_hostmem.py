@@ -4,7 +4,9 @@ A class pool the DMA mover copies into lives in an anonymous mapping of its own:
 page-aligned and zero-filled, bound to the NUMA node the device is attached to (where
 the platform says which) before any page is touched, backed by transparent huge pages
 where the kernel allows, and page-locked by the copy engine (``cuMemHostRegister`` on
-CUDA, portable across the machine's GPUs) so transfers go straight to and from it.
+CUDA, portable across the machine's GPUs) so transfers go straight to and from it. A
+page-locked pool is not inherited by forked children (``MADV_DONTFORK``), so a fork
+can never move the pages a DMA targets.
 XLA's ``pinned_host`` memory kind is none of these: on GPU its pool is capped (64 GB by
 default) and allocated on NUMA node 0.
 
@@ -124,6 +126,10 @@ class HostMemory:
             else:
                 log.info("host memory of %d bytes not bound to NUMA node %d: %s",
                          self.nbytes, numa_node, why)
+        if pin is not None and hasattr(mmap, "MADV_DONTFORK"):
+            # A forked child must not share pages a copy engine writes: copy-on-write
+            # would move the parent's pages while DMA still targets the old ones.
+            mapping.madvise(mmap.MADV_DONTFORK)
         unpin = pin(self.address, self.nbytes) if pin is not None else None
         self.pinned = unpin is not None
         # The mapping lives as long as any view of it; the pin ends with this object

@@ -10,6 +10,10 @@ every call is recorded.
 from __future__ import annotations
 
 import ctypes as c
+import itertools
+import queue
+import threading
+import time
 from typing import Any
 
 from kvxfer.engine._cuda import CudaCopyEngine, Driver
@@ -34,31 +38,76 @@ _PROTOTYPES = {
     "cuMemHostUnregister": (c.c_void_p,),
     "cuDeviceGet": (c.POINTER(c.c_int), c.c_int),
     "cuDevicePrimaryCtxRetain": (c.POINTER(c.c_void_p), c.c_int),
+    "cuDevicePrimaryCtxRelease": (c.c_int,),  # CUdevice
     "cuCtxPushCurrent": (c.c_void_p,),
     "cuCtxPopCurrent": (c.POINTER(c.c_void_p),),
     "cuDeviceGetAttribute": (c.POINTER(c.c_int), c.c_int, c.c_int),
     # char* in the driver; a callback given c_char_p would see a copy as bytes.
     "cuDeviceGetPCIBusId": (c.c_void_p, c.c_int, c.c_int),
     "cuGetErrorString": (c.c_int, c.POINTER(c.c_char_p)),
+    "cuStreamCreate": (c.POINTER(c.c_void_p), c.c_uint),
+    "cuEventCreate": (c.POINTER(c.c_void_p), c.c_uint),
+    "cuEventRecord": (c.c_void_p, c.c_void_p),          # CUevent, CUstream
+    "cuStreamWaitEvent": (c.c_void_p, c.c_void_p, c.c_uint),  # CUstream, CUevent, flags
+    "cuEventQuery": (c.c_void_p,),
+    "cuEventSynchronize": (c.c_void_p,),
+    "cuEventDestroy": (c.c_void_p,),
 }
+CUDA_ERROR_NOT_READY = 600
+
+
+class _Stream:
+    """A stream of the stand-in driver: a thread running what is enqueued on it in
+    order, each copy ``delay`` seconds late, so work that does not wait for it sees the
+    bytes from before."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            kind, arg = self.queue.get()
+            if kind == "copy":
+                time.sleep(self.delay)
+                for d, s, n in arg:
+                    c.memmove(d, s, n)
+            elif kind == "record":
+                arg.set()
+            elif kind == "wait":
+                arg.wait()
 
 
 class FakeDriver:
     """Driver entry points over host memory, recording every call.
 
+    Streams it makes (``cuStreamCreate``) are threads that run their copies ``delay``
+    seconds late; any other stream handle stands for XLA's stream on XLA:CPU, where a
+    program's work before its callback has run by the time the callback does: copies
+    there run at once, an event recorded there is complete, a wait there blocks.
+
     Args:
       version: what ``cuDriverGetVersion`` would say (12080: 12.8; below: no batch call).
       numa: what ``CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`` gives (-1: no NUMA).
       fail: entry point name -> CUresult it returns instead of working.
+      delay: how late a stream of its own runs each copy, in seconds.
     """
 
-    def __init__(self, version: int = 13000, numa: int = -1, fail: dict[str, int] | None = None):
+    def __init__(self, version: int = 13000, numa: int = -1, fail: dict[str, int] | None = None,
+                 delay: float = 0.05):
         self.version = version
+        self.delay = delay
+        self.streams: dict[int, _Stream] = {}
+        self.events: dict[int, threading.Event] = {}
+        self._handles = itertools.count(0xE000)
         self.numa = numa
         self.fail = dict(fail or {})
         self.calls: list[tuple[str, Any]] = []
         self.context: list[int] = []
         self.registered: dict[int, tuple[int, int, int]] = {}  # address -> (size, flags, ctx)
+        self.retained: dict[int, int] = {}  # device -> primary context references held
         self._message = c.c_char_p(b"out of memory")
         self._keep: list[Any] = []
 
@@ -89,14 +138,70 @@ class FakeDriver:
                                          failidx=failidx is not None)))
         if self._failing("cuMemcpyBatchAsync"):
             return self._failing("cuMemcpyBatchAsync")
-        for i in range(count):
-            c.memmove(dsts[i], srcs[i], sizes[i])
+        self._copy(stream, [(dsts[i], srcs[i], sizes[i]) for i in range(count)])
         return 0
 
     def _cuMemcpyAsync(self, dst, src, n, stream):
         self.calls.append(("copy", dict(size=n, stream=stream)))
-        c.memmove(dst, src, n)
+        self._copy(stream, [(dst, src, n)])
         return self._failing("cuMemcpyAsync")
+
+    def _copy(self, stream, copies):
+        # The descriptors are read during the call, as the driver reads them.
+        if stream in self.streams:
+            self.streams[stream].queue.put(("copy", copies))
+        else:
+            for d, s, n in copies:
+                c.memmove(d, s, n)
+
+    def _cuStreamCreate(self, out, flags):
+        handle = next(self._handles)
+        self.streams[handle] = _Stream(self.delay)
+        self.calls.append(("stream", dict(flags=flags)))
+        out[0] = handle
+        return 0
+
+    def _cuEventCreate(self, out, flags):
+        handle = next(self._handles)
+        self.events[handle] = threading.Event()
+        out[0] = handle
+        return 0
+
+    def _cuEventRecord(self, event, stream):
+        if event not in self.events:
+            return CUDA_ERROR_INVALID_VALUE
+        self.events[event].clear()
+        self.calls.append(("record", dict(stream=stream)))
+        if stream in self.streams:
+            self.streams[stream].queue.put(("record", self.events[event]))
+        else:
+            self.events[event].set()
+        return 0
+
+    def _cuStreamWaitEvent(self, stream, event, flags):
+        if event not in self.events:
+            return CUDA_ERROR_INVALID_VALUE
+        self.calls.append(("wait", dict(stream=stream)))
+        if stream in self.streams:
+            self.streams[stream].queue.put(("wait", self.events[event]))
+        else:
+            self.events[event].wait()
+        return 0
+
+    def _cuEventQuery(self, event):
+        if event not in self.events:
+            return CUDA_ERROR_INVALID_VALUE
+        return 0 if self.events[event].is_set() else CUDA_ERROR_NOT_READY
+
+    def _cuEventSynchronize(self, event):
+        if event not in self.events:
+            return CUDA_ERROR_INVALID_VALUE
+        self.events[event].wait()
+        return 0
+
+    def _cuEventDestroy(self, event):
+        # A recorded event may be destroyed at once: the stream still sets it.
+        return 0 if self.events.pop(event, None) is not None else CUDA_ERROR_INVALID_VALUE
 
     def _cuMemHostRegister(self, p, size, flags):
         self.calls.append(("register", dict(address=p, size=size, flags=flags)))
@@ -115,6 +220,13 @@ class FakeDriver:
 
     def _cuDevicePrimaryCtxRetain(self, out, dev):
         out[0] = 0x1000 + dev
+        self.retained[dev] = self.retained.get(dev, 0) + 1
+        return 0
+
+    def _cuDevicePrimaryCtxRelease(self, dev):
+        if not self.retained.get(dev):
+            return CUDA_ERROR_INVALID_VALUE  # released more often than retained
+        self.retained[dev] -= 1
         return 0
 
     def _cuCtxPushCurrent(self, ctx):
@@ -149,3 +261,6 @@ class HostStreamEngine(CudaCopyEngine):
 
     def copy(self, copies, stream, direction="offload"):
         super().copy(copies, self.STREAM, direction)
+
+    def copy_beside(self, copies, stream, direction="offload"):
+        return super().copy_beside(copies, self.STREAM, direction)

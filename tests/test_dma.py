@@ -255,10 +255,41 @@ def test_cuda_engine_pins_host_memory_in_the_primary_context():
     mem = HostMemory(1 << 20, numa_node=engine.numa_node(), pin=engine.pin)
     assert mem.pinned
     assert fake.registered[mem.address] == (1 << 20, 1, 0x1002)  # portable, device 2's
-    assert fake.context == []
+    assert fake.context == [] and fake.retained == {2: 0}  # retained for the call only
+    assert "dc" in vm_flags(mem.address)  # not inherited by a forked child
     mem.close()
     assert mem.address not in fake.registered and fake.context == []
+    assert fake.retained == {2: 0}
+    plain = HostMemory(1 << 20)
+    assert "dc" not in vm_flags(plain.address)  # memory no copy engine locked forks as usual
     assert FakeDriver(numa=-1).driver().host_numa_node(0) is None  # no NUMA, no sysfs
+
+
+def vm_flags(address: int) -> list[str]:
+    """The kernel's ``VmFlags`` of the mapping holding ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_without_buffer_callback_the_mover_is_refused_with_its_reason(monkeypatch):
+    """jax before 0.6.1 has no ``buffer_callback``: ``import kvxfer`` still works and
+    the DMA mover says why it cannot run."""
+    from kvxfer.engine import _dma
+
+    monkeypatch.setattr(_dma, "buffer_callback", None)
+    x = jnp.zeros((8, 128), jnp.float32)
+    assert "has no jax.experimental.buffer_callback (first shipped in jax 0.6.1)" in \
+        dma_refusal(x)
+    with pytest.raises(kvxfer.LayoutError, match="buffer_callback"):
+        kvxfer.KVCacheManager([x], num_host_blocks=2, path="dma")
 
 
 def test_a_failed_pin_releases_nothing_twice():
@@ -266,13 +297,15 @@ def test_a_failed_pin_releases_nothing_twice():
     engine = CudaCopyEngine(fake.driver(), ordinal=0)
     with pytest.raises(DriverError, match="cuMemHostRegister failed"):
         HostMemory(1 << 16, pin=engine.pin)
-    assert fake.context == []
+    assert fake.context == [] and fake.retained == {0: 0}
 
 
 @HOST_ENGINE
 def test_the_dma_mover_runs_over_the_cuda_engine(monkeypatch):
     """The mover's descriptors through the CUDA engine's batch call: every copy of a
-    transfer in one call, bytes exact."""
+    transfer in one call, bytes exact (on XLA's stream: see the next test for copies
+    beside it)."""
+    monkeypatch.setenv("KVXFER_DMA_STREAM", "xla")
     fake = FakeDriver()
     engine = HostStreamEngine(fake.driver(), ordinal=0)
     monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
@@ -283,6 +316,26 @@ def test_the_dma_mover_runs_over_the_cuda_engine(monkeypatch):
     assert [b["count"] for b in batches] == [12, 12]  # 3 pages x 4 layers, each way
     assert all(b["stream"] == HostStreamEngine.STREAM for b in batches)
     assert [b["src"][0] for b in batches] == [1, 2]  # offload from device, load from host
+    mgr.close()
+
+
+@HOST_ENGINE
+def test_a_looping_engine_relayouts_whatever_the_block_size(monkeypatch):
+    """A driver without the batch call: ``cuMemcpyAsync`` per page (or run of pages),
+    not per layer."""
+    fake = FakeDriver(version=12040)
+    engine = HostStreamEngine(fake.driver(), ordinal=0)
+    assert engine.mode == "loop"
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    caches = caches_of("float32", layers=4, shape=(64, 256))  # 64 KiB blocks
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    assert mgr._movers[0].relayout
+    caches, _, _ = round_trip(mgr, caches, [3, 1, 12], [0, 5, 6])
+    # Pages in consecutive slots and staging rows: one copy each way (without the
+    # relayout, one per layer and page: 12 each way).
+    assert [kind for kind, _ in fake.calls if kind == "copy"] == ["copy"] * 2
+    monkeypatch.setenv("KVXFER_DMA_RELAYOUT", "never")
+    assert not kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")._movers[0].relayout
     mgr.close()
 
 
@@ -314,4 +367,78 @@ def test_prefetch_then_cancel_releases_the_pins():
     mgr.free(pages)
     assert mgr.num_free_pages == 8 and TICKETS.pending() == 0
     assert not any(a.is_deleted() for a in new)
+    mgr.close()
+
+
+# -- copies beside XLA's stream (the stand-in driver's streams run them late) -------
+
+@HOST_ENGINE
+@pytest.mark.parametrize("missing_wait", [False, True])
+def test_offload_copies_run_beside_xlas_stream(missing_wait, monkeypatch):
+    """An offload's copies run on the engine's own stream, late: the caller's next step
+    (a donating write of the offloaded blocks) runs while they are still pending, the
+    pages hold the blocks as they were at the call (the copies read the gathered rows
+    the offload holds), and only the wait for their event makes the pages complete."""
+    from kvxfer.engine import _dma
+
+    fake = FakeDriver(delay=0.5)
+    engine = HostStreamEngine(fake.driver(), ordinal=0)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    late = []
+    if missing_wait:
+        # What a mover that forgot the wait would commit; the wait (and the staging's
+        # release) comes only at the end, so no copy reads memory already given back.
+        finish = _dma._finish_side
+        monkeypatch.setattr(_dma, "_finish_side", lambda state, strict: late.append(
+            lambda: finish(state, strict)))
+    caches = caches_of("float32", layers=4)
+    before = [bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    pool = mgr.host_pool.pools[0].data
+    step = jax.jit(lambda cs: [c.at[jnp.array([3, 1, 12])].set(0) for c in cs],
+                   donate_argnums=0)
+    jax.block_until_ready(step(testing.random_caches(4, 16, (8, 64), "float32", seed=9)))
+
+    handle = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3])
+    caches = step(caches)  # the engine's next step, dispatched at once
+    jax.block_until_ready(caches)
+    assert not pool.any()  # the copies are still to come
+    if not missing_wait:
+        assert not handle.done()  # it ends once the copies are done
+    pages = handle.wait()
+    side = {call["stream"] for kind, call in fake.calls if kind == "batch"}
+    assert side == set(fake.streams) and HostStreamEngine.STREAM not in side
+
+    new, load = mgr.load(caches, pages, [0, 5, 6])
+    if missing_wait:
+        assert load.result().verified_prefix == 0  # the wrong bytes are caught
+        for wait in late:
+            wait()
+    else:
+        assert load.result().verified_prefix == 3
+        for c, b in zip(new, before):
+            assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
+    mgr.close()
+
+
+@HOST_ENGINE
+def test_offloads_beside_xlas_stream_hold_bounded_staging(monkeypatch):
+    """Past ``KVXFER_DMA_SIDE_BYTES`` of staging in flight, an offload runs its copies
+    on XLA's stream; every byte of the budget comes back."""
+    from kvxfer.engine import _dma
+
+    fake = FakeDriver(delay=0.3)
+    engine = HostStreamEngine(fake.driver(), ordinal=0)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    monkeypatch.setenv("KVXFER_DMA_SIDE_BYTES", "1")  # one offload at a time beside
+    caches = caches_of("float32", layers=2)
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    first = mgr.offload(caches, [1, 2], keys=[1, 2])
+    second = mgr.offload(caches, [3, 4], keys=[3, 4])
+    pages = first.wait() + second.wait()
+    streams = [call["stream"] for kind, call in fake.calls if kind == "batch"]
+    assert streams[0] in fake.streams and streams[1] == HostStreamEngine.STREAM
+    assert _dma._SIDE.held == 0
+    caches, load = mgr.load(caches, pages, [8, 9, 10, 11])
+    assert load.result().verified_prefix == 4
     mgr.close()

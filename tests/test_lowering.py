@@ -43,9 +43,12 @@ def _programs_of_the_routes():
         token = _sds((1,), np.uint32, DEVICE)
         for relayout in (False, True):
             options = (relayout, False, 2)
-            for kind in ("dma_offload", "dma_load"):
-                yield (f"{kind}-relayout{relayout}-digest{with_digest}", kind, caches,
-                       (token, ids, count, *digest), with_digest, options)
+            yield (f"dma_load-relayout{relayout}-digest{with_digest}", "dma_load", caches,
+                   (token, ids, count, *digest), with_digest, options)
+            for side in (False, True):  # copies on XLA's stream, or beside it
+                yield (f"dma_offload-relayout{relayout}-side{side}-digest{with_digest}",
+                       "dma_offload", caches, (token, ids, count, *digest), with_digest,
+                       options + (side,))
         yield (f"pages_offload-digest{with_digest}", "pages_offload", caches,
                (ids, count, *digest), with_digest, (2, False, B, PINNED))
         rows = tuple(_sds((words,), np.uint16, DEVICE) for _ in range(B))

@@ -3,9 +3,9 @@
 Copy engines move large copies at the link and small ones at a fraction of it (vLLM
 measured 5-7 GB/s below about 28 KiB per copy on an H100). This section moves
 ``copy_bytes`` per call as blocks of each of ``copy_sizes`` bytes of one layer, in a
-random block order (so no two copies merge), with ``path="dma"`` and the device-side
-relayout off, against the limit in the same run: what one copy of each size costs,
-which is what decides ``_dma.RELAYOUT_BELOW``.
+random block order (so no two copies merge), with ``path="dma"``, the device-side
+relayout off and every copy on XLA's stream, against the limit in the same run: what
+one copy of each size costs, which is what decides ``_dma.RELAYOUT_BELOW``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ def copy_size_section(cfg: BenchConfig, limit: Limit, progress: Progress
                       ) -> tuple[list[dict[str, Any]], str | None]:
     """One row per copy size; or no rows and why (no copy engine on this backend)."""
     rows: list[dict[str, Any]] = []
-    saved = os.environ.get("KVXFER_DMA_RELAYOUT")
-    os.environ["KVXFER_DMA_RELAYOUT"] = "never"
+    # Copies of the blocks as they lie: no relayout, and none for offloads beside XLA's
+    # stream either (those copy gathered rows).
+    forced = {"KVXFER_DMA_RELAYOUT": "never", "KVXFER_DMA_STREAM": "xla"}
+    saved = {k: os.environ.get(k) for k in forced}
+    os.environ.update(forced)
     try:
         for size in cfg.copy_sizes:
             n = max(1, cfg.copy_bytes // size)
@@ -43,9 +46,10 @@ def copy_size_section(cfg: BenchConfig, limit: Limit, progress: Progress
                 return [], f"copy sizes: the DMA mover cannot run here: {why}"
             rows.append(_row(cfg, limit, caches, n, size))
     finally:
-        os.environ.pop("KVXFER_DMA_RELAYOUT", None)
-        if saved is not None:
-            os.environ["KVXFER_DMA_RELAYOUT"] = saved
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
     return rows, None
 
 

@@ -36,7 +36,9 @@ array without its buffers (``abstract``), every layer's shards at once
 between arrays (``shared_buffers``), whether a mover can take an array
 (``raw_capable``, ``pinned_capable``, ``pallas_refusal``, ``dma_refusal``), the
 pinned mover's class on a platform (``pinned_mover``), the copy
-engine of each platform (``COPY_ENGINES``, ``copy_engine``), whether a GPU is NVIDIA's
+engine of each platform (``COPY_ENGINES``, ``copy_engine``), what the DMA programs'
+callbacks see and a failure injected at each of their steps (``spy_callbacks``,
+``CALLBACK_STEPS``, ``callback_fault``: device checks), whether a GPU is NVIDIA's
 (``is_cuda``), compiles collected to run
 side by side (``deferred_compiles``), an array's format handed to the programs
 (``known_format``) and the digest programs' chunk (``DIGEST_CHUNK``). They are
@@ -56,6 +58,9 @@ from kvxfer.engine._dma import COPY_ENGINES as COPY_ENGINES
 from kvxfer.engine._dma import DmaMover as DmaMover
 from kvxfer.engine._dma import copy_engine as copy_engine
 from kvxfer.engine._dma import dma_refusal as dma_refusal
+from kvxfer.engine._dma import spy_callbacks as spy_callbacks
+from kvxfer.engine._copies import CALLBACK_STEPS as CALLBACK_STEPS
+from kvxfer.engine._copies import callback_fault as callback_fault
 from kvxfer.engine._emulated import EmulatedMover as EmulatedMover
 from kvxfer.engine._grouped import BlockGroups as BlockGroups
 from kvxfer.engine._grouped import GroupedMover as GroupedMover

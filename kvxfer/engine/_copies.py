@@ -3,7 +3,8 @@
 The DMA mover describes every transfer as *copy descriptors*: three arrays of
 destination addresses, source addresses and sizes (``Copies``), adjacent ranges merged
 into one copy. A *copy engine* executes them: on a GPU the CUDA driver's copy engines,
-enqueued on XLA's own stream (``kvxfer.engine._cuda``); on XLA:CPU the
+enqueued on XLA's own stream or beside it on the engine's own (``kvxfer.engine._cuda``;
+``copy_beside``); on XLA:CPU the
 ``HostCopyEngine`` here, which runs the same descriptors with ``memmove`` inside the
 program. Nothing else differs between the two, so CPU tests run every line of the
 mover but the driver calls.
@@ -13,21 +14,29 @@ whose buffer address identifies the call while the program runs (``Tickets``). T
 caller's thread files a ``CopyJob`` under a ticket before it enqueues the program; the
 program's callback takes it by the address of the buffer it is handed. No device value
 is read on the host, so the lookup costs nothing on a GPU, and programs may run in any
-order.
+order. A ticket serves another call only once its program has looked it up or can no
+longer run, so an old program never takes a new call's job; a job holds the pool's
+memory, so no program copies to or from memory unmapped under it.
+
+Nothing in a callback may raise into XLA (a load's program would fail after XLA
+confirmed the donation of the caches): failures are kept on the job, and
+``callback_fault`` makes each step fail in turn for tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import numpy as np
 
-__all__ = ["Copies", "CopyEngine", "HostCopyEngine", "CopyJob", "Tickets", "TICKETS",
-           "Direction", "buffer_address"]
+__all__ = ["Copies", "CopyEngine", "Completion", "HostCopyEngine", "CopyJob", "Tickets",
+           "TICKETS", "Direction", "buffer_address", "CALLBACK_STEPS", "callback_fault",
+           "step_fault"]
 
 Direction = Literal["offload", "load"]
 """``"offload"``: device blocks to host slots; ``"load"``: host slots to device blocks."""
@@ -94,9 +103,27 @@ class CopyEngine(Protocol):
     name: str
     #: Whether ``copy`` needs the program's stream (``ExecutionContext.stream``).
     uses_stream: bool
+    #: Whether ``copy_beside`` is offered: copies on a stream of the engine's own.
+    side_stream: bool
 
     def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
              ) -> None: ...
+
+    def copy_beside(self, copies: Copies, stream: int | None,
+                    direction: Direction = "offload") -> Completion:
+        """Enqueues the copies on the engine's own stream after the work enqueued on
+        ``stream`` so far; later work on ``stream`` does not wait for them (engines
+        with ``side_stream`` only). Returns what waits for their end."""
+
+
+class Completion(Protocol):
+    """The end of copies running beside XLA's stream (``CopyEngine.copy_beside``)."""
+
+    def done(self) -> bool:
+        """Whether they have finished (never blocks)."""
+
+    def wait(self) -> None:
+        """Blocks until they have finished (idempotent); raises what failed."""
 
     def pin(self, address: int, nbytes: int) -> Callable[[], None] | None:
         """Page-locks host memory for this engine; returns the call that unlocks it (None:
@@ -123,6 +150,7 @@ class HostCopyEngine:
 
     name = "host"
     uses_stream = False
+    side_stream = False
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -145,19 +173,104 @@ class HostCopyEngine:
             self.bytes += copies.nbytes
 
 
-def buffer_address(buf: Any, on_gpu: bool) -> int:
-    """The device address of a buffer a ``buffer_callback`` is handed: through
-    ``__cuda_array_interface__`` on a GPU, ``__array__`` on XLA:CPU."""
-    if on_gpu:
+class _DLTensor(ctypes.Structure):
+    """The head of DLPack's ``DLTensor`` (``dlpack.h``): the data pointer comes first."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("dtype", ctypes.c_uint32), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("byte_offset", ctypes.c_uint64)]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
+# Where the ``DLTensor`` sits in what a capsule holds: first in a ``DLManagedTensor``;
+# in a ``DLManagedTensorVersioned`` (DLPack 1.x) after its version (two uint32), its
+# manager context, its deleter and its flags (8 bytes each).
+_TENSOR_AT = {b"dltensor": 0, b"dltensor_versioned": 32}
+
+
+def buffer_address(buf: Any) -> int:
+    """The device address of a buffer a ``buffer_callback`` is handed, for any dtype.
+
+    Read from the buffer's DLPack capsule (a ``DLManagedTensor``, whose ``DLTensor``
+    comes first): its data pointer plus byte offset, never its type, so float8 types
+    move where ``__cuda_array_interface__`` has no type string for them (XLA refuses
+    to build it). A type DLPack lacks (sub-byte integers) falls back to
+    ``__cuda_array_interface__`` on a GPU and ``__array__`` on XLA:CPU.
+
+    Raises:
+      Exception: the buffer offers no address (the callback records it on its job).
+    """
+    try:
+        capsule = buf.__dlpack__()
+    except Exception:  # noqa: BLE001 - a type DLPack has no code for
+        if hasattr(buf, "__array__"):
+            try:
+                return int(np.asarray(buf).__array_interface__["data"][0])
+            except Exception:  # noqa: BLE001 - device memory: not a host array
+                pass
         return int(buf.__cuda_array_interface__["data"][0])
-    return int(np.asarray(buf).__array_interface__["data"][0])
+    # The capsule keeps its name (it is not consumed): its destructor frees the export.
+    name = _capsule_name(capsule)
+    if name not in _TENSOR_AT:
+        raise TypeError(f"a DLPack capsule named {name!r}; expected one of "
+                        f"{sorted(_TENSOR_AT)}")
+    tensor = _DLTensor.from_address(_capsule_pointer(capsule, name) + _TENSOR_AT[name])
+    return int(tensor.data or 0) + int(tensor.byte_offset)
+
+
+#: The steps of a DMA program's callback, in order (``callback_fault`` names them):
+#: reading the ticket's address, finding its job, reading the buffers' addresses,
+#: describing the copies, and handing them to the copy engine.
+CALLBACK_STEPS: tuple[str, ...] = ("ticket", "lookup", "address", "describe", "copy")
+
+_faults: dict[str, BaseException] = {}
+
+
+@contextlib.contextmanager
+def callback_fault(step: str, error: BaseException | None = None) -> Iterator[None]:
+    """Makes step ``step`` of every DMA callback run inside the block raise ``error``.
+
+    For tests of what a failure inside a program's callback leaves behind: the
+    callback must record it on its job (or, before the job is found, with the
+    tickets) and return, so the program ends normally and its aliased outputs
+    still hold the caches.
+
+    Example:
+        >>> with callback_fault("copy"):
+        ...     step_fault("copy")
+        Traceback (most recent call last):
+        ...
+        RuntimeError: injected failure at the callback's copy step
+    """
+    if step not in CALLBACK_STEPS:
+        raise ValueError(f"step={step!r}; expected one of {CALLBACK_STEPS}")
+    _faults[step] = error if error is not None else RuntimeError(
+        f"injected failure at the callback's {step} step")
+    try:
+        yield
+    finally:
+        _faults.pop(step, None)
+
+
+def step_fault(step: str) -> None:
+    """Raises what ``callback_fault`` set for ``step`` (nothing when none is set)."""
+    error = _faults.get(step)
+    if error is not None:
+        raise error
 
 
 class CopyJob:
     """The copies of one program: blocks of one shard replica's layers and host slots.
 
     Made on the caller's thread with everything but the device addresses, which the
-    program's callback passes to ``run`` (the buffers XLA hands it).
+    program's callback reads from the buffers XLA hands it (``run``).
 
     Args:
       engine: what executes the copies.
@@ -167,20 +280,27 @@ class CopyJob:
       offsets: where each layer's block (of this shard) starts inside a slot.
       block_bytes: one block of one shard.
       ids: the device block of each page (``k``); None where the device side is a
-        page-major staging buffer (``run`` then gets its one address, each page's
+        page-major staging buffer (``run`` then gets its one buffer, each page's
         layers side by side in a row of ``len(offsets) * block_bytes`` bytes).
+      memory: what holds the pool's bytes (a ``HostMemory``): the job keeps it, so the
+        mapping and its pin outlive every program that may still copy to or from it,
+        whatever becomes of the manager.
+      beside: run the copies on the engine's own stream (``copy_beside``), after what
+        the program enqueued before its callback; ``completion`` then waits for them.
 
     Attributes:
       ran: whether ``run`` executed the copies. error: what ``run`` raised instead.
       copies: how many copies it ran (after merging).
+      completion: the end of copies run beside XLA's stream (None otherwise).
     """
 
     __slots__ = ("engine", "direction", "pool", "page_bytes", "slots", "offsets",
-                 "block_bytes", "ids", "ran", "error", "copies", "keep")
+                 "block_bytes", "ids", "memory", "beside", "ran", "error", "copies", "keep",
+                 "completion")
 
     def __init__(self, engine: CopyEngine, direction: Direction, pool: int, page_bytes: int,
                  slots: np.ndarray, offsets: Sequence[int], block_bytes: int,
-                 ids: np.ndarray | None):
+                 ids: np.ndarray | None, memory: Any = None, beside: bool = False):
         self.engine = engine
         self.direction = direction
         self.pool = pool
@@ -189,10 +309,13 @@ class CopyJob:
         self.offsets = np.asarray(offsets, dtype=np.uint64)
         self.block_bytes = block_bytes
         self.ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
+        self.memory = memory
+        self.beside = beside
+        self.completion: Completion | None = None
         self.ran = False
         self.error: BaseException | None = None
         self.copies = 0
-        self.keep: Any = None  # what must live until the program has run (its ticket)
+        self.keep: Any = None  # the ticket it is filed under
 
     def describe(self, device: Sequence[int]) -> Copies:
         """The copies, given the device buffers' addresses: each layer's cache (blocks
@@ -215,13 +338,24 @@ class CopyJob:
         return Copies(dst.ravel(), src.ravel(),
                       np.full(dst.size, self.block_bytes, dtype=np.uint64)).merged()
 
-    def run(self, device: Sequence[int], stream: int | None) -> None:
-        """Enqueues the copies (the program's callback). Never raises: a failure is
-        kept in ``error`` for the transfer thread, so XLA's program itself never fails
-        and the caches it hands back stay usable."""
+    def run(self, buffers: Sequence[Any], stream: int | None) -> None:
+        """Enqueues the copies between the buffers XLA handed the program's callback
+        and the host slots.
+
+        Never raises: a failure (an address XLA cannot give, a driver error) is kept
+        in ``error`` for the transfer thread, so XLA's program itself never fails and
+        the caches it hands back (aliased in to out) stay usable.
+        """
         try:
+            step_fault("address")
+            device = [buffer_address(b) for b in buffers]
+            step_fault("describe")
             copies = self.describe(device)
-            self.engine.copy(copies, stream, self.direction)
+            step_fault("copy")
+            if self.beside:
+                self.completion = self.engine.copy_beside(copies, stream, self.direction)
+            else:
+                self.engine.copy(copies, stream, self.direction)
             self.copies = len(copies)
             self.ran = True
         except BaseException as e:  # noqa: BLE001 - reported by the transfer thread
@@ -232,15 +366,22 @@ class Tickets:
     """Per-call identities for programs: a one-word device array whose buffer address
     names the ``CopyJob`` filed under it until the program's callback takes it.
 
-    A ticket is reused once its job is taken; its buffer is never written, so a
-    program still running with it is not disturbed. Tickets are made per device as
-    needed (a ``device_put`` each) and kept.
+    A ticket serves again once its job is taken (the program holding it has looked it
+    up) or withdrawn, which callers do only for a program that can no longer run (it
+    failed to enqueue, or ended without running its callback): never while a program
+    may still look the ticket up, so an old program can never take a new call's job.
+    Its buffer is never written. Tickets are made per device as needed (a
+    ``device_put`` each) and kept.
+
+    A callback that fails before it finds its job (the ticket's address unreadable,
+    no job filed there) records the failure here (``lost``), since no job can hold it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[Any, list[_Ticket]] = {}
         self._jobs: dict[int, tuple[_Ticket, CopyJob]] = {}
+        self._lost: list[str] = []
 
     def issue(self, device: Any, job: CopyJob) -> jax.Array:
         """A ticket on ``device`` with ``job`` filed under it."""
@@ -255,20 +396,35 @@ class Tickets:
             self._jobs[ticket.address] = (ticket, job)
         return ticket.token
 
-    def take(self, address: int) -> CopyJob:
-        """The job filed under the ticket at ``address``; the ticket is free again.
-
-        Raises:
-          KeyError: no job is filed there (the program was handed another buffer).
-        """
+    def take(self, address: int) -> CopyJob | None:
+        """The job filed under the ticket at ``address`` (its ticket is free again), or
+        None where none is (recorded in ``lost``). Never raises."""
         with self._lock:
-            ticket, job = self._jobs.pop(address)
+            filed = self._jobs.pop(address, None)
+            if filed is None:
+                self._record(f"no job is filed under ticket {address:#x}")
+                return None
+            ticket, job = filed
             self._free.setdefault(ticket.device, []).append(ticket)
         return job
 
+    def lose(self, error: BaseException) -> None:
+        """Records a callback's failure that came before it found its job."""
+        with self._lock:
+            self._record(f"{type(error).__name__}: {error}")
+
+    def _record(self, what: str) -> None:
+        self._lost.append(what)
+        del self._lost[:-8]  # the latest few: what a failed transfer's message quotes
+
+    def lost(self) -> list[str]:
+        """The latest failures of callbacks that never found their job."""
+        with self._lock:
+            return list(self._lost)
+
     def withdraw(self, job: CopyJob) -> None:
-        """Takes back a job whose program never ran its callback (it failed to enqueue,
-        or failed before the callback), so its ticket serves again."""
+        """Takes back a job whose program can no longer run its callback (it failed to
+        enqueue, or has ended without running it), so its ticket serves again."""
         ticket = job.keep
         with self._lock:
             filed = self._jobs.get(ticket.address)

@@ -7,8 +7,12 @@ Everything kvxfer asks of the CUDA driver is in this module, behind ``Driver``:
   lacks it, a loop of ``cuMemcpyAsync``. Both on the stream a program's
   ``buffer_callback`` is handed, so XLA orders the copies after what produced the
   caches and before whatever runs next (donation included);
+* beside XLA's stream (``CudaCopyEngine.copy_beside``): an event recorded on XLA's
+  stream, the engine's own non-blocking stream made to wait for it, the copies there,
+  and an event after them that the transfer thread waits on (``CudaCompletion``), so
+  later work on XLA's stream does not wait for the copies;
 * ``cuMemHostRegister`` (portable) for host pools allocated outside XLA, inside the
-  device's primary context (XLA's);
+  device's primary context (XLA's, retained for the call and released after it);
 * the device's host NUMA node (``CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID``, else sysfs by PCI
   bus id), so a pool is allocated near the device.
 
@@ -30,8 +34,8 @@ from typing import Any
 
 from kvxfer.engine._copies import Copies, Direction
 
-__all__ = ["Driver", "CudaCopyEngine", "DriverError", "cuda_engine", "cuda_unavailable",
-           "is_cuda"]
+__all__ = ["Driver", "CudaCopyEngine", "CudaCompletion", "DriverError", "cuda_engine",
+           "cuda_unavailable", "is_cuda"]
 
 _c = ctypes
 _u64p = _c.POINTER(_c.c_uint64)
@@ -46,11 +50,19 @@ _ENTRIES: dict[str, tuple[Any, ...]] = {
     "cuMemHostUnregister": (_c.c_void_p,),
     "cuDeviceGet": (_c.POINTER(_c.c_int), _c.c_int),
     "cuDevicePrimaryCtxRetain": (_c.POINTER(_c.c_void_p), _c.c_int),
+    "cuDevicePrimaryCtxRelease": (_c.c_int,),
     "cuCtxPushCurrent": (_c.c_void_p,),
     "cuCtxPopCurrent": (_c.POINTER(_c.c_void_p),),
     "cuDeviceGetAttribute": (_c.POINTER(_c.c_int), _c.c_int, _c.c_int),
     "cuDeviceGetPCIBusId": (_c.c_char_p, _c.c_int, _c.c_int),
     "cuGetErrorString": (_c.c_int, _c.POINTER(_c.c_char_p)),
+    "cuStreamCreate": (_c.POINTER(_c.c_void_p), _c.c_uint),
+    "cuEventCreate": (_c.POINTER(_c.c_void_p), _c.c_uint),
+    "cuEventRecord": (_c.c_void_p, _c.c_void_p),
+    "cuStreamWaitEvent": (_c.c_void_p, _c.c_void_p, _c.c_uint),
+    "cuEventQuery": (_c.c_void_p,),
+    "cuEventSynchronize": (_c.c_void_p,),
+    "cuEventDestroy": (_c.c_void_p,),
 }
 # cuMemcpyBatchAsync's two ABIs: CUDA 12.8 (with ``size_t* failIdx``) and CUDA 13.
 _BATCH_V1 = 12080
@@ -62,6 +74,9 @@ _CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID = 134
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
 _CU_MEM_LOCATION_TYPE_HOST = 2
+_CU_STREAM_NON_BLOCKING = 0x1
+_CU_EVENT_DISABLE_TIMING = 0x2
+_CUDA_ERROR_NOT_READY = 600
 
 
 class DriverError(RuntimeError):
@@ -129,6 +144,21 @@ class Driver:
         """Calls entry point ``name``; raises ``DriverError`` on failure."""
         self.check(self._fns[name](*args), name)
 
+    def new_handle(self, name: str, flags: int) -> int:
+        """A new stream or event (``cuStreamCreate``, ``cuEventCreate``) in the current
+        context."""
+        out = _c.c_void_p()
+        self.call(name, _c.byref(out), flags)
+        return int(out.value or 0)
+
+    def query(self, event: int) -> bool:
+        """Whether the work before ``event`` has finished (``cuEventQuery``)."""
+        status = self._fns["cuEventQuery"](_c.c_void_p(event))
+        if status == _CUDA_ERROR_NOT_READY:
+            return False
+        self.check(status, "cuEventQuery")
+        return True
+
     def memcpy_batch(self, copies: Copies, attrs: MemcpyAttributes, stream: int) -> None:
         """One ``cuMemcpyBatchAsync`` of every copy, on ``stream``, one set of attributes."""
         n = len(copies)
@@ -149,15 +179,22 @@ class Driver:
             self.check(fn(d, src, n, s), f"cuMemcpyAsync {j} of {len(copies)}")
 
     def in_primary_context(self, ordinal: int, fn: Callable[[], Any]) -> Any:
-        """Runs ``fn`` with device ``ordinal``'s primary context (XLA's) current."""
+        """Runs ``fn`` with device ``ordinal``'s primary context (XLA's) current.
+
+        The context is retained for the call and released after it (XLA holds its
+        own reference), so kvxfer never keeps a primary context alive on its own.
+        """
         dev, ctx = _c.c_int(), _c.c_void_p()
         self.call("cuDeviceGet", _c.byref(dev), ordinal)
         self.call("cuDevicePrimaryCtxRetain", _c.byref(ctx), dev.value)
-        self.call("cuCtxPushCurrent", ctx)
         try:
-            return fn()
+            self.call("cuCtxPushCurrent", ctx)
+            try:
+                return fn()
+            finally:
+                self.call("cuCtxPopCurrent", _c.byref(_c.c_void_p()))
         finally:
-            self.call("cuCtxPopCurrent", _c.byref(_c.c_void_p()))
+            self.call("cuDevicePrimaryCtxRelease", dev.value)
 
     def host_numa_node(self, ordinal: int) -> int | None:
         """The NUMA node of the host memory nearest device ``ordinal`` (None: unknown)."""
@@ -182,6 +219,40 @@ def _sysfs_numa_node(bus_id: str) -> int | None:
     return node if node >= 0 else None
 
 
+class CudaCompletion:
+    """The end of copies enqueued on a copy engine's own stream: an event recorded
+    after them (``CudaCopyEngine.copy_beside``)."""
+
+    def __init__(self, engine: CudaCopyEngine, event: int):
+        self._engine = engine
+        self._event: int | None = event
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        """Whether the copies have finished (never blocks)."""
+        with self._lock:
+            if self._event is None:
+                return True
+            status = self._engine.driver.in_primary_context(
+                self._engine.ordinal, lambda: self._engine.driver.query(self._event))
+        return status
+
+    def wait(self) -> None:
+        """Blocks until the copies have finished (idempotent); raises ``DriverError``."""
+        with self._lock:
+            if self._event is None:
+                return
+            event, self._event = self._event, None
+            driver = self._engine.driver
+
+            def sync() -> None:
+                try:
+                    driver.call("cuEventSynchronize", _c.c_void_p(event))
+                finally:
+                    driver.call("cuEventDestroy", _c.c_void_p(event))
+            driver.in_primary_context(self._engine.ordinal, sync)
+
+
 class CudaCopyEngine:
     """Executes copy descriptors with the CUDA driver's copy engines, on XLA's stream.
 
@@ -196,6 +267,8 @@ class CudaCopyEngine:
 
     name = "cuda"
     uses_stream = True
+    #: Whether ``copy_beside`` runs copies on a stream of the engine's own.
+    side_stream = True
 
     def __init__(self, driver: Driver, ordinal: int, mode: str = "batch"):
         if mode not in ("batch", "loop"):
@@ -205,6 +278,7 @@ class CudaCopyEngine:
         self.mode = mode if driver.batch_abi is not None else "loop"
         self._attrs = {d: _attributes(d, self.ordinal) for d in ("offload", "load")}
         self._lock = threading.Lock()
+        self._side: int | None = None
         self.copies = self.bytes = self.calls = 0
 
     def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
@@ -213,6 +287,47 @@ class CudaCopyEngine:
             return
         if stream is None:
             raise DriverError("CUDA copies need XLA's stream; none was given")
+        self._enqueue(copies, stream, direction)
+
+    def copy_beside(self, copies: Copies, stream: int | None,
+                    direction: Direction = "offload") -> CudaCompletion:
+        """Enqueues the copies on the engine's own stream, after the work enqueued on
+        ``stream`` (XLA's) so far and before nothing there: later work on XLA's stream
+        does not wait for them. Inside a program's callback, with its context current.
+
+        Returns:
+          What waits for the copies' end (an event recorded after them).
+        """
+        if stream is None:
+            raise DriverError("CUDA copies need XLA's stream; none was given")
+        side = self.side()
+        after = self.driver.new_handle("cuEventCreate", _CU_EVENT_DISABLE_TIMING)
+        try:
+            self.driver.call("cuEventRecord", _c.c_void_p(after), _c.c_void_p(stream))
+            self.driver.call("cuStreamWaitEvent", _c.c_void_p(side), _c.c_void_p(after), 0)
+        finally:
+            # Destroying a recorded event is allowed: it goes once the wait is met.
+            self.driver.call("cuEventDestroy", _c.c_void_p(after))
+        if len(copies):
+            self._enqueue(copies, side, direction)
+        done = self.driver.new_handle("cuEventCreate", _CU_EVENT_DISABLE_TIMING)
+        try:
+            self.driver.call("cuEventRecord", _c.c_void_p(done), _c.c_void_p(side))
+        except BaseException:
+            self.driver.call("cuEventDestroy", _c.c_void_p(done))
+            raise
+        return CudaCompletion(self, done)
+
+    def side(self) -> int:
+        """The engine's own stream (non-blocking), made once in the device's primary
+        context."""
+        with self._lock:
+            if self._side is None:
+                self._side = self.driver.in_primary_context(self.ordinal, lambda: (
+                    self.driver.new_handle("cuStreamCreate", _CU_STREAM_NON_BLOCKING)))
+            return self._side
+
+    def _enqueue(self, copies: Copies, stream: int, direction: Direction) -> None:
         if self.mode == "batch":
             self.driver.memcpy_batch(copies, self._attrs[direction], stream)
         else:

@@ -4,8 +4,15 @@ One jitted program per slice class, shard replica and transfer (one per bucket o
 counts; on XLA:CPU one for every transfer of up to ``loop_pages`` pages):
 
 * **offload**: digests the blocks on the device, then calls a ``buffer_callback`` that
-  enqueues, on the stream XLA hands it, one batch of copies from the blocks to the
-  pages' host slots;
+  enqueues one batch of copies from the blocks to the pages' host slots. Where the copy
+  engine has a stream of its own (CUDA; ``KVXFER_DMA_STREAM=xla`` turns it off) the
+  program first gathers the pages into rows it returns (aliased: no copy), and the
+  callback records an event on XLA's stream and enqueues the copies on the engine's
+  stream after it: the engine's next step does not wait for them. The offload holds
+  the rows until the copies' own event says they are done (the transfer thread waits
+  for it before the pages are committed); the rows held at once are bounded by
+  ``KVXFER_DMA_SIDE_BYTES`` (1 GiB), past which an offload copies on XLA's stream;
+  otherwise, on the stream XLA hands the callback;
 * **load**: calls the callback with the caches aliased in to out (donated: written in
   place), copying the pages' host slots into the blocks, then digests the landed
   blocks on the device.
@@ -25,36 +32,43 @@ they are small (``RELAYOUT_BELOW``), the program first gathers a transfer's page
 the device into one page-major buffer (each page's layers side by side, as the pool
 holds them), so each page is one copy: copy engines run copies below about 28 KiB at
 a fraction of the link. ``KVXFER_DMA_RELAYOUT`` (``auto``, ``always``, ``never``)
-overrides the choice, so a device check can measure both.
+overrides the choice, so a device check can measure both. An engine that loops (one
+driver call per copy: a driver without ``cuMemcpyBatchAsync``, or
+``KVXFER_CUDA_COPY=loop``) relayouts whatever the block size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
+try:
+    from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
+except ImportError:  # jax before 0.6.1: the mover is refused (``dma_refusal`` says why)
+    ExecutionStage = buffer_callback = None
 
 from kvxfer._hostmem import HostMemory
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._copies import TICKETS, CopyEngine, CopyJob, HostCopyEngine, \
-    buffer_address
+    buffer_address, step_fault
 from kvxfer.engine._cuda import cuda_engine, cuda_unavailable
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _args_abstract, \
     _sds
 from kvxfer.engine import _programs
-from kvxfer.engine._programs import (_UINT, _digest_impl, compile_ahead, page_loops,
+from kvxfer.engine._programs import (_digest_impl, compile_ahead, page_loops,
                                      page_rows, register_kind, scatter_rows, unit_count)
 from kvxfer.engine._raw import private_layers
 from kvxfer.hostpool import word_bytes
 from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 
 __all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "relayout_mode",
-           "RELAYOUT_BELOW"]
+           "RELAYOUT_BELOW", "CallbackRecord", "spy_callbacks"]
 
 #: Shard blocks smaller than this are gathered on the device first (one copy a page).
 RELAYOUT_BELOW = 64 << 10
@@ -84,6 +98,14 @@ def copy_engine(device: Any) -> CopyEngine:
     return make(device)
 
 
+def _jax_refusal() -> str | None:
+    """Why this jax cannot run the mover's programs (None: it can)."""
+    if buffer_callback is None:
+        return (f"jax {jax.__version__} has no jax.experimental.buffer_callback "
+                "(first shipped in jax 0.6.1)")
+    return None
+
+
 def _engine_refusal(device: Any) -> str | None:
     make = COPY_ENGINES.get(device.platform)
     if make is None:
@@ -94,8 +116,9 @@ def _engine_refusal(device: Any) -> str | None:
 def dma_refusal(array: jax.Array) -> str | None:
     """Why the DMA mover cannot move ``array``'s blocks (None: it can).
 
-    Its copy engine must reach every device holding the array (XLA:CPU, or an NVIDIA
-    GPU with ``cuda-bindings``), and every block must be one byte range at a fixed
+    It needs ``jax.experimental.buffer_callback`` (jax 0.6.1 or newer) and a copy
+    engine reaching every device holding the array (XLA:CPU, or an NVIDIA GPU with
+    ``cuda-bindings``), and every block must be one byte range at a fixed
     stride: a row-major layout of whole-byte elements (what the copy descriptors
     address), proven addressable by the inspector.
 
@@ -104,6 +127,9 @@ def dma_refusal(array: jax.Array) -> str | None:
         >>> dma_refusal(jnp.zeros((8, 128), jnp.bfloat16)) is None
         True
     """
+    why = _jax_refusal()
+    if why is not None:
+        return why
     for device in array.sharding.device_set:
         why = _engine_refusal(device)
         if why is not None:
@@ -139,31 +165,85 @@ def relayout_mode() -> str:
 _DONE = jax.ShapeDtypeStruct((1,), np.uint32)
 
 
-def _run_job(on_gpu: bool, ctx: Any, out: Any, token: Any, *operands: Any) -> None:
-    """Runs the ``CopyJob`` filed under ``token`` on the buffers XLA hands over."""
-    if ctx.stage != ExecutionStage.EXECUTE:
-        return  # a handler may also be called to prepare: the copies belong to execution
-    job = TICKETS.take(buffer_address(token, on_gpu))
-    if job.ids is None:  # the staging buffer: an operand (offload) or the output (load)
-        buffers = [operands[0] if job.direction == "offload" else out[0]]
-    else:  # the caches: read (offload), or written in place (load: aliased outputs)
-        buffers = operands if job.direction == "offload" else out[:-1]
-    job.run([buffer_address(b, on_gpu) for b in buffers],
-            ctx.stream if job.engine.uses_stream else None)
+class CallbackRecord(NamedTuple):
+    """What one callback saw (``spy_callbacks``): the thread it ran on, the stream XLA
+    handed it, and whether it found its job under its ticket (and which direction)."""
+
+    thread: int
+    stream: Any
+    found: bool
+    direction: str | None
 
 
-def _callback_cpu(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
-    _run_job(False, ctx, out, token, *operands)
+_spies: list[list[CallbackRecord]] = []
 
 
-def _callback_gpu(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
-    _run_job(True, ctx, out, token, *operands)
+@contextlib.contextmanager
+def spy_callbacks() -> Iterator[list[CallbackRecord]]:
+    """Records every DMA callback that executes inside the block (a device check's spy:
+    on a GPU the callback runs on the caller's thread at dispatch, with an int stream).
+
+    Example:
+        >>> with spy_callbacks() as seen:
+        ...     pass
+        >>> seen
+        []
+    """
+    seen: list[CallbackRecord] = []
+    _spies.append(seen)
+    try:
+        yield seen
+    finally:
+        _spies.remove(seen)
 
 
-def _callback(formats: tuple) -> Callable[..., None]:
-    """The program's callback: buffers are addressed as their platform offers them."""
-    on_cpu = all(d.platform == "cpu" for d in formats[0].sharding.device_set)
-    return _callback_cpu if on_cpu else _callback_gpu
+def _spy(ctx: Any, job: CopyJob | None) -> None:
+    try:
+        stream = ctx.stream
+    except Exception:  # noqa: BLE001 - XLA:CPU has no stream to give
+        stream = None
+    record = CallbackRecord(threading.get_ident(), stream, job is not None,
+                            None if job is None else job.direction)
+    for seen in _spies:
+        seen.append(record)
+
+
+def _callback(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
+    """Runs the ``CopyJob`` filed under ``token`` on the buffers XLA hands over.
+
+    Never raises: an exception here would fail the program after XLA confirmed the
+    donation of its inputs, so a load would lose the caches. Every failure is
+    recorded on the job (or, before the job is found, with the tickets) for the
+    transfer thread, and the program ends normally: a load's outputs, aliased to its
+    inputs, still hold the caches.
+    """
+    try:
+        if ctx.stage != ExecutionStage.EXECUTE:
+            return  # a handler may also be called to prepare: the copies belong to execution
+        step_fault("ticket")
+        address = buffer_address(token)
+        step_fault("lookup")
+        job = TICKETS.take(address)
+    except BaseException as e:  # noqa: BLE001 - see above
+        TICKETS.lose(e)
+        return
+    if _spies:
+        try:
+            _spy(ctx, job)
+        except BaseException:  # noqa: BLE001 - a spy never fails a transfer
+            pass
+    if job is None:
+        return
+    try:
+        if job.ids is None:  # the staging buffer: an operand (offload) or the output (load)
+            buffers = [operands[0] if job.direction == "offload" else out[0]]
+        else:  # the caches: read (offload), or written in place (load: aliased outputs)
+            buffers = operands if job.direction == "offload" else out[:-1]
+        stream = ctx.stream if job.engine.uses_stream else None
+    except BaseException as e:  # noqa: BLE001 - see above
+        job.error = e
+        return
+    job.run(buffers, stream)
 
 
 def _digests(arrays, ids, count, digest, raw, loop):
@@ -177,10 +257,19 @@ def _digests(arrays, ids, count, digest, raw, loop):
 
 
 def _offload_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, loop: bool,
-                  unit: int, callback: Callable[..., None]):
+                  unit: int, side: bool, callback: Callable[..., None]):
     # The digests read the blocks on the device; the copies read them too, so the two
     # may run in either order.
     out = (_digests(arrays, ids, count, digest, raw, loop),) if digest else ()
+    if side:
+        # Copies beside XLA's stream read the gathered rows after the program ends:
+        # the rows come back as an output (aliased, no copy) that the offload holds
+        # until its copies are done, so XLA cannot hand their memory to a later step.
+        rows = page_rows(arrays, ids, raw, unit)
+        staging, done = buffer_callback(
+            callback, (jax.ShapeDtypeStruct(rows.shape, rows.dtype), _DONE),
+            has_side_effect=False, input_output_aliases={1: 0})(token, rows)
+        return (done, staging, *out)
     if relayout:
         operands = (page_rows(arrays, ids, raw, unit),)
     else:
@@ -192,10 +281,13 @@ def _offload_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool,
 def _load_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, loop: bool,
                unit: int, callback: Callable[..., None]):
     if relayout:
-        rows = (ids.shape[0], sum(unit_count(a.shape, a.dtype, unit) for a in arrays))
+        # The staging rows start as the blocks' own bytes and the callback writes them
+        # in place, so a callback that copies nothing (it failed) scatters every block
+        # back unchanged: a failed load leaves the caches as they were.
+        rows = page_rows(arrays, ids, raw, unit)
         staging, done = buffer_callback(
-            callback, (jax.ShapeDtypeStruct(rows, _UINT[unit]), _DONE),
-            has_side_effect=False)(token)
+            callback, (jax.ShapeDtypeStruct(rows.shape, rows.dtype), _DONE),
+            has_side_effect=False, input_output_aliases={1: 0})(token, rows)
         out = scatter_rows(arrays, staging, ids, count, raw, unit)
     else:
         *out, done = buffer_callback(
@@ -207,16 +299,16 @@ def _load_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, lo
 
 
 def _offload_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
-    relayout, loop, unit = options
+    relayout, loop, unit, side = options
     return (functools.partial(_offload_impl, raw=raw, relayout=relayout, loop=loop, unit=unit,
-                              callback=_callback(formats)),
+                              side=side, callback=_callback),
             dict(in_shardings=(formats, None, None, None) + (None, None) * with_digest))
 
 
 def _load_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
     relayout, loop, unit = options
     return (functools.partial(_load_impl, raw=raw, relayout=relayout, loop=loop, unit=unit,
-                              callback=_callback(formats)),
+                              callback=_callback),
             dict(donate_argnums=(0,),
                  in_shardings=(formats, None, None, None) + (None, None) * with_digest,
                  out_shardings=(formats, None) + (None,) * with_digest))
@@ -230,11 +322,83 @@ register_kind("dma_load", _load_parts, same_formats=0)
 
 class DmaOffload(NamedTuple):
     """What an offload enqueued: its jobs, an output of each program (ready once its
-    copies are done), and the digests being computed (None with integrity off)."""
+    copies are done, or enqueued beside XLA's stream), the digests being computed
+    (None with integrity off), and for copies beside XLA's stream the gathered rows
+    they read (held until they are done; emptied then) and the budget they took."""
 
     jobs: list[CopyJob]
     done: list[jax.Array]
     digests: Pending | None
+    staging: list[jax.Array]
+    side_bytes: int = 0
+
+
+class _SideBudget:
+    """Bytes of device staging the offloads beside XLA's stream hold at once, process
+    wide (``side_bytes``); an offload that would pass it runs on XLA's stream."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.held and self.held + nbytes > side_bytes():
+                return False
+            self.held += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+
+_SIDE = _SideBudget()
+
+
+def side_bytes() -> int:
+    """``KVXFER_DMA_SIDE_BYTES``: the device staging that offloads beside XLA's stream
+    may hold at once, process wide (default 1 GiB; one offload larger than it still
+    runs beside when it is alone).
+
+    Example:
+        >>> side_bytes() == int(os.environ.get("KVXFER_DMA_SIDE_BYTES", 1 << 30))
+        True
+    """
+    return int(os.environ.get("KVXFER_DMA_SIDE_BYTES", 1 << 30))
+
+
+def stream_mode() -> str:
+    """``KVXFER_DMA_STREAM``: ``"side"`` (the default: an offload's copies run on the
+    copy engine's own stream where it has one) or ``"xla"`` (on XLA's stream).
+
+    Example:
+        >>> stream_mode() == os.environ.get("KVXFER_DMA_STREAM", "side")
+        True
+    """
+    mode = os.environ.get("KVXFER_DMA_STREAM", "side")
+    if mode not in ("side", "xla"):
+        raise ValueError(f"KVXFER_DMA_STREAM={mode!r}; expected 'side' or 'xla'")
+    return mode
+
+
+def _finish_side(state: DmaOffload, strict: bool) -> None:
+    """Waits for copies run beside XLA's stream, then lets their staging go (and its
+    bytes from the budget; once). ``strict``: raise ``TransferError`` for a failed
+    wait."""
+    if not state.staging:
+        return
+    error = None
+    for job in state.jobs:
+        if job.completion is not None:
+            try:
+                job.completion.wait()
+            except BaseException as e:  # noqa: BLE001 - every copy is waited for first
+                error = error or e
+    state.staging.clear()
+    _SIDE.give(state.side_bytes)
+    if error is not None and strict:
+        raise TransferError(f"the copies beside XLA's stream failed: {error}") from error
 
 
 class DmaLoad(NamedTuple):
@@ -244,24 +408,48 @@ class DmaLoad(NamedTuple):
     done: list[jax.Array]
 
 
+def _wait_all(done: list[jax.Array]) -> BaseException | None:
+    """Waits until every program has ended, whatever any of them raised; returns the
+    first error."""
+    first = None
+    for d in done:
+        try:
+            d.block_until_ready()
+        except BaseException as e:  # noqa: BLE001 - the others are still waited for
+            first = first if first is not None else e
+    return first
+
+
+def _quiesce(jobs: list[CopyJob], done: list[jax.Array]) -> BaseException | None:
+    """Waits until none of the programs can still copy (never raising); a job whose
+    program ended without running its callback is withdrawn, its ticket free again.
+    Returns the first error a program raised."""
+    error = _wait_all(done)
+    for job in jobs:
+        if not job.ran and job.error is None:
+            TICKETS.withdraw(job)
+    return error
+
+
 def _settle(jobs: list[CopyJob], done: list[jax.Array], what: str) -> None:
     """Waits for the programs, then raises ``TransferError`` if a job's copies failed.
 
-    A job whose program never ran its callback (it failed first) is withdrawn, so its
-    ticket serves again.
+    Every program is waited for before anything is given back, also when one of them
+    failed: a program still queued may run its callback, which must find its own job
+    under its ticket (never a later call's) and the pool it copies to still mapped.
     """
-    try:
-        for d in done:
-            d.block_until_ready()
-    finally:
-        for job in jobs:
-            if not job.ran and job.error is None:
-                TICKETS.withdraw(job)
+    error = _quiesce(jobs, done)
     for job in jobs:
         if job.error is not None:
-            raise TransferError(f"{what}: the copies failed: {job.error}") from job.error
+            raise TransferError(f"{what}: the copies failed: {type(job.error).__name__}: "
+                                f"{job.error}") from job.error
+    if error is not None:
+        raise TransferError(f"{what}: a program failed: {error}") from error
+    for job in jobs:
         if not job.ran:
-            raise TransferError(f"{what}: a program ended without running its copies")
+            lost = TICKETS.lost()
+            raise TransferError(f"{what}: a program ended without running its copies"
+                                + (f" (latest callback failure: {lost[-1]})" if lost else ""))
 
 
 class DmaMover(Mover[DmaOffload, None, DmaLoad]):
@@ -277,8 +465,13 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
                              f"{cls.name} (DmaMover.host_backing)")
         self._unit = word_bytes(cls)
         mode = relayout_mode()
-        self._relayout = mode == "always" or mode == "auto" and cls.num_shards == 1 and \
-            cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device)
+        # An engine without a batch call pays a call per copy (about 5 us of the
+        # caller's time each on CUDA): one copy a page is worth a device gather at any
+        # block size. Sharded classes hold a shard's layers apart in a page (one range
+        # per layer), so a relayout would not join their copies.
+        looped = getattr(copy_engine(pool.device), "mode", "batch") == "loop"
+        self._relayout = mode == "always" or mode == "auto" and cls.num_shards == 1 and (
+            looped or cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device))
         self._offsets = [np.array([pool.shard_range(pos, s)[0] for pos in range(len(cls.layers))],
                                   dtype=np.uint64) for s in range(cls.num_shards)]
 
@@ -304,48 +497,91 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
         return loop_pages(k, array.shape[0])
 
     def _job(self, direction: str, device: Any, shard: int, slots: np.ndarray,
-             ids: np.ndarray) -> CopyJob:
+             ids: np.ndarray, side: bool = False) -> CopyJob:
         return CopyJob(copy_engine(device), direction, self.pool.memory.address,
                        self.cls.page_bytes, slots, self._offsets[shard],
-                       self.cls.shard_block_bytes, None if self._relayout else ids)
+                       self.cls.shard_block_bytes,
+                       None if self._relayout or side else ids, memory=self.pool.memory,
+                       beside=side)
 
-    def _options(self, device: Any) -> tuple:
-        return (self._relayout, page_loops(device), self._unit)
+    def _options(self, device: Any, side: bool | None = None) -> tuple:
+        """The programs' options; with ``side`` (an offload's), whether its copies run
+        beside XLA's stream."""
+        options = (self._relayout, page_loops(device), self._unit)
+        return options if side is None else options + (side,)
+
+    def _beside(self) -> bool:
+        """Whether offloads may run their copies beside XLA's stream."""
+        return stream_mode() == "side" and getattr(copy_engine(self.pool.device),
+                                                   "side_stream", False)
 
     # -- offload ------------------------------------------------------------------
 
     def _run(self, kind: str, arrays: tuple, shard: int, batch, slots: np.ndarray,
-             with_digest: bool) -> tuple[Any, CopyJob]:
+             with_digest: bool, side: bool = False) -> tuple[Any, CopyJob]:
         """Files a program's copies under a ticket and enqueues it: its outputs, its job."""
         device = device_of(arrays[0])
         ids, base, count = batch.args(device, shard, self._size(batch.k, arrays[0]))
-        job = self._job("offload" if kind == "dma_offload" else "load", device, shard, slots,
-                        batch.ids)
+        offload = kind == "dma_offload"
+        job = self._job("offload" if offload else "load", device, shard, slots, batch.ids,
+                        side)
         token = TICKETS.issue(device, job)
         digest = (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
         try:
             return _programs.run(kind, arrays, token, ids, count, *digest,
-                                 with_digest=with_digest, options=self._options(device)), job
+                                 with_digest=with_digest,
+                                 options=self._options(device, side if offload else None)), job
         except BaseException:
             TICKETS.withdraw(job)
             raise
 
+    def _side_bytes(self, batch, array: Any) -> int:
+        """Device staging an offload of ``batch`` beside XLA's stream holds: the rows
+        of its padded block ids, every layer, every shard."""
+        rows = self._size(batch.k, array) or len(batch.padded)
+        return rows * len(self.cls.layers) * self.cls.shard_block_bytes * self.cls.num_shards
+
     def start_offload(self, layers, batch, slots, with_digest):
-        jobs, done, parts = [], [], []
-        for s in range(self.cls.num_shards):
-            out, job = self._run("dma_offload", tuple(layer.primary[s] for layer in layers), s,
-                                 batch, slots, with_digest)
-            jobs.append(job)
-            done.append(out[0])
-            parts.append(list(out[1:]))
-        return DmaOffload(jobs, done, Pending(parts, batch.k) if with_digest else None)
+        nbytes = self._side_bytes(batch, layers[0].primary[0])
+        side = self._beside() and _SIDE.take(nbytes)
+        state = DmaOffload([], [], None, [], nbytes if side else 0)
+        parts = []
+        try:
+            for s in range(self.cls.num_shards):
+                out, job = self._run("dma_offload", tuple(layer.primary[s] for layer in layers),
+                                     s, batch, slots, with_digest, side)
+                state.jobs.append(job)
+                state.done.append(out[0])
+                if side:
+                    state.staging.append(out[1])
+                parts.append(list(out[2 if side else 1:]))
+        except BaseException:
+            # The shards enqueued write the offload's slots: the caller gives them back
+            # once these programs can no longer copy (a failure in the call waits).
+            _quiesce(state.jobs, state.done)
+            if state.staging:
+                _finish_side(state, strict=False)
+            else:  # no program was enqueued: the budget taken goes back
+                _SIDE.give(state.side_bytes)
+            raise
+        return state._replace(digests=Pending(parts, batch.k) if with_digest else None)
 
     def finish_offload(self, state: DmaOffload, slots):
-        _settle(state.jobs, state.done, f"DMA offload of {self.cls.name}")
+        try:
+            _settle(state.jobs, state.done, f"DMA offload of {self.cls.name}")
+        except BaseException:
+            _finish_side(state, strict=False)
+            raise
+        _finish_side(state, strict=True)  # the host pages are written after this
         if state.digests is not None:
             d = state.digests.get()
             for s in range(self.cls.num_shards):
                 self._store_digests(slots, s, d[:, s])
+
+    def quiesce(self, state) -> None:
+        _quiesce(state.jobs, state.done)
+        if isinstance(state, DmaOffload):
+            _finish_side(state, strict=False)
 
     # -- load ---------------------------------------------------------------------
 
@@ -354,25 +590,43 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
             layers = private_layers(layers, request.shared)
             arrays = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
         single = isinstance(arrays[0].sharding, jax.sharding.SingleDeviceSharding)
+        # Each shard replica's arrays: the loaded ones once its program is enqueued.
         new_shards: list[list[list[jax.Array]]] = [
-            [[] for _ in range(self.cls.num_shards)] for _ in arrays]
+            [list(layer.shards[s]) for s in range(self.cls.num_shards)] for layer in layers]
         batch, slots = request.batch, np.asarray(request.slots)
         fused = request.on_digested is not None
         jobs, done = [], []
-        for s in range(self.cls.num_shards):
-            for r in range(len(layers[0].shards[s])):
-                local = tuple(arrays) if single else tuple(layer.shards[s][r] for layer in layers)
-                (out, d, *digests), job = self._run("dma_load", local, s, batch, slots, fused)
-                jobs.append(job)
-                done.append(d)
-                if fused:
-                    request.on_digested(s, r, digests[0])
-                if single:
-                    return list(out), DmaLoad(jobs, done)
-                for pos, a in enumerate(out):
-                    new_shards[pos][s].append(a)
-        new = [assemble(a, shards) for a, shards in zip(arrays, new_shards)]
-        return new, DmaLoad(jobs, done)
+        try:
+            for s in range(self.cls.num_shards):
+                for r in range(len(layers[0].shards[s])):
+                    local = tuple(arrays) if single else tuple(layer.shards[s][r]
+                                                               for layer in layers)
+                    (out, d, *digests), job = self._run("dma_load", local, s, batch, slots,
+                                                        fused)
+                    jobs.append(job)
+                    done.append(d)
+                    if single:
+                        new_shards = [[[a]] for a in out]
+                    else:
+                        for pos, a in enumerate(out):
+                            new_shards[pos][s][r] = a
+                    if fused:
+                        request.on_digested(s, r, digests[0])
+        except BaseException as e:
+            # Shards already enqueued consumed their inputs (donated): hand back what
+            # every layer lives in now, the loaded shards and the untouched ones, once
+            # no program can still copy out of the load's slots.
+            _quiesce(jobs, done)
+            raise TransferError(f"DMA load of {self.cls.name} failed after {len(jobs)} "
+                                f"shard program(s) were enqueued: {e}", kv_caches=[
+                                    self._whole(a, shards, single)
+                                    for a, shards in zip(arrays, new_shards)]) from e
+        return [self._whole(a, shards, single) for a, shards in zip(arrays, new_shards)], \
+            DmaLoad(jobs, done)
+
+    @staticmethod
+    def _whole(array: jax.Array, shards: list[list[jax.Array]], single: bool) -> jax.Array:
+        return shards[0][0] if single else assemble(array, shards)
 
     def load_layer_waits(self, state: DmaLoad, pos: int) -> bool:
         return any(not d.is_ready() for d in state.done)
@@ -382,6 +636,17 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
 
     def finish_load(self, state: DmaLoad, num_layers: int) -> None:
         _settle(state.jobs, state.done, f"DMA load of {self.cls.name}")
+
+    def compiled_load(self, layers, b: int, with_digest: bool) -> jax.stages.Compiled:
+        """The load program of ``b`` pages into shard 0's first replica, compiled (for
+        checks: its HLO and ``memory_analysis()``); ``layers`` abstract or live."""
+        local = tuple(layer.shards[0][0] for layer in layers)
+        device = device_of(local[0])
+        ids, base, count = _args_abstract(self._size(b, local[0]) or b, device)
+        digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
+        return _programs.compiled("dma_load", local, _sds((1,), np.uint32, device), ids,
+                                  count, *digest, with_digest=with_digest,
+                                  options=self._options(device))
 
     # -- warm-up ------------------------------------------------------------------
 
@@ -398,5 +663,6 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
                 digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
                 kinds = ("dma_offload", "dma_load") if r == 0 else ("dma_load",)
                 for kind in kinds:
+                    side = self._beside() if kind == "dma_offload" else None
                     compile_ahead(kind, local, token, ids, count, *digest,
-                                  with_digest=with_digest, options=self._options(device))
+                                  with_digest=with_digest, options=self._options(device, side))

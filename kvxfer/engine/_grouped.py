@@ -180,9 +180,15 @@ class GroupedMover(Mover[GroupedOffload[OffloadT], list[StagedT], list[LoadT]]):
     def start_offload(self, layers: Sequence[ShardedLayer], batch: PageBatch,
                       slots: np.ndarray, with_digest: bool) -> GroupedOffload[OffloadT]:
         slots = np.asarray(slots)
-        return [(rows, self.inner.start_offload([self.groups.split(l, g) for l in layers],
-                                                sub, slots[rows], with_digest))
-                for g, rows, sub in self._split(batch)]
+        state: GroupedOffload[OffloadT] = []
+        try:
+            for g, rows, sub in self._split(batch):
+                state.append((rows, self.inner.start_offload(
+                    [self.groups.split(l, g) for l in layers], sub, slots[rows], with_digest)))
+        except BaseException:
+            self.quiesce(state)  # the groups enqueued write the slots given back next
+            raise
+        return state
 
     def finish_offload(self, state: GroupedOffload[OffloadT], slots: np.ndarray) -> None:
         slots = np.asarray(slots)
@@ -210,6 +216,7 @@ class GroupedMover(Mover[GroupedOffload[OffloadT], list[StagedT], list[LoadT]]):
                 out, state = self.inner.start_load([self.groups.array(p, g) for p in part],
                                                    part, self._request(request, rows, sub), st)
             except Exception as e:
+                self.quiesce(states)  # the groups enqueued read the pins released next
                 if isinstance(e, TransferError) and e.kv_caches is not None:
                     loaded[g] = list(e.kv_caches)
                 raise TransferError(f"{e} (data-parallel group {g} of "
@@ -234,6 +241,12 @@ class GroupedMover(Mover[GroupedOffload[OffloadT], list[StagedT], list[LoadT]]):
             except Exception:  # a part was consumed and not handed back
                 out.append(array)
         return out
+
+    def quiesce(self, state: Any) -> None:
+        for entry in state:  # an offload's entries are (request rows, state) pairs
+            pair = isinstance(entry, tuple) and len(entry) == 2 and \
+                isinstance(entry[0], np.ndarray)
+            self.inner.quiesce(entry[1] if pair else entry)
 
     def load_layer_waits(self, state: list[LoadT], pos: int) -> bool:
         return any(self.inner.load_layer_waits(inner, pos) for inner in state)

@@ -35,7 +35,8 @@ class TransferError(RuntimeError):
 
     Attributes:
       kv_caches: for a load that failed in the call, the caches to continue with
-        (classes already loaded replaced, the rest as given); None otherwise.
+        (classes already loaded replaced, the rest as given); for a load whose handle
+        failed, the arrays ``load()`` returned; None otherwise.
     """
 
     def __init__(self, message: str, *, kv_caches: list[jax.Array] | None = None):
@@ -268,6 +269,17 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         each in order (movers whose programs write every layer at once wait once)."""
         for pos in range(num_layers):
             self.finish_load_layer(state, pos)
+
+    def quiesce(self, state: Any) -> None:
+        """Waits, never raising, until no program of a transfer (``state``: what
+        ``start_offload`` or ``start_load`` returned) can still touch the class's host
+        pool outside XLA's view.
+
+        A failed transfer calls it before its host slots are given back or its pins
+        released, so a program still queued never copies into slots reused by then.
+        Movers whose programs reach the pool only through XLA (or not at all) need not
+        wait: XLA keeps what a queued program reads alive.
+        """
 
     def load_layer_waits(self, state: LoadT, pos: int) -> bool:
         """Whether ``finish_load_layer(state, pos)`` may wait (never blocks itself):

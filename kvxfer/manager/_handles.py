@@ -319,16 +319,18 @@ class LoadHandle(_Transfer):
             self._layers.notify_all()
 
     def _finish(self, result: LoadResult | None, error: BaseException | None,
-                cancelled: bool = False) -> None:
+                cancelled: bool = False, kv_caches: list[Any] | None = None) -> None:
         """Ends the load with its result, its error, or cancelled (transfer thread).
 
-        The handle carries ``error`` as the ``TransferError`` its methods raise.
+        The handle carries ``error`` as the ``TransferError`` its methods raise, with
+        ``kv_caches`` (the arrays the load returned: the caches to continue with).
         """
         self._error, self._ends_cancelled = error, cancelled
         failure = None
         if error is not None and not cancelled:
             failure = AgreementError(f"load failed: {error}", subjects=error.subjects) \
                 if isinstance(error, AgreementError) else TransferError(f"load failed: {error}")
+            failure.kv_caches = kv_caches
             failure.__cause__ = error
         self._verify_once = None
         with self._layers:

@@ -134,8 +134,9 @@ class Loads:
                                [p.key for p in pages[:n]],
                                self._pool.seals_of([p.slot for p in pages[:n]]))
         new = caches
+        states: dict[int, Any] = {}
         try:
-            new, states, jobs = self.start(caches, batches, slots, gate, staged)
+            new, states, jobs = self.start(caches, batches, slots, gate, staged, states)
             self._checks.loaded(new, [i for c in states for i in self._plan.classes[c].layers],
                                 caches)
             handle._verify_once = self._verifier.once(
@@ -144,6 +145,7 @@ class Loads:
                                 pages, slots, batches, states, jobs, reasons, pinned_slots,
                                 started)
         except BaseException as e:
+            self._quiesce(states)  # the programs enqueued read the pinned slots
             self._pool.release_readers(pinned_slots)
             if self._checks.closed and not isinstance(e, TransferError):
                 raise TransferError("the KVCacheManager was closed during the load",
@@ -201,11 +203,20 @@ class Loads:
         return PrefetchHandle(self, pages, reasons, pinned, staged, n,
                               self._pool.release_readers)
 
+    def _quiesce(self, states: dict[int, Any]) -> None:
+        """Waits until no program of a failed load can still read its pinned slots."""
+        for c, state in states.items():
+            self._movers[c].quiesce(state)
+
     def start(self, caches: list[jax.Array], batches: dict[int, PageBatch],
-              slots: np.ndarray, gate: Gate, prefetched: dict[int, Any]
+              slots: np.ndarray, gate: Gate, prefetched: dict[int, Any],
+              states: dict[int, Any] | None = None
               ) -> tuple[list[jax.Array], dict[int, Any],
                          dict[int, DigestJob] | list[DigestJob]]:
         """The caller's-thread half of a load: every device program enqueued.
+
+        ``states`` (filled as each class starts, so a caller whose load failed part
+        way knows which programs may still run) is returned as the second item.
 
         Every class is staged before the first one starts (starting may donate the
         caches), so a failure while staging leaves the caches as they were; a failure
@@ -215,7 +226,7 @@ class Loads:
         n = len(slots)
         layers = layers_of(caches)
         new = list(caches)
-        states: dict[int, Any] = {}
+        states = {} if states is None else states
         digests = DigestStarter(self._verifier, batches, gate)
         if not n:
             return new, states, digests.finish(new)
@@ -296,6 +307,7 @@ class Loads:
             error: BaseException | None = None
         except Exception as e:  # a transfer or device failure is an error, not a miss
             prefix, proven_bad, error = -1, frozenset(), e
+            self._quiesce(states)  # before the pins go: a program may still read them
         cancelled = handle.claim()  # from here on cancel() fails
         rank = self._agreement.rank
         bad_on = {j: (rank,) for j in proven_bad}
@@ -326,7 +338,9 @@ class Loads:
             # Before the handle says done: a caller returning from result() finds the
             # pages it read free to evict (and freed ones free) at once.
             self._pool.release_readers(pinned_slots)
-        handle._finish(result, error, cancelled)
+        # A failed load's arrays are the caches to continue with: its programs never
+        # fail (a failure inside one is recorded, its outputs alias its inputs).
+        handle._finish(result, error, cancelled, kv_caches=new)
 
     def _triage(self, pages: list[PageRef], proven_bad: frozenset[int],
                 reasons: dict[int, str], moved: set[int]) -> frozenset[int]:

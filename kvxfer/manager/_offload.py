@@ -74,10 +74,13 @@ class Offloads:
         else:
             refs = self._pool.claim(self._checks.slots(slots, len(keys)))
         slot_ids = np.array([s for s, _ in refs], dtype=np.int64)
+        states: dict[int, Any] = {}
         try:  # from here on, a failure gives back the slots taken
             batches = page_batches(blocks, keys, [g for _, g in refs])
-            states = self._gather(caches, batches, slot_ids)
+            self._gather(caches, batches, slot_ids, states)
         except Exception as e:
+            # Not before the programs enqueued so far can no longer write the slots.
+            self._quiesce(states)
             for s, g in refs:
                 self._pool.release(s, g)
             raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
@@ -87,24 +90,29 @@ class Offloads:
             self._worker.submit(handle.run, self.finish, handle, states, slot_ids, refs, keys,
                                 started)
         except RuntimeError as e:  # closed meanwhile
+            self._quiesce(states)
             for s, g in refs:
                 self._pool.release(s, g)
             raise TransferError(f"offload of {len(keys)} blocks failed: {e}") from e
         return handle
 
+    def _quiesce(self, states: dict[int, Any]) -> None:
+        """Waits until no program of a failed offload can still write its slots."""
+        for c, state in states.items():
+            self._movers[c].quiesce(state)
+
     def _gather(self, caches: list[jax.Array], batches: dict[int, PageBatch],
-                slots: np.ndarray) -> dict[int, Any]:
-        """Enqueues every class's reads of the batch (caller's thread): the offload states."""
+                slots: np.ndarray, states: dict[int, Any]) -> None:
+        """Enqueues every class's reads of the batch (caller's thread) into ``states``
+        (each class's offload state, as soon as its programs are enqueued)."""
         hook = self._verifier.hook
         layers = layers_of(caches)
-        states = {}
         for c, batch in batches.items():
             cls = self._plan.classes[c]
             states[c] = self._movers[c].start_offload(
                 [layers[i] for i in cls.layers], batch, slots, self._with_digest)
             if hook is not None:
                 hook("gather_enqueued", cls.layers[0], caches[cls.layers[0]])
-        return states
 
     @own_context
     def finish(self, handle: OffloadHandle, states: dict[int, Any], slots: np.ndarray,
@@ -118,6 +126,7 @@ class Offloads:
                     hook("host_written", self._plan.classes[c].layers[0], None)
             cancelled = handle.claim()  # from here on cancel() fails
         except Exception as e:
+            self._quiesce(states)  # a class not waited for may still be copying
             for s, g in refs:
                 self._pool.release(s, g)
             self._stats.add(transfer_errors=1)
