@@ -390,8 +390,8 @@ def test_a_promoted_page_is_never_written_back(inner, write_through):
     cold.store.calls.clear()
     new = [7000, 7001, 7002, 7003]
     source = _caches()
-    cold.cache.put(source, [40, 41, 42, 43], new, wait=True)  # evicts KEYS[:4]
-    cold.cache.put(source, [0, 1, 2, 3], KEYS[:4], wait=True)  # evicts KEYS[4:8]
+    cold.cache.put(source, [40, 41, 42, 43], new, wait=True)  # evicts KEYS[28:] (tail)
+    cold.cache.put(source, [0, 1, 2, 3], KEYS[28:], wait=True)  # evicts KEYS[24:28]
     cold.cache.close()  # waits for the writes
     # Only the new pages are written (write-through); the promoted ones, evicted or put
     # again, cost no store call at all.

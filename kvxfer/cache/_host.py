@@ -126,6 +126,13 @@ class HostTier:
         if self.below is not None:
             self.below.hit(key, self._index[key], hits)
 
+    def used_together(self, keys: Sequence[int]) -> None:
+        """The pages of one prefix (head first) were just used or arrived together:
+        the policy may order them so that evictions take the tail first."""
+        keys = [k for k in keys if k in self._index]
+        if len(keys) > 1:
+            self._guard.used_together(keys)
+
     def pin(self, key: int) -> None:
         self._pins[key] += 1
 
@@ -275,6 +282,7 @@ class HostTier:
             for key, ref in zip(keys, refs):
                 if self.add(key, ref) and self.below is not None:
                     self.below.arrived(key, ref)
+            self.used_together(keys)
         self._offloads = still
 
     def wait_pending(self, key: int, deadline: Deadline) -> None:
