@@ -7,10 +7,12 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 import kvxfer
@@ -216,3 +218,39 @@ def test_deadlines_are_checked_and_named():
             cache.close(timeout="1")
         assert cache.lookup([1], timeout=None).num_pages == 0
         cache.close()
+
+
+HUGE = [1e20, 1e300, sys.float_info.max, 2**63, 10**400, np.float64(1e300)]
+
+
+@pytest.mark.parametrize("timeout", HUGE, ids=str)
+def test_a_huge_finite_deadline_is_as_good_as_none(tmp_path, timeout):
+    # Finite, so accepted; past what a wait can take, so it is clamped rather than
+    # raising OverflowError out of a lock or condition half way through a call.
+    caches = _caches()
+    disk = store.DiskStore(tmp_path / "pages")
+    before = {t for t in threading.enumerate() if t.name.startswith("kvxfer-")}
+    with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
+        cache = kvxfer.HostCache(mgr, disk, namespace="test-model")
+        assert cache.put(caches, [0, 1], KEYS[:2], wait=True, timeout=timeout) == KEYS[:2]
+        hit = cache.lookup(KEYS[:3], timeout=timeout)
+        assert hit.num_pages == 2
+        caches, load = cache.load(caches, hit, [2, 3])
+        assert load.layer_ready(1, timeout) == 2 and load.result(timeout).verified_prefix == 2
+        assert cache.find(KEYS[0], timeout=timeout) == "host"
+        assert cache.prefetch(KEYS[:2], timeout=timeout).result(10) == 2
+        assert cache.flush(timeout=timeout) == 2
+        assert cache.subscribe(lambda events: None).wait(timeout)
+        page, = mgr.offload(caches, [4], keys=[9]).wait(timeout)
+        mgr.free([page])
+        cache.close(timeout=timeout)  # every thread stops: no second chance
+        with pytest.raises(RuntimeError, match="the HostCache is closed"):
+            cache.lookup(KEYS[:1])
+    for _ in range(500):
+        if not {t for t in threading.enumerate() if t.name.startswith("kvxfer-") and
+                not t.name.startswith("kvxfer-transfer")} - before:
+            break
+        time.sleep(0.01)
+    assert not {t.name for t in threading.enumerate() if t.name.startswith("kvxfer-") and
+                not t.name.startswith("kvxfer-transfer")} - {t.name for t in before}
+    disk.close()
