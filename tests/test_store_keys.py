@@ -225,8 +225,8 @@ def test_close_names_the_evicted_pages_its_dropped_writes_lose(tmp_path, caplog)
     cache = kvxfer.HostCache(mgr, stalled, write_through="always")
     cache.put(_caches(), [0, 1], [1, 2], wait=True)
     cache.lookup([])  # indexes them: their writes are queued (and stalled)
-    cache.put(_caches(), [2], [3], wait=True)  # evicts page 1, whose write is queued
-    assert 1 not in cache
+    cache.put(_caches(), [2], [3], wait=True)  # evicts page 2 (the tail), write queued
+    assert 2 not in cache
     try:
         with caplog.at_level(logging.WARNING, logger="kvxfer"):
             cache.close(0.2)
@@ -234,8 +234,8 @@ def test_close_names_the_evicted_pages_its_dropped_writes_lose(tmp_path, caplog)
         stalled.release.set()
     assert "3 store writes did not finish within 0.2 s of close(); dropped: lost from " \
            "every tier (freed from host memory when evicted; recomputed when asked for " \
-           "again): page 0x1; kept in host memory until the manager frees them: pages " \
-           "0x2, 0x3" in caplog.text
+           "again): page 0x2; kept in host memory until the manager frees them: pages " \
+           "0x1, 0x3" in caplog.text
     assert "stay in host memory" not in caplog.text
     mgr.close(), disk.close()
 
