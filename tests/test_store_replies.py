@@ -183,12 +183,19 @@ _READ = {  # what a one-key read (MULTI, MGET, EVAL, EXEC) is answered
     "junk for MULTI": b":1\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n*1\r\n$1\r\nx\r\n*1\r\n:1\r\n",
     "more replies than commands": _TX + b"*2\r\n*1\r\n$1\r\nx\r\n*1\r\n:1\r\n+OK\r\n",
 }
-_ONE = {  # what one command (EXISTS, the delete script) is answered
+_ONE = {  # what one command (the delete script) is answered
     "protocol junk": b"?junk\r\n",
     "a wrong arity": b":1\r\n:1\r\n",
     "a blob where an integer belongs": b"$1\r\n1\r\n",
     "nested arrays": b"*1\r\n:1\r\n",
     "an integer out of range": b":7\r\n",
+}
+_CONTAINS = {  # what a one-key ask (EXISTS, STRLEN) is answered
+    "protocol junk": b"?junk\r\n",
+    "a wrong arity": b":1\r\n:1\r\n:1\r\n",
+    "a blob where an integer belongs": b"$1\r\n1\r\n:8\r\n",
+    "nested arrays": b"*1\r\n:1\r\n:8\r\n",
+    "an integer out of range": b":7\r\n:8\r\n",
 }
 _WRITE = {  # what a one-key put (MULTI, EVAL, SET NX, EXEC) is answered
     "protocol junk": b"?junk\r\n",
@@ -199,8 +206,8 @@ _WRITE = {  # what a one-key put (MULTI, EVAL, SET NX, EXEC) is answered
 }
 _CALLS = {
     "get": (_READ, lambda s: s.get("k")), "get_many": (_READ, lambda s: s.get_many(["k"])),
-    "contains": (_ONE, lambda s: s.contains("k")),
-    "contains_many": (_ONE, lambda s: s.contains_many(["k"])),
+    "contains": (_CONTAINS, lambda s: s.contains("k")),
+    "contains_many": (_CONTAINS, lambda s: s.contains_many(["k"])),
     "delete": (_ONE, lambda s: s.delete("k")),
     "put": (_WRITE, lambda s: s.put("k", b"new", replace=True)),
     "put_many": (_WRITE, lambda s: s.put_many([("k", b"new")], replace=True)),
