@@ -82,12 +82,12 @@ def test_close_with_a_prefetch_queued_ends_with_the_running_one(tmp_path, timeou
     disk = store.DiskStore(tmp_path / "pages")
     caches = _caches()
     with kvxfer.KVCacheManager(caches, num_host_blocks=16) as mgr:
-        first = kvxfer.HostCache(mgr, disk, write_through=True)
+        first = kvxfer.HostCache(mgr, disk, write_through=True, namespace="test-model")
         first.put(caches, list(range(16)), KEYS, wait=True)
         first.close()
     with kvxfer.KVCacheManager(caches, num_host_blocks=16) as mgr:
         slow = _Slow(disk, delay=0.3)
-        cache = kvxfer.HostCache(mgr, slow)
+        cache = kvxfer.HostCache(mgr, slow, namespace="test-model")
         running = cache.prefetch(KEYS[:8])
         queued = cache.prefetch(KEYS[8:])
         assert slow.started.wait(10)
@@ -119,7 +119,7 @@ def test_flush_names_the_writes_it_gave_up_on_and_close_ends_a_waiting_flush(red
     caches = _caches()
     slow = _redis(redis_server, timeout_s=5)
     with kvxfer.KVCacheManager(caches, num_host_blocks=8) as mgr:
-        cache = kvxfer.HostCache(mgr, slow, write_through=True)
+        cache = kvxfer.HostCache(mgr, slow, write_through=True, namespace="test-model")
         box = {}
         with _paused(redis_server, "WRITE"):
             cache.put(caches, [0, 1, 2, 3], KEYS[:4], wait=True)  # one SET held, 3 queued
@@ -155,7 +155,7 @@ def test_a_page_whose_write_is_queued_is_read_from_the_queue_not_waited_for(redi
     caches = _caches()
     counted = testing.CountingStore(_redis(redis_server, timeout_s=1))
     with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
-        cache = kvxfer.HostCache(mgr, counted)
+        cache = kvxfer.HostCache(mgr, counted, namespace="test-model")
         with _paused(redis_server, "WRITE"):
             for j in range(0, 20, 4):  # each put evicts the four before it
                 cache.put(caches, list(range(j, j + 4)), [600 + j + i for i in range(4)],
@@ -180,7 +180,7 @@ def test_each_call_ends_by_its_deadline_while_the_store_is_paused(redis_server, 
     caches = _caches()
     paused = _redis(redis_server, timeout_s=5)
     with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
-        cache = kvxfer.HostCache(mgr, paused)
+        cache = kvxfer.HostCache(mgr, paused, namespace="test-model")
         cache.put(caches, [0, 1], KEYS[:2], wait=True)
         cache.flush()
         cache.put(caches, [2, 3, 4, 5], KEYS[2:6], wait=True)  # 500, 501: store only

@@ -18,7 +18,7 @@ def rig(tmp_path):
     caches = testing.random_caches(2, 16, (4, 32), "float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
     disk = store.DiskStore(tmp_path / "pages")
-    cache = kvxfer.HostCache(mgr, disk)
+    cache = kvxfer.HostCache(mgr, disk, namespace="test-model")
     yield caches, mgr, disk, cache
     cache.close(), mgr.close(), disk.close()
 

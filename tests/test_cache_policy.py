@@ -199,7 +199,7 @@ def test_a_store_page_promoted_under_s3fifo_enters_the_policy(tmp_path):
     caches = testing.random_caches(2, 64, (4, 32), "float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
     disk = store.DiskStore(tmp_path / "pages")
-    cache = kvxfer.HostCache(mgr, disk, policy="s3fifo")
+    cache = kvxfer.HostCache(mgr, disk, policy="s3fifo", namespace="test-model")
     for j, key in enumerate((10, 11, 12, 13, 14)):  # 14 evicts 10, spilled to the store
         cache.put(caches, [j], [key], wait=True)
     assert cache.find(10) == "store" and cache.policy.queue_of(10) == "ghost"
@@ -342,7 +342,8 @@ def test_an_insert_that_keeps_raising_costs_its_page_only_and_close_stops_the_th
     disk = store.DiskStore(tmp_path / "pages")
     before = _cache_threads()
     with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
-        cache = kvxfer.HostCache(mgr, disk, policy=_Refuses(), write_through=True)
+        cache = kvxfer.HostCache(mgr, disk, policy=_Refuses(), write_through=True,
+                                 namespace="test-model")
         cache.subscribe(lambda events: None)
         with caplog.at_level(logging.ERROR, logger="kvxfer"):
             assert cache.put(caches, [0, 1, 2], [12, 13, 14], wait=True) == [12, 13, 14]

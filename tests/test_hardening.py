@@ -96,7 +96,8 @@ def _paused_rig(url, prefix, **options):
     caches = testing.random_caches(2, 8, (4, 32), "float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
     store = RedisStore(url, prefix=prefix, timeout_s=20)
-    return caches, mgr, store, kvxfer.HostCache(mgr, store, **options), redis.Redis.from_url(url)
+    cache = kvxfer.HostCache(mgr, store, **{"namespace": "test-model", **options})
+    return caches, mgr, store, cache, redis.Redis.from_url(url)
 
 
 def test_a_stalled_store_read_stalls_nothing_else(redis_server):
@@ -179,7 +180,7 @@ def test_find_and_flush_degrade_while_the_store_is_down(redis_server):
     caches = testing.random_caches(2, 8, (4, 32), "float32")
     with kvxfer.KVCacheManager(caches, num_host_blocks=2) as mgr:
         store = RedisStore(redis_server, prefix="down:", timeout_s=0.3)
-        cache = kvxfer.HostCache(mgr, store)
+        cache = kvxfer.HostCache(mgr, store, namespace="test-model")
         cache.put(caches, [1], [10], wait=True)
         with redis.Redis.from_url(redis_server) as admin:
             admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")

@@ -33,7 +33,7 @@ class Fleet:
     def __init__(self, disk, blocks=4, dtype="float32", **options):
         self.caches = [jnp.zeros_like(c) for c in _caches(dtype=dtype)]
         self.mgr = kvxfer.KVCacheManager(self.caches, num_host_blocks=blocks)
-        self.cache = kvxfer.HostCache(self.mgr, disk, **options)
+        self.cache = kvxfer.HostCache(self.mgr, disk, **{"namespace": "test-model", **options})
 
     def write(self, keys=KEYS, seed=0):
         """Offloads pages of ``_caches(seed)`` under ``keys`` and stores them."""
@@ -176,7 +176,7 @@ def test_a_store_client_error_on_write_is_a_counted_write_error(tmp_path, caplog
     disk = store.DiskStore(tmp_path / "pages")
     fleet = Fleet(disk, blocks=2)
     fleet.cache.close()
-    fleet.cache = kvxfer.HostCache(fleet.mgr, Unwritable(disk))
+    fleet.cache = kvxfer.HostCache(fleet.mgr, Unwritable(disk), namespace="test-model")
     fleet.cache.put(_caches(), [0, 1], [10, 11], wait=True)
     with caplog.at_level(logging.WARNING, logger="kvxfer"):
         assert fleet.cache.flush() == 0
@@ -222,7 +222,7 @@ def test_close_names_the_evicted_pages_its_dropped_writes_lose(tmp_path, caplog)
     disk = store.DiskStore(tmp_path / "pages")
     stalled = Stalled(disk)
     mgr = kvxfer.KVCacheManager(_caches(), num_host_blocks=2)
-    cache = kvxfer.HostCache(mgr, stalled, write_through="always")
+    cache = kvxfer.HostCache(mgr, stalled, write_through="always", namespace="test-model")
     cache.put(_caches(), [0, 1], [1, 2], wait=True)
     cache.lookup([])  # indexes them: their writes are queued (and stalled)
     cache.put(_caches(), [2], [3], wait=True)  # evicts page 2 (the tail), write queued

@@ -144,7 +144,7 @@ def test_host_cache_over_a_junk_node_sees_misses_and_deletes_nothing(cluster):
     keys = list(range(10, 18))
     with RedisClusterStore(cluster.spec, prefix=_prefix(), timeout_s=10) as s:
         mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
-        cache = kvxfer.HostCache(mgr, s, write_through="always")
+        cache = kvxfer.HostCache(mgr, s, write_through="always", namespace="test-model")
         cache.put(caches, list(range(8)), keys, wait=True)
         cache.flush()
         assert cache.stats()["store_pages_written"] == 8
@@ -155,7 +155,7 @@ def test_host_cache_over_a_junk_node_sees_misses_and_deletes_nothing(cluster):
         junk = nodes[s.domain_of(stored[0])]
         caches = [jnp.zeros_like(c) for c in caches]
         mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
-        cache = kvxfer.HostCache(mgr, s)
+        cache = kvxfer.HostCache(mgr, s, namespace="test-model")
         # A read of one page (one domain) is MULTI, two commands and EXEC: each is
         # answered, and the EXEC with nested arrays.
         cluster.proxy_of(junk).answering(_READ["nested arrays"])

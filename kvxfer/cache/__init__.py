@@ -46,14 +46,14 @@ the prefetches not started and gives the running one its timeout.
     >>> tmp = tempfile.TemporaryDirectory()
     >>> disk = store.DiskStore(tmp.name)
     >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-    >>> cache = kvxfer.HostCache(mgr, disk)
+    >>> cache = kvxfer.HostCache(mgr, disk, namespace="doc-model@r1:f32")
     >>> cache.put(caches, [0, 1], keys=[11, 12], wait=True)
     [11, 12]
     >>> cache.flush()
     2
     >>> cache.close(); mgr.close()  # a restart: host memory starts cold
     >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-    >>> cache = kvxfer.HostCache(mgr, disk)
+    >>> cache = kvxfer.HostCache(mgr, disk, namespace="doc-model@r1:f32")
     >>> cache.prefetch([11, 12, 13]).result()  # 13 was never stored
     2
     >>> reads = disk.stats()["gets"]
