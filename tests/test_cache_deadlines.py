@@ -254,3 +254,41 @@ def test_a_huge_finite_deadline_is_as_good_as_none(tmp_path, timeout):
     assert not {t.name for t in threading.enumerate() if t.name.startswith("kvxfer-") and
                 not t.name.startswith("kvxfer-transfer")} - {t.name for t in before}
     disk.close()
+
+
+def test_close_leaves_no_page_pinned_and_every_prefetch_settled(tmp_path):
+    # Lookups and prefetches on other threads while close() runs: a lookup whose
+    # store read close() cut short raised closed, but a lookup past its check returned
+    # a hit of its host pages after close, which then could never be loaded (4 pages
+    # pinned); a hit never released or loaded pinned its pages for good too.
+    disk = store.DiskStore(tmp_path / "pages")
+    caches = _caches()
+    with kvxfer.KVCacheManager(caches, num_host_blocks=16) as mgr:
+        first = kvxfer.HostCache(mgr, disk, write_through=True, namespace="test-model")
+        first.put(caches, list(range(8)), KEYS[:8], wait=True)
+        first.close()
+    with kvxfer.KVCacheManager(caches, num_host_blocks=16) as mgr:
+        slow = _Slow(disk, delay=0.5)
+        cache = kvxfer.HostCache(mgr, slow, namespace="test-model")
+        cache.put(caches, list(range(8, 12)), KEYS[8:12], wait=True)
+        kept = cache.lookup(KEYS[8:10])  # never loaded nor released
+        box = {}
+
+        def look():  # host pages pinned, then the store read that close() outlasts
+            try:
+                box["hit"] = cache.lookup(KEYS[8:12] + KEYS[:4], timeout=None)
+            except RuntimeError as e:
+                box["error"] = e
+
+        looking = threading.Thread(target=look)
+        looking.start()
+        assert slow.started.wait(10)  # the lookup reads the store, its lock let go of
+        futures = [cache.prefetch(KEYS[4:8]), cache.prefetch(KEYS[6:8], timeout=0)]
+        cache.close(timeout=5)
+        assert "the HostCache is closed" in str(_ends(looking, box).get("error"))
+        done, late = concurrent.futures.wait(futures, timeout=10)
+        assert not late
+        assert cache.stats()["pinned_pages"] == 0
+        cache.release(kept)  # after close: a no-op, nothing goes below zero
+        assert cache.stats()["pinned_pages"] == 0
+    disk.close()

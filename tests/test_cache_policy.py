@@ -426,3 +426,45 @@ def test_promoting_a_prefix_head_never_evicts_its_own_tail(tmp_path):
         assert sorted(cache.keys()) == a + b[2:] and cache.stats()["pinned_pages"] == 0
         cache.close()
     disk.close()
+
+
+class _TouchRaises(LRUPolicy):
+    """LRU whose ``touch`` (and ``used_together``) of key 11 raises ``error``."""
+
+    name = "touchy"
+
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def touch(self, key):
+        if key == 11 and self.error is not None:
+            raise self.error
+        super().touch(key)
+
+    def used_together(self, keys):
+        if 11 in keys and self.error is not None:
+            raise self.error
+        super().used_together(keys)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("lost my place"), KeyboardInterrupt()],
+                         ids=["Exception", "BaseException"])
+def test_a_touch_that_raises_leaves_no_pin(error):
+    # The pages a lookup pinned before the policy raised are unpinned (a lookup that
+    # raises returns no hit to release them with), and the cache goes on.
+    policy = _TouchRaises(None)
+    caches, mgr, cache = _rig(policy, num_host_blocks=4)
+    cache.put(caches, [0, 1, 2], [10, 11, 12], wait=True)
+    policy.error = error
+    if isinstance(error, Exception):
+        hit = cache.lookup([10, 11, 12])  # logged; the lookup is a use all the same
+        assert hit.num_pages == 3
+        cache.release(hit)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            cache.lookup([10, 11, 12])
+    assert cache.stats()["pinned_pages"] == 0
+    policy.error = None
+    assert cache.put(caches, [3, 4, 5, 6], [20, 21, 22, 23], wait=True) == [20, 21, 22, 23]
+    cache.close(), mgr.close()

@@ -113,7 +113,8 @@ class Ending:
         running one, queued store writes, then the events not delivered yet, ``timeout``
         seconds in all (one deadline, not one per write); writes not done by then are
         dropped (logged), a late prefetch imports nothing, and calls waiting on what
-        was cancelled end (``flush`` raises). The manager and the store stay open. In
+        was cancelled end (``flush`` raises), and no page stays pinned (a hit not
+        loaded or released by then pins nothing). The manager and the store stay open. In
         a multi-process job it then waits (up to the manager's ``agreement_timeout``)
         for every rank to close its cache.
 
@@ -139,6 +140,7 @@ class Ending:
                         self._store.close(writes, deadline.timeout, deadline.at)
         finally:
             self._closed = True
+            self._host.drop_pins()  # no eviction any more: no hit pins a page for good
             try:
                 self._events.close(deadline.left)  # events of the last writes included
             finally:

@@ -245,6 +245,9 @@ class HostCache(IndexViews, Ending):
             self._prefetch.wait_for(keys, deadline)
             self._check_open()
             found = self._finder.find(keys, deadline)
+            if self._closed:  # closed while the store was read (lock let go of)
+                self._host.unpin([f.key for f in found])
+                self._check_open()
             self._stats.add(lookups=1, pages_requested=len(keys),
                             misses=len(keys) - len(found))
             return CacheHit(tuple(f.key for f in found), tuple(f.ref for f in found),

@@ -136,6 +136,11 @@ class HostTier:
     def pin(self, key: int) -> None:
         self._pins[key] += 1
 
+    def drop_pins(self) -> None:
+        """Forgets every pin (the cache closed: nothing is evicted any more, so a hit
+        or a load that never settles pins nothing for good)."""
+        self._pins.clear()
+
     def unpin(self, keys: Iterable[int]) -> None:
         for key in keys:
             self._pins[key] -= 1

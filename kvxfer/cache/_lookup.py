@@ -97,10 +97,10 @@ class Finder:
                     self._promote(rest, found, use, deadline)
                 finally:
                     self.host.unpin(held)
-        except BaseException:
+            self.host.used_together([f.key for f in found if use or f.tier == "store"])
+        except BaseException:  # whatever a policy or a store raised: nothing stays pinned
             self.host.unpin([f.key for f in found])
             raise
-        self.host.used_together([f.key for f in found if use or f.tier == "store"])
         return found
 
     def _promote(self, rest: list[int], found: list[Found], use: bool,
