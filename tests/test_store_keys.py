@@ -130,7 +130,7 @@ def test_a_rotated_tier_counts_old_key_pages_as_held(tmp_path):
     old.close()
     mgr = kvxfer.KVCacheManager(_caches(), num_host_blocks=4)
     stats, lock = Counters(), threading.RLock()
-    tiers = [StoreTier(mgr, disk, lock, stats, namespace="", write_through="never",
+    tiers = [StoreTier(mgr, disk, lock, stats, namespace="test-model", write_through="never",
                        sealer=sealer, events=EventHub(stats))
              for sealer in (Sealer(KEY_B), Sealer(KEY_B, previous_keys=[KEY_A]))]
     for tier, held in zip(tiers, ([False] * 3, [True] * 3)):
