@@ -76,8 +76,9 @@ local found = {}
 for i, key in ipairs(ARGV) do
   found[i] = redis.call('EXISTS', KEYS[4 + i])
   if found[i] == 1 and redis.call('TYPE', KEYS[4 + i])['ok'] ~= 'string' then
-    found[i] = 2  -- a value of another type: not a blob, a miss of its key alone
-  elseif found[i] == 1 then
+    found[i] = 2  -- a value of another type: not a blob (gone), a miss of its key alone
+  end
+  if found[i] == 1 then
     if redis.call('ZSCORE', lru, key) then
       redis.call('ZADD', lru, 'XX', redis.call('INCR', clock), key)
     end
