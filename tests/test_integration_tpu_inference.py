@@ -659,3 +659,15 @@ def test_a_save_is_reported_only_once_every_rank_landed():
         assert_blocks(w.runner.kv_caches, 9, want)  # every rank's share of the block
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("timeout", [1e300, 10**400])
+def test_wait_for_saves_takes_any_finite_timeout(worker, timeout):
+    w, conn, caches = worker
+    conn.bind_connector_metadata(Metadata([save_meta("s", [3], [6], final=True)]))
+    w.start_load_kv(None)
+    w.start_save_kv()
+    w.wait_for_saves(timeout)  # an OverflowError out of a condition's wait before
+    assert w.get_finished()[0] == {"s"}
+    with pytest.raises(ValueError, match="timeout=-1 must be None or a finite number"):
+        w.wait_for_saves(-1)
