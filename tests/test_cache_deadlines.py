@@ -292,3 +292,44 @@ def test_close_leaves_no_page_pinned_and_every_prefetch_settled(tmp_path):
         cache.release(kept)  # after close: a no-op, nothing goes below zero
         assert cache.stats()["pinned_pages"] == 0
     disk.close()
+
+
+class _Hung(testing.CountingStore):
+    """A real store whose batched reads hang until ``release`` is set."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def get_many(self, keys):
+        self.started.set()
+        self.release.wait(30)
+        return super().get_many(keys)
+
+
+def test_close_settles_a_prefetch_whose_store_read_hangs(tmp_path):
+    # A prefetch without a timeout, reading from a store that does not answer: its
+    # future stayed pending after close() returned, as long as the store hung.
+    disk = store.DiskStore(tmp_path / "pages")
+    caches = _caches()
+    with kvxfer.KVCacheManager(caches, num_host_blocks=8) as mgr:
+        first = kvxfer.HostCache(mgr, disk, write_through=True, namespace="test-model")
+        first.put(caches, [0, 1], KEYS[:2], wait=True)
+        first.close()
+    with kvxfer.KVCacheManager(caches, num_host_blocks=8) as mgr:
+        hung = _Hung(disk)
+        cache = kvxfer.HostCache(mgr, hung, namespace="test-model")
+        running = cache.prefetch(KEYS[:2], timeout=None)
+        assert hung.started.wait(10)
+        _, took = _elapsed(lambda: cache.close(timeout=0.3))
+        assert took < 5 and running.done()
+        with pytest.raises(RuntimeError, match="closed while this prefetch was still "
+                                               "reading from the store"):
+            running.result(0)
+        hung.release.set()  # the read ends: the worker finds its future settled
+        for _ in range(500):
+            if not any(t.name == "kvxfer-prefetch" for t in threading.enumerate()):
+                break
+            time.sleep(0.01)
+        assert cache.stats()["pinned_pages"] == 0 and mgr.num_free_pages == 8
+    disk.close()

@@ -39,7 +39,9 @@ prefetches run one at a time, in order. A prefetch never makes a lookup fail: st
 errors and bad pages are counted and logged as a lookup's are, anything else in
 ``prefetch_errors`` and its future. ``stats()`` counts ``prefetches`` and
 ``pages_prefetched``; a lookup counts those pages as host hits. ``close()`` cancels
-the prefetches not started and gives the running one its timeout.
+the prefetches not started and gives the running one until its own deadline (then
+that future fails, and the prefetch imports nothing): every prefetch is done by the
+time ``close()`` returns.
 
     >>> import tempfile
     >>> from kvxfer import store
