@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import stat
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -46,11 +47,19 @@ def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
 
 
 def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
-    """``timeout`` if it is None or a finite number of seconds >= 0.
+    """``timeout`` if it is None or a finite number of seconds >= 0, as a float.
+
+    A finite timeout longer than any wait the platform can make (``threading.TIMEOUT_MAX``,
+    about 292 years on Linux; ``1e300``, ``2**63``, ``10**400``) is clamped to it, so
+    every wait that takes it works as "as good as never".
 
     Raises:
       ValueError: NaN, infinite or negative, naming ``name``.
       TypeError: not a number.
+
+    Example:
+        >>> check_timeout(2), check_timeout(10**400) == threading.TIMEOUT_MAX
+        (2.0, True)
     """
     if timeout is None:
         return None
@@ -58,9 +67,15 @@ def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
             not isinstance(timeout, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name}={timeout!r} must be None or a number of seconds. Got "
                         f"{type(timeout).__name__}")
-    if not math.isfinite(timeout) or timeout < 0:
+    try:
+        finite = math.isfinite(timeout)
+    except OverflowError:  # an int past a float's range: finite, and very long
+        finite = True
+    if not finite or timeout < 0:
         raise ValueError(f"{name}={timeout!r} must be None or a finite number of seconds "
                          ">= 0")
+    if timeout >= threading.TIMEOUT_MAX:
+        return float(threading.TIMEOUT_MAX)
     return float(timeout)
 
 

@@ -16,7 +16,6 @@ arrive (XLA caps its ``pinned_host`` memory: 64 GB by default on GPU).
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +24,24 @@ import jax
 import numpy as np
 
 __all__ = ["PageArrays"]
+
+
+class _Owned:
+    """The bytes of a ready JAX array as numpy sees them, holding the array.
+
+    ``np.asarray(_Owned(a))`` is a writable ``uint8`` view of ``a``'s buffer whose
+    ``base`` is this object, so the view (and every slice of it) keeps ``a`` alive: a
+    ctypes view made from ``unsafe_buffer_pointer()`` alone keeps nothing alive, and
+    writing through it after the array is gone writes freed memory.
+    """
+
+    __slots__ = ("array", "__array_interface__")
+
+    def __init__(self, array: jax.Array):
+        self.array = array
+        self.__array_interface__ = {"data": (array.unsafe_buffer_pointer(), False),
+                                    "shape": (array.nbytes,), "typestr": "|u1",
+                                    "version": 3}
 
 
 class PageArrays:
@@ -90,16 +107,14 @@ class PageArrays:
 
     def _shard_views(self, slot: int) -> list[np.ndarray]:
         # Writable views of the arrays' own buffers (np.asarray would give read-only
-        # copies where it caches); they live as long as the slot holds these arrays.
+        # copies where it caches). Each view holds its array (``_Owned``), so a view
+        # taken before the slot got new arrays, or was freed, never outlives its bytes.
         with self._lock:
             views = self._views.get(slot)
             if views is not None:
                 return views
         arrays = self.get(slot)
-        views = []
-        for a in jax.block_until_ready(arrays):
-            raw = (ctypes.c_uint8 * a.nbytes).from_address(a.unsafe_buffer_pointer())
-            views.append(np.ctypeslib.as_array(raw))
+        views = [np.asarray(_Owned(a)) for a in jax.block_until_ready(arrays)]
         with self._lock:
             if self._arrays[slot] is arrays:
                 self._views[slot] = views

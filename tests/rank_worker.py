@@ -4,7 +4,8 @@ Usage: python rank_worker.py RANK PORT SCENARIO:STORE_DIR
   SCENARIO: faults (a one-rank bit flip, a one-rank delivery fault, lookups out of
   step, then rank 0 closes first) | mismatch (the ranks load different requests
   through the manager) | prefetch (after a restart, rank 0 prefetches a prefix from
-  the store and rank 1 does not; both look it up)
+  the store and rank 1 does not; both look it up) | stuck (rank 1 stops answering
+  while rank 0 looks up, loads and closes)
 The caches are global arrays sharded over KV heads across the two processes, and
 the cache writes through to a disk store both ranks share. Prints one JSON line.
 """
@@ -54,7 +55,7 @@ def expected(layer: int, blocks: list[int]) -> np.ndarray:
 out: dict = {"rank": rank}
 mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, agreement_timeout=20)
 store = DiskStore(store_dir)
-cache = kvxfer.HostCache(mgr, store, write_through=True)
+cache = kvxfer.HostCache(mgr, store, write_through=True, namespace="test-model")
 chain = [101, 102, 103, 104]  # one request's page keys
 src = [0, 1, 2, 3]
 
@@ -138,7 +139,7 @@ elif scenario == "prefetch":
     # A restart: cold host memory on both ranks, every page in the store.
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, agreement_timeout=20)
     counted = testing.CountingStore(store)
-    cache = kvxfer.HostCache(mgr, counted)
+    cache = kvxfer.HostCache(mgr, counted, namespace="test-model")
     if rank == 0:  # a prefetch is one rank's own: no agreement, nothing on rank 1
         out["prefetched"] = cache.prefetch(chain).result(30)
     counted.calls.clear()
@@ -152,6 +153,45 @@ elif scenario == "prefetch":
                                       expected(i, src[:n])) for i in range(3))
     cache.close()
     mgr.close()
+elif scenario == "stuck":
+    # tpu-sync #888: one stuck peer starved the others. Rank 1 stops answering (a
+    # long stall in the engine) while rank 0 looks up, loads and closes: each costs
+    # rank 0 its agreement_timeout, names rank 1, and leaves nothing pinned.
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    cache.close()
+    mgr.close()
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, agreement_timeout=2)
+    cache = kvxfer.HostCache(mgr, store, namespace="test-model")
+    cache.put(caches, src, chain, wait=True)
+    pages = mgr.offload(caches, src[:2], [901, 902]).wait()
+    client.wait_at_barrier("kvxfer-test-stuck-ready", 60_000)
+    if rank == 1:
+        time.sleep(12)  # stuck: no lookup, no load, no close meanwhile
+    else:
+        t = time.monotonic()
+        try:
+            out["lookup"] = cache.lookup(chain).num_pages
+        except kvxfer.TransferError as e:
+            out["lookup"] = str(e)
+        out["lookup_s"] = time.monotonic() - t
+        t = time.monotonic()
+        caches, handle = mgr.load(caches, pages, [8, 9])
+        try:
+            out["load"] = handle.result(30).verified_prefix
+        except kvxfer.TransferError as e:
+            out["load"] = str(e)
+        out["load_s"] = time.monotonic() - t
+        out["pinned"] = cache.stats()["pinned_pages"]
+        mgr.free(pages)
+        out["free_pages"] = mgr.num_free_pages  # 8 less the cache's 4: no pin left
+        out["cached"] = len(cache.keys())
+    t = time.monotonic()
+    cache.close()
+    mgr.close()
+    out["close_s"] = time.monotonic() - t
+    client.wait_at_barrier("kvxfer-test-stuck-done", 120_000)
 else:
     raise SystemExit(f"unknown scenario {scenario!r}")
 print(json.dumps(out), flush=True)

@@ -46,7 +46,8 @@ def _stored(inner, keys=KEYS, **options):
     Returns each layer's bits of the device blocks the pages came from (0, 1, ...)."""
     caches = _caches()
     with kvxfer.KVCacheManager(caches, num_host_blocks=len(keys)) as mgr:
-        cache = kvxfer.HostCache(mgr, inner, write_through=True, **options)
+        cache = kvxfer.HostCache(mgr, inner, write_through=True,
+                                 **{"namespace": "test-model", **options})
         cache.put(caches, list(range(len(keys))), keys, wait=True)
         cache.close()
     assert all(inner.contains(k) for k in _store_keys(inner, keys, **options))
@@ -55,7 +56,8 @@ def _stored(inner, keys=KEYS, **options):
 
 def _store_keys(inner, keys, **options):
     with kvxfer.KVCacheManager(_caches(), num_host_blocks=1) as mgr:
-        return [kvxfer.HostCache(mgr, inner, **options).store_key(k) for k in keys]
+        cache = kvxfer.HostCache(mgr, inner, **{"namespace": "test-model", **options})
+        return [cache.store_key(k) for k in keys]
 
 
 class Cold:
@@ -66,7 +68,8 @@ class Cold:
         self.caches = _caches(blank=True)
         self.mgr = kvxfer.KVCacheManager(self.caches, num_host_blocks=num_host_blocks)
         self.store = testing.CountingStore(inner, batched=batched)
-        self.cache = kvxfer.HostCache(self.mgr, self.store, **options)
+        self.cache = kvxfer.HostCache(self.mgr, self.store,
+                                      **{"namespace": "test-model", **options})
 
     def load(self, hit, first_block=8):
         blocks = list(range(first_block, first_block + hit.num_pages))
@@ -169,7 +172,7 @@ def test_a_store_error_in_the_batch_is_a_miss_at_its_page_counted_once(tmp_path,
     victim = _store_keys(disk, KEYS)[20]
     caches = _caches(blank=True)
     with kvxfer.KVCacheManager(caches, num_host_blocks=PAGES) as mgr:
-        cache = kvxfer.HostCache(mgr, _OneKeyUnreadable(disk, victim))
+        cache = kvxfer.HostCache(mgr, _OneKeyUnreadable(disk, victim), namespace="test-model")
         with caplog.at_level(logging.WARNING, logger="kvxfer"):
             hit = cache.lookup(KEYS)
         assert hit.num_pages == 20
@@ -284,7 +287,7 @@ def test_a_failed_prefetch_is_counted_and_never_fails_a_lookup(tmp_path, error, 
     want = _stored(disk, KEYS[:4])
     caches = _caches(blank=True)
     with kvxfer.KVCacheManager(caches, num_host_blocks=8) as mgr:
-        cache = kvxfer.HostCache(mgr, _Broken(disk, error))
+        cache = kvxfer.HostCache(mgr, _Broken(disk, error), namespace="test-model")
         with caplog.at_level(logging.WARNING, logger="kvxfer"):
             future = cache.prefetch(KEYS[:4])
             if isinstance(error, store.StoreError):  # a miss, counted as a lookup's is
@@ -325,7 +328,7 @@ def test_a_lookup_during_a_prefetch_waits_for_it_and_reads_nothing(tmp_path):
     caches = _caches(blank=True)
     with kvxfer.KVCacheManager(caches, num_host_blocks=PAGES + 8) as mgr:
         held = _Held(disk)
-        cache = kvxfer.HostCache(mgr, held)
+        cache = kvxfer.HostCache(mgr, held, namespace="test-model")
         future = cache.prefetch(KEYS)
         assert held.started.wait(60)  # the prefetch is reading, with no lock held...
         assert len(cache) == 0 and cache.find(KEYS[0]) == "store"  # ...so calls go on
@@ -351,17 +354,22 @@ def test_close_during_a_prefetch_cancels_the_queued_and_imports_nothing(tmp_path
     _stored(disk)
     with kvxfer.KVCacheManager(_caches(), num_host_blocks=PAGES) as mgr:
         held = _Held(disk)
-        cache = kvxfer.HostCache(mgr, held)
+        cache = kvxfer.HostCache(mgr, held, namespace="test-model")
         running = cache.prefetch(KEYS[:16])
         queued = cache.prefetch(KEYS[16:])
         assert held.started.wait(60)
         with caplog.at_level(logging.WARNING, logger="kvxfer"):
             cache.close(timeout=0.1)  # the running one is still held in its read
-        assert queued.cancelled() and not running.done()
+        assert queued.cancelled() and running.done()  # every prefetch settled
         assert "a prefetch was still reading from the store 0.1 s after close()" in \
             caplog.text
-        held.release.set()
-        assert running.result(60) == 0  # its read came back after close: not imported
+        with pytest.raises(RuntimeError, match="closed while this prefetch was still"):
+            running.result(0)
+        held.release.set()  # its read comes back after close: not imported
+        for _ in range(500):
+            if not any(t.name == "kvxfer-prefetch" for t in threading.enumerate()):
+                break
+            time.sleep(0.01)
         assert mgr.num_free_pages == PAGES and held.calls["get_many"] == 1
         with pytest.raises(RuntimeError, match="the HostCache is closed"):
             cache.lookup(KEYS)
@@ -390,8 +398,8 @@ def test_a_promoted_page_is_never_written_back(inner, write_through):
     cold.store.calls.clear()
     new = [7000, 7001, 7002, 7003]
     source = _caches()
-    cold.cache.put(source, [40, 41, 42, 43], new, wait=True)  # evicts KEYS[:4]
-    cold.cache.put(source, [0, 1, 2, 3], KEYS[:4], wait=True)  # evicts KEYS[4:8]
+    cold.cache.put(source, [40, 41, 42, 43], new, wait=True)  # evicts KEYS[28:] (tail)
+    cold.cache.put(source, [0, 1, 2, 3], KEYS[28:], wait=True)  # evicts KEYS[24:28]
     cold.cache.close()  # waits for the writes
     # Only the new pages are written (write-through); the promoted ones, evicted or put
     # again, cost no store call at all.
@@ -406,7 +414,7 @@ def test_a_written_page_is_not_written_again_when_evicted(tmp_path):
     caches = _caches()
     with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
         counted = testing.CountingStore(disk)
-        cache = kvxfer.HostCache(mgr, counted, write_through=True)
+        cache = kvxfer.HostCache(mgr, counted, write_through=True, namespace="test-model")
         cache.put(caches, [0, 1, 2, 3], KEYS[:4], wait=True)
         cache.flush()  # their writes are done (flush asks the store about each)
         counted.calls.clear()

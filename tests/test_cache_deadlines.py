@@ -7,10 +7,12 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 import kvxfer
@@ -80,12 +82,12 @@ def test_close_with_a_prefetch_queued_ends_with_the_running_one(tmp_path, timeou
     disk = store.DiskStore(tmp_path / "pages")
     caches = _caches()
     with kvxfer.KVCacheManager(caches, num_host_blocks=16) as mgr:
-        first = kvxfer.HostCache(mgr, disk, write_through=True)
+        first = kvxfer.HostCache(mgr, disk, write_through=True, namespace="test-model")
         first.put(caches, list(range(16)), KEYS, wait=True)
         first.close()
     with kvxfer.KVCacheManager(caches, num_host_blocks=16) as mgr:
         slow = _Slow(disk, delay=0.3)
-        cache = kvxfer.HostCache(mgr, slow)
+        cache = kvxfer.HostCache(mgr, slow, namespace="test-model")
         running = cache.prefetch(KEYS[:8])
         queued = cache.prefetch(KEYS[8:])
         assert slow.started.wait(10)
@@ -117,7 +119,7 @@ def test_flush_names_the_writes_it_gave_up_on_and_close_ends_a_waiting_flush(red
     caches = _caches()
     slow = _redis(redis_server, timeout_s=5)
     with kvxfer.KVCacheManager(caches, num_host_blocks=8) as mgr:
-        cache = kvxfer.HostCache(mgr, slow, write_through=True)
+        cache = kvxfer.HostCache(mgr, slow, write_through=True, namespace="test-model")
         box = {}
         with _paused(redis_server, "WRITE"):
             cache.put(caches, [0, 1, 2, 3], KEYS[:4], wait=True)  # one SET held, 3 queued
@@ -153,7 +155,7 @@ def test_a_page_whose_write_is_queued_is_read_from_the_queue_not_waited_for(redi
     caches = _caches()
     counted = testing.CountingStore(_redis(redis_server, timeout_s=1))
     with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
-        cache = kvxfer.HostCache(mgr, counted)
+        cache = kvxfer.HostCache(mgr, counted, namespace="test-model")
         with _paused(redis_server, "WRITE"):
             for j in range(0, 20, 4):  # each put evicts the four before it
                 cache.put(caches, list(range(j, j + 4)), [600 + j + i for i in range(4)],
@@ -178,7 +180,7 @@ def test_each_call_ends_by_its_deadline_while_the_store_is_paused(redis_server, 
     caches = _caches()
     paused = _redis(redis_server, timeout_s=5)
     with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
-        cache = kvxfer.HostCache(mgr, paused)
+        cache = kvxfer.HostCache(mgr, paused, namespace="test-model")
         cache.put(caches, [0, 1], KEYS[:2], wait=True)
         cache.flush()
         cache.put(caches, [2, 3, 4, 5], KEYS[2:6], wait=True)  # 500, 501: store only
@@ -216,3 +218,118 @@ def test_deadlines_are_checked_and_named():
             cache.close(timeout="1")
         assert cache.lookup([1], timeout=None).num_pages == 0
         cache.close()
+
+
+HUGE = [1e20, 1e300, sys.float_info.max, 2**63, 10**400, np.float64(1e300)]
+
+
+@pytest.mark.parametrize("timeout", HUGE, ids=str)
+def test_a_huge_finite_deadline_is_as_good_as_none(tmp_path, timeout):
+    # Finite, so accepted; past what a wait can take, so it is clamped rather than
+    # raising OverflowError out of a lock or condition half way through a call.
+    caches = _caches()
+    disk = store.DiskStore(tmp_path / "pages")
+    before = {t for t in threading.enumerate() if t.name.startswith("kvxfer-")}
+    with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
+        cache = kvxfer.HostCache(mgr, disk, namespace="test-model")
+        assert cache.put(caches, [0, 1], KEYS[:2], wait=True, timeout=timeout) == KEYS[:2]
+        hit = cache.lookup(KEYS[:3], timeout=timeout)
+        assert hit.num_pages == 2
+        caches, load = cache.load(caches, hit, [2, 3])
+        assert load.layer_ready(1, timeout) == 2 and load.result(timeout).verified_prefix == 2
+        assert cache.find(KEYS[0], timeout=timeout) == "host"
+        assert cache.prefetch(KEYS[:2], timeout=timeout).result(10) == 2
+        assert cache.flush(timeout=timeout) == 2
+        assert cache.subscribe(lambda events: None).wait(timeout)
+        page, = mgr.offload(caches, [4], keys=[9]).wait(timeout)
+        mgr.free([page])
+        cache.close(timeout=timeout)  # every thread stops: no second chance
+        with pytest.raises(RuntimeError, match="the HostCache is closed"):
+            cache.lookup(KEYS[:1])
+    for _ in range(500):
+        if not {t for t in threading.enumerate() if t.name.startswith("kvxfer-") and
+                not t.name.startswith("kvxfer-transfer")} - before:
+            break
+        time.sleep(0.01)
+    assert not {t.name for t in threading.enumerate() if t.name.startswith("kvxfer-") and
+                not t.name.startswith("kvxfer-transfer")} - {t.name for t in before}
+    disk.close()
+
+
+def test_close_leaves_no_page_pinned_and_every_prefetch_settled(tmp_path):
+    # Lookups and prefetches on other threads while close() runs: a lookup whose
+    # store read close() cut short raised closed, but a lookup past its check returned
+    # a hit of its host pages after close, which then could never be loaded (4 pages
+    # pinned); a hit never released or loaded pinned its pages for good too.
+    disk = store.DiskStore(tmp_path / "pages")
+    caches = _caches()
+    with kvxfer.KVCacheManager(caches, num_host_blocks=16) as mgr:
+        first = kvxfer.HostCache(mgr, disk, write_through=True, namespace="test-model")
+        first.put(caches, list(range(8)), KEYS[:8], wait=True)
+        first.close()
+    with kvxfer.KVCacheManager(caches, num_host_blocks=16) as mgr:
+        slow = _Slow(disk, delay=0.5)
+        cache = kvxfer.HostCache(mgr, slow, namespace="test-model")
+        cache.put(caches, list(range(8, 12)), KEYS[8:12], wait=True)
+        kept = cache.lookup(KEYS[8:10])  # never loaded nor released
+        box = {}
+
+        def look():  # host pages pinned, then the store read that close() outlasts
+            try:
+                box["hit"] = cache.lookup(KEYS[8:12] + KEYS[:4], timeout=None)
+            except RuntimeError as e:
+                box["error"] = e
+
+        looking = threading.Thread(target=look)
+        looking.start()
+        assert slow.started.wait(10)  # the lookup reads the store, its lock let go of
+        futures = [cache.prefetch(KEYS[4:8]), cache.prefetch(KEYS[6:8], timeout=0)]
+        cache.close(timeout=5)
+        assert "the HostCache is closed" in str(_ends(looking, box).get("error"))
+        done, late = concurrent.futures.wait(futures, timeout=10)
+        assert not late
+        assert cache.stats()["pinned_pages"] == 0
+        cache.release(kept)  # after close: a no-op, nothing goes below zero
+        assert cache.stats()["pinned_pages"] == 0
+    disk.close()
+
+
+class _Hung(testing.CountingStore):
+    """A real store whose batched reads hang until ``release`` is set."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def get_many(self, keys):
+        self.started.set()
+        self.release.wait(30)
+        return super().get_many(keys)
+
+
+def test_close_settles_a_prefetch_whose_store_read_hangs(tmp_path):
+    # A prefetch without a timeout, reading from a store that does not answer: its
+    # future stayed pending after close() returned, as long as the store hung.
+    disk = store.DiskStore(tmp_path / "pages")
+    caches = _caches()
+    with kvxfer.KVCacheManager(caches, num_host_blocks=8) as mgr:
+        first = kvxfer.HostCache(mgr, disk, write_through=True, namespace="test-model")
+        first.put(caches, [0, 1], KEYS[:2], wait=True)
+        first.close()
+    with kvxfer.KVCacheManager(caches, num_host_blocks=8) as mgr:
+        hung = _Hung(disk)
+        cache = kvxfer.HostCache(mgr, hung, namespace="test-model")
+        running = cache.prefetch(KEYS[:2], timeout=None)
+        assert hung.started.wait(10)
+        _, took = _elapsed(lambda: cache.close(timeout=0.3))
+        assert took < 5 and running.done()
+        with pytest.raises(RuntimeError, match="closed while this prefetch was still "
+                                               "reading from the store"):
+            running.result(0)
+        hung.release.set()  # the read ends: the worker finds its future settled
+        for _ in range(500):
+            if not any(t.name == "kvxfer-prefetch" for t in threading.enumerate()):
+                break
+            time.sleep(0.01)
+        assert cache.stats()["pinned_pages"] == 0 and mgr.num_free_pages == 8
+    disk.close()

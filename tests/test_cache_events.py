@@ -18,7 +18,7 @@ def rig(tmp_path):
     caches = testing.random_caches(2, 16, (4, 32), "float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
     disk = store.DiskStore(tmp_path / "pages")
-    cache = kvxfer.HostCache(mgr, disk)
+    cache = kvxfer.HostCache(mgr, disk, namespace="test-model")
     yield caches, mgr, disk, cache
     cache.close(), mgr.close(), disk.close()
 
@@ -43,20 +43,20 @@ def test_pages_arriving_and_leaving_each_tier_are_reported_in_order(rig):
     rec = Recorder()
     sub = cache.subscribe(rec)
     cache.put(caches, [0, 1], [10, 11], wait=True)
-    cache.put(caches, [2], [12], wait=True)  # a full pool: 10 is evicted, spilled
-    cache.flush()  # the spill is written; 11 and 12 too
+    cache.put(caches, [2], [12], wait=True)  # a full pool: 11 (the tail) is spilled
+    cache.flush()  # the spill is written; 10 and 12 too
     assert sub.wait(10)
     assert rec.events[:4] == [("stored", 10, "host"), ("stored", 11, "host"),
-                              ("evicted", 10, "host"), ("stored", 12, "host")]
+                              ("evicted", 11, "host"), ("stored", 12, "host")]
     assert sorted(rec.events[4:]) == [("stored", k, "store") for k in (10, 11, 12)]
     assert rec.threads == {"kvxfer-cache-events"}
     assert all(isinstance(e, CacheEvent) for b in rec.batches for e in b)
-    hit = cache.lookup([10])  # promoted: 11 is evicted (already stored: no new write)
-    caches, load = cache.load(caches, hit, [5])
-    assert load.result().verified_prefix == 1
+    hit = cache.lookup([10, 11])  # 11 promoted: 12 is evicted (stored: no new write)
+    caches, load = cache.load(caches, hit, [5, 6])
+    assert load.result().verified_prefix == 2
     cache.flush()
     sub.wait(10)
-    assert rec.events[-2:] == [("evicted", 11, "host"), ("stored", 10, "host")]
+    assert rec.events[-2:] == [("evicted", 12, "host"), ("stored", 11, "host")]
 
 
 def test_a_page_proven_bad_is_removed_from_every_tier(rig, caplog):
@@ -133,7 +133,7 @@ def test_close_delivers_what_is_queued(rig):
     cache.put(caches, [0, 1], [10, 11], wait=True)
     cache.put(caches, [2], [12])  # still on its way in: indexed by close()
     cache.close()
-    assert ("stored", 12, "host") in rec.events and ("stored", 10, "store") in rec.events
+    assert ("stored", 12, "host") in rec.events and ("stored", 11, "store") in rec.events
     with pytest.raises(RuntimeError, match="the HostCache is closed"):
         cache.subscribe(rec)
 

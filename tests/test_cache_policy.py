@@ -199,7 +199,7 @@ def test_a_store_page_promoted_under_s3fifo_enters_the_policy(tmp_path):
     caches = testing.random_caches(2, 64, (4, 32), "float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
     disk = store.DiskStore(tmp_path / "pages")
-    cache = kvxfer.HostCache(mgr, disk, policy="s3fifo")
+    cache = kvxfer.HostCache(mgr, disk, policy="s3fifo", namespace="test-model")
     for j, key in enumerate((10, 11, 12, 13, 14)):  # 14 evicts 10, spilled to the store
         cache.put(caches, [j], [key], wait=True)
     assert cache.find(10) == "store" and cache.policy.queue_of(10) == "ghost"
@@ -342,7 +342,8 @@ def test_an_insert_that_keeps_raising_costs_its_page_only_and_close_stops_the_th
     disk = store.DiskStore(tmp_path / "pages")
     before = _cache_threads()
     with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
-        cache = kvxfer.HostCache(mgr, disk, policy=_Refuses(), write_through=True)
+        cache = kvxfer.HostCache(mgr, disk, policy=_Refuses(), write_through=True,
+                                 namespace="test-model")
         cache.subscribe(lambda events: None)
         with caplog.at_level(logging.ERROR, logger="kvxfer"):
             assert cache.put(caches, [0, 1, 2], [12, 13, 14], wait=True) == [12, 13, 14]
@@ -361,3 +362,109 @@ def test_an_insert_that_keeps_raising_costs_its_page_only_and_close_stops_the_th
             time.sleep(0.01)
         assert not _cache_threads() - before
     disk.close()
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_prefix_under_memory_pressure_comes_back_whole(name, tmp_path):
+    # Pool of 8, a disk store below: prefix A (6 pages), then B (4 pages) pushes two of
+    # A's pages out. Promoting them must not evict A's own host pages (a lookup cut
+    # A short to its 2 store pages), and the put takes A's tail, not its head.
+    caches = testing.random_caches(2, 16, (4, 32), "float32")
+    disk = store.DiskStore(tmp_path / "pages")
+    with kvxfer.KVCacheManager(caches, num_host_blocks=8) as mgr:
+        cache = kvxfer.HostCache(mgr, disk, policy=name, namespace="test-model")
+        a, b = [100 + i for i in range(6)], [200 + i for i in range(4)]
+        cache.put(caches, list(range(6)), a, wait=True)
+        cache.put(caches, list(range(6, 10)), b, wait=True)
+        assert sorted(cache.keys()) == a[:4] + b  # A's tail went, its head stayed
+        hit = cache.lookup(a)
+        assert hit.keys == tuple(a) and hit.tiers == ("host",) * 4 + ("store",) * 2
+        caches, load = cache.load(caches, hit, list(range(10, 16)))
+        assert load.result().verified_prefix == 6
+        hit = cache.lookup(b)  # what A's promotion evicted comes back from the store
+        assert hit.keys == tuple(b)
+        cache.release(hit)
+        assert cache.stats()["pinned_pages"] == 0
+        cache.close()
+    disk.close()
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_prefix_used_together_is_ordered_tail_first(name):
+    p = _policy(name, 10)
+    for k in (1, 2, 3, 4):
+        p.insert(k)
+    p.used_together([1, 2, 3, 4])
+    assert p.evict(2, pinned=()) == [4, 3]
+    p.used_together([1, 99])  # keys it does not hold are passed over
+    assert p.evict(2, pinned=()) == [2, 1]
+
+
+class _HeadFirst(LRUPolicy):
+    """LRU that ignores prefixes: a put's head is its oldest page, evicted first."""
+
+    name = "head-first"
+
+    def used_together(self, keys):
+        pass
+
+
+def test_promoting_a_prefix_head_never_evicts_its_own_tail(tmp_path):
+    # A's head (2 pages) in the store only, its tail (4) on host, B (4) on host and
+    # more recent: promoting the head must evict B's pages, not A's tail.
+    caches = testing.random_caches(2, 16, (4, 32), "float32")
+    disk = store.DiskStore(tmp_path / "pages")
+    with kvxfer.KVCacheManager(caches, num_host_blocks=8) as mgr:
+        cache = kvxfer.HostCache(mgr, disk, policy=_HeadFirst(), namespace="test-model")
+        a, b = [100 + i for i in range(6)], [200 + i for i in range(4)]
+        cache.put(caches, list(range(6)), a, wait=True)
+        cache.put(caches, list(range(6, 10)), b, wait=True)
+        assert sorted(cache.keys()) == a[2:] + b
+        hit = cache.lookup(a)
+        assert hit.keys == tuple(a) and hit.tiers == ("store",) * 2 + ("host",) * 4
+        cache.release(hit)
+        assert sorted(cache.keys()) == a + b[2:] and cache.stats()["pinned_pages"] == 0
+        cache.close()
+    disk.close()
+
+
+class _TouchRaises(LRUPolicy):
+    """LRU whose ``touch`` (and ``used_together``) of key 11 raises ``error``."""
+
+    name = "touchy"
+
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def touch(self, key):
+        if key == 11 and self.error is not None:
+            raise self.error
+        super().touch(key)
+
+    def used_together(self, keys):
+        if 11 in keys and self.error is not None:
+            raise self.error
+        super().used_together(keys)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("lost my place"), KeyboardInterrupt()],
+                         ids=["Exception", "BaseException"])
+def test_a_touch_that_raises_leaves_no_pin(error):
+    # The pages a lookup pinned before the policy raised are unpinned (a lookup that
+    # raises returns no hit to release them with), and the cache goes on.
+    policy = _TouchRaises(None)
+    caches, mgr, cache = _rig(policy, num_host_blocks=4)
+    cache.put(caches, [0, 1, 2], [10, 11, 12], wait=True)
+    policy.error = error
+    if isinstance(error, Exception):
+        hit = cache.lookup([10, 11, 12])  # logged; the lookup is a use all the same
+        assert hit.num_pages == 3
+        cache.release(hit)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            cache.lookup([10, 11, 12])
+    assert cache.stats()["pinned_pages"] == 0
+    policy.error = None
+    assert cache.put(caches, [3, 4, 5, 6], [20, 21, 22, 23], wait=True) == [20, 21, 22, 23]
+    cache.close(), mgr.close()

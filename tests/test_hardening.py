@@ -1,5 +1,13 @@
 """What an adversary or a long uptime found: each case fails without its fix."""
 
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
+
 import pytest
 
 import kvxfer
@@ -88,7 +96,8 @@ def _paused_rig(url, prefix, **options):
     caches = testing.random_caches(2, 8, (4, 32), "float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
     store = RedisStore(url, prefix=prefix, timeout_s=20)
-    return caches, mgr, store, kvxfer.HostCache(mgr, store, **options), redis.Redis.from_url(url)
+    cache = kvxfer.HostCache(mgr, store, **{"namespace": "test-model", **options})
+    return caches, mgr, store, cache, redis.Redis.from_url(url)
 
 
 def test_a_stalled_store_read_stalls_nothing_else(redis_server):
@@ -171,7 +180,7 @@ def test_find_and_flush_degrade_while_the_store_is_down(redis_server):
     caches = testing.random_caches(2, 8, (4, 32), "float32")
     with kvxfer.KVCacheManager(caches, num_host_blocks=2) as mgr:
         store = RedisStore(redis_server, prefix="down:", timeout_s=0.3)
-        cache = kvxfer.HostCache(mgr, store)
+        cache = kvxfer.HostCache(mgr, store, namespace="test-model")
         cache.put(caches, [1], [10], wait=True)
         with redis.Redis.from_url(redis_server) as admin:
             admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
@@ -183,3 +192,108 @@ def test_find_and_flush_degrade_while_the_store_is_down(redis_server):
         store.close()
         with RedisStore(redis_server, prefix="down:") as patient:
             patient.clear()  # waits for the pause to end
+
+
+@pytest.fixture
+def pages_route(monkeypatch):
+    """A manager on the pinned mover's pages route (each page an array of its own)."""
+    monkeypatch.setenv("KVXFER_PINNED_MODE", "pages")
+    caches = testing.random_caches(2, 8, (4, 32), "float32")
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2, path="pinned") as mgr:
+        assert all(p.pages is not None for p in mgr.host_pool.pools)
+        yield mgr, caches
+
+
+def test_a_pages_route_view_keeps_its_array_alive(pages_route):
+    # A view made from unsafe_buffer_pointer() alone keeps nothing alive: once the
+    # slot took new arrays, writing through an older view wrote freed memory.
+    mgr, caches = pages_route
+    page, = mgr.offload(caches, [1], keys=[5]).wait()
+    pool = mgr.host_pool.pools[0]
+    view = pool.shard_view(page.slot, 0, 0)
+    old = weakref.ref(pool.pages.get(page.slot)[0])
+    mgr.free([page])
+    mgr.offload(caches, [2], keys=[6], slots=[page.slot]).wait()
+    gc.collect()
+    assert old() is not None  # the view still holds the bytes it points at
+    del view
+    gc.collect()
+    assert old() is None  # and nothing else does
+
+
+@pytest.mark.parametrize("call", ["read", "write"])
+def test_a_block_read_or_write_holds_its_page(pages_route, call):
+    # A free and an offload into the page's slot, on another thread in the middle of
+    # the call: the free waits for it and the offload is refused, so the call never
+    # touches a slot that holds another page (or none).
+    mgr, caches = pages_route
+    page, = mgr.offload(caches, [1], keys=[5]).wait()
+    data = mgr.read_block_bytes(page, 1)
+    pool = mgr.host_pool.pools[0]
+    seen = []
+
+    def meanwhile():
+        mgr.free([page])
+        try:
+            mgr.offload(caches, [2], keys=[6], slots=[page.slot]).wait()
+            seen.append("overwritten")
+        except kvxfer.PoolError as e:
+            seen.append(str(e))
+
+    real = pool.pages.shard_view
+
+    def racing(*args):
+        if not seen:
+            t = threading.Thread(target=meanwhile)
+            t.start()
+            t.join()
+        return real(*args)
+
+    pool.pages.shard_view = racing
+    if call == "read":
+        assert mgr.read_block_bytes(page, 1) == data
+    else:
+        mgr.write_block_bytes(page, 1, bytes(len(data)))
+    pool.pages.shard_view = real
+    assert "host slot" in seen[0] and "cannot be overwritten" in seen[0]
+    assert not mgr.is_valid(page) and mgr.num_free_pages == 2  # freed once it ended
+    with pytest.raises(kvxfer.PoolError, match="is not a valid page"):
+        mgr.read_block_bytes(page, 1)
+
+
+def test_block_reads_and_writes_race_free_and_offload_without_a_crash():
+    # The reported crash: write_block_bytes and read_block_bytes on one thread, free
+    # plus offload(slots=[that slot]) on another, on the pages route. In a process of
+    # its own, so a crash fails this test instead of the run.
+    script = textwrap.dedent("""
+        import threading
+        import kvxfer
+        from kvxfer import testing
+        caches = testing.random_caches(2, 8, (4, 32), "float32")
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2, path="pinned")
+        for _ in range(150):
+            page, = mgr.offload(caches, [1], keys=[5]).wait()
+            data = mgr.read_block_bytes(page, 0)
+            def hammer():
+                for _ in range(20):
+                    try:
+                        mgr.write_block_bytes(page, 0, data)
+                        assert len(mgr.read_block_bytes(page, 1)) == len(data)
+                    except kvxfer.PoolError:
+                        pass
+            t = threading.Thread(target=hammer)
+            t.start()
+            mgr.free([page])
+            try:
+                mgr.free(mgr.offload(caches, [2], keys=[6], slots=[page.slot]).wait())
+            except kvxfer.PoolError:
+                pass
+            t.join()
+        assert mgr.num_free_pages == 2
+        mgr.close()
+        print("held")
+    """)
+    env = dict(os.environ, KVXFER_PINNED_MODE="pages")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "held" in done.stdout, done.stderr[-2000:]

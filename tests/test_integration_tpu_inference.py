@@ -605,3 +605,69 @@ def test_importing_kvxfer_or_the_integration_imports_no_engine():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@jax.jit
+def _spin(x, n):
+    # A step still running on one device: n rounds of arithmetic, then bf16 x as it
+    # was (a select of its raw bits).
+    def body(c):
+        i, acc = c
+        return i + 1, acc * 1.0000001 + 1e-7
+    _, acc = jax.lax.while_loop(lambda c: c[0] < n, body, (0, jnp.zeros(4096, jnp.float32)))
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16)  # (XLA:CPU computes bf16 in f32)
+    return jax.lax.bitcast_convert_type(jnp.where(acc[0] < -1.0, 0, bits), x.dtype)
+
+
+def test_a_save_is_reported_only_once_every_rank_landed():
+    # tpu-inference #3152: a save counted finished after the first worker. Here the
+    # tensor-parallel rank on device 3 is still computing the step whose blocks the
+    # save copies: the save is not reported (chunks or request) until that rank's
+    # share has landed too, and then every rank's bytes are there.
+    mesh = jax.make_mesh((4,), ("tensor",))
+    sharding = NamedSharding(mesh, P(None, None, "tensor"))
+    caches = make_caches(jnp.bfloat16, heads=4, sharding=sharding)
+    want = blocks_of(caches, 2)
+    # (The staged route: the raw route copies on the caller's thread, once the step
+    # producing the blocks is done, so there the save cannot even start early.)
+    w, conn = make_worker(caches, path="staged")
+    try:
+        step_save(w, conn, save_meta("warm", [1], [4]))  # compiles the save's programs
+        slow = []  # the step's output: layer 0's share on device 3 still computing
+        for i, c in enumerate(caches):
+            shards = [s.data for s in sorted(c.addressable_shards,
+                                             key=lambda s: s.device.id)]
+            if i == 0:
+                shards[3] = _spin(shards[3], 40_000)  # about a second, device 3 only
+                slow.append(shards[3])
+            w.runner.kv_caches[i] = jax.make_array_from_single_device_arrays(
+                c.shape, sharding, shards)
+        conn.bind_connector_metadata(Metadata([save_meta("s", [2], [5], final=True)]))
+        w.start_load_kv(None)
+        w.start_save_kv()
+        polls = 0
+        while not slow[0].is_ready():  # rank 3 has not even produced its blocks yet
+            finished, _ = w.get_finished()
+            assert "s" not in finished and w.cpu_backend.num_saved_cpu_chunks == 1
+            stats = w.get_kv_connector_stats()  # (None: nothing to report)
+            assert stats is None or "s" not in stats.data.get("finished_save_chunks", {})
+            polls += 1
+        assert polls  # the check above ran while the rank was behind
+        w.wait_for_saves()
+        assert w.get_finished()[0] == {"s"}
+        assert step_load(w, conn, load_meta("l", [5], [9])) == set()
+        assert_blocks(w.runner.kv_caches, 9, want)  # every rank's share of the block
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("timeout", [1e300, 10**400])
+def test_wait_for_saves_takes_any_finite_timeout(worker, timeout):
+    w, conn, caches = worker
+    conn.bind_connector_metadata(Metadata([save_meta("s", [3], [6], final=True)]))
+    w.start_load_kv(None)
+    w.start_save_kv()
+    w.wait_for_saves(timeout)  # an OverflowError out of a condition's wait before
+    assert w.get_finished()[0] == {"s"}
+    with pytest.raises(ValueError, match="timeout=-1 must be None or a finite number"):
+        w.wait_for_saves(-1)

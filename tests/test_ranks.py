@@ -51,3 +51,16 @@ def test_loads_of_different_requests_raise_on_both_ranks(tmp_path):
                "(keys 0x65, 0x66, 0x67, 0x68; classes [0]); rank 1: load of 2 pages " \
                "(keys 0x65, 0x66; classes [0]))" in out["error"]
         assert out["next"] == 4
+
+
+def test_a_stuck_rank_costs_the_others_their_deadline_and_pins_nothing(tmp_path):
+    # tpu-sync #888: one stuck peer starved the others for up to 48 minutes. Here a
+    # rank that stops answering costs each collective call of the others the
+    # manager's agreement_timeout (2 s), then they go on with the rank named.
+    a, b = run_pair(f"stuck:{tmp_path}", worker=WORKER)
+    assert "rank(s) [1] did not answer within 2 s" in a["lookup"]
+    assert "rank(s) [1] did not answer within 2 s" in a["load"]
+    assert 1.5 <= a["lookup_s"] < 6 and 1.5 <= a["load_s"] < 6
+    assert a["pinned"] == 0 and a["free_pages"] == 4 and a["cached"] == 4
+    assert a["close_s"] < 8  # the cache's and the manager's meeting: 2 s each at most
+    assert b["close_s"] < 8

@@ -16,7 +16,8 @@ def _rig(tmp_path, **options):
     caches = testing.random_caches(2, 8, (4, 32), "float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
     disk = store.DiskStore(tmp_path / "pages")
-    return caches, mgr, disk, kvxfer.HostCache(mgr, disk, **options)
+    return caches, mgr, disk, kvxfer.HostCache(mgr, disk,
+                                               **{"namespace": "test-model", **options})
 
 
 def _forge(key):
@@ -84,7 +85,7 @@ def test_with_a_key_a_forged_page_is_refused_and_removed(tmp_path, encrypt, capl
 
 def test_sealed_and_unsealed_caches_never_share_pages(tmp_path):
     caches, mgr, disk, sealed = _rig(tmp_path, auth_key=KEY)
-    plain = kvxfer.HostCache(mgr, disk)
+    plain = kvxfer.HostCache(mgr, disk, namespace="test-model")
     assert sealed.store_key(10) != plain.store_key(10)
     sealed.close(), plain.close(), mgr.close(), disk.close()
 
@@ -92,11 +93,11 @@ def test_sealed_and_unsealed_caches_never_share_pages(tmp_path):
 def test_bad_keys_and_options_are_named(tmp_path):
     caches, mgr, disk, _ = _rig(tmp_path)
     with pytest.raises(ValueError, match="the store key has 5 bytes; use at least 16"):
-        kvxfer.HostCache(mgr, disk, auth_key=b"short")
+        kvxfer.HostCache(mgr, disk, auth_key=b"short", namespace="test-model")
     with pytest.raises(TypeError, match="the store key must be bytes"):
-        kvxfer.HostCache(mgr, disk, auth_key="a str key of many chars")
+        kvxfer.HostCache(mgr, disk, auth_key="a str key of many chars", namespace="test-model")
     with pytest.raises(ValueError, match="encrypt=True needs auth_key"):
-        kvxfer.HostCache(mgr, disk, encrypt=True)
+        kvxfer.HostCache(mgr, disk, encrypt=True, namespace="test-model")
     with pytest.raises(ValueError, match="auth_key seals store blobs; it needs a store"):
         kvxfer.HostCache(mgr, auth_key=KEY)
     with pytest.raises(ValueError, match="is not valid UTF-8 text"):
@@ -109,7 +110,7 @@ def test_bad_keys_and_options_are_named(tmp_path):
     with pytest.raises(TypeError, match="previous_keys must be a list of keys"):
         Sealer(KEY, previous_keys=KEY)
     with pytest.raises(ValueError, match="encrypt=True, but auth_key=Sealer.auth"):
-        kvxfer.HostCache(mgr, disk, auth_key=sealer, encrypt=True)
+        kvxfer.HostCache(mgr, disk, auth_key=sealer, encrypt=True, namespace="test-model")
     with pytest.raises(SealError, match="is not sealed for auth"):
         Sealer(KEY).open("k", Sealer(KEY, encrypt=True).seal("k", b"blob"))
     mgr.close(), disk.close()

@@ -273,7 +273,7 @@ def test_host_cache_evicts_to_the_cluster_and_promotes_back_verified(redis_clust
     keys = (10, 11, 12, 13)
     with RedisClusterStore(redis_cluster.spec, prefix=prefix) as s:
         mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
-        cache = kvxfer.HostCache(mgr, s)
+        cache = kvxfer.HostCache(mgr, s, namespace="test-model")
         for j, key in enumerate(keys):  # two slots: each put evicts (and spills) the oldest
             cache.put(caches, [j], [key], wait=True)
         assert cache.flush() == 2
@@ -282,7 +282,7 @@ def test_host_cache_evicts_to_the_cluster_and_promotes_back_verified(redis_clust
         # A cold host tier over the same cluster: every page comes from the store.
         caches = [jnp.zeros_like(c) for c in caches]
         mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-        cache = kvxfer.HostCache(mgr, s)
+        cache = kvxfer.HostCache(mgr, s, namespace="test-model")
         hit = cache.lookup([*keys, 14])
         assert hit.tiers == ("store",) * 4
         caches, load = cache.load(caches, hit, [4, 5, 6, 7], gate="layer")

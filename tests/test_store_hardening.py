@@ -1,6 +1,7 @@
 """A DiskStore against a hostile or damaged directory, and page blobs with bits this
 version does not define: real files (FIFOs, sparse files, directories, other users'
-files, read-only directories), no mocks.
+files, read-only directories), no mocks. Then Redis stores (one server, a cluster)
+with values of another type planted under a page's key.
 
 What needs another user runs in a subprocess of this file that drops root to
 ``nobody`` (as root) or runs as is (where the test user is already unprivileged).
@@ -436,3 +437,71 @@ def test_a_file_claiming_more_than_the_blob_cap_evicts_no_good_page(tmp_path, ca
         assert f"{planted}: it frames a blob of 20480 bytes, more than max_blob_bytes=4096" \
             in caplog.text
     assert planted.exists()  # a store of larger pages may read it
+
+
+# -- Redis: a value of another type under a page's key ---------------------------------
+
+_PLANT = {"hash": lambda r, k: r.hset(k, "field", "value"),
+          "list": lambda r, k: r.rpush(k, "item"),
+          "zset": lambda r, k: r.zadd(k, {"member": 1.0})}
+
+
+def _redis_store(kind, redis_server, redis_cluster, prefix):
+    """The store, and ``(redis client of the node holding key, that key's blob key)``."""
+    import redis
+
+    from kvxfer.store import RedisClusterStore, RedisStore
+
+    if kind == "redis":
+        s = RedisStore(redis_server, prefix=prefix)
+        return s, lambda key: (redis.Redis.from_url(redis_server),
+                               "{" + prefix + "}b:" + key)
+    s = RedisClusterStore(redis_cluster.spec, prefix=prefix)
+
+    def where(key):
+        d = s.domain_of(key)
+        port = int(s.domain_nodes()[d].rpartition(":")[2])
+        return redis.Redis(host="127.0.0.1", port=port), s.domain_root(d) + "b:" + key
+    return s, where
+
+
+@pytest.mark.parametrize("value", sorted(_PLANT))
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+def test_a_value_of_another_type_is_a_miss_of_its_own_key_only(kind, value, request):
+    # WRONGTYPE on one key failed the whole batch: a lookup found 0 of 3 pages for as
+    # long as the planted value stayed.
+    import uuid
+
+    import kvxfer
+    from kvxfer import testing
+
+    redis_server = request.getfixturevalue("redis_server")
+    cluster = request.getfixturevalue("redis_cluster") if kind == "cluster" else None
+    s, where = _redis_store(kind, redis_server, cluster, f"wrongtype-{uuid.uuid4().hex[:8]}:")
+    caches = testing.random_caches(2, 8, (4, 32), "float32")
+    keys = [10, 11, 12]
+    with kvxfer.KVCacheManager(caches, num_host_blocks=4) as mgr:
+        cache = kvxfer.HostCache(mgr, s, write_through="always", namespace="test-model")
+        cache.put(caches, [0, 1, 2], keys, wait=True)
+        cache.flush()
+        cache.close()
+        names = [cache.store_key(k) for k in keys]
+        raw, bkey = where(names[1])
+        with raw:
+            raw.delete(bkey)
+            _PLANT[value](raw, bkey)
+            assert s.get_many(names)[0::2] == s.get_many([names[0], names[2]])
+            assert s.get_many(names)[1] is None and s.get(names[1]) is None
+            assert s.contains_many(names) == [True, False, True]
+            assert not s.contains(names[1])
+        with kvxfer.KVCacheManager(caches, num_host_blocks=4) as cold:
+            fresh = kvxfer.HostCache(cold, s, namespace="test-model")
+            hit = fresh.lookup(keys)
+            assert hit.keys == (10,) and hit.tiers == ("store",)  # up to the planted key
+            fresh.release(hit)
+            assert fresh.find(11) is None and fresh.find(12) == "store"
+            fresh.close()
+        assert s.put(names[1], b"a blob again")  # a put replaces what is no blob
+        assert s.get(names[1]) == b"a blob again"
+    s.clear()
+    s.close()

@@ -33,7 +33,7 @@ class Fleet:
     def __init__(self, disk, blocks=4, dtype="float32", **options):
         self.caches = [jnp.zeros_like(c) for c in _caches(dtype=dtype)]
         self.mgr = kvxfer.KVCacheManager(self.caches, num_host_blocks=blocks)
-        self.cache = kvxfer.HostCache(self.mgr, disk, **options)
+        self.cache = kvxfer.HostCache(self.mgr, disk, **{"namespace": "test-model", **options})
 
     def write(self, keys=KEYS, seed=0):
         """Offloads pages of ``_caches(seed)`` under ``keys`` and stores them."""
@@ -130,7 +130,7 @@ def test_a_rotated_tier_counts_old_key_pages_as_held(tmp_path):
     old.close()
     mgr = kvxfer.KVCacheManager(_caches(), num_host_blocks=4)
     stats, lock = Counters(), threading.RLock()
-    tiers = [StoreTier(mgr, disk, lock, stats, namespace="", write_through="never",
+    tiers = [StoreTier(mgr, disk, lock, stats, namespace="test-model", write_through="never",
                        sealer=sealer, events=EventHub(stats))
              for sealer in (Sealer(KEY_B), Sealer(KEY_B, previous_keys=[KEY_A]))]
     for tier, held in zip(tiers, ([False] * 3, [True] * 3)):
@@ -176,7 +176,7 @@ def test_a_store_client_error_on_write_is_a_counted_write_error(tmp_path, caplog
     disk = store.DiskStore(tmp_path / "pages")
     fleet = Fleet(disk, blocks=2)
     fleet.cache.close()
-    fleet.cache = kvxfer.HostCache(fleet.mgr, Unwritable(disk))
+    fleet.cache = kvxfer.HostCache(fleet.mgr, Unwritable(disk), namespace="test-model")
     fleet.cache.put(_caches(), [0, 1], [10, 11], wait=True)
     with caplog.at_level(logging.WARNING, logger="kvxfer"):
         assert fleet.cache.flush() == 0
@@ -222,11 +222,11 @@ def test_close_names_the_evicted_pages_its_dropped_writes_lose(tmp_path, caplog)
     disk = store.DiskStore(tmp_path / "pages")
     stalled = Stalled(disk)
     mgr = kvxfer.KVCacheManager(_caches(), num_host_blocks=2)
-    cache = kvxfer.HostCache(mgr, stalled, write_through="always")
+    cache = kvxfer.HostCache(mgr, stalled, write_through="always", namespace="test-model")
     cache.put(_caches(), [0, 1], [1, 2], wait=True)
     cache.lookup([])  # indexes them: their writes are queued (and stalled)
-    cache.put(_caches(), [2], [3], wait=True)  # evicts page 1, whose write is queued
-    assert 1 not in cache
+    cache.put(_caches(), [2], [3], wait=True)  # evicts page 2 (the tail), write queued
+    assert 2 not in cache
     try:
         with caplog.at_level(logging.WARNING, logger="kvxfer"):
             cache.close(0.2)
@@ -234,8 +234,8 @@ def test_close_names_the_evicted_pages_its_dropped_writes_lose(tmp_path, caplog)
         stalled.release.set()
     assert "3 store writes did not finish within 0.2 s of close(); dropped: lost from " \
            "every tier (freed from host memory when evicted; recomputed when asked for " \
-           "again): page 0x1; kept in host memory until the manager frees them: pages " \
-           "0x2, 0x3" in caplog.text
+           "again): page 0x2; kept in host memory until the manager frees them: pages " \
+           "0x1, 0x3" in caplog.text
     assert "stay in host memory" not in caplog.text
     mgr.close(), disk.close()
 

@@ -144,7 +144,7 @@ def test_host_cache_over_a_junk_node_sees_misses_and_deletes_nothing(cluster):
     keys = list(range(10, 18))
     with RedisClusterStore(cluster.spec, prefix=_prefix(), timeout_s=10) as s:
         mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
-        cache = kvxfer.HostCache(mgr, s, write_through="always")
+        cache = kvxfer.HostCache(mgr, s, write_through="always", namespace="test-model")
         cache.put(caches, list(range(8)), keys, wait=True)
         cache.flush()
         assert cache.stats()["store_pages_written"] == 8
@@ -155,7 +155,7 @@ def test_host_cache_over_a_junk_node_sees_misses_and_deletes_nothing(cluster):
         junk = nodes[s.domain_of(stored[0])]
         caches = [jnp.zeros_like(c) for c in caches]
         mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8)
-        cache = kvxfer.HostCache(mgr, s)
+        cache = kvxfer.HostCache(mgr, s, namespace="test-model")
         # A read of one page (one domain) is MULTI, two commands and EXEC: each is
         # answered, and the EXEC with nested arrays.
         cluster.proxy_of(junk).answering(_READ["nested arrays"])
@@ -183,12 +183,19 @@ _READ = {  # what a one-key read (MULTI, MGET, EVAL, EXEC) is answered
     "junk for MULTI": b":1\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n*1\r\n$1\r\nx\r\n*1\r\n:1\r\n",
     "more replies than commands": _TX + b"*2\r\n*1\r\n$1\r\nx\r\n*1\r\n:1\r\n+OK\r\n",
 }
-_ONE = {  # what one command (EXISTS, the delete script) is answered
+_ONE = {  # what one command (the delete script) is answered
     "protocol junk": b"?junk\r\n",
     "a wrong arity": b":1\r\n:1\r\n",
     "a blob where an integer belongs": b"$1\r\n1\r\n",
     "nested arrays": b"*1\r\n:1\r\n",
     "an integer out of range": b":7\r\n",
+}
+_CONTAINS = {  # what a one-key ask (EXISTS, STRLEN) is answered
+    "protocol junk": b"?junk\r\n",
+    "a wrong arity": b":1\r\n:1\r\n:1\r\n",
+    "a blob where an integer belongs": b"$1\r\n1\r\n:8\r\n",
+    "nested arrays": b"*1\r\n:1\r\n:8\r\n",
+    "an integer out of range": b":7\r\n:8\r\n",
 }
 _WRITE = {  # what a one-key put (MULTI, EVAL, SET NX, EXEC) is answered
     "protocol junk": b"?junk\r\n",
@@ -199,8 +206,8 @@ _WRITE = {  # what a one-key put (MULTI, EVAL, SET NX, EXEC) is answered
 }
 _CALLS = {
     "get": (_READ, lambda s: s.get("k")), "get_many": (_READ, lambda s: s.get_many(["k"])),
-    "contains": (_ONE, lambda s: s.contains("k")),
-    "contains_many": (_ONE, lambda s: s.contains_many(["k"])),
+    "contains": (_CONTAINS, lambda s: s.contains("k")),
+    "contains_many": (_CONTAINS, lambda s: s.contains_many(["k"])),
     "delete": (_ONE, lambda s: s.delete("k")),
     "put": (_WRITE, lambda s: s.put("k", b"new", replace=True)),
     "put_many": (_WRITE, lambda s: s.put_many([("k", b"new")], replace=True)),

@@ -5,6 +5,7 @@ with the page through the store and is checked on the device at load; a page
 damaged at rest is a miss at that page, named in a warning with its tier.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ def _spill(tmp_path, keys=(10, 11, 12, 13), capacity=None):
     want = [testing.bits(c) for c in caches]
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
     disk = store.DiskStore(tmp_path / "pages", capacity_bytes=capacity)
-    cache = kvxfer.HostCache(mgr, disk)
+    cache = kvxfer.HostCache(mgr, disk, namespace="test-model")
     for j, key in enumerate(keys):  # two slots: each put evicts (and spills) the oldest
         cache.put(caches, [j], [key], wait=True)
     assert cache.flush() == 2  # the last two were still only on host
@@ -48,7 +49,7 @@ def _reopen(tmp_path, num_host_blocks=4):
     caches = _blank(_caches())
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=num_host_blocks)
     disk = store.DiskStore(tmp_path / "pages")
-    return caches, mgr, disk, kvxfer.HostCache(mgr, disk)
+    return caches, mgr, disk, kvxfer.HostCache(mgr, disk, namespace="test-model")
 
 
 def test_pages_come_back_from_disk_after_a_restart_verified_and_exact(tmp_path):
@@ -119,7 +120,7 @@ def test_write_through_stores_every_page_once_it_is_on_host(tmp_path):
     caches = _caches()
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
     disk = store.DiskStore(tmp_path / "pages")
-    cache = kvxfer.HostCache(mgr, disk, write_through=True)
+    cache = kvxfer.HostCache(mgr, disk, write_through=True, namespace="test-model")
     cache.put(caches, [0, 1], [1, 2], wait=True)
     cache.lookup([])  # any call indexes finished offloads, which starts their writes
     cache.flush()
@@ -128,12 +129,58 @@ def test_write_through_stores_every_page_once_it_is_on_host(tmp_path):
     cache.close(), mgr.close(), disk.close()
 
 
+def test_a_restart_under_another_model_of_the_same_shapes_never_hits(tmp_path):
+    # vLLM #56311: a cache built under one model reused after a restart under another.
+    # A fine-tune has the same KV shapes, so the same fingerprint: only the namespace
+    # tells the pages apart, and a store refuses to run without one.
+    disk = store.DiskStore(tmp_path / "pages")
+    base, tuned = _caches(seed=1), _caches(seed=2)  # two models' KV, one geometry
+    with kvxfer.KVCacheManager(base, num_host_blocks=4) as mgr:
+        for unnamed in ({}, {"namespace": ""}, {"namespace": "  "}, {"namespace": None}):
+            with pytest.raises(ValueError, match=r"over a store: the store outlives this "
+                                                 r"process.*allow_empty_namespace=True"):
+                kvxfer.HostCache(mgr, disk, **unnamed)
+        with pytest.raises(TypeError, match="allow_empty_namespace must be a bool"):
+            kvxfer.HostCache(mgr, disk, allow_empty_namespace="yes")
+        kvxfer.HostCache(mgr).close()  # no store: nothing outlives the process
+        cache = kvxfer.HostCache(mgr, disk, namespace="llama-base@r1:bf16:tok-v3:",
+                                 write_through=True)
+        cache.put(base, [0, 1], [10, 11], wait=True)
+        assert cache.flush() == 0 and cache.close() is None  # written through already
+    with kvxfer.KVCacheManager(_blank(tuned), num_host_blocks=4) as mgr:  # the restart
+        assert mgr.fingerprint == kvxfer.KVCacheManager(base, num_host_blocks=1).fingerprint
+        cache = kvxfer.HostCache(mgr, disk, namespace="llama-tuned@r1:bf16:tok-v3:")
+        assert cache.lookup([10, 11]).num_pages == 0  # the base model's pages: a miss
+        cache.close()
+        # Opting out says so: then every model of this geometry shares the pages.
+        shared = kvxfer.HostCache(mgr, disk, allow_empty_namespace=True)
+        assert shared.namespace == "" and shared.lookup([10]).num_pages == 0
+        shared.close()
+    disk.close()
+
+
+def test_the_demo_namespace_names_everything_that_changes_its_kv():
+    from kvxfer.demo import command, model
+
+    cfg = model.tiny_llama()
+    ns = command.demo_namespace("tiny", cfg, 0, "float32")
+    assert ns == command.demo_namespace("tiny", model.tiny_llama(), 0, "float32")
+    others = {command.demo_namespace("tiny", cfg, 1, "float32"),  # other weights
+              command.demo_namespace("tiny", cfg, 0, "bfloat16"),  # other KV dtype
+              command.demo_namespace("tiny", dataclasses.replace(cfg, rope_theta=5e5), 0,
+                                     "float32"),  # same shapes, other RoPE
+              command.demo_namespace("tiny", dataclasses.replace(cfg, norm_eps=1e-6), 0,
+                                     "float32")}
+    assert ns not in others and len(others) == 4
+
+
 def test_namespaces_and_geometries_never_share_store_keys(tmp_path):
     a = kvxfer.KVCacheManager(_caches(), num_host_blocks=1)
     b = kvxfer.KVCacheManager(testing.random_caches(2, 8, (4, 32), "float16"),
                               num_host_blocks=1)
     disk = store.DiskStore(tmp_path / "pages")
-    keys = {kvxfer.HostCache(a, disk).store_key(5), kvxfer.HostCache(b, disk).store_key(5),
+    keys = {kvxfer.HostCache(a, disk, namespace="test-model").store_key(5),
+            kvxfer.HostCache(b, disk, namespace="test-model").store_key(5),
             kvxfer.HostCache(a, disk, namespace="m2:").store_key(5)}
     assert len(keys) == 3
     a.close(), b.close(), disk.close()
@@ -147,7 +194,7 @@ _WRITER = textwrap.dedent("""
     caches = testing.random_caches(2, 8, (4, 32), "bfloat16")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
     with store.RedisStore(sys.argv[1]) as redis_store:
-        cache = kvxfer.HostCache(mgr, redis_store, write_through=True)
+        cache = kvxfer.HostCache(mgr, redis_store, write_through=True, namespace="test-model")
         cache.put(caches, [0, 1, 2], [10, 11, 12], wait=True)
         cache.flush()
         print(cache.stats()["store_pages_written"])
@@ -166,7 +213,7 @@ def test_two_processes_share_pages_through_redis(redis_server):
     caches = _blank(_caches())
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
     with store.RedisStore(redis_server) as redis_store:
-        cache = kvxfer.HostCache(mgr, redis_store)
+        cache = kvxfer.HostCache(mgr, redis_store, namespace="test-model")
         hit = cache.lookup([10, 11, 12])
         assert hit.tiers == ("store",) * 3
         caches, load = cache.load(caches, hit, [5, 6, 7])
@@ -236,7 +283,7 @@ def test_store_errors_neither_leak_pins_nor_lose_a_load_result(tmp_path, caplog)
     caches = _blank(_caches())
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
     disk = _DeleteFails(tmp_path / "pages")
-    cache = kvxfer.HostCache(mgr, disk)
+    cache = kvxfer.HostCache(mgr, disk, namespace="test-model")
     disk.put(cache.store_key(11), b"not a page", replace=True)
     with caplog.at_level(logging.WARNING, logger="kvxfer"):
         hit = cache.lookup([10, 11])  # 11 is bad and cannot be deleted: still a miss
@@ -257,7 +304,7 @@ def test_a_page_the_store_lost_is_written_back_once_the_cache_finds_out(tmp_path
     caches = _caches()
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
     disk = store.DiskStore(tmp_path / "pages")
-    cache = kvxfer.HostCache(mgr, disk, write_through=True)
+    cache = kvxfer.HostCache(mgr, disk, write_through=True, namespace="test-model")
     cache.put(caches, [0, 1], [10, 11], wait=True)
     cache.flush()
     assert disk.delete(cache.store_key(10))  # the store's own LRU (another writer, say)
@@ -278,11 +325,11 @@ def test_pages_without_digests_live_under_keys_of_their_own(tmp_path, caplog):
     caches = _caches()
     off = kvxfer.KVCacheManager(caches, num_host_blocks=2, integrity="off")
     disk = store.DiskStore(tmp_path / "pages")
-    off_cache = kvxfer.HostCache(off, disk, write_through=True)
+    off_cache = kvxfer.HostCache(off, disk, write_through=True, namespace="test-model")
     off_cache.put(caches, [0], [10], wait=True)
     off_cache.close()
     on = kvxfer.KVCacheManager(caches, num_host_blocks=2)
-    on_cache = kvxfer.HostCache(on, disk)
+    on_cache = kvxfer.HostCache(on, disk, namespace="test-model")
     assert on_cache.store_key(10) != off_cache.store_key(10)
     with caplog.at_level(logging.WARNING, logger="kvxfer"):
         assert on_cache.lookup([10]).num_pages == 0  # a plain miss: nothing to warn of
@@ -295,7 +342,7 @@ def test_a_store_page_of_some_slice_classes_only_is_a_miss(tmp_path, caplog):
         testing.random_caches(1, 8, (2, 32), "bfloat16")
     mgr = kvxfer.KVCacheManager(mixed, num_host_blocks=2)
     disk = store.DiskStore(tmp_path / "pages")
-    cache = kvxfer.HostCache(mgr, disk)
+    cache = kvxfer.HostCache(mgr, disk, namespace="test-model")
     (page,) = mgr.offload(mixed, {0: [3]}, keys=[10]).wait()  # class 0 only
     disk.put(cache.store_key(10), mgr.export_page(page))
     mgr.free([page])
@@ -310,7 +357,7 @@ def test_close_writes_through_offloads_in_flight_and_stats_still_read(tmp_path):
     caches = _caches()
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
     disk = store.DiskStore(tmp_path / "pages")
-    cache = kvxfer.HostCache(mgr, disk, write_through=True)
+    cache = kvxfer.HostCache(mgr, disk, write_through=True, namespace="test-model")
     cache.put(caches, [0], [10])  # no wait
     cache.close()
     assert disk.contains(cache.store_key(10))

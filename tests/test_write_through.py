@@ -15,7 +15,7 @@ def rig(tmp_path):
     made = []
 
     def make(**options):
-        cache = kvxfer.HostCache(mgr, disk, **options)
+        cache = kvxfer.HostCache(mgr, disk, **{"namespace": "test-model", **options})
         made.append(cache)
         return cache
 

@@ -117,7 +117,8 @@ def _replay(requests: list[list[int]], host_pages: int, policy: str,
               "store_hits": 0, "misses": 0}
     with kvxfer.KVCacheManager(caches, num_host_blocks=host_pages) as mgr:
         disk = DiskStore(directory, durable=False)
-        cache = kvxfer.HostCache(mgr, disk, policy=policy, write_through=write_through)
+        cache = kvxfer.HostCache(mgr, disk, namespace="bench-policies:", policy=policy,
+                                 write_through=write_through)
         try:
             for keys in requests:
                 hit = cache.lookup(keys)

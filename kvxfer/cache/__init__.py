@@ -39,21 +39,23 @@ prefetches run one at a time, in order. A prefetch never makes a lookup fail: st
 errors and bad pages are counted and logged as a lookup's are, anything else in
 ``prefetch_errors`` and its future. ``stats()`` counts ``prefetches`` and
 ``pages_prefetched``; a lookup counts those pages as host hits. ``close()`` cancels
-the prefetches not started and gives the running one its timeout.
+the prefetches not started and gives the running one until its own deadline (then
+that future fails, and the prefetch imports nothing): every prefetch is done by the
+time ``close()`` returns.
 
     >>> import tempfile
     >>> from kvxfer import store
     >>> tmp = tempfile.TemporaryDirectory()
     >>> disk = store.DiskStore(tmp.name)
     >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-    >>> cache = kvxfer.HostCache(mgr, disk)
+    >>> cache = kvxfer.HostCache(mgr, disk, namespace="doc-model@r1:f32")
     >>> cache.put(caches, [0, 1], keys=[11, 12], wait=True)
     [11, 12]
     >>> cache.flush()
     2
     >>> cache.close(); mgr.close()  # a restart: host memory starts cold
     >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-    >>> cache = kvxfer.HostCache(mgr, disk)
+    >>> cache = kvxfer.HostCache(mgr, disk, namespace="doc-model@r1:f32")
     >>> cache.prefetch([11, 12, 13]).result()  # 13 was never stored
     2
     >>> reads = disk.stats()["gets"]

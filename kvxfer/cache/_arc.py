@@ -7,6 +7,8 @@ From Megiddo and Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache" (FA
   order; ``B1`` and ``B2`` (ghosts) hold the keys of pages evicted from ``T1`` and
   ``T2``.
 * A lookup of a page in ``T1`` or ``T2`` moves it to the most recent end of ``T2``.
+  The pages of one prefix used together are then ordered head last within their
+  list (``used_together``), so the prefix's tail is evicted before its head.
 * A page arriving whose key is in ``B1`` means ``T1`` was too small: the target
   ``p`` for ``T1``'s size grows by ``max(|B2| / |B1|, 1)`` (at most ``c``); in
   ``B2``, ``T2`` was too small: ``p`` shrinks by ``max(|B1| / |B2|, 1)`` (at least
@@ -26,7 +28,7 @@ pinned, of the other list.
 from __future__ import annotations
 
 import collections
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 from kvxfer.cache._policy import CachePolicy
 
@@ -96,6 +98,14 @@ class ARCPolicy(CachePolicy):
             self._t2[key] = None
         elif key in self._t2:
             self._t2.move_to_end(key)
+
+    def used_together(self, keys: Sequence[int]) -> None:
+        # Within its own list (T1 or T2), each page of the prefix ends up more recent
+        # than the pages after it: the tail is evicted first.
+        for key in reversed(keys):
+            for pages in (self._t1, self._t2):
+                if key in pages:
+                    pages.move_to_end(key)
 
     def remove(self, key: int) -> None:
         self._t1.pop(key, None)

@@ -113,7 +113,8 @@ class Ending:
         running one, queued store writes, then the events not delivered yet, ``timeout``
         seconds in all (one deadline, not one per write); writes not done by then are
         dropped (logged), a late prefetch imports nothing, and calls waiting on what
-        was cancelled end (``flush`` raises). The manager and the store stay open. In
+        was cancelled end (``flush`` raises), and no page stays pinned (a hit not
+        loaded or released by then pins nothing). The manager and the store stay open. In
         a multi-process job it then waits (up to the manager's ``agreement_timeout``)
         for every rank to close its cache.
 
@@ -122,18 +123,28 @@ class Ending:
         while another thread closes, returns at once. Nothing a policy or a transfer
         raises stops it: the cache's threads always stop.
         """
-        deadline = Deadline(timeout)
+        deadline = Deadline(timeout)  # a bad timeout is refused before anything ends
         if not self._closing.acquire(blocking=False):
             return  # closed, or closing on another thread
+        # Each step runs whatever the one before it raised: a second close() returns at
+        # once, so this one must stop every thread.
+        writes: list[concurrent.futures.Future] = []
         try:
-            writes = self._stop(deadline)
-            self._prefetch.close(deadline)
-            if self._store is not None:
-                self._store.close(writes, deadline.timeout, deadline.at)
+            try:
+                writes = self._stop(deadline)
+            finally:
+                try:
+                    self._prefetch.close(deadline)
+                finally:
+                    if self._store is not None:
+                        self._store.close(writes, deadline.timeout, deadline.at)
         finally:
             self._closed = True
-            self._events.close(deadline.left)  # events of the last writes included
-            self._agreement.meet("close")
+            self._host.drop_pins()  # no eviction any more: no hit pins a page for good
+            try:
+                self._events.close(deadline.left)  # events of the last writes included
+            finally:
+                self._agreement.meet("close")
 
     def _stop(self, deadline: Deadline) -> list[concurrent.futures.Future]:
         """Marks the cache closed once offloads in flight are indexed (write-through

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+from kvxfer._check import check_timeout
 from kvxfer._counters import Counters
 
 __all__ = ["CacheEvent", "EventKind", "Tier", "Subscription", "EventHub"]
@@ -88,7 +89,7 @@ class Subscription:
     def wait(self, timeout: float | None = None) -> bool:
         """Waits until every event emitted before this call reached the callback (or
         the subscription ended); whether that happened within ``timeout`` seconds."""
-        return self._hub.wait_delivered(self, timeout)
+        return self._hub.wait_delivered(self, check_timeout(timeout))
 
     def __enter__(self) -> Subscription:
         return self

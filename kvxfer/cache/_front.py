@@ -45,8 +45,16 @@ class HostCache(IndexViews, Ending):
         pool's (pages the caller holds outside the cache are never evicted by it).
       store: a tier below host memory (``kvxfer.store.DiskStore``, ``RedisStore``),
         or None.
-      namespace: prefixes every store key (e.g. a model name): two caches share
-        store pages only with equal namespaces and equal ``mgr.fingerprint``.
+      namespace: prefixes every store key: two caches share store pages only with
+        equal namespaces and equal ``mgr.fingerprint``. The fingerprint covers the
+        KV's geometry only, and a store outlives the process, so with a store the
+        namespace must name everything else that changes the KV's bytes: the model
+        and its revision (a fine-tune has the same geometry), the weights' dtype and
+        quantization, the tokenizer (page keys hash token ids), and any other
+        setting that changes what the model computes (a RoPE scaling, a LoRA
+        adapter). With a store, a missing or empty namespace is refused, unless
+        ``allow_empty_namespace=True`` says that every model of this geometry may
+        share pages on purpose. Without a store it is not used.
       policy: which host pages eviction takes: ``"lru"`` (least recently used,
         the default), ``"s3fifo"`` (scan-resistant: one-off pages leave first),
         ``"arc"`` (adapts between recency and frequency), or a ``CachePolicy`` of
@@ -68,6 +76,8 @@ class HostCache(IndexViews, Ending):
       encrypt: also encrypt page bytes at rest (AES-256-GCM keyed from
         ``auth_key``; ``pip install 'kvxfer[crypto]'``), for stores shared across
         tenants.
+      allow_empty_namespace: with a store, take a missing or empty ``namespace``
+        (pages shared by every cache of the same geometry, whatever its weights).
 
     Thread-safe. Store writes run on one background thread (``flush()`` waits),
     prefetches on another. ``subscribe(callback)`` reports where pages arrive and leave.
@@ -88,10 +98,13 @@ class HostCache(IndexViews, Ending):
     """
 
     def __init__(self, mgr: KVCacheManager, store: Store | None = None, *,
-                 namespace: str = "", policy: PolicyName | CachePolicy = "lru",
+                 namespace: str | None = None, policy: PolicyName | CachePolicy = "lru",
                  write_through: WriteThrough | bool = "never",
-                 auth_key: bytes | Sealer | None = None, encrypt: bool = False):
-        sealer = check_options(mgr, store, namespace, write_through, auth_key, encrypt)
+                 auth_key: bytes | Sealer | None = None, encrypt: bool = False,
+                 allow_empty_namespace: bool = False):
+        sealer = check_options(mgr, store, namespace, write_through, auth_key, encrypt,
+                               allow_empty_namespace)
+        namespace = namespace or ""
         self.policy = make_policy(policy, mgr.plan.num_host_blocks)
         self.mgr = mgr
         self.store = store
@@ -232,6 +245,9 @@ class HostCache(IndexViews, Ending):
             self._prefetch.wait_for(keys, deadline)
             self._check_open()
             found = self._finder.find(keys, deadline)
+            if self._closed:  # closed while the store was read (lock let go of)
+                self._host.unpin([f.key for f in found])
+                self._check_open()
             self._stats.add(lookups=1, pages_requested=len(keys),
                             misses=len(keys) - len(found))
             return CacheHit(tuple(f.key for f in found), tuple(f.ref for f in found),

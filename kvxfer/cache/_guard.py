@@ -8,8 +8,9 @@ policy, so every unpinned page can be evicted.
 
 * ``insert`` that raises: the arriving page is not indexed (the tier frees it), so
   no page is left that the policy cannot evict.
-* ``touch``, ``remove`` that raise: logged; the page goes on (a key the policy lost is
-  found by ``orphans`` and evicted by the tier when the policy gives no room).
+* ``touch``, ``remove``, ``used_together`` that raise: logged; the page goes on (a
+  key the policy lost is found by ``orphans`` and evicted by the tier when the policy
+  gives no room).
 * ``evict`` that raises or answers wrongly: the answer is refused whole, before any
   page leaves: each indexed key it named is given back to the policy (``insert``),
   and ``PolicyError`` names the policy and what was wrong.
@@ -78,6 +79,12 @@ class PolicyGuard:
             self.policy.touch(key)
         except Exception as e:
             self._raised("touch", key, e)
+
+    def used_together(self, keys: list[int]) -> None:
+        try:
+            self.policy.used_together(keys)
+        except Exception as e:
+            self._raised("used_together", keys, e)
 
     def remove(self, key: int) -> None:
         try:

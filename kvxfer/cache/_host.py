@@ -126,8 +126,20 @@ class HostTier:
         if self.below is not None:
             self.below.hit(key, self._index[key], hits)
 
+    def used_together(self, keys: Sequence[int]) -> None:
+        """The pages of one prefix (head first) were just used or arrived together:
+        the policy may order them so that evictions take the tail first."""
+        keys = [k for k in keys if k in self._index]
+        if len(keys) > 1:
+            self._guard.used_together(keys)
+
     def pin(self, key: int) -> None:
         self._pins[key] += 1
+
+    def drop_pins(self) -> None:
+        """Forgets every pin (the cache closed: nothing is evicted any more, so a hit
+        or a load that never settles pins nothing for good)."""
+        self._pins.clear()
 
     def unpin(self, keys: Iterable[int]) -> None:
         for key in keys:
@@ -275,6 +287,7 @@ class HostTier:
             for key, ref in zip(keys, refs):
                 if self.add(key, ref) and self.below is not None:
                     self.below.arrived(key, ref)
+            self.used_together(keys)
         self._offloads = still
 
     def wait_pending(self, key: int, deadline: Deadline) -> None:

@@ -75,8 +75,11 @@ class Finder:
         A lookup is one use of every page it finds: a host page is marked used (the
         policy's ``touch``, and a hit for ``write_through=N``); a page promoted from
         the store arrives in host memory (its ``insert`` is that use). ``use=False`` (a
-        prefetch) marks nothing used. Each page is pinned as it is found, so promoting
-        the next never evicts it.
+        prefetch) marks nothing used. Each page is pinned as it is found, and the
+        request's pages already in host memory past the first miss are pinned while
+        the store's are promoted, so a promotion never evicts a page of the prefix it
+        serves. The policy then hears that the prefix's pages were used together
+        (``CachePolicy.used_together``), so that evictions take its tail first.
         """
         found: list[Found] = []
         try:
@@ -87,8 +90,15 @@ class Finder:
                 self._take(found, key, ref, "host", use)
             rest = keys[len(found):]
             if rest and self.store is not None:
-                self._promote(rest, found, use, deadline)
-        except BaseException:
+                held = [k for k in dict.fromkeys(rest) if self.host.holds(k)]
+                for key in held:
+                    self.host.pin(key)
+                try:
+                    self._promote(rest, found, use, deadline)
+                finally:
+                    self.host.unpin(held)
+            self.host.used_together([f.key for f in found if use or f.tier == "store"])
+        except BaseException:  # whatever a policy or a store raised: nothing stays pinned
             self.host.unpin([f.key for f in found])
             raise
         return found
@@ -133,10 +143,10 @@ class Finder:
 
     def _take(self, found: list[Found], key: int, ref: PageRef, tier: str,
               use: bool) -> None:
+        self.host.pin(key)  # before the policy hears of it: whatever it raises, unpinned
+        found.append(Found(key, ref, tier))
         if use and tier == "host":
             self.host.found(key)  # one use, and a hit for write_through=N
-        self.host.pin(key)
-        found.append(Found(key, ref, tier))
 
     def local_length(self, keys: list[int], deadline: Deadline) -> tuple[int, bool]:
         """How long a prefix this rank holds (nothing pinned or promoted), and whether

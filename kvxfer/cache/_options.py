@@ -14,7 +14,8 @@ from kvxfer.cache._store_tier import WriteThrough
 from kvxfer.manager import KVCacheManager
 from kvxfer.store import Sealer, Store
 
-__all__ = ["check_options", "check_write_through", "make_policy", "POLICIES"]
+__all__ = ["check_namespace", "check_options", "check_write_through", "make_policy",
+           "POLICIES"]
 
 #: The policy each name builds.
 POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy,
@@ -43,7 +44,8 @@ def make_policy(policy: PolicyName | CachePolicy, capacity: int) -> CachePolicy:
 
 
 def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
-                  auth_key: Any, encrypt: Any) -> Sealer | None:
+                  auth_key: Any, encrypt: Any, allow_empty_namespace: Any = False
+                  ) -> Sealer | None:
     """Refuses bad arguments, naming them; the sealer ``auth_key`` asks for, or None.
 
     Example:
@@ -57,8 +59,15 @@ def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
     if store is not None and not isinstance(store, Store):
         raise TypeError(f"store must be a kvxfer.store.Store or None. Got "
                         f"{type(store).__name__}")
-    if not isinstance(namespace, str):
-        raise TypeError(f"namespace must be a str. Got {namespace!r}")
+    if namespace is not None and not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str or None. Got {namespace!r} of type "
+                        f"{type(namespace).__name__}")
+    if not isinstance(allow_empty_namespace, bool):
+        raise TypeError(f"allow_empty_namespace must be a bool. Got "
+                        f"{allow_empty_namespace!r} of type "
+                        f"{type(allow_empty_namespace).__name__}")
+    check_namespace(namespace, store, allow_empty_namespace)
+    namespace = namespace or ""
     try:
         namespace.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate: no store could hold its keys
@@ -75,6 +84,34 @@ def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
                              "build it with Sealer(key, encrypt=True, ...)")
         return auth_key
     return None if auth_key is None else Sealer(auth_key, encrypt=encrypt)
+
+
+def check_namespace(namespace: str | None, store: Any, allow_empty: bool) -> None:
+    """Refuses a missing or blank namespace over a store, unless ``allow_empty``.
+
+    A store outlives the process, and its keys carry the KV geometry's fingerprint
+    only: two models of one geometry (a fine-tune, another revision, another
+    quantization of the weights) would serve each other's pages as verified hits.
+
+    Example:
+        >>> check_namespace(None, None, False)  # no store: nothing is shared
+        >>> check_namespace("llama-3.1-8b@rev1:bf16:tok-v3", object(), False)
+        >>> try:
+        ...     check_namespace("", object(), False)
+        ... except ValueError as e:
+        ...     print(str(e)[:60])
+        HostCache(namespace='') over a store: the store outlives thi
+    """
+    if store is None or allow_empty or (namespace is not None and namespace.strip()):
+        return
+    raise ValueError(
+        f"HostCache(namespace={namespace!r}) over a store: the store outlives this "
+        "process and its keys carry only the KV geometry's fingerprint, which another "
+        "model of the same shapes shares (a fine-tune, another revision or "
+        "quantization): its pages would come back as verified hits. Pass a namespace "
+        "naming the model and revision, the weights' dtype and quantization, the "
+        "tokenizer and anything else that changes the KV, or allow_empty_namespace=True "
+        "to share pages with every model of this geometry on purpose")
 
 
 def check_write_through(value: Any) -> WriteThrough:

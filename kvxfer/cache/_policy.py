@@ -1,10 +1,14 @@
 """Eviction policies of the host tier: the ``CachePolicy`` interface and LRU.
 
 A policy orders the cache's host pages and picks which go when room is needed; the
-cache owns the pages (their refs, pins, the store below). It tells its policy four
+cache owns the pages (their refs, pins, the store below). It tells its policy five
 things: a page arrived (``insert``), a lookup found it (``touch``, once per lookup
-that pins it), it left for another reason than eviction (``remove``: freed behind the
-cache's back, proven bad), and it needs ``n`` pages gone (``evict``). ``evict`` is
+that pins it), the pages of one prefix were used or arrived together
+(``used_together``, after their ``insert`` or ``touch``: a page is useless without
+the pages before it, so a policy that can should evict the prefix's tail first, as
+SGLang's radix cache evicts leaves first), it left for another reason than eviction
+(``remove``: freed behind the cache's back, proven bad), and it needs ``n`` pages
+gone (``evict``). ``evict`` is
 given the pinned keys and never returns one of them; every key it returns has left
 the policy. The cache calls its policy under its own lock, one call at a time, and
 the same calls in the same order on every rank of a multi-process job, so a policy
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import collections
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from typing import ClassVar, Literal
 
 from kvxfer._check import check_int
@@ -93,6 +97,11 @@ class CachePolicy(abc.ABC):
     def touch(self, key: int) -> None:
         """A lookup found the page (it is in the policy)."""
 
+    def used_together(self, keys: Sequence[int]) -> None:
+        """The pages ``keys`` (one prefix, head first, all in the policy) were just
+        looked up or arrived together. A policy that orders pages by use may order
+        them so that the last key goes first; the default changes nothing."""
+
     @abc.abstractmethod
     def remove(self, key: int) -> None:
         """The page left without being evicted (a no-op for a key not in the policy)."""
@@ -106,6 +115,9 @@ class CachePolicy(abc.ABC):
 class LRUPolicy(CachePolicy):
     """Least recently used first: a lookup or an arrival makes a page the most recent.
 
+    The pages of a prefix used together are ordered tail first: its last page is
+    evicted first and its head last (a tail is of no use without its head).
+
     ``evict`` costs O(1) a page plus one step for each pinned page it passes over
     (pins last only while a load reads them).
 
@@ -115,6 +127,8 @@ class LRUPolicy(CachePolicy):
         >>> p.touch(1)
         >>> p.order(), p.evict(1, pinned={2}), p.order()
         ([2, 3, 1], [3], [2, 1])
+        >>> p.insert(4); p.used_together([1, 4]); p.order()  # 4 goes before its head
+        [2, 4, 1]
     """
 
     name = "lru"
@@ -138,6 +152,11 @@ class LRUPolicy(CachePolicy):
     def touch(self, key: int) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def used_together(self, keys: Sequence[int]) -> None:
+        for key in reversed(keys):
+            if key in self._order:
+                self._order.move_to_end(key)
 
     def remove(self, key: int) -> None:
         self._order.pop(key, None)

@@ -17,7 +17,10 @@ not read by then are misses (logged), and one still queued at its deadline finds
 host pages, so its future is done by then (or by the deadline of the one running
 before it, whichever is later). A lookup waits for a prefetch until the lookup's own
 deadline. ``close()`` cancels the queued ones; a cancelled prefetch is done for every
-waiter at once (``concurrent.futures.wait`` included).
+waiter at once (``concurrent.futures.wait`` included). The running one gets until
+close's deadline; if it is still reading then (a store that hangs, a prefetch without
+a timeout), its future fails with a ``RuntimeError`` at once, and it imports nothing.
+So every prefetch future is done when ``close()`` returns.
 """
 
 from __future__ import annotations
@@ -108,9 +111,11 @@ class Prefetcher:
             if not job.future.set_running_or_notify_cancel():
                 continue  # cancelled by its caller
             try:
-                job.future.set_result(self._run(job.keys, job.deadline))
+                found = self._run(job.keys, job.deadline)
             except BaseException as e:  # in its future; the next prefetch still runs
-                job.future.set_exception(e)
+                _settle(job.future, error=e)
+            else:
+                _settle(job.future, result=found)
 
     def wait_for(self, keys: list[int], deadline: Deadline) -> None:
         """Waits (the cache lock let go of) until ``deadline`` for the prefetches
@@ -168,3 +173,20 @@ class Prefetcher:
         if late:
             log.warning("a prefetch was still reading from the store %s after close(); "
                         "it will import nothing", deadline)
+        for future in late:  # settled now: no caller waits on a store that hangs
+            _settle(future, error=RuntimeError(
+                f"the HostCache was closed while this prefetch was still reading from "
+                f"the store ({deadline} after close()); it imports nothing"))
+
+
+def _settle(future: concurrent.futures.Future, *, result: int | None = None,
+            error: BaseException | None = None) -> None:
+    """Sets a running prefetch's outcome unless it has one (``close`` settles a late
+    prefetch, and the worker may finish it at the same moment)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass

@@ -5,7 +5,9 @@ From Yang et al., "FIFO queues are all you need for cache eviction" (SOSP 2023):
 * A new page enters the small queue (10% of the capacity), unless its key is in the
   ghost queue (evicted from the small queue not long ago): then it enters the main
   queue.
-* A lookup raises the page's frequency (two bits: at most 3). Nothing moves.
+* A lookup raises the page's frequency (two bits: at most 3). Nothing moves. The
+  pages of one prefix that arrived together swap places at the small queue's end, so
+  that its tail is the first to leave it (``used_together``).
 * Eviction takes from the small queue while it holds at least its share (or the
   main queue is empty), else from the main queue.
 * Small queue: the oldest page moves to the main queue if it was looked up since it
@@ -25,7 +27,8 @@ it goes back to the end with its frequency kept.
 from __future__ import annotations
 
 import collections
-from collections.abc import Container
+import itertools
+from collections.abc import Container, Sequence
 
 from kvxfer.cache._policy import CachePolicy
 
@@ -99,6 +102,22 @@ class S3FIFOPolicy(CachePolicy):
     def touch(self, key: int) -> None:
         if key in self._freq:
             self._freq[key] = min(self._freq[key] + 1, _MAX_FREQ)
+
+    def used_together(self, keys: Sequence[int]) -> None:
+        # Pages that just arrived together sit at the small queue's end, in key order:
+        # they swap places there so the prefix's tail leaves first, O(len(keys)).
+        # Pages a lookup found are left where they are: looked up, they move on to
+        # the main queue rather than leave, and the main queue ages by frequency.
+        mine = [k for k in keys if k in self._small]
+        if len(mine) < 2:
+            return
+        newest = list(itertools.islice(reversed(self._small), len(mine)))
+        if set(newest) != set(mine):
+            return
+        for key in newest:
+            del self._small[key]
+        for key in reversed(mine):
+            self._small[key] = None
 
     def remove(self, key: int) -> None:
         if self._freq.pop(key, None) is not None:

@@ -391,15 +391,19 @@ class StoreTier:
               deadline: float | None) -> None:
         """Gives ``writes`` until ``deadline`` (``time.monotonic()``; None: forever), then
         stops the writer; late writes are dropped (logged)."""
-        left = None if deadline is None else max(deadline - time.monotonic(), 0)
-        _, late = concurrent.futures.wait(writes, left)
-        if late:
-            log.warning("%d store writes did not finish within %g s of close(); dropped: "
-                        "%s", len(late), timeout, _dropped(late, self._writes, self._spilled))
-        self._writer.shutdown(wait=not late, cancel_futures=True)
-        self._io.close()
-        self._held.clear()
-        self._probe.close()
+        late: set[concurrent.futures.Future] = set(writes)
+        try:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            _, late = concurrent.futures.wait(writes, left)
+            if late:
+                log.warning("%d store writes did not finish within %g s of close(); "
+                            "dropped: %s", len(late), timeout,
+                            _dropped(late, self._writes, self._spilled))
+        finally:  # the threads stop, whatever the wait raised
+            self._writer.shutdown(wait=not late, cancel_futures=True)
+            self._io.close()
+            self._held.clear()
+            self._probe.close()
 
 
 def _dropped(late: set[concurrent.futures.Future],

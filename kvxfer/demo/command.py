@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvxfer._version import __version__ as kvxfer_version
 from kvxfer._text import format_bytes, table
 from kvxfer.demo import model as _model
 from kvxfer.demo._options import DemoOptions
@@ -34,7 +36,7 @@ from kvxfer.demo.server import PrefixCacheServer, RequestKind, RequestOutcome
 from kvxfer.demo.workload import make_workload, reference_tokens, shard_caches
 from kvxfer.store import Store, StoreError, open_store
 
-__all__ = ["DemoOptions", "run_demo", "format_summary", "footprint"]
+__all__ = ["DemoOptions", "demo_namespace", "run_demo", "format_summary", "footprint"]
 
 _REQUEST_KINDS: tuple[str, ...] = get_args(RequestKind)
 
@@ -80,6 +82,31 @@ def _model_config(options: DemoOptions, requests_need: int) -> _model.ModelConfi
     base = _model.tiny_llama() if options.model == "tiny" else _model.mixed_layers()
     return _model.scaled(base, options.scale, num_layers=options.layers,
                          max_blocks_per_seq=max(base.max_blocks_per_seq, requests_need))
+
+
+def demo_namespace(preset: str, cfg: _model.ModelConfig, seed: int, dtype: str) -> str:
+    """The store namespace of a demo run: everything that changes its KV's bytes.
+
+    The store keys carry the KV's geometry already; this names the rest: the whole
+    model config (widths, heads, RoPE base, norm epsilon, block size, ...), its
+    weights (``init_params``' float32 draw from ``seed``), the cache dtype, the
+    tokens (page keys chain token ids, no tokenizer between), and the code that
+    computes the KV (kvxfer's demo model, JAX and its backend: another XLA may round
+    differently, and the demo checks tokens bit for bit against a run without cache).
+
+    Example:
+        >>> cfg = _model.tiny_llama()
+        >>> a = demo_namespace("tiny", cfg, 0, "float32")
+        >>> a.startswith("demo-tiny-"), a == demo_namespace("tiny", cfg, 1, "float32")
+        (True, False)
+    """
+    what = {"config": repr(cfg), "weights": f"init_params float32, seed {seed}",
+            "kv_dtype": str(dtype), "tokens": "token ids (page_keys)",
+            "code": f"kvxfer {kvxfer_version}, jax {jax.__version__}, "
+                    f"{jax.default_backend()}"}
+    digest = hashlib.blake2b(json.dumps(what, sort_keys=True).encode(),
+                             digest_size=8).hexdigest()
+    return f"demo-{preset}-{digest}:"
 
 
 def run_demo(options: DemoOptions | argparse.Namespace | None = None, **overrides: Any) -> dict:
@@ -205,10 +232,7 @@ def _run(opts: DemoOptions, store: Store | None, t_start: float) -> dict:
 
     injector = FaultInjector(opts.inject, opts.injections) if opts.inject else None
     outcomes: list[RequestOutcome] = []
-    # The geometry is in every store key already; the weights are not: pages are
-    # shared only between runs of the same model and seed.
-    namespace = (f"demo-{opts.model}-s{opts.scale}-l{cfg.num_layers}-{opts.dtype}-"
-                 f"seed{opts.seed}:")
+    namespace = demo_namespace(opts.model, cfg, opts.seed, opts.dtype)
     with PrefixCacheServer(model, fresh_caches(), num_host_blocks=opts.host_blocks,
                            integrity=opts.integrity, gate=opts.gate, injector=injector,
                            store=store, namespace=namespace) as srv:

@@ -157,12 +157,14 @@ class PrefixCacheServer:
         store: Optional store tier below host memory (the server does not close it).
         namespace: Prefixes the store keys: pages are shared only between servers of
             the same model (its geometry is in the keys already; its weights are not).
+            Required with a ``store`` (``command.demo_namespace`` names what changes
+            the demo's KV).
     """
 
     def __init__(self, model: _model.Model, kv_caches: Sequence[jax.Array], *,
                  num_host_blocks: int, integrity: IntegrityMode = "page",
                  gate: Gate = "layer", injector: Injector | None = None,
-                 store: Store | None = None, namespace: str = ""):
+                 store: Store | None = None, namespace: str | None = None):
         self.model = model
         self.kv = list(kv_caches)
         self.mgr = KVCacheManager(self.kv, num_host_blocks=num_host_blocks, integrity=integrity)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer._check import check_timeout
 from kvxfer.engine import TransferError
 from kvxfer.hostpool import PageRef
 from kvxfer.integrations._tpu_inference_chunks import ChunkTable, HostChunks, Save
@@ -326,7 +327,12 @@ class KvxferOffloadWorker:
 
     def wait_for_saves(self, timeout: float | None = None) -> None:
         """Blocks until every save started so far has landed and is published, by this
-        thread or by another that is publishing it (``timeout``: seconds per wait)."""
+        thread or by another that is publishing it (``timeout``: seconds per wait).
+
+        Raises:
+          TypeError, ValueError: ``timeout`` is not None or a finite number >= 0.
+        """
+        timeout = check_timeout(timeout)
         with self._lock:
             handles = [h for h, _ in self._pending_save_futures]
         for h in handles:

@@ -84,43 +84,69 @@ class HostPages:
         gen, state, key = self._pool.state(page.slot)
         return gen == page.generation and state == "valid" and key == page.key
 
-    def _layer_views(self, page: PageRef, layer: int) -> list[np.ndarray]:
-        """Writable views of one layer's host bytes of a page, one per shard."""
+    def _held(self, page: PageRef, layer: int) -> tuple[SliceClass, int]:
+        """Checks ``page`` and ``layer`` and pins the page's slot as a reader.
+
+        While pinned, ``free`` of the page is deferred and no offload claims its slot,
+        so the bytes a block read or write touches stay the page's own. The caller
+        releases the pin (``release_readers``). Returns the layer's class and position.
+        """
         num_layers = len(self._layer_class)
         if not isinstance(page, PageRef):
             raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int. Got {layer!r} of type {type(layer)}")
         if not 0 <= layer < num_layers:
             raise IndexError(f"layer {layer} out of range [0, {num_layers})")
-        gen, state, key = self._pool.state(page.slot)
-        if gen != page.generation or state != "valid":
-            raise PoolError(f"{page} is not a valid page (slot generation {gen}, {state})")
-        cls, pos = self._layer_class[layer]
-        if cls.index not in self._pool.classes_of(page.slot):
-            raise PoolError(f"{page} does not hold layer {layer} (it holds slice classes "
-                            f"{sorted(self._pool.classes_of(page.slot))}; layer {layer} is "
-                            f"in class {cls.index})")
-        pool = self._pool.pools[cls.index]
-        return [pool.shard_view(page.slot, pos, s) for s in range(cls.num_shards)]
+        problem, = self._pool.acquire_readers([(page.slot, page.generation)])
+        if problem is not None:
+            gen, state, _ = self._pool.state(page.slot)
+            raise PoolError(f"{page} is not a valid page ({problem}: slot generation "
+                            f"{gen}, {state})")
+        try:
+            cls, pos = self._layer_class[layer]
+            if cls.index not in self._pool.classes_of(page.slot):
+                raise PoolError(f"{page} does not hold layer {layer} (it holds slice "
+                                f"classes {sorted(self._pool.classes_of(page.slot))}; layer "
+                                f"{layer} is in class {cls.index})")
+            if self._pool.key_of(page.slot) != page.key:
+                raise PoolError(f"{page}: slot {page.slot} holds key "
+                                f"{self._pool.key_of(page.slot):#x}")
+        except BaseException:
+            self._pool.release_readers([page.slot])
+            raise
+        return cls, pos
 
     def read_block_bytes(self, page: PageRef, layer: int) -> bytes:
-        return b"".join(v.tobytes() for v in self._layer_views(page, layer))
+        cls, pos = self._held(page, layer)
+        try:
+            pool = self._pool.pools[cls.index]
+            return b"".join(pool.shard_view(page.slot, pos, s).tobytes()
+                            for s in range(cls.num_shards))
+        finally:
+            self._pool.release_readers([page.slot])
 
     def write_block_bytes(self, page: PageRef, layer: int,
                           data: bytes | bytearray | memoryview) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, bytearray or memoryview. Got {type(data)}")
         buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        views = self._layer_views(page, layer)
-        size = sum(v.size for v in views)
-        if buf.size != size:
-            raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {size}")
-        with self._pool.pools[self._layer_class[layer][0].index].lock:
-            at = 0
-            for v in views:
-                v[:] = buf[at:at + v.size]
-                at += v.size
-        if self._with_digest:
-            self._digest_on_host(page, layer)
+        cls, pos = self._held(page, layer)
+        try:
+            pool = self._pool.pools[cls.index]
+            size = cls.bytes_per_block
+            if buf.size != size:
+                raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {size}")
+            with pool.lock:
+                at = 0
+                for s in range(cls.num_shards):
+                    v = pool.shard_view(page.slot, pos, s)
+                    v[:] = buf[at:at + v.size]
+                    at += v.size
+            if self._with_digest:
+                self._digest_on_host(page, layer)
+        finally:
+            self._pool.release_readers([page.slot])
 
     def _digest_on_host(self, page: PageRef, layer: int) -> None:
         """Re-digests one layer of a page from its host bytes (every shard)."""

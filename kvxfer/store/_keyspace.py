@@ -59,6 +59,12 @@ def _raise_error(reply: Any) -> Any:
     return reply
 
 
+def _wrong_type(reply: Any) -> bool:
+    """Whether ``reply`` is the server's ``WRONGTYPE`` error: a value of another type
+    (a hash, a list) under a blob's key, which holds no blob."""
+    return isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE")
+
+
 def _array(reply: Any, n: int | None, what: str) -> list[Any]:
     """``reply`` if it is an array (of ``n`` replies, unless None)."""
     if not isinstance(_raise_error(reply), list) or n is not None and len(reply) != n:
@@ -154,7 +160,10 @@ class Keyspace:
         out: list[bytes | None] = []
         over: list[int] = []
         for i, (blob, flag) in enumerate(zip(blobs, flags)):
-            there = _int(flag, "the touch script's flag", (0, 1))
+            there = _int(flag, "the touch script's flag", (0, 1, 2))
+            if there == 2 and (blob is None or _wrong_type(blob)):
+                out.append(None)  # a hash, a list: no blob, a miss of this key alone
+                continue
             blob = _bulk(blob, "a blob", nil=cap is None)
             # One transaction: a blob MGET found is one the script found, and GETRANGE
             # of a key that is not there is empty.
@@ -175,11 +184,9 @@ class Keyspace:
         return Read(out, over)
 
     def contains_block(self, keys: list[str], cap: int | None) -> Block:
-        """``EXISTS`` of each key (with a ``cap``, and ``STRLEN``: a blob over the cap
-        is not one the store holds)."""
+        """``EXISTS`` and ``STRLEN`` of each key: a blob over the ``cap`` is not one the
+        store holds, nor is a value of another type (``STRLEN`` refuses it)."""
         parse = functools.partial(self.found, n=len(keys), cap=cap)
-        if cap is None:
-            return Block([("EXISTS", self.blobs + k) for k in keys], parse=parse)
         return Block([c for k in keys for c in (("EXISTS", self.blobs + k),
                                                 ("STRLEN", self.blobs + k))], parse=parse)
 
@@ -190,11 +197,17 @@ class Keyspace:
         Raises:
           ResponseError, BadReply: as ``got``.
         """
-        if cap is None:
-            return [bool(_int(r, "EXISTS", (0, 1))) for r in _array(replies, n, "EXISTS")]
         replies = _array(replies, 2 * n, "EXISTS and STRLEN")
-        return [bool(_int(replies[2 * i], "EXISTS", (0, 1))) and
-                _int(replies[2 * i + 1], "STRLEN") <= cap for i in range(n)]
+        return [Keyspace.holds(replies[2 * i], replies[2 * i + 1], cap) for i in range(n)]
+
+    @staticmethod
+    def holds(exists: Any, strlen: Any, cap: int | None) -> bool:
+        """Whether one key's ``EXISTS`` and ``STRLEN`` replies say it holds a blob (a
+        value of another type holds none: ``STRLEN`` answers it ``WRONGTYPE``)."""
+        if _wrong_type(strlen):
+            return False
+        size = _int(strlen, "STRLEN")
+        return bool(_int(exists, "EXISTS", (0, 1))) and (cap is None or size <= cap)
 
     def put_block(self, items: list[tuple[str, memoryview]], replace: bool,
                   capacity: int | None) -> Block:
@@ -280,13 +293,21 @@ class Keyspace:
         with client.pipeline(transaction=True) as pipe:
             for command in block.commands:
                 pipe.execute_command(*command)
-            replies = pipe.execute()
+            # Error replies in the list, as the batch sees them: a value of another
+            # type under the key is a miss, any other error is raised by the parse.
+            replies = pipe.execute(raise_on_error=False)
         return block.parse(replies)
 
     def contains(self, client: Any, key: str, cap: int | None) -> bool:
+        from redis.exceptions import ResponseError
+
         bkey = self.blobs + key
-        there = bool(_int(client.exists(bkey), "EXISTS", (0, 1)))
-        return there and (cap is None or _int(client.strlen(bkey), "STRLEN") <= cap)
+        exists = client.exists(bkey)
+        try:
+            strlen = client.strlen(bkey)
+        except ResponseError as e:
+            strlen = e  # WRONGTYPE: not a blob; any other error is raised by holds
+        return self.holds(exists, strlen, cap)
 
     def unmark(self, client: Any, key: str) -> None:
         """Removes the marker a put whose accounting failed left under ``key``."""

@@ -13,12 +13,15 @@ __all__ = ["PUT", "UNMARK", "TOUCH_MANY", "DELETE", "MARKER", "is_marker"]
 # KEYS: blob, lru, sizes, bytes, clock. ARGV: key, size, replace (0/1), capacity (-1:
 # none), blob-key prefix, marker. Returns -1 when the key is there and not replaced (the
 # SET NX that follows in the transaction then writes nothing), -2 when the accounting
-# failed (the marker then stands in the blob's place), else the number evicted.
+# failed (the marker then stands in the blob's place), else the number evicted. A value
+# of another type under the blob's key (a hash, a list: not a blob) is replaced.
 PUT = """
 local blob, lru, sizes, total, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local key, size, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4])
-local exists = redis.call('EXISTS', blob) == 1
-if ARGV[3] ~= '1' and exists then return -1 end
+local kind = redis.call('TYPE', blob)['ok']
+local exists = kind ~= 'none'
+-- a value of another type (a hash, a list) is no blob: replaced, never kept
+if ARGV[3] ~= '1' and kind == 'string' then return -1 end
 local old = tonumber(redis.call('HGET', sizes, key) or '0')
 local ok, used = pcall(redis.call, 'INCRBY', total, size - old)
 if not ok then
@@ -65,12 +68,16 @@ def is_marker(blob: bytes | None) -> bool:
 # KEYS: lru, sizes, bytes, clock, then the blob of each key. ARGV: the keys. Marks
 # each present blob used in turn (so a batch's keys are marked used in its order) and
 # drops the bookkeeping of one that is gone (deleted or evicted by the server); returns,
-# per key, whether its blob is there (1) or not (0).
+# per key, whether its blob is there (1) or not (0), or 2 where a value of another type
+# (a hash, a list) stands under its key: not a blob, so a miss of that key alone.
 TOUCH_MANY = """
 local lru, sizes, total, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local found = {}
 for i, key in ipairs(ARGV) do
   found[i] = redis.call('EXISTS', KEYS[4 + i])
+  if found[i] == 1 and redis.call('TYPE', KEYS[4 + i])['ok'] ~= 'string' then
+    found[i] = 2  -- a value of another type: not a blob (gone), a miss of its key alone
+  end
   if found[i] == 1 then
     if redis.call('ZSCORE', lru, key) then
       redis.call('ZADD', lru, 'XX', redis.call('INCR', clock), key)
