@@ -129,8 +129,13 @@ def test_a_target_for_other_hardware_is_not_applicable_never_missed():
 
 
 def test_targets_prints_the_table_and_measures_nothing():
+    from kvxfer._text import fit_width
+
     rc, stdout, stderr = run_cli("bench", "--targets")
-    assert rc == 0 and stdout.strip() == bench.targets_table() and not stderr
+    assert rc == 0 and stdout.strip() == fit_width(bench.targets_table(), 100) and not stderr
+    assert max(len(line) for line in stdout.splitlines()) <= 100
+    rc, stdout, _ = run_cli("bench", "--targets", "--wide")
+    assert rc == 0 and stdout.strip() == bench.targets_table()
     _, stdout, _ = run_cli("bench", "--targets", targets=bench.Targets(call_idle_ms_cpu=2))
     assert "device idle (p50, paths that enqueue) <= 2 ms" in stdout
     rc, stdout, _ = run_cli("bench", "--targets", "--json")
