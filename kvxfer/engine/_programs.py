@@ -33,7 +33,7 @@ from kvxfer.layout import dtype_of, natural_bits
 
 __all__ = ["needs_raw_bits", "run", "register_kind", "lowered_for", "gather", "digest_blocks",
            "scatter", "staged_load", "alias", "page_rows", "scatter_rows", "compile_ahead",
-           "compile_job", "compiled",
+           "compile_job", "compiled", "collected_compiles",
            "deferred_compiles", "page_loops", "DIGEST_CHUNK", "unit_count", "zeros",
            "compile_zeros"]
 
@@ -481,12 +481,15 @@ _deferred = threading.local()
 
 
 @contextlib.contextmanager
-def deferred_compiles() -> Iterator[list[Callable[[], None]]]:
-    """Collects the compiles ``compile_ahead`` asks for on this thread, instead of running
-    them: the caller runs the jobs it yields (side by side: XLA compiles with the GIL
-    released). A program asked for twice (by two buckets that share it) is queued once.
+def collected_compiles() -> Iterator[list[tuple[Hashable, Callable[[], Any]]]]:
+    """Collects the compiles ``compile_ahead`` and ``compile_job`` ask for on this thread,
+    instead of running them, as ``(key, job)`` pairs: ``job()`` compiles and returns the
+    compiled program (``jax.stages.Compiled``). A key asked for twice is queued once.
+
+    What compiling ahead of time (``kvxfer aot``) and ``deferred_compiles`` build on:
+    the movers' own ``warmup`` says which programs a transfer runs.
     """
-    jobs: list[Callable[[], None]] = []
+    jobs: list[tuple[Hashable, Callable[[], Any]]] = []
     previous = getattr(_deferred, "state", None)
     _deferred.state = (jobs, set())
     try:
@@ -495,8 +498,22 @@ def deferred_compiles() -> Iterator[list[Callable[[], None]]]:
         _deferred.state = previous
 
 
-def compile_job(key: Hashable, job: Callable[[], None]) -> None:
-    """Runs ``job`` (a compile), or inside ``deferred_compiles`` queues it once per ``key``."""
+@contextlib.contextmanager
+def deferred_compiles() -> Iterator[list[Callable[[], None]]]:
+    """Collects the compiles ``compile_ahead`` asks for on this thread, instead of running
+    them: the caller runs the jobs it yields (side by side: XLA compiles with the GIL
+    released). A program asked for twice (by two buckets that share it) is queued once.
+    """
+    out: list[Callable[[], None]] = []
+    with collected_compiles() as jobs:
+        try:
+            yield out
+        finally:
+            out.extend(job for _, job in jobs)
+
+
+def compile_job(key: Hashable, job: Callable[[], Any]) -> None:
+    """Runs ``job`` (a compile), or inside ``collected_compiles`` queues it once per ``key``."""
     state = getattr(_deferred, "state", None)
     if state is None:
         job()
@@ -504,7 +521,7 @@ def compile_job(key: Hashable, job: Callable[[], None]) -> None:
     jobs, keys = state
     if key not in keys:
         keys.add(key)
-        jobs.append(job)
+        jobs.append((key, job))
 
 
 def _lowered(kind: str, arrays: tuple, args: tuple, with_digest: bool, options: tuple):
