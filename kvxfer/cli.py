@@ -207,9 +207,10 @@ def _register_plan(sub: Any) -> None:
 
 
 def _extra_commands() -> list[Callable[[Any], None]]:
-    from kvxfer import bench, demo, probe
+    from kvxfer import aot, bench, demo, probe
 
-    return [_register_plan, probe.register_cli, bench.register_cli, demo.register_cli]
+    return [_register_plan, probe.register_cli, bench.register_cli, demo.register_cli,
+            aot.register_cli]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
