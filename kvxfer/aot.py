@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -213,26 +214,31 @@ def compile_config(config: str, target: str, num_devices: int = 1, *,
     caches, specs = _caches(spec, name, num_devices, num_blocks, max_layers)
     plan = make_plan(specs, spec.num_host_blocks, path="staged")
     buckets = [1 << i for i in range(bucket(pages).bit_length())]
-    out = []
+    work = []
     for cls, (mover, reason) in zip(plan.classes,
                                     choose_movers(plan, specs, caches, "auto", False)):
         layers = [abstract_layer(caches[i]) for i in cls.layers]
-        for job in transfer_programs(mover, cls, layers, buckets):
-            if programs is not None and job.name not in programs:
-                continue
-            check, error, seconds = _compile(job.key, job.compile)
-            bound = staging_bound(cls, job.bucket)
-            if check is not None and error is None:
-                if check.host_compute:
-                    error = f"host compute: {', '.join(check.host_compute[:3])}"
-                elif check.staging_bytes > bound:
-                    error = (f"stages {format_bytes(check.staging_bytes)} of device memory, "
-                             f"over its bound of {format_bytes(bound)}")
-            out.append(AotResult(
-                spec.name, name, num_devices, cls.name, len(cls.layers), mover.name, reason,
-                job.name, short_dtype_name(cls.dtype), job.bucket, error is None, error,
-                check.host_compute if check else (), check.host_transfers if check else {},
-                check.staging_bytes if check else None, bound, seconds))
+        work += [(cls, mover, reason, job) for job in transfer_programs(mover, cls, layers,
+                                                                         buckets)
+                 if programs is None or job.name in programs]
+    # XLA compiles with the GIL released: the programs compile side by side.
+    workers = max(1, min(len(work), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers, "kvxfer-aot") as pool:
+        compiled = list(pool.map(lambda w: _compile(w[3].key, w[3].compile), work))
+    out = []
+    for (cls, mover, reason, job), (check, error, seconds) in zip(work, compiled):
+        bound = staging_bound(cls, job.bucket)
+        if check is not None and error is None:
+            if check.host_compute:
+                error = f"host compute: {', '.join(check.host_compute[:3])}"
+            elif check.staging_bytes > bound:
+                error = (f"stages {format_bytes(check.staging_bytes)} of device memory, "
+                         f"over its bound of {format_bytes(bound)}")
+        out.append(AotResult(
+            spec.name, name, num_devices, cls.name, len(cls.layers), mover.name, reason,
+            job.name, short_dtype_name(cls.dtype), job.bucket, error is None, error,
+            check.host_compute if check else (), check.host_transfers if check else {},
+            check.staging_bytes if check else None, bound, seconds))
     return out
 
 

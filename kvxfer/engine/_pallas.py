@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from kvxfer.engine import _pallas_kernels as _kernels
+from kvxfer.engine._aot import device_free
 from kvxfer.engine._batch import ShardedLayer, assemble, bucket, device_of, loop_pages
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
 from kvxfer.engine._programs import collected_compiles, compile_job
@@ -188,14 +189,14 @@ def compile_kernels(layers: Sequence[ShardedLayer], b: int,
             host = _offload_shape(size, hi - lo, primary[0])
             program = _kernels.offload_program(formats[lo:hi], host, device)
             args = (*_scalars(device, size), primary[lo:hi])
-            job(("pallas", "offload", formats[lo:hi], device, host),
+            job(("pallas", "offload", primary[lo:hi], formats[lo:hi], device, host),
                 lambda program=program, args=args: program.lower(*args).compile())
         for r, local in enumerate(layers[0].shards[s]):
             device = device_of(local)
             size = _buffer_pages(b, local)
             program = _kernels.load_program(local.format, device)
             args = (*_scalars(device, size), local, _load_shape(size, local))
-            job(("pallas", "load", local.format, device, size),
+            job(("pallas", "load", local, local.format, device, size),
                 lambda program=program, args=args: program.lower(*args).compile())
 
 
@@ -216,7 +217,9 @@ def pallas_compile_refusal(layers: Sequence[ShardedLayer]) -> str | None:
         return None
     with collected_compiles() as jobs:
         compile_kernels(layers, 1)
-    for key, job in jobs:
+    # Each shard's and replica's kernel compiles alike on chips of one kind: one each.
+    kernels = {device_free(key): (key, job) for key, job in reversed(jobs)}
+    for key, job in kernels.values():
         with _COMPILED_LOCK:
             known = key in _COMPILED
             why = _COMPILED.get(key)
@@ -227,7 +230,7 @@ def pallas_compile_refusal(layers: Sequence[ShardedLayer]) -> str | None:
             except Exception as e:  # noqa: BLE001 - XLA's errors carry no common type
                 text = str(e).strip().splitlines()
                 why = (f"the Pallas {key[1]} kernel does not compile for "
-                       f"{key[3].device_kind}: {text[0] if text else type(e).__name__}")
+                       f"{key[4].device_kind}: {text[0] if text else type(e).__name__}")
             with _COMPILED_LOCK:
                 _COMPILED[key] = why
         if why is not None:
