@@ -202,3 +202,17 @@ def test_a_bad_target_is_one_line_and_exit_2(capsys):
     assert out == "" and len(err.strip().splitlines()) == 1
     if tpu.available():
         assert "unknown TPU generation 'v9'" in err
+
+
+def test_mgr_paths_say_why_each_mover_was_chosen():
+    import jax.numpy as jnp
+
+    import kvxfer
+
+    caches = [jnp.zeros((8, 128), jnp.float32), jnp.zeros((8, 128), jnp.int4)]
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2) as mgr:
+        assert mgr.paths == ["raw", "pinned"]
+        assert mgr.paths[0].reason == "auto on cpu"
+        assert mgr.paths[1].reason.startswith("auto on cpu; not raw: raw copies need")
+    with kvxfer.KVCacheManager(caches[:1], num_host_blocks=2, path="staged") as mgr:
+        assert mgr.paths == ["staged"] and mgr.paths[0].reason == "path='staged'"

@@ -96,8 +96,8 @@ def test_mixed_classes_round_trip_byte_exact_with_layer_gate():
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=6, path="pallas", integrity="page")
     assert mgr.paths == ["pallas"] * 4
     assert len(mgr.plan.classes) == 3
-    # Off TPU no pool is the kernels' array: pages go through page buffers (the
-    # interpreter copies operands in and out whole; see PallasMover.host_backing).
+    # No pool is the kernels' array: pages go through page buffers (on TPU the
+    # compiler takes host-side DMAs at static offsets only).
     assert all(p.owner is None for p in mgr.host_pool.pools)
     before = [bits(c) for c in caches]
     src, dst = [5, 12, 0, 7], [9, 1, 15, 5]
@@ -272,7 +272,7 @@ def test_sharded_and_replicated_layers_are_byte_exact_per_shard():
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path="pallas")
     assert mgr.paths == ["pallas"] * 3
     assert [(c.num_shards, c.replicas) for c in mgr.plan.classes] == [(4, 1), (1, 4)]
-    # Both move through page buffers off TPU (the sharded class on TPU too).
+    # Both move through page buffers.
     assert [p.owner is not None for p in mgr.host_pool.pools] == [False, False]
     before = [bits(c) for c in caches]
     src, dst = [6, 1, 14], [2, 15, 7]
