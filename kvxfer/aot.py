@@ -128,9 +128,10 @@ class AotResult:
         return text if self.ok else f"{text}: {self.error}"
 
 
-# Compiled programs' checks (or errors) by program key: configs that share shapes,
-# and buckets that share a program, compile once a process.
+# Compiled programs' checks (or errors) by program key, for up to ``_DONE_SIZE``
+# programs: configs that share shapes, and buckets that share a program, compile once.
 _DONE: dict[Hashable, tuple[ProgramCheck | None, str | None, float]] = {}
+_DONE_SIZE = 4096
 _DONE_LOCK = threading.Lock()
 
 
@@ -146,6 +147,8 @@ def _compile(key: Hashable, job: Any) -> tuple[ProgramCheck | None, str | None, 
         result = (None, text[0] if text else type(e).__name__, 0.0)
     result = (result[0], result[1], time.perf_counter() - start)
     with _DONE_LOCK:
+        if len(_DONE) >= _DONE_SIZE:
+            _DONE.clear()
         _DONE[key] = result
     return result
 

@@ -29,6 +29,9 @@ from kvxfer.engine import abstract_layer, check_program, pallas_compile_refusal
 from kvxfer.manager import choose_movers
 from kvxfer.plan import make_plan
 
+# Other processes may hold libtpu's lockfile; deviceless compiles open no chip.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 
 def _require_libtpu() -> None:
     if tpu.available():

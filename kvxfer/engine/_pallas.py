@@ -54,7 +54,6 @@ from kvxfer.engine._aot import device_free
 from kvxfer.engine._batch import ShardedLayer, assemble, bucket, device_of, loop_pages
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
 from kvxfer.engine._programs import collected_compiles, compile_job
-from kvxfer.hostpool import ClassPool
 from kvxfer.layout import natural_bits, shape_text
 from kvxfer.plan import LayerSpec, SliceClass
 
@@ -200,8 +199,10 @@ def compile_kernels(layers: Sequence[ShardedLayer], b: int,
                 lambda program=program, args=args: program.lower(*args).compile())
 
 
-# What compiling a class's kernels said, by kernel (``pallas_compile_refusal``).
+# What compiling a class's kernels said, by kernel (``pallas_compile_refusal``),
+# for up to this many kernels.
 _COMPILED: dict[tuple, str | None] = {}
+_COMPILED_SIZE = 1024
 _COMPILED_LOCK = threading.Lock()
 
 
@@ -232,6 +233,8 @@ def pallas_compile_refusal(layers: Sequence[ShardedLayer]) -> str | None:
                 why = (f"the Pallas {key[1]} kernel does not compile for "
                        f"{key[4].device_kind}: {text[0] if text else type(e).__name__}")
             with _COMPILED_LOCK:
+                if len(_COMPILED) >= _COMPILED_SIZE:
+                    _COMPILED.clear()
                 _COMPILED[key] = why
         if why is not None:
             return why
@@ -243,9 +246,6 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
     classes."""
 
     name = "pallas"
-
-    def __init__(self, cls: SliceClass, pool: ClassPool):
-        super().__init__(cls, pool)
 
     def _call(self, program, device: Any, *args):
         if _kernels.compiled(device):
