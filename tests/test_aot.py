@@ -219,3 +219,13 @@ def test_mgr_paths_say_why_each_mover_was_chosen():
         assert mgr.paths[1].reason.startswith("auto on cpu; not raw: raw copies need")
     with kvxfer.KVCacheManager(caches[:1], num_host_blocks=2, path="staged") as mgr:
         assert mgr.paths == ["staged"] and mgr.paths[0].reason == "path='staged'"
+
+
+def test_digests_of_blocks_over_a_mebibyte_stage_no_copy_of_the_cache(libtpu):
+    """XLA:TPU gathers blocks of more than 1 MiB through copies of the whole cache
+    (vLLM TPU's MLA pages are 1.25 MiB): their digests loop over the pages instead."""
+    rows = aot.compile_config("vllm-tpu-deepseek-mla", "v6e", num_blocks=64, pages=2,
+                              max_layers=1, programs=("digest",))
+    assert [r.pages for r in rows] == [1, 2]
+    _check_rows(rows)
+    assert all(r.staging_bytes < 4 << 20 for r in rows), [r.line() for r in rows]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import operator
 import threading
 import weakref
@@ -147,7 +148,27 @@ def _gather_impl(arrays, ids, base, layer_nums, *, raw: bool, with_digest: bool)
     return pages, integrity.digest(words, identity)
 
 
-def _digest_impl(arrays, ids, base, layer_nums, count, *, raw: bool, loop: bool):
+# XLA:TPU gathers blocks of more than 1 MiB by "mini-gathers" that first copy slices
+# of the whole operand: a digest of 2 pages of a [512, 32, 32, 640] bf16 cache (1.25
+# MiB blocks) staged 386 MiB, a [512, 8, 32, 4096] one 1 GiB; at 1 MiB and under,
+# nothing (deviceless compiles, libtpu 0.0.42.1). Larger blocks are digested one a
+# loop iteration (a dynamic slice each), where an iteration's cost is small beside
+# the block's.
+_TPU_GATHER_BYTES = 1 << 20
+
+
+def _gathers_whole(arrays, device_platform: str) -> bool:
+    """Whether a vectorized gather of ``arrays``' blocks would copy whole caches."""
+    if device_platform != "tpu":
+        return False
+    return any(math.prod(a.shape[1:]) * a.dtype.itemsize > _TPU_GATHER_BYTES
+               for a in arrays)
+
+
+def _digest_impl(arrays, ids, base, layer_nums, count, *, raw: bool, loop: bool,
+                 platform: str = ""):
+    if not loop and _gathers_whole(arrays, platform):
+        loop = True
     if not loop:
         # One digest per layer, each fused with its gather: the pages are read once. (A
         # digest over the stacked pages compiles 4-5x faster but materializes the stack
@@ -349,8 +370,9 @@ def _parts(kind: str, formats: tuple, raw: bool, with_digest: bool,
         return (functools.partial(_gather_impl, raw=raw, with_digest=with_digest),
                 dict(in_shardings=(formats, None, None, None)))
     if kind == "digest":
-        loop = page_loops(_device(formats))
-        return (functools.partial(_digest_impl, raw=raw, loop=loop),
+        device = _device(formats)
+        return (functools.partial(_digest_impl, raw=raw, loop=page_loops(device),
+                                  platform=device.platform),
                 dict(in_shardings=(formats, None, None, None, None)))
     if kind == "alias":
         return tuple, dict(donate_argnums=(0,), in_shardings=(formats,),
