@@ -59,8 +59,7 @@ from kvxfer.plan import LayerSpec, SliceClass
 
 __all__ = ["PallasMover", "pallas_refusal", "pallas_compile_refusal"]
 
-# Platforms whose devices run the kernels: compiled on TPU, interpreted on CPU (whose
-# device memory is host memory, so the pool's numpy view is the array's buffer).
+# Platforms whose devices run the kernels: compiled on TPU, interpreted on CPU.
 _PLATFORMS = ("tpu", "cpu")
 
 # Off TPU the kernels run in TPU interpret mode, whose state is process-wide.
@@ -199,8 +198,8 @@ def compile_kernels(layers: Sequence[ShardedLayer], b: int,
                 lambda program=program, args=args: program.lower(*args).compile())
 
 
-# What compiling a class's kernels said, by kernel (``pallas_compile_refusal``),
-# for up to this many kernels.
+# What compiling a class's kernels said, by kernel and chip kind
+# (``pallas_compile_refusal``), for up to this many kernels.
 _COMPILED: dict[tuple, str | None] = {}
 _COMPILED_SIZE = 1024
 _COMPILED_LOCK = threading.Lock()
@@ -220,10 +219,10 @@ def pallas_compile_refusal(layers: Sequence[ShardedLayer]) -> str | None:
         compile_kernels(layers, 1)
     # Each shard's and replica's kernel compiles alike on chips of one kind: one each.
     kernels = {device_free(key): (key, job) for key, job in reversed(jobs)}
-    for key, job in kernels.values():
+    for kind_key, (key, job) in kernels.items():
         with _COMPILED_LOCK:
-            known = key in _COMPILED
-            why = _COMPILED.get(key)
+            known = kind_key in _COMPILED
+            why = _COMPILED.get(kind_key)
         if not known:
             try:
                 job()
@@ -235,7 +234,7 @@ def pallas_compile_refusal(layers: Sequence[ShardedLayer]) -> str | None:
             with _COMPILED_LOCK:
                 if len(_COMPILED) >= _COMPILED_SIZE:
                     _COMPILED.clear()
-                _COMPILED[key] = why
+                _COMPILED[kind_key] = why
         if why is not None:
             return why
     return None
