@@ -142,6 +142,19 @@ def test_the_compile_check_refuses_kernels_the_compiler_refuses(generation, libt
     assert pallas_compile_refusal([layer]) is None
 
 
+def test_blocks_not_a_multiple_of_4_kib_are_refused_by_the_compile_check(libtpu):
+    """Addressable 1 KiB blocks (one-token pages of 2 KV heads): the host side of a DMA
+    must start at a multiple of 4 KiB, which page 1 of a buffer of them does not."""
+    shape = (64, 1, 2, 2, 128)
+    layout = tpu.compiled_layout(shape, "bfloat16", "v6e")
+    assert layout.geometry().addressable and layout.geometry().bytes_per_block == 1024
+    _, layer = _class_of(shape, "bfloat16")
+    why = pallas_compile_refusal([layer])
+    assert why is not None and "offset_in_bytes % word_size == 0" in why
+    _, layer = _class_of((64, 4, 2, 2, 128), "bfloat16")  # 4 KiB blocks
+    assert pallas_compile_refusal([layer]) is None
+
+
 def test_auto_picks_pallas_only_where_proven_and_says_why(libtpu):
     device = tpu.target_devices("v6e", 1)[0]
     sharding = jax.sharding.SingleDeviceSharding(device)

@@ -207,16 +207,19 @@ _COMPILED_LOCK = threading.Lock()
 
 def pallas_compile_refusal(layers: Sequence[ShardedLayer]) -> str | None:
     """Why the Pallas kernels of a class (``layers``, abstract) do not compile for its
-    devices, or None when every kernel of a 1-page transfer compiles.
+    devices, or None when every kernel of a 2-page transfer compiles.
 
     Off TPU (interpret mode) there is nothing to ask: None. On TPU the kernels are
-    compiled once per process and kernel (the answer is kept), so ``path="auto"``
-    picks the Pallas mover only where the TPU compiler takes its DMAs.
+    compiled once per process, kernel and chip kind (the answer is kept), so
+    ``path="auto"`` picks the Pallas mover only where the TPU compiler takes its DMAs.
+    Two pages, since the host side of a DMA must also start at a multiple of 4 KiB
+    (``LLO_CHECK ... offset_in_bytes % word_size == 0``): page 0 always does, page 1
+    only where a block's bytes are a multiple of 4 KiB (so every page does).
     """
     if not _kernels.compiled(device_of(layers[0].shards[0][0])):
         return None
     with collected_compiles() as jobs:
-        compile_kernels(layers, 1)
+        compile_kernels(layers, 2)
     # Each shard's and replica's kernel compiles alike on chips of one kind: one each.
     kernels = {device_free(key): (key, job) for key, job in reversed(jobs)}
     for kind_key, (key, job) in kernels.items():

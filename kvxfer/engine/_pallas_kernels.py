@@ -16,7 +16,11 @@ serves every request of its size):
 of every DMA is at a static offset on TPU. libtpu (0.0.42.1, the one jax 0.10.2 pins)
 refuses a DMA to or from ``pl.HOST`` memory at a *dynamic* offset for every tiling
 but int8's ``(32,128)``: ``LLO_CHECK ... multiplier_in_bytes % word_size == 0``, on
-v4, v5e, v5p, v6e and tpu7x alike; device-side offsets may be dynamic. So on TPU the
+v4, v5e, v5p, v6e and tpu7x alike; device-side offsets may be dynamic. A static host
+offset must still be a multiple of 4 KiB (``offset_in_bytes % word_size == 0``), so
+blocks whose bytes are not a multiple of 4 KiB do not compile past their first page
+(``_pallas.pallas_compile_refusal`` finds them; ``path="auto"`` then takes the pinned
+mover). So on TPU the
 kernels unroll their pages (``pages``, the bucket; each DMA guarded by ``j < n``) and
 the device-side block id stays a runtime value, while in Pallas interpret mode
 (``pages=None``) they loop over the ``n`` pages with the same row for each.
