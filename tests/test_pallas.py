@@ -1,9 +1,9 @@
 """The Pallas mover (``path="pallas"``), run in Pallas TPU interpret mode on CPU.
 
 The kernels are the ones a TPU runs; only the HOST memory space is replaced (interpret
-mode has none), so these tests cover the DMAs, the scalar-prefetched ids and slots,
-the per-layer semaphores and completion, the pool written in place, page buffers for
-other devices, and the refusals. Sizes are tiny: the interpreter simulates every DMA.
+mode has none), and the mover's kernels loop over their pages where a TPU's unroll
+them (both forms are run here), so these tests cover the DMAs, the scalar-prefetched
+ids, the per-layer semaphores and completion, the page buffers, and the refusals. Sizes are tiny: the interpreter simulates every DMA.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def test_mixed_classes_round_trip_byte_exact_with_layer_gate():
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=6, path="pallas", integrity="page")
     assert mgr.paths == ["pallas"] * 4
     assert len(mgr.plan.classes) == 3
-    # Off TPU no pool is the kernels' array: pages go through page buffers (the
-    # interpreter copies operands in and out whole; see PallasMover.host_backing).
+    # No pool is the kernels' array: pages go through page buffers (on TPU the
+    # compiler takes host-side DMAs at static offsets only).
     assert all(p.owner is None for p in mgr.host_pool.pools)
     before = [bits(c) for c in caches]
     src, dst = [5, 12, 0, 7], [9, 1, 15, 5]
@@ -272,7 +272,7 @@ def test_sharded_and_replicated_layers_are_byte_exact_per_shard():
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path="pallas")
     assert mgr.paths == ["pallas"] * 3
     assert [(c.num_shards, c.replicas) for c in mgr.plan.classes] == [(4, 1), (1, 4)]
-    # Both move through page buffers off TPU (the sharded class on TPU too).
+    # Both move through page buffers.
     assert [p.owner is not None for p in mgr.host_pool.pools] == [False, False]
     before = [bits(c) for c in caches]
     src, dst = [6, 1, 14], [2, 15, 7]
@@ -435,3 +435,32 @@ def test_two_threads_moving_their_own_classes_at_once():
     assert errors == []
     assert mgr.num_free_pages == 12
     mgr.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "int8", "float32"])
+@pytest.mark.parametrize("unroll", [False, True])
+def test_the_kernels_move_exact_bits_looped_and_unrolled(dtype, unroll):
+    """The TPU form of the kernels (pages unrolled, each guarded by the runtime count)
+    and the interpreted loop move the same bits: 3 pages of a 4-page buffer, and the
+    load leaves every other block as it was."""
+    from kvxfer.engine import _pallas_kernels as kernels
+
+    device = jax.devices()[0]
+    shape = (8, 2, 128) if dtype != "int8" else (8, 4, 128)
+    (cache,) = with_nans(testing.random_caches(1, shape[0], shape[1:], dtype, seed=21), 3)
+    ids = jax.device_put(np.array([3, 0, 6, 6], np.int32), device)
+    n = np.array([3], np.int32)
+    host = jax.ShapeDtypeStruct((4, 1, *shape[1:]), cache.dtype)
+    offload = kernels.offload_program((cache.format,), host, device, True, unroll)
+    pages, done = jax.block_until_ready(offload(n, ids, (cache,)))
+    want = bits(cache)
+    got = bits(pages)
+    assert int(np.asarray(done)[0]) == 3
+    assert np.array_equal(got[:3, 0], want[[3, 0, 6]])
+    load = kernels.load_program(cache.format, device, True, unroll)
+    target = jax.device_put(np.zeros(shape, cache.dtype), cache.sharding)
+    dst = jax.device_put(np.array([7, 1, 2, 5], np.int32), device)
+    out, done = jax.block_until_ready(load(n, dst, target, pages[:, 0]))
+    expect = np.zeros_like(want)
+    expect[[7, 1, 2]] = want[[3, 0, 6]]
+    assert np.array_equal(bits(out), expect)

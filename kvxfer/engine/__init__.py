@@ -41,10 +41,20 @@ callbacks see and a failure injected at each of their steps (``spy_callbacks``,
 ``CALLBACK_STEPS``, ``callback_fault``: device checks), whether a GPU is NVIDIA's
 (``is_cuda``), compiles collected to run
 side by side (``deferred_compiles``), an array's format handed to the programs
-(``known_format``) and the digest programs' chunk (``DIGEST_CHUNK``). They are
+(``known_format``) and the digest programs' chunk (``DIGEST_CHUNK``); and, for
+compiling for devices not at hand (``kvxfer aot``), a layer of abstract caches split
+into shards (``abstract_layer``), a mover's programs (``transfer_programs``,
+``ProgramJob``), what a compiled program does with host memory (``check_program``,
+``ProgramCheck``) and whether the Pallas kernels of a class compile
+(``pallas_compile_refusal``). They are
 imported from here, so nothing outside the package imports its private modules.
 """
 
+from kvxfer.engine._aot import ProgramCheck as ProgramCheck
+from kvxfer.engine._aot import ProgramJob as ProgramJob
+from kvxfer.engine._aot import abstract_layer as abstract_layer
+from kvxfer.engine._aot import check_program as check_program
+from kvxfer.engine._aot import transfer_programs as transfer_programs
 from kvxfer.engine._batch import PageBatch as PageBatch
 from kvxfer.engine._batch import ShardedLayer as ShardedLayer
 from kvxfer.engine._batch import abstract as abstract
@@ -69,6 +79,7 @@ from kvxfer.engine._mover import Mover as Mover
 from kvxfer.engine._mover import Pending as Pending
 from kvxfer.engine._mover import TransferError as TransferError
 from kvxfer.engine._pallas import PallasMover as PallasMover
+from kvxfer.engine._pallas import pallas_compile_refusal as pallas_compile_refusal
 from kvxfer.engine._pallas import pallas_refusal as pallas_refusal
 from kvxfer.engine._pinned import PinnedMover as PinnedMover
 from kvxfer.engine._pinned import pinned_capable as pinned_capable

@@ -2,22 +2,23 @@
 
 For slice classes the inspector proves addressable, Pallas TPU kernels
 (``kvxfer.engine._pallas_kernels``) issue one async copy per block and layer, block ids
-and host slots through scalar prefetch, one DMA semaphore per layer:
+through scalar prefetch, one DMA semaphore per layer, between the caches and page
+buffers in the host memory of each shard's device (``pinned_host`` on TPU):
 
-* A class held by one device (unsharded; replicas may sit on other devices) has its
-  host pool allocated as a host-memory JAX array ``[slots, layers, *block]``
-  (``pinned_host`` on TPU), which ``ClassPool.data`` views byte for byte. An offload's
-  kernel writes the pages straight into their slots (the pool is donated to the kernel
-  and handed back as the same buffer); a load's kernels read them from there.
-* Pinned host buffers belong to one device while a page keeps every shard of a layer
-  side by side, so a shard on another device (a sharded class), or a replica other
-  than the first, goes through a page buffer ``[bucket, layers, *shard_block]`` on its
-  own device's host memory: an offload's kernel fills it and the transfer thread copies
-  it into the pages; a load stages it from the pages before any class starts.
+* An offload's kernels fill a page buffer ``[pages, layers, *shard_block]`` per shard
+  (page ``j`` of the transfer in row ``j``), and the transfer thread copies it into
+  the pages' slots.
+* A load stages each layer's pages of a shard into a page buffer ``[pages,
+  *shard_block]`` on every replica's device before any class starts; one kernel per
+  layer and shard replica then writes them into the cache in place (the cache donated
+  and aliased to the output), so layer i is complete (its ``done`` token ready) on its
+  own, and its digests are enqueued as soon as its kernels are.
 
-Loads write the caches in place: one kernel per layer and shard replica, the cache
-donated and aliased to the output, so layer i is complete (its ``done`` token ready)
-on its own, and its digests are enqueued as soon as its kernels are.
+The host side of every DMA sits at a static row of a page buffer: the TPU compiler
+(libtpu 0.0.42.1) refuses DMAs to or from host memory at a runtime offset (see
+``kvxfer.engine._pallas_kernels``), so the kernels cannot write a page into its slot of
+the pool itself, and on TPU they are made per bucket with their pages unrolled, one
+layer an offload kernel (compile time grows with pages x layers).
 
 Pages hold each block's logical bytes, row-major, as every other mover stores them,
 so the page digests are the existing digest program's (on the caller's thread, over
@@ -26,43 +27,39 @@ the caches: it reads HBM, ~50x faster than the host link) and host-side digests,
 kernels would be a second implementation of the digest to keep bit-identical, for a
 program that costs a fiftieth of the transfer.
 
-Off TPU the same kernels run in Pallas TPU interpret mode, so the CPU backend tests
-everything but the HOST memory space itself (see ``kvxfer.engine._pallas_kernels``).
-The interpreter copies each operand in and each output out whole, the pool included, so
-there a transfer costs what the pool holds (tests keep pools small), and it runs each
-kernel to the end before its call returns.
+Off TPU the same kernels run in Pallas TPU interpret mode, looping over the pages, so
+the CPU backend tests everything but the HOST memory space itself. The interpreter
+copies each operand in and each output out whole, so there a transfer costs what its
+buffers hold, and it runs each kernel to the end before its call returns.
 
 Interpreted kernels hold host callbacks, which JAX's persistent compilation cache does
 not keep, so every process compiles them again. Off TPU the page buffers therefore
 hold ``loop_pages`` pages whatever the transfer moves (the kernels' page count is a
-runtime value already), and a load's kernels get a buffer per layer (each kernel
-moves one layer, and the interpreter copies its buffer whole): one offload and one
-load kernel per class serve every transfer size, instead of one per bucket.
+runtime value already), and an offload kernel moves up to ``_INTERPRETED_LAYERS``
+layers: one offload and one load kernel per class serve every transfer size, instead
+of one per bucket.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvxfer.engine import _pallas_kernels as _kernels
+from kvxfer.engine._aot import device_free
 from kvxfer.engine._batch import ShardedLayer, assemble, bucket, device_of, loop_pages
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
-from kvxfer.engine._programs import compile_job
-from kvxfer.hostpool import ClassPool, HostBacking
-from kvxfer.layout import Layout, dtype_of, natural_bits, shape_text
+from kvxfer.engine._programs import collected_compiles, compile_job
+from kvxfer.layout import natural_bits, shape_text
 from kvxfer.plan import LayerSpec, SliceClass
 
-__all__ = ["PallasMover", "pallas_refusal"]
+__all__ = ["PallasMover", "pallas_refusal", "pallas_compile_refusal"]
 
-# Platforms whose devices run the kernels: compiled on TPU, interpreted on CPU (whose
-# device memory is host memory, so the pool's numpy view is the array's buffer).
+# Platforms whose devices run the kernels: compiled on TPU, interpreted on CPU.
 _PLATFORMS = ("tpu", "cpu")
 
 # Off TPU the kernels run in TPU interpret mode, whose state is process-wide.
@@ -70,7 +67,8 @@ _INTERPRET_LOCK = threading.Lock()
 
 # Layers per interpreted offload kernel: its lowering grows with the layers, and
 # interpreted kernels are compiled again in every process (a class of 32 layers runs
-# one kernel of 8 four times). On TPU one kernel moves every layer of the class.
+# one kernel of 8 four times). On TPU a kernel moves one layer: its pages are
+# unrolled, and one layer's kernel serves every layer of the class.
 _INTERPRETED_LAYERS = 8
 
 
@@ -119,67 +117,23 @@ def pallas_refusal(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence
     return None
 
 
-def _dense_row_major(layout: Layout, shape: tuple[int, ...], dtype: Any) -> bool:
-    """Whether an array under ``layout`` stores its elements as numpy's C order does."""
-    geo = layout.geometry(shape, dtype)
-    if geo.element_bits != np.dtype(dtype).itemsize * 8:
-        return False
-    axes = [(a.dim, a.divisor, a.size) for a in geo.axes if a.size > 1]
-    return axes == [(d, 1, n) for d, n in enumerate(shape) if n > 1]
-
-
-def _pool_backing(num_slots: int, *, num_layers: int, block: tuple[int, ...], dtype: Any,
-                  device: Any) -> jax.Array | None:
-    """The pool as ``[num_slots, num_layers, *block]`` in the device's host memory.
-
-    None when the backend lays it out otherwise than row-major (then ``data`` would not
-    view the pages' bytes), and the pool keeps the default allocation.
-    """
-    shape = (num_slots, num_layers, *block)
-    sharding = _kernels.host_sharding(device)
-    targets = [sharding]
-    if _kernels.compiled(device):
-        # TPU may tile host arrays like device ones; ask for the dense layout first.
-        from jax.experimental.layout import Format, Layout as JaxLayout
-
-        targets.insert(0, Format(JaxLayout(tuple(range(len(shape))), tiling=()), sharding))
-    for target in targets:
-        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=target)
-        try:
-            program = make.lower().compile()
-        except (ValueError, RuntimeError):  # the backend refuses that layout
-            continue
-        if _dense_row_major(Layout.of(program.output_formats), shape, dtype):
-            return program()
-    return None
-
-
-def _padded(values: np.ndarray, b: int) -> np.ndarray:
-    out = np.zeros(b, dtype=np.int32)
-    out[:len(values)] = values
-    return out
-
-
 class PallasOffload(NamedTuple):
     """What an offload started: per shard, its kernels' ``done`` tokens and their page
-    buffers in layer order (None where the kernel wrote the pool itself), and the
-    digests."""
+    buffers in layer order, and the digests."""
 
     k: int
     done: list[tuple[jax.Array, ...]]
-    buffers: list[tuple[jax.Array, ...] | None]
+    buffers: list[tuple[jax.Array, ...]]
     digests: Pending | None
 
 
 class PallasInputs(NamedTuple):
-    """What one shard replica's load kernels read: page buffers on its device (None:
-    the pool itself; one buffer of every layer, or off TPU one a layer) and the slot
-    of each page in them."""
+    """What one shard replica's load kernels read: a page buffer on its device for
+    every layer of the class."""
 
     shard: int
     replica: int
-    buffers: tuple[jax.Array, ...] | None
-    slots: np.ndarray
+    buffers: tuple[jax.Array, ...]
 
 
 class PallasLoad(NamedTuple):
@@ -188,118 +142,152 @@ class PallasLoad(NamedTuple):
     done: list[list[jax.Array]]
 
 
+def _buffer_pages(k: int, array: Any) -> int:
+    """Pages of a page buffer (and entries of the ids) for ``k`` pages of ``array``'s
+    blocks: the bucket on TPU, ``loop_pages`` in interpret mode."""
+    if _kernels.compiled(device_of(array)):
+        return bucket(k)
+    return loop_pages(k, array.shape[0])
+
+
+def _offload_chunks(num_layers: int, device: Any) -> list[tuple[int, int]]:
+    """The layer positions ``[lo, hi)`` each offload kernel on ``device`` moves."""
+    step = 1 if _kernels.compiled(device) else _INTERPRETED_LAYERS
+    return [(lo, min(num_layers, lo + step)) for lo in range(0, num_layers, step)]
+
+
+def _offload_shape(size: int, layers: int, array: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((size, layers, *array.shape[1:]), array.dtype)
+
+
+def _load_shape(size: int, array: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((size, *array.shape[1:]), array.dtype,
+                                sharding=_kernels.host_sharding(device_of(array)))
+
+
+def _scalars(device: Any, b: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Abstract scalar-prefetch operands as transfers pass them: the page count
+    ``int32[1]`` from the host, the ids ``int32[b]`` already on ``device``."""
+    ids = jax.ShapeDtypeStruct((b,), np.int32,
+                               sharding=jax.sharding.SingleDeviceSharding(device))
+    return jax.ShapeDtypeStruct((1,), np.int32), ids
+
+
+def compile_kernels(layers: Sequence[ShardedLayer], b: int,
+                    job: Callable[[tuple, Callable[[], Any]], None] = compile_job) -> None:
+    """Hands ``job(key, compile)`` every kernel a transfer of ``b`` pages of the class
+    (``layers``, abstract) runs: each shard's offload kernels and each replica's load
+    kernel (``compile()`` returns the compiled program)."""
+    for s in range(len(layers[0].shards)):
+        primary = tuple(layer.primary[s] for layer in layers)
+        device = device_of(primary[0])
+        size = _buffer_pages(b, primary[0])
+        formats = tuple(a.format for a in primary)
+        for lo, hi in _offload_chunks(len(layers), device):
+            host = _offload_shape(size, hi - lo, primary[0])
+            program = _kernels.offload_program(formats[lo:hi], host, device)
+            args = (*_scalars(device, size), primary[lo:hi])
+            job(("pallas", "offload", primary[lo:hi], formats[lo:hi], device, host),
+                lambda program=program, args=args: program.lower(*args).compile())
+        for r, local in enumerate(layers[0].shards[s]):
+            device = device_of(local)
+            size = _buffer_pages(b, local)
+            program = _kernels.load_program(local.format, device)
+            args = (*_scalars(device, size), local, _load_shape(size, local))
+            job(("pallas", "load", local, local.format, device, size),
+                lambda program=program, args=args: program.lower(*args).compile())
+
+
+# What compiling a class's kernels said, by kernel and chip kind
+# (``pallas_compile_refusal``), for up to this many kernels.
+_COMPILED: dict[tuple, str | None] = {}
+_COMPILED_SIZE = 1024
+_COMPILED_LOCK = threading.Lock()
+
+
+def pallas_compile_refusal(layers: Sequence[ShardedLayer]) -> str | None:
+    """Why the Pallas kernels of a class (``layers``, abstract) do not compile for its
+    devices, or None when every kernel of a 2-page transfer compiles.
+
+    Off TPU (interpret mode) there is nothing to ask: None. On TPU the kernels are
+    compiled once per process, kernel and chip kind (the answer is kept), so
+    ``path="auto"`` picks the Pallas mover only where the TPU compiler takes its DMAs.
+    Two pages, since the host side of a DMA must also start at a multiple of 4 KiB
+    (``LLO_CHECK ... offset_in_bytes % word_size == 0``): page 0 always does, page 1
+    only where a block's bytes are a multiple of 4 KiB (so every page does).
+    """
+    if not _kernels.compiled(device_of(layers[0].shards[0][0])):
+        return None
+    with collected_compiles() as jobs:
+        compile_kernels(layers, 2)
+    # Each shard's and replica's kernel compiles alike on chips of one kind: one each.
+    kernels = {device_free(key): (key, job) for key, job in reversed(jobs)}
+    for kind_key, (key, job) in kernels.items():
+        with _COMPILED_LOCK:
+            known = kind_key in _COMPILED
+            why = _COMPILED.get(kind_key)
+        if not known:
+            try:
+                job()
+                why = None
+            except Exception as e:  # noqa: BLE001 - XLA's errors carry no common type
+                text = str(e).strip().splitlines()
+                why = (f"the Pallas {key[1]} kernel does not compile for "
+                       f"{key[4].device_kind}: {text[0] if text else type(e).__name__}")
+            with _COMPILED_LOCK:
+                if len(_COMPILED) >= _COMPILED_SIZE:
+                    _COMPILED.clear()
+                _COMPILED[kind_key] = why
+        if why is not None:
+            return why
+    return None
+
+
 class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
-    """Pallas DMAs between the caches and the host pool, for proven-addressable classes."""
+    """Pallas DMAs between the caches and host page buffers, for proven-addressable
+    classes."""
 
     name = "pallas"
-
-    def __init__(self, cls: SliceClass, pool: ClassPool):
-        super().__init__(cls, pool)
-        # Whether shard 0's first replica moves straight between the caches and the
-        # pool (the pool is the array ``host_backing`` made), or through page buffers
-        # (the backend gave no row-major host array, or the class is sharded).
-        owner = pool.owner
-        self._direct = cls.num_shards == 1 and owner is not None and \
-            owner.shape[1:] == (len(cls.layers), *cls.block_shape) and \
-            np.dtype(owner.dtype) == dtype_of(cls.dtype)
-        # Only the device whose host memory holds the pool reaches it (under a page
-        # axis sharded over data parallelism, other groups' devices use page buffers).
-        self._pool_device = device_of(owner) if self._direct else None
-        # Held from taking the pool's owner to handing the next one over, so a
-        # program never receives an owner another thread has donated meanwhile.
-        self._lock = threading.Lock()
-        self._owner_checked = False
-
-    @classmethod
-    def host_backing(cls, slice_class: SliceClass,
-                     layers: Sequence[ShardedLayer]) -> HostBacking | None:
-        first = layers[0].shards[0][0]
-        # Off TPU the interpreter copies every operand in and out whole: a pool it
-        # wrote in place would undo host writes to other slots made meanwhile (an
-        # import, say). There the pages go through page buffers, as sharded ones do.
-        if slice_class.num_shards != 1 or not _kernels.compiled(device_of(first)):
-            return None
-        return functools.partial(_pool_backing, num_layers=len(layers),
-                                 block=tuple(first.shape[1:]), dtype=first.dtype,
-                                 device=device_of(first))
 
     def _call(self, program, device: Any, *args):
         if _kernels.compiled(device):
             return program(*args)
         # TPU interpret mode keeps its simulated memory in one process-wide state and
-        # copies every operand in and out whole (the pool included): one kernel at a
-        # time, run to its end here, and no host write to the pool meanwhile (the
-        # manager's host writers hold the pool's lock too).
-        with _INTERPRET_LOCK, self.pool.lock:
+        # copies every operand in and out whole: one kernel at a time, run to its end
+        # here.
+        with _INTERPRET_LOCK:
             try:
                 return jax.block_until_ready(program(*args))
             except Exception:
                 _kernels.reset_interpreter()
                 raise
 
-    def _direct_here(self, shard: int, replica: int, device: Any) -> bool:
-        return self._direct and shard == 0 and replica == 0 and device == self._pool_device
-
-    @staticmethod
-    def _buffer_pages(k: int, array: Any) -> int:
-        """Pages of a page buffer (and entries of the ids and slots) for ``k`` pages of
-        ``array``'s blocks: the bucket on TPU, ``loop_pages`` in interpret mode."""
-        if _kernels.compiled(device_of(array)):
-            return bucket(k)
-        return loop_pages(k, array.shape[0])
-
     # -- offload ----------------------------------------------------------------
 
     def start_offload(self, layers, batch, slots, with_digest):
-        k, b = batch.k, len(batch.padded)
+        k = batch.k
         n = np.array([k], np.int32)
         done, buffers = [], []
         for s in range(self.cls.num_shards):
             caches = tuple(layer.primary[s] for layer in layers)
             device = device_of(caches[0])
             formats = tuple(a.format for a in caches)
-            if self._direct_here(s, 0, device):
-                ids_d, _ = batch.on(device, s)
-                with self._lock:
-                    owner = self.pool.owner
-                    program = _kernels.offload_program(formats, owner.format, device)
-                    pool, token = self._call(program, device, n, ids_d, _padded(slots, b),
-                                             caches, owner)
-                    self.pool.hand_over(pool)
-                buffers.append(None)
-                done.append((token,))
-            else:
-                size = self._buffer_pages(k, caches[0])
-                ids_d, _ = batch.on(device, s, size)
-                rows = np.arange(size, dtype=np.int32)
-                outs = []
-                for lo, hi in self._offload_chunks(device):
-                    shape = jax.ShapeDtypeStruct((size, hi - lo, *caches[0].shape[1:]),
-                                                 caches[0].dtype)
-                    program = _kernels.offload_program(formats[lo:hi], None, device)
-                    outs.append(self._call(program, device, n, ids_d, rows, caches[lo:hi],
-                                           shape))
-                buffers.append(tuple(buffer for buffer, _ in outs))
-                done.append(tuple(token for _, token in outs))
+            size = _buffer_pages(k, caches[0])
+            ids_d, _ = batch.on(device, s, size)
+            outs = []
+            for lo, hi in _offload_chunks(len(layers), device):
+                host = _offload_shape(size, hi - lo, caches[0])
+                program = _kernels.offload_program(formats[lo:hi], host, device)
+                outs.append(self._call(program, device, n, ids_d, caches[lo:hi]))
+            buffers.append(tuple(buffer for buffer, _ in outs))
+            done.append(tuple(token for _, token in outs))
         digests = self.digests(layers, batch, range(len(layers))) if with_digest else None
         return PallasOffload(k, done, buffers, digests)
-
-    def _offload_chunks(self, device: Any) -> list[tuple[int, int]]:
-        """The layer positions ``[lo, hi)`` each offload kernel on ``device`` moves."""
-        n = len(self.cls.layers)
-        step = n if _kernels.compiled(device) else _INTERPRETED_LAYERS
-        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
     def finish_offload(self, state: PallasOffload, slots):
         k, done, buffers, digests = state
         for s, (tokens, chunks) in enumerate(zip(done, buffers)):
             jax.block_until_ready(tokens)
-            if chunks is None:
-                if not self._owner_checked:
-                    with self._lock:
-                        self.pool.check_owner()
-                    self._owner_checked = True
-                continue
             first = 0
             for buffer in chunks:
                 host = np.asarray(buffer)  # [pages, layers of the kernel, *block]
@@ -317,75 +305,54 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
     # -- load -------------------------------------------------------------------
 
     def stage_load(self, layers, request: LoadRequest) -> list[PallasInputs]:
-        batch, slots = request.batch, request.slots
-        k, b = batch.k, len(batch.padded)
+        k, slots = request.batch.k, request.slots
         out = []
         for s in range(self.cls.num_shards):
             first = layers[0].shards[s][0]
-            size = self._buffer_pages(k, first)
-            staging = None
+            size = _buffer_pages(k, first)
+            # Layer-major: each layer's pages are a page buffer of their own (a load
+            # kernel moves one layer, from static rows).
+            staging = np.zeros((len(layers), size) + first.shape[1:], first.dtype)
+            flat = staging.reshape(len(layers), size, -1).view(np.uint8)
+            for pos in range(len(layers)):
+                lo, hi = self.pool.shard_range(pos, s)
+                flat[pos, :k] = self.pool.data[slots, lo:hi]
+                self.copied_on_host(flat[pos, :k].nbytes)
             for r, local in enumerate(layers[0].shards[s]):
-                device = device_of(local)
-                if self._direct_here(s, r, device):
-                    out.append(PallasInputs(s, r, None, _padded(slots, b)))
-                    continue
-                interpreted = not _kernels.compiled(device)
-                if staging is None:
-                    # Interpreted, layer-major: each layer's pages are a buffer of their
-                    # own, ``[size, 1, *block]``; on TPU one buffer ``[b, L, *block]``.
-                    shape = (len(layers), size) if interpreted else (size, len(layers))
-                    staging = np.zeros(shape + first.shape[1:], first.dtype)
-                    flat = staging.reshape(*shape, -1).view(np.uint8)
-                    for pos in range(len(layers)):
-                        lo, hi = self.pool.shard_range(pos, s)
-                        rows = flat[pos, :k] if interpreted else flat[:k, pos]
-                        rows[...] = self.pool.data[slots, lo:hi]
-                        self.copied_on_host(rows.nbytes)
-                where = _kernels.host_sharding(device)
-                buffers = tuple(jax.device_put(staging[pos][:, None], where)
-                                for pos in range(len(layers))) if interpreted else \
-                    (jax.device_put(staging, where),)
-                out.append(PallasInputs(s, r, buffers, np.arange(size, dtype=np.int32)))
+                where = _kernels.host_sharding(device_of(local))
+                out.append(PallasInputs(s, r, tuple(jax.device_put(list(staging), where))))
         return out
 
     def start_load(self, arrays, layers, request: LoadRequest, staged: list[PallasInputs]):
         batch = request.batch
+        n = np.array([batch.k], np.int32)
         new: list[jax.Array] = []
         done: list[list[jax.Array]] = []
-        with self._lock:
-            owner = self.pool.owner if self._direct else None
-            for pos, (array, layer) in enumerate(zip(arrays, layers)):
-                shards: list[list[jax.Array]] = [[] for _ in layer.shards]
-                tokens = []
-                try:
-                    for shard, replica, buffers, slots in staged:
-                        local = layer.shards[shard][replica]
-                        device = device_of(local)
-                        program = _kernels.load_program(local.format, device)
-                        if buffers is None:
-                            host, at = owner, pos
-                        elif len(buffers) == 1:
-                            host, at = buffers[0], pos
-                        else:
-                            host, at = buffers[pos], 0  # this layer's own buffer
-                        meta = np.array([batch.k, at], np.int32)
-                        out, token = self._call(program, device, meta,
-                                                batch.on(device, shard, len(slots))[0], slots,
-                                                local, host)
-                        shards[shard].append(out)
-                        tokens.append(token)
-                except Exception as e:
-                    # Replicas already written are donated: the layer continues from
-                    # their new arrays and the others' old ones; later layers as given.
-                    for s, reps in enumerate(layer.shards):
-                        shards[s] += reps[len(shards[s]):]
-                    kept = new + [assemble(array, shards)] + list(arrays[pos + 1:])
-                    raise TransferError(f"pallas load failed in layer position {pos}: {e}",
-                                        kv_caches=kept) from e
-                loaded = assemble(array, shards)
-                new.append(loaded)
-                done.append(tokens)
-                request.written(pos, loaded)  # its digests run while the next layer moves
+        for pos, (array, layer) in enumerate(zip(arrays, layers)):
+            shards: list[list[jax.Array]] = [[] for _ in layer.shards]
+            tokens = []
+            try:
+                for shard, replica, buffers in staged:
+                    local = layer.shards[shard][replica]
+                    device = device_of(local)
+                    program = _kernels.load_program(local.format, device)
+                    host = buffers[pos]
+                    ids_d = batch.on(device, shard, host.shape[0])[0]
+                    out, token = self._call(program, device, n, ids_d, local, host)
+                    shards[shard].append(out)
+                    tokens.append(token)
+            except Exception as e:
+                # Replicas already written are donated: the layer continues from
+                # their new arrays and the others' old ones; later layers as given.
+                for s, reps in enumerate(layer.shards):
+                    shards[s] += reps[len(shards[s]):]
+                kept = new + [assemble(array, shards)] + list(arrays[pos + 1:])
+                raise TransferError(f"pallas load failed in layer position {pos}: {e}",
+                                    kv_caches=kept) from e
+            loaded = assemble(array, shards)
+            new.append(loaded)
+            done.append(tokens)
+            request.written(pos, loaded)  # its digests run while the next layer moves
         return new, PallasLoad(done)
 
     def finish_load_layer(self, state: PallasLoad, pos: int) -> None:
@@ -395,52 +362,5 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
 
     def warmup(self, arrays, layers, b, with_digest):
         super().warmup(arrays, layers, b, with_digest)
-        for s in range(self.cls.num_shards):
-            primary = tuple(layer.primary[s] for layer in layers)
-            device = device_of(primary[0])
-            block = primary[0].shape[1:]
-            formats = tuple(a.format for a in primary)
-            pool = None
-            if self._direct:
-                owner = self.pool.owner
-                pool = jax.ShapeDtypeStruct(owner.shape, owner.dtype, sharding=owner.format)
-            if self._direct_here(s, 0, device):
-                pool_format = self.pool.owner.format
-                self._compile(("offload", formats, pool_format, device, b),
-                              _kernels.offload_program(formats, pool_format, device),
-                              *_scalars(device, 1, b), primary, pool)
-            else:
-                size = self._buffer_pages(b, primary[0])
-                for lo, hi in self._offload_chunks(device):
-                    host = jax.ShapeDtypeStruct((size, hi - lo, *block), primary[0].dtype)
-                    self._compile(("offload", formats[lo:hi], None, device, size, host),
-                                  _kernels.offload_program(formats[lo:hi], None, device),
-                                  *_scalars(device, 1, size), primary[lo:hi], host)
-            for r, local in enumerate(layers[0].shards[s]):
-                device = device_of(local)
-                size = self._buffer_pages(b, local)
-                if self._direct_here(s, r, device):
-                    size, host = b, pool
-                elif _kernels.compiled(device):
-                    host = jax.ShapeDtypeStruct((size, len(layers), *block), local.dtype,
-                                                sharding=_kernels.host_sharding(device))
-                else:
-                    host = jax.ShapeDtypeStruct((size, 1, *block), local.dtype,
-                                                sharding=_kernels.host_sharding(device))
-                self._compile(("load", local.format, device, size, host),
-                              _kernels.load_program(local.format, device),
-                              *_scalars(device, 2, size), local, host)
-
-    @staticmethod
-    def _compile(key: tuple, program: Any, *args: Any) -> None:
-        # Queued with warm-up's other compiles (side by side), once per program.
-        compile_job(("pallas",) + key, lambda: program.lower(*args).compile())
-
-
-def _scalars(device: Any, meta: int, b: int) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Abstract scalar-prefetch operands as transfers pass them: ``int32[meta]`` and
-    the slots from the host, the ids ``int32[b]`` already on ``device``."""
-    ids = jax.ShapeDtypeStruct((b,), np.int32,
-                               sharding=jax.sharding.SingleDeviceSharding(device))
-    return (jax.ShapeDtypeStruct((meta,), np.int32), ids,
-            jax.ShapeDtypeStruct((b,), np.int32))
+        # Queued with warm-up's other compiles (side by side), once per kernel.
+        compile_kernels(layers, b)

@@ -1,23 +1,36 @@
-"""Pallas TPU kernels: per-block DMAs between device caches and host buffers.
+"""Pallas TPU kernels: per-block DMAs between device caches and host page buffers.
 
 Two kernels, both driven by scalar prefetch (``pltpu.PrefetchScalarGridSpec``: the
-block ids and host slots live in SMEM before the body runs, so one compiled kernel
-serves every request of a bucket):
+page count and the block ids live in SMEM before the body runs, so one compiled kernel
+serves every request of its size):
 
-* ``offload``: for every layer ``l`` of a class on one device and every page ``j <
-  n``, one async copy ``cache_l[ids[j]] -> host[slots[j], l]``, each layer on its own
-  DMA semaphore; layer ``l + 1`` is started before layer ``l`` is waited for, so at
-  most two layers of copies are in flight.
-* ``load``: for one layer (``pos``), one async copy ``host[slots[j], pos] ->
-  cache[ids[j]]`` per page, into the cache in place (the cache is aliased to the
-  output and donated), on that layer's semaphore. One call per layer, so each layer
-  completes on its own.
+* ``offload``: for every layer ``l`` of the kernel's layers and every page ``j < n``,
+  one async copy ``cache_l[ids[j]] -> host[j, l]``, each layer on its own DMA
+  semaphore; layer ``l + 1`` is started before layer ``l`` is waited for, so at most
+  two layers of copies are in flight.
+* ``load``: for one layer, one async copy ``host[j] -> cache[ids[j]]`` per page, into
+  the cache in place (the cache is aliased to the output and donated). One call per
+  layer, so each layer completes on its own.
 
-``host`` is either a class's host pool itself (``[slots, L, *block]``, aliased and
-donated, so pages land in their slots) or a page buffer ``[b, L, *block]`` (slots
-``0..b-1``). Each kernel also returns ``done`` (``int32[1]`` in SMEM, ``n``), which the
-transfer thread waits for: the caches and the pool may be donated to a later program
-long before the copies finish, the token never is.
+``host`` is a page buffer: page ``j`` of the transfer is row ``j``, so the host side
+of every DMA is at a static offset on TPU. libtpu (0.0.42.1, the one jax 0.10.2 pins)
+refuses a DMA to or from ``pl.HOST`` memory at a *dynamic* offset for every tiling
+but int8's ``(32,128)``: ``LLO_CHECK ... multiplier_in_bytes % word_size == 0``, on
+v4, v5e, v5p, v6e and tpu7x alike; device-side offsets may be dynamic. A static host
+offset must still be a multiple of 4 KiB (``offset_in_bytes % word_size == 0``), so
+blocks whose bytes are not a multiple of 4 KiB do not compile past their first page
+(``_pallas.pallas_compile_refusal`` finds them; ``path="auto"`` then takes the pinned
+mover). So on TPU the
+kernels unroll their pages (``pages``, the bucket; each DMA guarded by ``j < n``) and
+the device-side block id stays a runtime value, while in Pallas interpret mode
+(``pages=None``) they loop over the ``n`` pages with the same row for each.
+(Measured deviceless, v6e: one layer of 256 unrolled pages compiles in about 1 s,
+8 layers x 256 pages in 9 s and 32 x 256 in 42 s, hence one layer per compiled
+offload kernel; the kernel of one layer serves every layer of a class.)
+
+Each kernel also returns ``done`` (``int32[1]`` in SMEM, ``n``), which the transfer
+thread waits for: the caches may be donated to a later program long before the
+copies finish, the token never is.
 
 On TPU the host operand is in ``pl.HOST`` memory (a ``pinned_host`` array). Elsewhere
 the same kernels run in Pallas TPU interpret mode (``pltpu.InterpretParams``), which
@@ -30,6 +43,7 @@ come through unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -64,24 +78,34 @@ def reset_interpreter() -> None:
     pltpu.reset_tpu_interpret_mode_state()
 
 
-def _interpret(device_compiled: bool) -> Any:
-    return False if device_compiled else pltpu.InterpretParams()
+def _interpret(interpret: bool) -> Any:
+    return pltpu.InterpretParams() if interpret else False
 
 
-def _host_space(device_compiled: bool) -> Any:
-    return pl.HOST if device_compiled else pl.ANY
+def _host_space(interpret: bool) -> Any:
+    return pl.ANY if interpret else pl.HOST
 
 
-def _offload_kernel(num_layers: int, aliased: bool, n_ref, ids_ref, slots_ref, *refs):
+def _each_page(pages: int | None, n: Any, body: Callable[[Any], None]) -> None:
+    """``body(j)`` for every page ``j < n``: unrolled over ``pages`` static rows (each
+    guarded by ``j < n``), or with ``pages=None`` a loop whose ``j`` is a runtime value."""
+    if pages is None:
+        pl.loop(0, n)(body)
+        return
+    for j in range(pages):
+        pl.when(j < n)(functools.partial(body, j))
+
+
+def _offload_kernel(num_layers: int, pages: int | None, n_ref, ids_ref, *refs):
     caches = refs[:num_layers]
-    host, done, sems = refs[num_layers + aliased:]
+    host, done, sems = refs[num_layers:]
 
     def copies(layer: int, start: bool) -> None:
-        @pl.loop(0, n_ref[0])
-        def _(j):
-            c = pltpu.make_async_copy(caches[layer].at[ids_ref[j]],
-                                      host.at[slots_ref[j], layer], sems.at[layer])
+        def one(j):
+            c = pltpu.make_async_copy(caches[layer].at[ids_ref[j]], host.at[j, layer],
+                                      sems.at[layer])
             c.start() if start else c.wait()
+        _each_page(pages, n_ref[0], one)
 
     copies(0, True)
     for layer in range(1, num_layers):
@@ -91,98 +115,90 @@ def _offload_kernel(num_layers: int, aliased: bool, n_ref, ids_ref, slots_ref, *
     done[0] = n_ref[0]
 
 
-def _load_kernel(meta_ref, ids_ref, slots_ref, cache_in, host, cache, done, sems):
+def _load_kernel(pages: int | None, n_ref, ids_ref, cache_in, host, cache, done, sems):
     del cache_in  # aliased to ``cache``
-    pos = meta_ref[1]
 
     def copies(start: bool) -> None:
-        @pl.loop(0, meta_ref[0])
-        def _(j):
-            c = pltpu.make_async_copy(host.at[slots_ref[j], pos], cache.at[ids_ref[j]],
-                                      sems.at[0])
+        def one(j):
+            c = pltpu.make_async_copy(host.at[j], cache.at[ids_ref[j]], sems.at[0])
             c.start() if start else c.wait()
+        _each_page(pages, n_ref[0], one)
 
     copies(True)
     copies(False)
-    done[0] = meta_ref[0]
+    done[0] = n_ref[0]
 
 
 _DONE = jax.ShapeDtypeStruct((1,), np.int32)
 
 
 @functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
-def offload_program(formats: tuple, pool_format: Any, device: Any):
-    """``f(n, ids, slots, caches, host) -> (host, done)`` on ``device``.
+def offload_program(formats: tuple, host: jax.ShapeDtypeStruct, device: Any,
+                    interpret: bool | None = None, unroll: bool | None = None):
+    """``f(n, ids, caches) -> (host, done)`` on ``device``: the page buffer ``host``
+    (``[pages, len(formats), *block]``) filled with blocks ``ids[j]`` of every cache,
+    for ``j < n``.
 
-    ``n`` (``int32[1]``, pages to move) and ``slots`` are host arrays and ``ids`` the
+    ``n`` (``int32[1]``, pages to move) comes from the host and ``ids`` is the
     batch's device copy, as every caller passes them (a compiled-ahead program is
-    found again only for the same argument placement).
-
-    ``formats``: the caches' formats (pinned, so no cache is relaid out on the way in).
-    ``pool_format``: the pool's format when ``host`` is the pool, written in place
-    (donated, and handed back in the same format so it stays the same buffer); None
-    when ``host`` is the shape of a page buffer to return (a static
-    ``jax.ShapeDtypeStruct``).
+    found again only for the same argument placement). ``formats``: the caches'
+    formats (pinned, so no cache is relaid out on the way in). ``interpret``: run in
+    Pallas interpret mode (default: off TPU). ``unroll``: unroll the ``host.shape[0]``
+    pages (default: compiled, as the TPU compiler needs) rather than loop over ``n``.
     """
-    on_tpu = compiled(device)
-    space = _host_space(on_tpu)
-    num_layers, aliased = len(formats), pool_format is not None
+    interpret = not compiled(device) if interpret is None else interpret
+    num_layers = len(formats)
+    pages = host.shape[0] if (not interpret if unroll is None else unroll) else None
+    out = jax.ShapeDtypeStruct(host.shape, host.dtype) if interpret else \
+        pl.HOST(host.shape, host.dtype)
 
-    def kvxfer_offload(n, ids, slots, caches, host):
-        shape = jax.ShapeDtypeStruct(host.shape, host.dtype)
-        if on_tpu and not aliased:
-            shape = pl.HOST(host.shape, host.dtype)
-        in_specs = [pl.BlockSpec(memory_space=pl.ANY)] * num_layers
-        operands = list(caches)
-        if aliased:
-            in_specs.append(pl.BlockSpec(memory_space=space))
-            operands.append(host)
+    def kvxfer_offload(n, ids, caches):
         return pl.pallas_call(
-            functools.partial(_offload_kernel, num_layers, aliased),
-            out_shape=(shape, _DONE),
+            functools.partial(_offload_kernel, num_layers, pages),
+            out_shape=(out, _DONE),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3, grid=(1,), in_specs=in_specs,
-                out_specs=(pl.BlockSpec(memory_space=space),
+                num_scalar_prefetch=2, grid=(1,),
+                in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * num_layers,
+                out_specs=(pl.BlockSpec(memory_space=_host_space(interpret)),
                            pl.BlockSpec(memory_space=pltpu.SMEM)),
                 scratch_shapes=[pltpu.SemaphoreType.DMA((num_layers,))]),
-            input_output_aliases={3 + num_layers: 0} if aliased else {},
-            interpret=_interpret(on_tpu), name="kvxfer_offload",
-        )(n, ids, slots, *operands)
+            interpret=_interpret(interpret), name="kvxfer_offload",
+        )(n, ids, *caches)
 
     token = jax.sharding.SingleDeviceSharding(device)
-    if aliased:
-        return jax.jit(kvxfer_offload, donate_argnums=(4,), in_shardings=(None, None, None, formats,
-                                                               pool_format),
-                       out_shardings=(pool_format, token))
-    return jax.jit(kvxfer_offload, static_argnums=(4,), in_shardings=(None, None, None, formats),
+    return jax.jit(kvxfer_offload, in_shardings=(None, None, formats),
                    out_shardings=(host_sharding(device), token))
 
 
 @functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
-def load_program(cache_format: Any, device: Any):
-    """``f(meta=[n, pos], ids, slots, cache, host) -> (cache, done)``, cache donated.
+def load_program(cache_format: Any, device: Any, interpret: bool | None = None,
+                 unroll: bool | None = None):
+    """``f(n, ids, cache, host) -> (cache, done)``, cache donated: row ``j`` of the page
+    buffer ``host`` (``[pages, *block]``) written into block ``ids[j]``, for ``j < n``.
 
     The cache keeps ``cache_format`` (its layout and sharding) on the way through.
+    ``interpret`` and ``unroll`` as for ``offload_program``.
     """
-    on_tpu = compiled(device)
-    space = _host_space(on_tpu)
+    interpret = not compiled(device) if interpret is None else interpret
+    unroll = not interpret if unroll is None else unroll
 
-    def kvxfer_load(meta, ids, slots, cache, host):
+    def kvxfer_load(n, ids, cache, host):
+        pages = host.shape[0] if unroll else None
         return pl.pallas_call(
-            _load_kernel,
+            functools.partial(_load_kernel, pages),
             out_shape=(jax.ShapeDtypeStruct(cache.shape, cache.dtype), _DONE),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3, grid=(1,),
+                num_scalar_prefetch=2, grid=(1,),
                 in_specs=[pl.BlockSpec(memory_space=pl.ANY),
-                          pl.BlockSpec(memory_space=space)],
+                          pl.BlockSpec(memory_space=_host_space(interpret))],
                 out_specs=(pl.BlockSpec(memory_space=pl.ANY),
                            pl.BlockSpec(memory_space=pltpu.SMEM)),
                 scratch_shapes=[pltpu.SemaphoreType.DMA((1,))]),
-            input_output_aliases={3: 0},
-            interpret=_interpret(on_tpu), name="kvxfer_load",
-        )(meta, ids, slots, cache, host)
+            input_output_aliases={2: 0},
+            interpret=_interpret(interpret), name="kvxfer_load",
+        )(n, ids, cache, host)
 
     token = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(kvxfer_load, donate_argnums=(3,),
-                   in_shardings=(None, None, None, cache_format, None),
+    return jax.jit(kvxfer_load, donate_argnums=(2,),
+                   in_shardings=(None, None, cache_format, None),
                    out_shardings=(cache_format, token))

@@ -115,7 +115,7 @@ class PinnedPagesMover(WaitsOnce, Mover[PagesOffload, list[PagesInputs], PagesLo
 
     def __init__(self, cls, pool):
         super().__init__(cls, pool)
-        if pool.pages is None and pool.nbytes:
+        if pool is not None and pool.pages is None and pool.nbytes:
             raise ValueError(f"the pinned mover's pure-JAX route keeps {cls.name}'s pages as "
                              "arrays of their own (PinnedPagesMover.host_backing)")
         self._unit = word_bytes(cls)

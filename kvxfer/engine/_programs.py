@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import operator
 import threading
 import weakref
@@ -33,7 +34,7 @@ from kvxfer.layout import dtype_of, natural_bits
 
 __all__ = ["needs_raw_bits", "run", "register_kind", "lowered_for", "gather", "digest_blocks",
            "scatter", "staged_load", "alias", "page_rows", "scatter_rows", "compile_ahead",
-           "compile_job", "compiled",
+           "compile_job", "compiled", "collected_compiles",
            "deferred_compiles", "page_loops", "DIGEST_CHUNK", "unit_count", "zeros",
            "compile_zeros"]
 
@@ -147,7 +148,27 @@ def _gather_impl(arrays, ids, base, layer_nums, *, raw: bool, with_digest: bool)
     return pages, integrity.digest(words, identity)
 
 
-def _digest_impl(arrays, ids, base, layer_nums, count, *, raw: bool, loop: bool):
+# XLA:TPU gathers blocks of more than 1 MiB by "mini-gathers" that first copy slices
+# of the whole operand: a digest of 2 pages of a [512, 32, 32, 640] bf16 cache (1.25
+# MiB blocks) staged 386 MiB, a [512, 8, 32, 4096] one 1 GiB; at 1 MiB and under,
+# nothing (deviceless compiles, libtpu 0.0.42.1). Larger blocks are digested one a
+# loop iteration (a dynamic slice each), where an iteration's cost is small beside
+# the block's.
+_TPU_GATHER_BYTES = 1 << 20
+
+
+def _gathers_whole(arrays, device_platform: str) -> bool:
+    """Whether a vectorized gather of ``arrays``' blocks would copy whole caches."""
+    if device_platform != "tpu":
+        return False
+    return any(math.prod(a.shape[1:]) * a.dtype.itemsize > _TPU_GATHER_BYTES
+               for a in arrays)
+
+
+def _digest_impl(arrays, ids, base, layer_nums, count, *, raw: bool, loop: bool,
+                 platform: str = ""):
+    if not loop and _gathers_whole(arrays, platform):
+        loop = True
     if not loop:
         # One digest per layer, each fused with its gather: the pages are read once. (A
         # digest over the stacked pages compiles 4-5x faster but materializes the stack
@@ -349,8 +370,9 @@ def _parts(kind: str, formats: tuple, raw: bool, with_digest: bool,
         return (functools.partial(_gather_impl, raw=raw, with_digest=with_digest),
                 dict(in_shardings=(formats, None, None, None)))
     if kind == "digest":
-        loop = page_loops(_device(formats))
-        return (functools.partial(_digest_impl, raw=raw, loop=loop),
+        device = _device(formats)
+        return (functools.partial(_digest_impl, raw=raw, loop=page_loops(device),
+                                  platform=device.platform),
                 dict(in_shardings=(formats, None, None, None, None)))
     if kind == "alias":
         return tuple, dict(donate_argnums=(0,), in_shardings=(formats,),
@@ -481,12 +503,15 @@ _deferred = threading.local()
 
 
 @contextlib.contextmanager
-def deferred_compiles() -> Iterator[list[Callable[[], None]]]:
-    """Collects the compiles ``compile_ahead`` asks for on this thread, instead of running
-    them: the caller runs the jobs it yields (side by side: XLA compiles with the GIL
-    released). A program asked for twice (by two buckets that share it) is queued once.
+def collected_compiles() -> Iterator[list[tuple[Hashable, Callable[[], Any]]]]:
+    """Collects the compiles ``compile_ahead`` and ``compile_job`` ask for on this thread,
+    instead of running them, as ``(key, job)`` pairs: ``job()`` compiles and returns the
+    compiled program (``jax.stages.Compiled``). A key asked for twice is queued once.
+
+    What compiling ahead of time (``kvxfer aot``) and ``deferred_compiles`` build on:
+    the movers' own ``warmup`` says which programs a transfer runs.
     """
-    jobs: list[Callable[[], None]] = []
+    jobs: list[tuple[Hashable, Callable[[], Any]]] = []
     previous = getattr(_deferred, "state", None)
     _deferred.state = (jobs, set())
     try:
@@ -495,8 +520,22 @@ def deferred_compiles() -> Iterator[list[Callable[[], None]]]:
         _deferred.state = previous
 
 
-def compile_job(key: Hashable, job: Callable[[], None]) -> None:
-    """Runs ``job`` (a compile), or inside ``deferred_compiles`` queues it once per ``key``."""
+@contextlib.contextmanager
+def deferred_compiles() -> Iterator[list[Callable[[], None]]]:
+    """Collects the compiles ``compile_ahead`` asks for on this thread, instead of running
+    them: the caller runs the jobs it yields (side by side: XLA compiles with the GIL
+    released). A program asked for twice (by two buckets that share it) is queued once.
+    """
+    out: list[Callable[[], None]] = []
+    with collected_compiles() as jobs:
+        try:
+            yield out
+        finally:
+            out.extend(job for _, job in jobs)
+
+
+def compile_job(key: Hashable, job: Callable[[], Any]) -> None:
+    """Runs ``job`` (a compile), or inside ``collected_compiles`` queues it once per ``key``."""
     state = getattr(_deferred, "state", None)
     if state is None:
         job()
@@ -504,7 +543,7 @@ def compile_job(key: Hashable, job: Callable[[], None]) -> None:
     jobs, keys = state
     if key not in keys:
         keys.add(key)
-        jobs.append(job)
+        jobs.append((key, job))
 
 
 def _lowered(kind: str, arrays: tuple, args: tuple, with_digest: bool, options: tuple):

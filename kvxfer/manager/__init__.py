@@ -14,8 +14,10 @@ Besides the manager and what it hands back, the package exports what the cache a
 the fault injectors build on: ``check_key`` (a page key as the manager takes it),
 ``Agreement`` and ``describe_keys`` (lockstep rounds across processes, which a
 ``HostCache`` lookup takes part in too), ``first_span`` (where a page blob's bytes
-start), ``blob_bytes`` (how large a whole page's blob is) and ``PrefetchHandle``. Nothing outside the package imports its private
-modules.
+start), ``blob_bytes`` (how large a whole page's blob is) and ``PrefetchHandle``; and
+what ``kvxfer aot`` chooses movers with for caches it only describes
+(``choose_movers``, whose choices are ``MoverChoice``s: ``mgr.paths`` entries with
+their reasons). Nothing outside the package imports its private modules.
 """
 
 from kvxfer.manager._agree import Agreement as Agreement
@@ -35,6 +37,8 @@ from kvxfer.manager._pages import blob_bytes as blob_bytes
 from kvxfer.manager._pages import first_span as first_span
 from kvxfer.manager._prefetch import PrefetchHandle as PrefetchHandle
 from kvxfer.manager._select import AUTO_RULES as AUTO_RULES
+from kvxfer.manager._select import MoverChoice as MoverChoice
+from kvxfer.manager._select import choose_movers as choose_movers
 from kvxfer.manager._select import PATHS as PATHS
 from kvxfer.manager._select import PathMode as PathMode
 from kvxfer.manager._verify import TransferHook as TransferHook
@@ -42,4 +46,4 @@ from kvxfer.manager._verify import TransferHook as TransferHook
 __all__ = ["KVCacheManager", "OffloadHandle", "LoadHandle", "LoadResult", "IntegrityError",
            "Gate", "IntegrityMode", "PathMode", "PATHS", "AUTO_RULES", "TransferHook", "Blocks",
            "PageFormatError", "AgreementError", "PrefetchHandle", "Agreement", "describe_keys",
-           "check_key", "first_span", "blob_bytes"]
+           "check_key", "first_span", "blob_bytes", "MoverChoice", "choose_movers"]

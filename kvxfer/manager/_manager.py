@@ -36,7 +36,7 @@ from kvxfer.manager._load import Loads
 from kvxfer.manager._offload import Offloads
 from kvxfer.manager._pages import fingerprint
 from kvxfer.manager._prefetch import PrefetchHandle
-from kvxfer.manager._select import PathMode, plan_path, select_movers
+from kvxfer.manager._select import MoverChoice, PathMode, choose_movers, plan_path
 from kvxfer.manager._thread import TransferThread
 from kvxfer._counters import Counters
 from kvxfer.manager._verify import LoadVerifier, TransferHook
@@ -155,7 +155,9 @@ class KVCacheManager:
                              host_memory_budget=host_memory_budget)
         except BudgetError as e:  # the plan names how it sizes blocks, not the mover
             raise BudgetError(f"KVCacheManager(path={path!r}): {e}") from None
-        mover_types = select_movers(plan, specs, caches, path, emulated, pinned)
+        chosen = choose_movers(plan, specs, caches, path, emulated, pinned)
+        mover_types = [mover for mover, _ in chosen]
+        self._reasons = [reason for _, reason in chosen]
         # The plan sizes host blocks; its table names the mover of each class too.
         self._plan = dataclasses.replace(plan, movers=tuple(m.name for m in mover_types))
         self._specs: list[LayerSpec] = specs
@@ -198,8 +200,11 @@ class KVCacheManager:
     @property
     def paths(self) -> list[str]:
         """The mover used for each layer: ``dma``, ``raw``, ``pinned``, ``pallas``,
-        ``staged`` or ``emulated``."""
-        return [self._movers[self._layer_class[i][0].index].name for i in range(self.num_layers)]
+        ``staged`` or ``emulated``, each with why as its ``reason`` (a
+        ``MoverChoice``: with ``path="auto"``, why each mover tried before it did
+        not apply, such as Pallas kernels the TPU compiler refuses)."""
+        return [MoverChoice(self._movers[c.index].name, self._reasons[c.index])
+                for c, _ in self._layer_class]
 
     def set_transfer_hook(self, hook: TransferHook | None) -> TransferHook | None:
         """Installs a hook called at points of every offload and load, for fault injection.

@@ -9,12 +9,14 @@ import jax
 from kvxfer._names import PATHS as PATHS
 from kvxfer._names import PathMode as PathMode
 from kvxfer.engine import (DmaMover, EmulatedMover, Mover, PallasMover, RawMover,
-                           RawOrPinnedMover, StagedMover, dma_refusal, pallas_refusal,
-                           pinned_capable, pinned_mover, raw_capable)
+                           RawOrPinnedMover, StagedMover, abstract_layer, dma_refusal,
+                           pallas_compile_refusal, pallas_refusal, pinned_capable,
+                           pinned_mover, raw_capable)
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
-__all__ = ["PathMode", "PATHS", "AUTO_RULES", "check_path", "plan_path", "select_movers"]
+__all__ = ["PathMode", "PATHS", "AUTO_RULES", "MoverChoice", "check_path", "plan_path",
+           "select_movers", "choose_movers"]
 
 
 
@@ -82,16 +84,58 @@ def _memory_kinds(a: jax.Array) -> list[str]:
 
 
 def _applies(caches: Sequence[jax.Array], pinned: bool | None, specs: Sequence[LayerSpec],
-             emulated: bool) -> dict[str, Callable[[SliceClass], bool]]:
-    """Whether each mover can move a class (``AUTO_RULES`` names these)."""
-    return {
-        "pallas": lambda cls: pallas_refusal(cls, specs, caches, emulated) is None,
-        "raw": lambda cls: all(raw_capable(caches[i]) for i in cls.layers),
-        "dma": lambda cls: all(dma_refusal(caches[i]) is None for i in cls.layers),
-        "pinned": lambda cls: pinned is not False and all(pinned_capable(caches[i])
-                                                          for i in cls.layers),
-        "staged": lambda cls: True,
-    }
+             emulated: bool) -> dict[str, Callable[[SliceClass], str | None]]:
+    """Why each mover cannot move a class, or None where it can (``AUTO_RULES`` names
+    these)."""
+    def pallas(cls: SliceClass) -> str | None:
+        refused = pallas_refusal(cls, specs, caches, emulated)
+        if refused is not None:
+            return f"layer {refused[0]}: {refused[1]}"
+        # On TPU, only kernels the compiler takes (asked once per kernel and process).
+        return pallas_compile_refusal([abstract_layer(caches[i]) for i in cls.layers])
+
+    def dma(cls: SliceClass) -> str | None:
+        return next((f"layer {i}: {why}" for i in cls.layers
+                     if (why := dma_refusal(caches[i])) is not None), None)
+
+    def raw(cls: SliceClass) -> str | None:
+        if all(raw_capable(caches[i]) for i in cls.layers):
+            return None
+        return ("raw copies need XLA:CPU row-major buffers of whole-byte elements "
+                f"({_backend(caches, cls)} backend)")
+
+    def pinned_why(cls: SliceClass) -> str | None:
+        if pinned is False:
+            return "pinned=False"
+        if all(pinned_capable(caches[i]) for i in cls.layers):
+            return None
+        return f"no 'pinned_host' memory on the {_backend(caches, cls)} backend"
+
+    return {"pallas": pallas, "raw": raw, "dma": dma, "pinned": pinned_why,
+            "staged": lambda cls: None}
+
+
+class MoverChoice(str):
+    """A mover's name (what ``mgr.paths`` lists) with why it moves its class.
+
+    Compares and prints as the name; ``reason`` says why: the path asked for, or for
+    ``path="auto"`` why each mover before it in ``AUTO_RULES`` did not apply.
+
+    Example:
+        >>> c = MoverChoice("pinned", "auto: not pallas (bf16 elements ...)")
+        >>> c == "pinned", c.reason.startswith("auto")
+        (True, True)
+    """
+
+    reason: str
+
+    def __new__(cls, name: str, reason: str) -> MoverChoice:
+        out = super().__new__(cls, name)
+        out.reason = reason
+        return out
+
+    def __reduce__(self):
+        return MoverChoice, (str(self), self.reason)
 
 
 def _check_pinned(caches: Sequence[jax.Array], cls: SliceClass, pinned: bool | None) -> None:
@@ -119,12 +163,20 @@ def _check_dma(caches: Sequence[jax.Array], cls: SliceClass) -> None:
 def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
                   path: PathMode, emulated: bool, pinned: bool | None = None
                   ) -> list[type[Mover]]:
-    """The mover type of each slice class of ``plan``.
+    """The mover type of each slice class of ``plan`` (``choose_movers`` without reasons)."""
+    return [mover for mover, _ in choose_movers(plan, specs, caches, path, emulated, pinned)]
+
+
+def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
+                  path: PathMode, emulated: bool, pinned: bool | None = None
+                  ) -> list[tuple[type[Mover], str]]:
+    """The mover type of each slice class of ``plan``, and why.
 
     Args:
       plan: the manager's plan.
       specs: each layer's spec (with the layout the manager assumes).
-      caches: the caches, for what the backend's buffers allow.
+      caches: the caches, for what the backend's buffers allow (``jax.Array``, or
+        ``jax.ShapeDtypeStruct`` with a sharding to choose for devices not at hand).
       path: what was asked for.
       emulated: the layouts are emulated TPU layouts (``layouts=`` on CPU).
       pinned: the manager's ``pinned=`` (False keeps ``auto`` off the pinned mover).
@@ -143,9 +195,11 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
 
 def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
                   path: PathMode, emulated: bool, pinned: bool | None,
-                  applies: dict[str, Callable[[SliceClass], bool]]) -> type[Mover]:
-    """The mover type of one slice class (``select_movers``)."""
+                  applies: dict[str, Callable[[SliceClass], str | None]]
+                  ) -> tuple[type[Mover], str]:
+    """The mover type of one slice class, and why (``choose_movers``)."""
     first = cls.layers[0]
+    asked = f"path={path!r}"
     if path == "pallas":
         refused = pallas_refusal(cls, specs, caches, emulated)
         if refused is not None:
@@ -153,35 +207,46 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
             shard = "" if cls.num_shards == 1 else f" (one shard of {cls.num_shards})"
             raise LayoutError(f"Pallas path refused for {cls.name} (layers "
                               f"{list(cls.layers)}), layer {layer}{shard}: {reason}")
-        return PallasMover
+        return PallasMover, asked
     if path == "pinned":
         _check_pinned(caches, cls, pinned)
-        return pinned_mover(_backend(caches, cls))
+        return pinned_mover(_backend(caches, cls)), asked
     if path == "dma":
         if emulated:
             raise ValueError("path='dma' copies the arrays' own buffers; it cannot move "
                              "emulated TPU layouts (layouts=): use path='raw' or 'auto'")
         _check_dma(caches, cls)
-        return DmaMover
+        return DmaMover, asked
     if emulated:
         # The bytes live in emulated TPU memory under the given layouts: only the
         # emulated mover reads them as such, and only where they are proven.
         if path == "raw" and not cls.addressable:
             raise _refusal(cls, specs[first], first)
-        return EmulatedMover if path != "staged" and cls.addressable else StagedMover
+        if path != "staged" and cls.addressable:
+            return EmulatedMover, f"{asked}: emulated TPU memory, proven addressable"
+        return StagedMover, asked if path == "staged" else \
+            f"{asked}: emulated TPU memory, not addressable: " \
+            f"{specs[first].shard_geometry.reason}"
     if path == "staged":
-        return StagedMover
+        return StagedMover, asked
     if path == "auto":
-        rule = AUTO_RULES.get(_backend(caches, cls), _OTHER_BACKENDS)
-        name = next(name for name in rule if applies[name](cls))
-        mover = pinned_mover(_backend(caches, cls)) if name == "pinned" else _MOVERS[name]
+        backend = _backend(caches, cls)
+        rule = AUTO_RULES.get(backend, _OTHER_BACKENDS)
+        skipped = []
+        for name in rule:
+            why = applies[name](cls)
+            if why is None:
+                break
+            skipped.append(f"not {name}: {why}")
+        reason = f"auto on {backend}" + "".join(f"; {s}" for s in skipped)
+        mover = pinned_mover(backend) if name == "pinned" else _MOVERS[name]
         # Raw copies wait for the caches' writers: a call whose caches are still
         # being written takes the pinned programs instead, where there are some.
-        if mover is RawMover and applies["pinned"](cls):
-            return RawOrPinnedMover
-        return mover
+        if mover is RawMover and applies["pinned"](cls) is None:
+            return RawOrPinnedMover, reason
+        return mover, reason
     _check_raw(cls, specs, caches)  # path == "raw"
-    return RawMover
+    return RawMover, asked
 
 
 def _check_raw(cls: SliceClass, specs: Sequence[LayerSpec],
