@@ -38,7 +38,7 @@ from typing import Any
 
 from kvxfer import config as _config
 from kvxfer import tpu
-from kvxfer._check import check_int, positive_int
+from kvxfer._check import check_int
 from kvxfer._text import format_bytes
 from kvxfer.engine import (ProgramCheck, abstract_layer, bucket, check_program,
                            transfer_programs)
@@ -46,7 +46,7 @@ from kvxfer.layout import dtype_of, short_dtype_name
 from kvxfer.manager import choose_movers
 from kvxfer.plan import LayerSpec, SliceClass, make_plan
 
-__all__ = ["AotResult", "compile_config", "staging_bound", "register_cli"]
+__all__ = ["AotResult", "compile_config", "staging_bound"]
 
 #: Device memory a program may stage beyond twice the pages it moves: digests, index
 #: arrays and the compiler's own scratch.
@@ -259,32 +259,3 @@ def _cmd_aot(args: argparse.Namespace) -> int:
             failed += not r.ok
             print(json.dumps(r.as_dict()) if args.json else r.line(), flush=True)
     return 1 if failed else 0
-
-
-def register_cli(sub: Any) -> None:
-    """Adds ``kvxfer aot`` to the command line's subparsers."""
-    p = sub.add_parser(
-        "aot", help="compile every transfer program for a TPU, without one",
-        description="Compiles, deviceless, every program kvxfer would run on the target "
-        "TPU for each config (the mover path='auto' picks there, each of its programs), "
-        "and checks each for host compute and device-memory staging. Exit 0 only when "
-        "every program compiled clean; 2 without libtpu (pip install 'kvxfer[tpu]').")
-    p.add_argument("--target", required=True,
-                   help=f"a TPU generation ({', '.join(tpu.GENERATIONS)}) or topology "
-                   "(e.g. v6e:2x4)")
-    p.add_argument("--config", action="append",
-                   help="a built-in config name or a TOML file (repeatable; default: every "
-                   f"built-in config: {', '.join(_config.builtin_names())})")
-    p.add_argument("--devices", type=positive_int, default=1,
-                   help="spread the caches over N devices, sharded as each config shards "
-                   "(default 1)")
-    p.add_argument("--num-blocks", type=positive_int,
-                   help="device blocks per layer (default: each config's)")
-    p.add_argument("--pages", type=positive_int, default=1,
-                   help="compile for transfers of up to N pages: every bucket up to N "
-                   "(default 1)")
-    p.add_argument("--max-layers", type=positive_int,
-                   help="keep the first N layers of each layer group (a quicker check: "
-                   "the programs differ only in how many layers they repeat; default: all)")
-    p.add_argument("--json", action="store_true", help="one JSON object per program")
-    p.set_defaults(func=_cmd_aot)

@@ -241,10 +241,10 @@ def _extra_commands() -> list[Callable[[Any], None]]:
     command imports what it runs when it runs. A new option is walked with hostile
     values by that test too; give it a ``type=`` that names a bad value.
     """
-    from kvxfer import aot, bench, demo, probe
+    from kvxfer import _aot_cli, bench, demo, probe
 
     return [_register_plan, probe.register_cli, bench.register_cli, demo.register_cli,
-            aot.register_cli]
+            _aot_cli.register_cli]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,48 @@
+"""``kvxfer aot``'s options, in a module that imports no JAX: ``kvxfer --help`` lists
+the command without starting it, and the command imports ``kvxfer.aot`` when it runs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvxfer import config as _config
+from kvxfer import tpu
+from kvxfer._check import bounded_int
+
+__all__ = ["register_cli"]
+
+
+def _cmd_aot(args: argparse.Namespace) -> int:
+    from kvxfer import aot
+
+    return aot._cmd_aot(args)
+
+
+def register_cli(sub: Any) -> None:
+    """Adds ``kvxfer aot`` to the command line's subparsers."""
+    p = sub.add_parser(
+        "aot", help="compile every transfer program for a TPU, without one",
+        description="Compiles, deviceless, every program kvxfer would run on the target "
+        "TPU for each config (the mover path='auto' picks there, each of its programs), "
+        "and checks each for host compute and device-memory staging. Exit 0 only when "
+        "every program compiled clean; 2 without libtpu (pip install 'kvxfer[tpu]').")
+    p.add_argument("--target", required=True,
+                   help=f"a TPU generation ({', '.join(tpu.GENERATIONS)}) or topology "
+                   "(e.g. v6e:2x4)")
+    p.add_argument("--config", action="append",
+                   help="a built-in config name or a TOML file (repeatable; default: every "
+                   f"built-in config: {', '.join(_config.builtin_names())})")
+    p.add_argument("--devices", type=bounded_int(1, 4096), default=1,
+                   help="spread the caches over N devices, sharded as each config shards "
+                   "(default 1)")
+    p.add_argument("--num-blocks", type=bounded_int(1, 2**31 - 1),
+                   help="device blocks per layer (default: each config's)")
+    p.add_argument("--pages", type=bounded_int(1, 65536), default=1,
+                   help="compile for transfers of up to N pages: every bucket up to N "
+                   "(default 1)")
+    p.add_argument("--max-layers", type=bounded_int(1, _config.MAX_LAYERS),
+                   help="keep the first N layers of each layer group (a quicker check: "
+                   "the programs differ only in how many layers they repeat; default: all)")
+    p.add_argument("--json", action="store_true", help="one JSON object per program")
+    p.set_defaults(func=_cmd_aot)
