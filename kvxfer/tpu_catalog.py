@@ -240,8 +240,10 @@ _BLOCK_RE = re.compile(r"(?m)^# The compiler's choice per shard[^\n]*\n#[^\n]*\n
                        r"tpu_compiled = \[\n(?:  [^\n]*\n)*\]\n")
 
 
-def config_text(text: str, choices: dict[str, list[Choice]], version: str) -> str:
-    """``text`` (a config file) with each group's ``tpu_compiled`` list replaced."""
+def config_text(text: str, choices: dict[str, list[Choice]], version: str,
+                targets: Sequence[str] = tpu.GENERATIONS) -> str:
+    """``text`` (a config file) with each group's ``tpu_compiled`` list replaced (and
+    its ``tpu_layout``, unless a ``tpu_layout_note`` keeps it)."""
     sections = re.split(r"(?m)^(?=\[\[layers\]\]\n)", text)
     out = [sections[0]]
     for section in sections[1:]:
@@ -255,8 +257,10 @@ def config_text(text: str, choices: dict[str, list[Choice]], version: str) -> st
                           body)
         if m and m.group(1) in choices:
             lines = "".join(f"  {c.as_toml()},\n" for c in choices[m.group(1)])
+            same = ", ".join(targets[:-1]) + f" and {targets[-1]}" if len(targets) > 1 \
+                else targets[0]
             body += (f"# The compiler's choice per shard (libtpu {version}, the same on "
-                     "v4, v5e, v5p, v6e and tpu7x),\n# by block count: "
+                     f"{same}),\n# by block count: "
                      "`python -m kvxfer.tpu_catalog` writes it.\n"
                      f"tpu_compiled = [\n{lines}]\n")
         out.append(body)
@@ -298,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dumps(result["catalogue"], indent=1) + "\n"
     for name, choices in result["configs"].items():
         path = _resources.find("configs", name)
-        files[path] = config_text(path.read_text(encoding="utf-8"), choices, version)
+        files[path] = config_text(path.read_text(encoding="utf-8"), choices, version,
+                                  targets)
     for name, layouts in result["derived"].items():
         files[_resources.find("layouts", name)] = _derived_text(name, layouts)
     stale = []

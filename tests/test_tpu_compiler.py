@@ -200,3 +200,19 @@ def test_bad_targets_are_one_line(capsys):
 
 def test_public_names():
     assert kvxfer.tpu is tpu and tpu.topology("v5p", 8) == "v5p:2x2x2"
+
+
+def test_the_generator_writes_back_exactly_the_shipped_configs():
+    """`python -m kvxfer.tpu_catalog` rewrites each config from the compiler's choices;
+    given the choices the config holds, it must write the file as shipped (so the
+    generator and the loader read and write one format, and no hand edit drifted)."""
+    from kvxfer import _resources, tpu_catalog
+
+    version = tpu.libtpu_version()
+    for name in config.builtin_names():
+        path = _resources.find("configs", name)
+        text = path.read_text(encoding="utf-8")
+        spec = config.load(name)
+        choices = {g.name: [tpu_catalog.Choice(*c) for c in g.tpu_compiled]
+                   for g in spec.groups}
+        assert tpu_catalog.config_text(text, choices, version) == text, name
