@@ -255,7 +255,8 @@ class BenchConfig:
 
     @classmethod
     def smoke(cls) -> BenchConfig:
-        """Tiny sizes for tests: every section and figure, in seconds (figures mean little)."""
+        """Tiny sizes for tests: every section and figure, in under a minute (figures mean
+        little)."""
         return cls(layers=2, batch_bytes=256 * KiB,
                    cells=((16 * KiB, "bfloat16"), (4 * KiB, "int8")),
                    reference=(16 * KiB, "bfloat16"), prefix_block_bytes=16 * KiB,
