@@ -113,13 +113,13 @@ def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="every section, fewer cases and repeats, 32 MiB a call (the full "
-                      "run: 256 MiB, about 10 minutes on an idle 2-core CPU); its peak host "
-                      "memory stays under 2 GB. Each run's last line says its wall time, "
+                      "run: 256 MiB, about 10 minutes on an idle 2-core CPU): about 2.5 "
+                      "minutes on a 2-core CPU, its peak host memory under 2 GB. Each run's last line says its wall time, "
                       "peak memory and the load average it ran under")
     size.add_argument("--smoke", action="store_true",
-                      help="tiny sizes: checks that every section runs, in about a minute of "
-                      "CPU time (its "
-                      "figures, and so its targets, mean little)")
+                      help="tiny sizes: checks that every section runs, in under a minute "
+                      "(48 s of CPU time on a 2-core CPU; its figures, and so its targets, "
+                      "mean little)")
     p.add_argument("--store", action="append", metavar="SPEC", type=spec_argument,
                    help=f"a store the store section measures ({SPEC_FORMS}); repeat for "
                    "several. Default: a disk store in a temporary directory. The bench "

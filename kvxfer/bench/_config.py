@@ -63,6 +63,9 @@ class BenchConfig:
       fit_block_bytes: block size of the engine-fit section (bfloat16 caches).
       fit_steps: donating steps queued before each queued call of the engine-fit
         section; fit_step_ms: the time each aims at.
+      hit_samples: the fewest 1-page hits of the engine-fit section timed per path
+        (as many run untimed first; a hit is a millisecond: the median of fewer than
+        120 moved by 5-10 % from run to run).
       fit_repeats: timed repeats of the engine-fit section (15: a call's host time on
         XLA:CPU varies by 1-2 ms with what the program it enqueued does to the same
         cores, and the median of 7 moved by as much between variants of one code path).
@@ -119,6 +122,7 @@ class BenchConfig:
     fit_steps: int = 3
     fit_step_ms: float = 150.0
     fit_repeats: int = 15
+    hit_samples: int = 120
     store_blob_bytes: tuple[int, ...] = (64 * KiB, 1 * MiB, 8 * MiB)
     store_bytes: int = 64 * MiB
     store_max_blobs: int = 128
@@ -161,11 +165,13 @@ class BenchConfig:
             raise ValueError(f"call_pages={self.call_pages} must be in [1, "
                              f"call_blocks={self.call_blocks}]")
         if self.fit_pages < 1 or self.fit_block_bytes % 2 or self.fit_block_bytes < 2 or \
-                self.fit_steps < 1 or not self.fit_step_ms > 0 or self.fit_repeats < 1:
+                self.fit_steps < 1 or not self.fit_step_ms > 0 or self.fit_repeats < 1 or \
+                self.hit_samples < 1:
             raise ValueError(f"fit_pages={self.fit_pages}, fit_block_bytes="
                              f"{self.fit_block_bytes} (bfloat16 blocks), fit_steps="
                              f"{self.fit_steps}, fit_step_ms={self.fit_step_ms} and "
-                             f"fit_repeats={self.fit_repeats} must be positive")
+                             f"fit_repeats={self.fit_repeats}, hit_samples="
+                             f"{self.hit_samples} must be positive")
         if self.queued_steps < 1 or not self.step_ms > 0 or self.call_repeats < 1:
             raise ValueError(f"queued_steps={self.queued_steps}, step_ms={self.step_ms} and "
                              f"call_repeats={self.call_repeats} must be positive")
@@ -249,7 +255,8 @@ class BenchConfig:
 
     @classmethod
     def smoke(cls) -> BenchConfig:
-        """Tiny sizes for tests: every section and figure, in seconds (figures mean little)."""
+        """Tiny sizes for tests: every section and figure, in under a minute (figures mean
+        little)."""
         return cls(layers=2, batch_bytes=256 * KiB,
                    cells=((16 * KiB, "bfloat16"), (4 * KiB, "int8")),
                    reference=(16 * KiB, "bfloat16"), prefix_block_bytes=16 * KiB,
@@ -258,7 +265,8 @@ class BenchConfig:
                    cache_load_pages=2, repeats=2, overhead_repeats=3,
                    baseline_budget_s=0.02, cache_size_extras=True, call_block_bytes=4 * KiB,
                    call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2, fit_pages=2,
-                   fit_block_bytes=4 * KiB, fit_steps=1, fit_step_ms=1.0, fit_repeats=2,
+                   fit_block_bytes=16 * KiB, fit_steps=1, fit_step_ms=1.0, fit_repeats=2,
+                   hit_samples=16,
                    store_blob_bytes=(4 * KiB, 64 * KiB), store_bytes=256 * KiB,
                    store_repeats=2, lookup_pages=4, lookup_blob_bytes=(4 * KiB,),
                    lookup_reference_bytes=4 * KiB, lookup_repeats=3, policy_requests=24,

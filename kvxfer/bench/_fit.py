@@ -11,7 +11,7 @@ bfloat16 blocks per call:
 * **queued**: the same calls behind ``fit_steps`` donating steps of about
   ``fit_step_ms`` each, as a fraction of the steps' own time;
 * **1-page hit**: ``load`` of 1 page, call to the last layer verified (``gate="layer"``),
-  in a warmed process: as many hits as are timed (``HIT_SAMPLES`` or more) run first,
+  in a warmed process: as many hits as are timed (``hit_samples`` or more) run first,
   untimed (the first few dozen hits of a process run 5-10 % slower, as its caches and
   Python's adaptive interpreter warm; an engine's hits come in a process long warm);
 * **warm-up**: ``warmup(fit_pages)`` in a fresh process, cold (filling a persistent
@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any
 
 import jax
@@ -38,15 +39,17 @@ from kvxfer.engine import is_cuda
 
 __all__ = ["FIT_PATHS", "HIT_SAMPLES", "fit_section", "WARMUP_SCRIPT"]
 
-#: The fewest 1-page hits timed (a millisecond each: the median of fewer moved by
-#: 5-10 % from run to run).
-HIT_SAMPLES = 120
+#: The fewest 1-page hits timed in a full or quick run (``BenchConfig.hit_samples``).
+HIT_SAMPLES = BenchConfig().hit_samples
 
 #: The paths the section times (``auto`` is the raw-or-pinned mover on XLA:CPU).
 FIT_PATHS = ("auto", "staged", "pinned")
 
 #: Run in a fresh process: ``warmup`` of a manager like the section's, timed; with a
-#: directory, JAX's persistent compilation cache there (how an engine turns it on).
+#: directory, JAX's persistent compilation cache there (how an engine turns it on). It
+#: imports JAX and builds its caches and manager first, says ``ready``, and times its
+#: ``warmup`` only once a line arrives on stdin: the two processes of a path start
+#: together (their start-up overlaps), and each times its warm-up with the other idle.
 WARMUP_SCRIPT = r"""
 import json, sys, time
 layers, blocks, block_bytes, pages, path, cache_dir = sys.argv[1:7]
@@ -59,13 +62,19 @@ import kvxfer
 from kvxfer import testing
 caches = testing.random_caches(int(layers), int(blocks),
                                testing.block_shape(int(block_bytes), "bfloat16"), "bfloat16")
+jax.block_until_ready(caches)
 mgr = kvxfer.KVCacheManager(caches, num_host_blocks=int(pages), path=path)
-t0 = time.perf_counter()
-buckets = mgr.warmup(int(pages))
-print(json.dumps({"warmup_s": time.perf_counter() - t0, "buckets": buckets,
-                  "paths": sorted(set(mgr.paths))}))
+print("ready", flush=True)
+if sys.stdin.readline().strip() == "go":
+    t0 = time.perf_counter()
+    buckets = mgr.warmup(int(pages))
+    print(json.dumps({"warmup_s": time.perf_counter() - t0, "buckets": buckets,
+                      "paths": sorted(set(mgr.paths))}), flush=True)
 mgr.close()
 """
+
+#: Seconds a warm-up process may take to start, and to warm up.
+_WARMUP_TIMEOUT_S = 900
 
 
 def _calls(cfg: BenchConfig, path: str) -> dict[str, Any]:
@@ -138,7 +147,7 @@ def _hit(cfg: BenchConfig, path: str) -> dict[str, Any]:
             check_loaded(handle.result(), 1)
             return s
 
-        repeats = max(HIT_SAMPLES, 8 * cfg.fit_repeats)  # a hit is cheap: --quick too
+        repeats = max(cfg.hit_samples, 8 * cfg.fit_repeats)  # cheap: --quick too
         for _ in range(repeats):
             hit()
         return {"path": path, "movers": sorted(set(mgr.paths)),
@@ -158,20 +167,50 @@ def platform_name() -> str:
 
 
 def _warmup(cfg: BenchConfig, path: str, cache_dir: str) -> dict[str, Any]:
-    """``warmup`` in a fresh process filling ``cache_dir``, then in one reading it."""
+    """``warmup`` in a fresh process filling ``cache_dir``, then in one reading it.
+
+    Both processes start at once (importing JAX and building their caches overlap);
+    each times its ``warmup`` only when told to, one after the other, the other one
+    waiting on its stdin: the cold one first, so the second reads what it wrote."""
     out: dict[str, Any] = {"path": path, "pages": cfg.fit_pages, "layers": cfg.layers}
     env = dict(os.environ, JAX_PLATFORMS=platform_name())
-    for name in ("cold", "persistent_cache"):
-        args = [sys.executable, "-c", WARMUP_SCRIPT, str(cfg.layers), str(2 * cfg.fit_pages),
-                str(cfg.fit_block_bytes), str(cfg.fit_pages), path, cache_dir]
-        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
-        if done.returncode:
-            raise RuntimeError(f"bench: warmup of path={path} in a fresh process failed: "
-                               f"{done.stderr.strip()[-500:]}")
-        got = json.loads(done.stdout.strip().splitlines()[-1])
-        out[name] = got["warmup_s"]
-        out["buckets"], out["movers"] = got["buckets"], got["paths"]
+    args = [sys.executable, "-c", WARMUP_SCRIPT, str(cfg.layers), str(2 * cfg.fit_pages),
+            str(cfg.fit_block_bytes), str(cfg.fit_pages), path, cache_dir]
+    names = ("cold", "persistent_cache")
+    procs = {name: subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env)
+             for name in names}
+    # Neither may hang the run: both are killed once the limit passes.
+    watchdog = threading.Timer(_WARMUP_TIMEOUT_S, lambda: [p.kill() for p in procs.values()])
+    watchdog.start()
+    try:
+        for proc in procs.values():  # both started: nothing is timed before this
+            lines = iter(proc.stdout.readline, "") if proc.stdout else iter(())
+            if not any(line.strip() == "ready" for line in lines):
+                _fail(path, proc)
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate("go\n", timeout=_WARMUP_TIMEOUT_S)
+            if proc.returncode or not stdout.strip():
+                raise RuntimeError(f"bench: warmup of path={path} in a fresh process "
+                                   f"failed: {stderr.strip()[-500:]}")
+            got = json.loads(stdout.strip().splitlines()[-1])
+            out[name] = got["warmup_s"]
+            out["buckets"], out["movers"] = got["buckets"], got["paths"]
+    finally:
+        watchdog.cancel()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
     return out
+
+
+def _fail(path: str, proc: subprocess.Popen[str]) -> None:
+    """Raises with the end of a warm-up process's stderr (it ended before it was ready)."""
+    proc.kill()
+    _, stderr = proc.communicate()
+    raise RuntimeError(f"bench: warmup of path={path} in a fresh process failed: "
+                       f"{stderr.strip()[-500:]}")
 
 
 def fit_section(cfg: BenchConfig, progress: Progress) -> dict[str, Any]:
