@@ -4,8 +4,9 @@
 # runs first the short check (kvxfer.bench.first_check, about 2-3 minutes: versions and
 # driver ABI, a spy in the DMA callback, exact bf16 and fp8 round trips with relayout
 # never and always, in-place loads, no copy of the caches in the load program,
-# throughput per copy size against a large pinned copy, the caller's time per call, and
-# how long a matmul dispatched right after an offload waits), each step's figures
+# throughput per copy size against a large pinned copy, the caller's time per call,
+# how long a matmul dispatched right after an offload (or a prefetch) waits, and when a
+# layer-gated load's last layer is ready against the copy time), each step's figures
 # written to first.jsonl as soon as they exist, so a run cut short still reports. Then
 # a round trip and fault check through the public API on path=auto (the DMA mover on a
 # GPU with cuda-bindings) and path=pinned (the pure-JAX pages route), the tests that
@@ -119,7 +120,7 @@ EOF
 } > "$out/env.txt" 2>&1 || status=1
 cat "$out/env.txt" >> "$log"
 
-step "first check" 150 env JAX_PLATFORMS=$platform "$py" -m kvxfer.bench.first_check "$out" \
+step "first check" 170 env JAX_PLATFORMS=$platform "$py" -m kvxfer.bench.first_check "$out" \
   ${KVXFER_FIRST_CHECK_ARGS:-}
 
 step "public API check" 60 bash -c "JAX_PLATFORMS='$platform' '$py' \

@@ -52,6 +52,7 @@ _PROTOTYPES = {
     "cuEventQuery": (c.c_void_p,),
     "cuEventSynchronize": (c.c_void_p,),
     "cuEventDestroy": (c.c_void_p,),
+    "cuMemsetD32Async": (c.c_uint64, c.c_uint, c.c_size_t, c.c_void_p),  # CUdeviceptr
 }
 CUDA_ERROR_NOT_READY = 600
 
@@ -74,6 +75,8 @@ class _Stream:
                 time.sleep(self.delay)
                 for d, s, n in arg:
                     c.memmove(d, s, n)
+            elif kind == "set":
+                c.c_uint32.from_address(arg[0]).value = arg[1]
             elif kind == "record":
                 arg.set()
             elif kind == "wait":
@@ -153,6 +156,17 @@ class FakeDriver:
         else:
             for d, s, n in copies:
                 c.memmove(d, s, n)
+
+    def _cuMemsetD32Async(self, dst, value, count, stream):
+        self.calls.append(("memset", dict(count=count, stream=stream)))
+        if self._failing("cuMemsetD32Async"):
+            return self._failing("cuMemsetD32Async")
+        for i in range(count):
+            if stream in self.streams:
+                self.streams[stream].queue.put(("set", (dst + 4 * i, value)))
+            else:
+                c.c_uint32.from_address(dst + 4 * i).value = value
+        return 0
 
     def _cuStreamCreate(self, out, flags):
         handle = next(self._handles)
@@ -264,3 +278,12 @@ class HostStreamEngine(CudaCopyEngine):
 
     def copy_beside(self, copies, stream, direction="offload"):
         return super().copy_beside(copies, self.STREAM, direction)
+
+    def copy_beside_groups(self, groups, stream, direction="load"):
+        return super().copy_beside_groups(groups, self.STREAM, direction)
+
+    def hold(self, completion, stream):
+        super().hold(completion, self.STREAM)
+
+    def set_word(self, address, value, stream):
+        super().set_word(address, value, self.STREAM)

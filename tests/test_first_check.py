@@ -41,6 +41,10 @@ def test_every_step_runs_and_reports(tmp_path):
         overlap["alone_ms"]
     assert overlap["ratio_xla_stream"] == overlap["after_offload_xla_stream_ms"] / \
         overlap["alone_ms"]
+    loads = by["load_overlap"]
+    assert loads["last_layer_ms"] > 0 and loads["copy_ms"] > 0 and loads["layers"] == 2
+    assert loads["prefetch_ratio"] == loads["matmul_after_prefetch_ms"] / \
+        loads["matmul_alone_ms"]
 
 
 def test_each_record_is_on_disk_when_its_step_ends(tmp_path):

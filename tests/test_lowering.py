@@ -49,11 +49,20 @@ def _programs_of_the_routes():
                 yield (f"dma_offload-relayout{relayout}-side{side}-digest{with_digest}",
                        "dma_offload", caches, (token, ids, count, *digest), with_digest,
                        options + (side,))
+        # Loads beside XLA's stream: the staging program, and the load from staging
+        # (a wait per layer group).
+        yield (f"dma_load_side-digest{with_digest}", "dma_load_side", caches,
+               (token, _sds((B, words), np.uint16, DEVICE), ids, count, *digest),
+               with_digest, (((0, 1), (1, 3)), False, 2, (words // 3,) * 3))
         yield (f"pages_offload-digest{with_digest}", "pages_offload", caches,
                (ids, count, *digest), with_digest, (2, False, B, PINNED))
         rows = tuple(_sds((words,), np.uint16, DEVICE) for _ in range(B))
         yield (f"pages_load-digest{with_digest}", "pages_load", caches,
                (rows, ids, count, *digest), with_digest, (2, False))
+
+
+    yield ("dma_stage", "dma_stage", (_sds((1,), np.uint32, DEVICE),), (), False,
+           (B, words, "uint16"))
 
 
 CASES = list(_programs_of_the_routes())

@@ -115,6 +115,20 @@ class CopyEngine(Protocol):
         ``stream`` so far; later work on ``stream`` does not wait for them (engines
         with ``side_stream`` only). Returns what waits for their end."""
 
+    def copy_beside_groups(self, groups: Sequence[Copies], stream: int | None,
+                           direction: Direction = "load") -> list[Completion]:
+        """``copy_beside`` of several sets in order, after one wait for ``stream``: a
+        completion per set, each recorded after its own copies (engines with
+        ``side_stream`` only)."""
+
+    def hold(self, completion: Completion, stream: int | None) -> None:
+        """Makes the work enqueued on ``stream`` from now on wait for ``completion``'s
+        copies (a stream wait: the caller does not block; engines with
+        ``side_stream`` only)."""
+
+    def set_word(self, address: int, value: int, stream: int | None) -> None:
+        """Writes the ``uint32`` ``value`` at device ``address``, in ``stream``'s order."""
+
 
 class Completion(Protocol):
     """The end of copies running beside XLA's stream (``CopyEngine.copy_beside``)."""
@@ -162,6 +176,9 @@ class HostCopyEngine:
 
     def numa_node(self) -> None:
         return None
+
+    def set_word(self, address: int, value: int, stream: int | None) -> None:
+        ctypes.c_uint32.from_address(address).value = value
 
     def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
              ) -> None:
@@ -287,20 +304,25 @@ class CopyJob:
         whatever becomes of the manager.
       beside: run the copies on the engine's own stream (``copy_beside``), after what
         the program enqueued before its callback; ``completion`` then waits for them.
+      groups: with ``beside`` and a staging buffer, the layer spans ``[first, stop)``
+        copied as sets in order, each with its own completion (``completions``), so
+        the work that reads a span waits for that span's copies alone.
 
     Attributes:
       ran: whether ``run`` executed the copies. error: what ``run`` raised instead.
       copies: how many copies it ran (after merging).
-      completion: the end of copies run beside XLA's stream (None otherwise).
+      completion: the end of copies run beside XLA's stream (None otherwise; the
+        last group's with ``groups``). completions: each group's end.
     """
 
     __slots__ = ("engine", "direction", "pool", "page_bytes", "slots", "offsets",
                  "block_bytes", "ids", "memory", "beside", "ran", "error", "copies", "keep",
-                 "completion")
+                 "completion", "groups", "completions")
 
     def __init__(self, engine: CopyEngine, direction: Direction, pool: int, page_bytes: int,
                  slots: np.ndarray, offsets: Sequence[int], block_bytes: int,
-                 ids: np.ndarray | None, memory: Any = None, beside: bool = False):
+                 ids: np.ndarray | None, memory: Any = None, beside: bool = False,
+                 groups: Sequence[tuple[int, int]] | None = None):
         self.engine = engine
         self.direction = direction
         self.pool = pool
@@ -311,24 +333,28 @@ class CopyJob:
         self.ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
         self.memory = memory
         self.beside = beside
+        self.groups = None if groups is None else list(groups)
         self.completion: Completion | None = None
+        self.completions: list[Completion] = []
         self.ran = False
         self.error: BaseException | None = None
         self.copies = 0
         self.keep: Any = None  # the ticket it is filed under
 
-    def describe(self, device: Sequence[int]) -> Copies:
+    def describe(self, device: Sequence[int], span: tuple[int, int] | None = None) -> Copies:
         """The copies, given the device buffers' addresses: each layer's cache (blocks
-        at ``ids``), or the one staging buffer."""
+        at ``ids``), or the one staging buffer; with ``span``, of layer positions
+        ``[first, stop)`` only (a staging buffer's)."""
         bb = np.uint64(self.block_bytes)
+        first, stop = span if span is not None else (0, len(self.offsets))
         host = (np.uint64(self.pool) + self.slots[:, None] * np.uint64(self.page_bytes)
-                + self.offsets[None, :])                                    # [k, L]
+                + self.offsets[None, first:stop])                           # [k, L]
         if self.ids is None:
             # Row j of the staging buffer holds page j's layers side by side: a page is
             # one copy where the pool holds it in one range.
             row = np.uint64(len(self.offsets)) * bb
             dev = (np.uint64(device[0]) + np.arange(len(self.slots), dtype=np.uint64)[:, None]
-                   * row + np.arange(len(self.offsets), dtype=np.uint64)[None, :] * bb)
+                   * row + np.arange(first, stop, dtype=np.uint64)[None, :] * bb)
         else:
             # Layer-major: consecutive blocks of one layer merge where their slots do.
             bases = np.asarray(device, dtype=np.uint64)
@@ -350,6 +376,15 @@ class CopyJob:
             step_fault("address")
             device = [buffer_address(b) for b in buffers]
             step_fault("describe")
+            if self.groups is not None:
+                sets = [self.describe(device, span) for span in self.groups]
+                step_fault("copy")
+                self.completions = self.engine.copy_beside_groups(sets, stream,
+                                                                  self.direction)
+                self.completion = self.completions[-1] if self.completions else None
+                self.copies = sum(map(len, sets))
+                self.ran = True
+                return
             copies = self.describe(device)
             step_fault("copy")
             if self.beside:
@@ -407,6 +442,17 @@ class Tickets:
             ticket, job = filed
             self._free.setdefault(ticket.device, []).append(ticket)
         return job
+
+    def peek(self, address: int) -> CopyJob | None:
+        """The job filed under the ticket at ``address``, left filed (a program whose
+        callbacks look it up more than once: the last one ``take``\s it), or None
+        where none is (recorded in ``lost``). Never raises."""
+        with self._lock:
+            filed = self._jobs.get(address)
+            if filed is None:
+                self._record(f"no job is filed under ticket {address:#x}")
+                return None
+            return filed[1]
 
     def lose(self, error: BaseException) -> None:
         """Records a callback's failure that came before it found its job."""

@@ -10,7 +10,10 @@ Everything kvxfer asks of the CUDA driver is in this module, behind ``Driver``:
 * beside XLA's stream (``CudaCopyEngine.copy_beside``): an event recorded on XLA's
   stream, the engine's own non-blocking stream made to wait for it, the copies there,
   and an event after them that the transfer thread waits on (``CudaCompletion``), so
-  later work on XLA's stream does not wait for the copies;
+  later work on XLA's stream does not wait for the copies; a load's copies in groups
+  of layers, an event after each, and XLA's stream made to wait for one group's event
+  right before the work that reads it (``hold``), with a word written in its order
+  (``cuMemsetD32Async``) that says the copies were enqueued;
 * ``cuMemHostRegister`` (portable) for host pools allocated outside XLA, inside the
   device's primary context (XLA's, retained for the call and released after it);
 * the device's host NUMA node (``CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID``, else sysfs by PCI
@@ -63,6 +66,7 @@ _ENTRIES: dict[str, tuple[Any, ...]] = {
     "cuEventQuery": (_c.c_void_p,),
     "cuEventSynchronize": (_c.c_void_p,),
     "cuEventDestroy": (_c.c_void_p,),
+    "cuMemsetD32Async": (_c.c_uint64, _c.c_uint, _c.c_size_t, _c.c_void_p),
 }
 # cuMemcpyBatchAsync's two ABIs: CUDA 12.8 (with ``size_t* failIdx``) and CUDA 13.
 _BATCH_V1 = 12080
@@ -237,6 +241,14 @@ class CudaCompletion:
                 self._engine.ordinal, lambda: self._engine.driver.query(self._event))
         return status
 
+    def hold(self, stream: int) -> None:
+        """Makes later work on ``stream`` wait for the copies (``cuStreamWaitEvent``;
+        nothing once they were waited for)."""
+        with self._lock:
+            if self._event is not None:
+                self._engine.driver.call("cuStreamWaitEvent", _c.c_void_p(stream),
+                                         _c.c_void_p(self._event), 0)
+
     def wait(self) -> None:
         """Blocks until the copies have finished (idempotent); raises ``DriverError``."""
         with self._lock:
@@ -298,6 +310,13 @@ class CudaCopyEngine:
         Returns:
           What waits for the copies' end (an event recorded after them).
         """
+        return self.copy_beside_groups([copies], stream, direction)[0]
+
+    def copy_beside_groups(self, groups: list[Copies], stream: int | None,
+                           direction: Direction = "load") -> list[CudaCompletion]:
+        """``copy_beside`` of each set in order, after one wait for ``stream``'s work:
+        an event recorded after each set's copies (what ``hold`` makes a stream wait
+        for), so the work reading one set waits for its copies alone."""
         if stream is None:
             raise DriverError("CUDA copies need XLA's stream; none was given")
         side = self.side()
@@ -308,15 +327,34 @@ class CudaCopyEngine:
         finally:
             # Destroying a recorded event is allowed: it goes once the wait is met.
             self.driver.call("cuEventDestroy", _c.c_void_p(after))
-        if len(copies):
-            self._enqueue(copies, side, direction)
-        done = self.driver.new_handle("cuEventCreate", _CU_EVENT_DISABLE_TIMING)
-        try:
-            self.driver.call("cuEventRecord", _c.c_void_p(done), _c.c_void_p(side))
-        except BaseException:
-            self.driver.call("cuEventDestroy", _c.c_void_p(done))
-            raise
-        return CudaCompletion(self, done)
+        out: list[CudaCompletion] = []
+        for copies in groups:
+            if len(copies):
+                self._enqueue(copies, side, direction)
+            done = self.driver.new_handle("cuEventCreate", _CU_EVENT_DISABLE_TIMING)
+            try:
+                self.driver.call("cuEventRecord", _c.c_void_p(done), _c.c_void_p(side))
+            except BaseException:
+                self.driver.call("cuEventDestroy", _c.c_void_p(done))
+                raise
+            out.append(CudaCompletion(self, done))
+        return out
+
+    def hold(self, completion: CudaCompletion, stream: int | None) -> None:
+        """Makes work enqueued on ``stream`` from now on wait for ``completion``'s
+        copies (``cuStreamWaitEvent``; inside a program's callback, its context
+        current). Copies already waited for hold nothing."""
+        if stream is None:
+            raise DriverError("a stream wait needs XLA's stream; none was given")
+        completion.hold(stream)
+
+    def set_word(self, address: int, value: int, stream: int | None) -> None:
+        """Writes one ``uint32`` at device ``address`` in ``stream``'s order
+        (``cuMemsetD32Async``)."""
+        if stream is None:
+            raise DriverError("a device write needs XLA's stream; none was given")
+        self.driver.call("cuMemsetD32Async", _c.c_uint64(address), value, 1,
+                         _c.c_void_p(stream))
 
     def side(self) -> int:
         """The engine's own stream (non-blocking), made once in the device's primary

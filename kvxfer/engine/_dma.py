@@ -10,11 +10,17 @@ counts; on XLA:CPU one for every transfer of up to ``loop_pages`` pages):
   callback records an event on XLA's stream and enqueues the copies on the engine's
   stream after it: the engine's next step does not wait for them. The offload holds
   the rows until the copies' own event says they are done (the transfer thread waits
-  for it before the pages are committed); the rows held at once are bounded by
-  ``KVXFER_DMA_SIDE_BYTES`` (1 GiB), past which an offload copies on XLA's stream;
-  otherwise, on the stream XLA hands the callback;
-* **load**: calls the callback with the caches aliased in to out (donated: written in
-  place), copying the pages' host slots into the blocks, then digests the landed
+  for it before the pages are committed); the staging held at once, offloads' and
+  loads', is bounded by ``KVXFER_DMA_SIDE_BYTES`` (1 GiB), past which a transfer
+  copies on XLA's stream; otherwise, on the stream XLA hands the callback;
+* **load**: where the copy engine has a stream of its own, the copies start before
+  the load's program, at ``prefetch`` or else at ``load`` (``stage_load``): a program
+  whose callback enqueues them on the engine's stream into device staging, in groups
+  of layers with an event after each; the load's program then makes XLA's stream wait
+  for one group's event at a time and scatters that group into the caches (donated,
+  written in place) while later groups still cross (``_dma_side``). Otherwise the
+  program calls the callback with the caches aliased in to out, copying the pages'
+  host slots into the blocks on XLA's stream. Either way it then digests the landed
   blocks on the device.
 
 The host pool is allocated outside XLA (``kvxfer._hostmem.HostMemory``), page-major,
@@ -39,11 +45,9 @@ driver call per copy: a driver without ``cuMemcpyBatchAsync``, or
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -58,6 +62,9 @@ from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._copies import TICKETS, CopyEngine, CopyJob, HostCopyEngine, \
     buffer_address, step_fault
 from kvxfer.engine._cuda import cuda_engine, cuda_unavailable
+from kvxfer.engine._dma_side import _SIDE, CallbackRecord, DmaStaged, SideLoadJob, \
+    _spies, _spy, layer_groups, reap, side_bytes, spy_callbacks, stream_mode
+from kvxfer.engine._dma_side import quiesce as _quiesce
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _args_abstract, \
     _sds
 from kvxfer.engine import _programs
@@ -165,49 +172,6 @@ def relayout_mode() -> str:
 _DONE = jax.ShapeDtypeStruct((1,), np.uint32)
 
 
-class CallbackRecord(NamedTuple):
-    """What one callback saw (``spy_callbacks``): the thread it ran on, the stream XLA
-    handed it, and whether it found its job under its ticket (and which direction)."""
-
-    thread: int
-    stream: Any
-    found: bool
-    direction: str | None
-
-
-_spies: list[list[CallbackRecord]] = []
-
-
-@contextlib.contextmanager
-def spy_callbacks() -> Iterator[list[CallbackRecord]]:
-    """Records every DMA callback that executes inside the block (a device check's spy:
-    on a GPU the callback runs on the caller's thread at dispatch, with an int stream).
-
-    Example:
-        >>> with spy_callbacks() as seen:
-        ...     pass
-        >>> seen
-        []
-    """
-    seen: list[CallbackRecord] = []
-    _spies.append(seen)
-    try:
-        yield seen
-    finally:
-        _spies.remove(seen)
-
-
-def _spy(ctx: Any, job: CopyJob | None) -> None:
-    try:
-        stream = ctx.stream
-    except Exception:  # noqa: BLE001 - XLA:CPU has no stream to give
-        stream = None
-    record = CallbackRecord(threading.get_ident(), stream, job is not None,
-                            None if job is None else job.direction)
-    for seen in _spies:
-        seen.append(record)
-
-
 def _callback(ctx: Any, out: Any, token: Any, *operands: Any) -> None:
     """Runs the ``CopyJob`` filed under ``token`` on the buffers XLA hands over.
 
@@ -298,6 +262,21 @@ def _load_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, lo
     return (tuple(out), done, *extra)
 
 
+def _stage_impl(arrays, *, rows: int, words: int, dtype: str, callback: Callable[..., None]):
+    # The callback enqueues the copies into a buffer XLA allocates for the output
+    # (nothing initializes it): on the copy engine's own stream, after an event on
+    # XLA's (``_dma_side``).
+    staging, _ = buffer_callback(callback, (jax.ShapeDtypeStruct((rows, words), dtype), _DONE),
+                                 has_side_effect=False)(*arrays)
+    return staging
+
+
+def _stage_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
+    rows, words, dtype = options
+    return (functools.partial(_stage_impl, rows=rows, words=words, dtype=dtype,
+                              callback=_callback), dict(in_shardings=(formats,)))
+
+
 def _offload_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
     relayout, loop, unit, side = options
     return (functools.partial(_offload_impl, raw=raw, relayout=relayout, loop=loop, unit=unit,
@@ -316,6 +295,7 @@ def _load_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
 
 register_kind("dma_offload", _offload_parts)
 register_kind("dma_load", _load_parts, same_formats=0)
+register_kind("dma_stage", _stage_parts)
 
 
 # -- the mover ----------------------------------------------------------------------
@@ -331,55 +311,6 @@ class DmaOffload(NamedTuple):
     digests: Pending | None
     staging: list[jax.Array]
     side_bytes: int = 0
-
-
-class _SideBudget:
-    """Bytes of device staging the offloads beside XLA's stream hold at once, process
-    wide (``side_bytes``); an offload that would pass it runs on XLA's stream."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.held = 0
-
-    def take(self, nbytes: int) -> bool:
-        with self._lock:
-            if self.held and self.held + nbytes > side_bytes():
-                return False
-            self.held += nbytes
-            return True
-
-    def give(self, nbytes: int) -> None:
-        with self._lock:
-            self.held -= nbytes
-
-
-_SIDE = _SideBudget()
-
-
-def side_bytes() -> int:
-    """``KVXFER_DMA_SIDE_BYTES``: the device staging that offloads beside XLA's stream
-    may hold at once, process wide (default 1 GiB; one offload larger than it still
-    runs beside when it is alone).
-
-    Example:
-        >>> side_bytes() == int(os.environ.get("KVXFER_DMA_SIDE_BYTES", 1 << 30))
-        True
-    """
-    return int(os.environ.get("KVXFER_DMA_SIDE_BYTES", 1 << 30))
-
-
-def stream_mode() -> str:
-    """``KVXFER_DMA_STREAM``: ``"side"`` (the default: an offload's copies run on the
-    copy engine's own stream where it has one) or ``"xla"`` (on XLA's stream).
-
-    Example:
-        >>> stream_mode() == os.environ.get("KVXFER_DMA_STREAM", "side")
-        True
-    """
-    mode = os.environ.get("KVXFER_DMA_STREAM", "side")
-    if mode not in ("side", "xla"):
-        raise ValueError(f"KVXFER_DMA_STREAM={mode!r}; expected 'side' or 'xla'")
-    return mode
 
 
 def _finish_side(state: DmaOffload, strict: bool) -> None:
@@ -402,33 +333,12 @@ def _finish_side(state: DmaOffload, strict: bool) -> None:
 
 
 class DmaLoad(NamedTuple):
-    """A load's jobs and an output of each program the caller never holds."""
+    """A load's jobs and an output of each program the caller never holds; for a load
+    beside XLA's stream, the staging its copies crossed into."""
 
-    jobs: list[CopyJob]
+    jobs: list[Any]
     done: list[jax.Array]
-
-
-def _wait_all(done: list[jax.Array]) -> BaseException | None:
-    """Waits until every program has ended, whatever any of them raised; returns the
-    first error."""
-    first = None
-    for d in done:
-        try:
-            d.block_until_ready()
-        except BaseException as e:  # noqa: BLE001 - the others are still waited for
-            first = first if first is not None else e
-    return first
-
-
-def _quiesce(jobs: list[CopyJob], done: list[jax.Array]) -> BaseException | None:
-    """Waits until none of the programs can still copy (never raising); a job whose
-    program ended without running its callback is withdrawn, its ticket free again.
-    Returns the first error a program raised."""
-    error = _wait_all(done)
-    for job in jobs:
-        if not job.ran and job.error is None:
-            TICKETS.withdraw(job)
-    return error
+    staged: DmaStaged | None = None
 
 
 def _settle(jobs: list[CopyJob], done: list[jax.Array], what: str) -> None:
@@ -452,7 +362,7 @@ def _settle(jobs: list[CopyJob], done: list[jax.Array], what: str) -> None:
                                 + (f" (latest callback failure: {lost[-1]})" if lost else ""))
 
 
-class DmaMover(Mover[DmaOffload, None, DmaLoad]):
+class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
     """Copy-engine copies between the caches and a pinned pool, ordered by XLA."""
 
     name = "dma"
@@ -474,6 +384,11 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
             looped or cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device))
         self._offsets = [np.array([pool.shard_range(pos, s)[0] for pos in range(len(cls.layers))],
                                   dtype=np.uint64) for s in range(cls.num_shards)]
+        # A load beside XLA's stream waits for its copies group by group (one group,
+        # one copy a page, where every copy costs a driver call).
+        self._groups = ((0, len(cls.layers)),) if looped else tuple(
+            layer_groups(len(cls.layers), cls.shard_block_bytes))
+        self._words = cls.shard_block_bytes // self._unit
 
     @classmethod
     def host_backing(cls, slice_class, layers):
@@ -582,10 +497,73 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
         _quiesce(state.jobs, state.done)
         if isinstance(state, DmaOffload):
             _finish_side(state, strict=False)
+        elif state.staged is not None:
+            state.staged.finish(strict=False)
 
     # -- load ---------------------------------------------------------------------
 
-    def start_load(self, arrays, layers, request: LoadRequest, staged: None):
+    def stage_load(self, layers, request: LoadRequest) -> DmaStaged | None:
+        """Starts the load's copies beside XLA's stream (``_dma_side``), where the copy
+        engine has a stream of its own and the staging fits the budget; else None (the
+        load's own program copies, on XLA's stream)."""
+        if not self._beside():
+            return None
+        reap()
+        slots = np.asarray(request.slots)
+        rows = len(request.batch.padded)
+        replicas = [len(layers[0].shards[s]) for s in range(self.cls.num_shards)]
+        nbytes = rows * len(self.cls.layers) * self.cls.shard_block_bytes * sum(replicas)
+        if not _SIDE.take(nbytes):
+            return None
+        staged = DmaStaged(request.batch.k, rows, nbytes)
+        options = (rows, len(self.cls.layers) * self._words, f"uint{8 * self._unit}")
+        try:
+            for s in range(self.cls.num_shards):
+                for r in range(replicas[s]):
+                    device = device_of(layers[0].shards[s][r])
+                    job = CopyJob(copy_engine(device), "load", self.pool.memory.address,
+                                  self.cls.page_bytes, slots, self._offsets[s],
+                                  self.cls.shard_block_bytes, None, memory=self.pool.memory,
+                                  beside=True, groups=self._groups)
+                    token = TICKETS.issue(device, job)
+                    try:
+                        staging = _programs.run("dma_stage", (token,), options=options)
+                    except BaseException:
+                        TICKETS.withdraw(job)
+                        raise
+                    staged.add(s, r, staging, job)
+        except BaseException:
+            staged.finish(strict=False)
+            raise
+        return staged
+
+    def _run_side(self, arrays: tuple, shard: int, replica: int, batch,
+                  staged: DmaStaged, with_digest: bool) -> tuple[Any, SideLoadJob]:
+        """Enqueues one shard replica's load from its staging: its outputs, its job."""
+        device = device_of(arrays[0])
+        ids, base, count = batch.args(device, shard, staged.rows)
+        job = SideLoadJob(staged.jobs[shard, replica], len(self._groups))
+        token = TICKETS.issue(device, job)
+        digest = (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
+        try:
+            out, done, staging, *digests = _programs.run(
+                "dma_load_side", arrays, token, staged.staging[shard, replica], ids, count,
+                *digest, with_digest=with_digest, options=self._side_options(device))
+        except BaseException:
+            TICKETS.withdraw(job)
+            raise
+        staged.handed(shard, replica, staging)  # held until the copies into it are done
+        return (out, done, *digests), job
+
+    def _side_options(self, device: Any) -> tuple:
+        return (self._groups, page_loops(device), self._unit,
+                (self._words,) * len(self.cls.layers))
+
+    def start_load(self, arrays, layers, request: LoadRequest, staged: DmaStaged | None):
+        if staged is not None and (staged.k != request.batch.k or
+                                   staged.rows < len(request.batch.padded)):
+            staged.finish(strict=False)  # staged for other pages: the load copies itself
+            staged = None
         if request.shared:
             layers = private_layers(layers, request.shared)
             arrays = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
@@ -601,8 +579,12 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
                 for r in range(len(layers[0].shards[s])):
                     local = tuple(arrays) if single else tuple(layer.shards[s][r]
                                                                for layer in layers)
-                    (out, d, *digests), job = self._run("dma_load", local, s, batch, slots,
-                                                        fused)
+                    if staged is not None:
+                        (out, d, *digests), job = self._run_side(local, s, r, batch, staged,
+                                                                 fused)
+                    else:
+                        (out, d, *digests), job = self._run("dma_load", local, s, batch,
+                                                            slots, fused)
                     jobs.append(job)
                     done.append(d)
                     if single:
@@ -617,12 +599,14 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
             # every layer lives in now, the loaded shards and the untouched ones, once
             # no program can still copy out of the load's slots.
             _quiesce(jobs, done)
+            if staged is not None:
+                staged.finish(strict=False)
             raise TransferError(f"DMA load of {self.cls.name} failed after {len(jobs)} "
                                 f"shard program(s) were enqueued: {e}", kv_caches=[
                                     self._whole(a, shards, single)
                                     for a, shards in zip(arrays, new_shards)]) from e
         return [self._whole(a, shards, single) for a, shards in zip(arrays, new_shards)], \
-            DmaLoad(jobs, done)
+            DmaLoad(jobs, done, staged)
 
     @staticmethod
     def _whole(array: jax.Array, shards: list[list[jax.Array]], single: bool) -> jax.Array:
@@ -632,10 +616,17 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
         return any(not d.is_ready() for d in state.done)
 
     def finish_load_layer(self, state: DmaLoad, pos: int) -> None:
-        _settle(state.jobs, state.done, f"DMA load of {self.cls.name}")
+        self.finish_load(state, len(self.cls.layers))
 
     def finish_load(self, state: DmaLoad, num_layers: int) -> None:
-        _settle(state.jobs, state.done, f"DMA load of {self.cls.name}")
+        try:
+            _settle(state.jobs, state.done, f"DMA load of {self.cls.name}")
+        except BaseException:
+            if state.staged is not None:
+                state.staged.finish(strict=False)
+            raise
+        if state.staged is not None:
+            state.staged.finish(strict=True)
 
     def compiled_load(self, layers, b: int, with_digest: bool) -> jax.stages.Compiled:
         """The load program of ``b`` pages into shard 0's first replica, compiled (for
@@ -661,6 +652,15 @@ class DmaMover(Mover[DmaOffload, None, DmaLoad]):
                 token = _sds((1,), np.uint32, device)
                 ids, base, count = _args_abstract(n, device)
                 digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
+                if self._beside():
+                    words = len(self.cls.layers) * self._words
+                    dtype = np.dtype(f"uint{8 * self._unit}")
+                    compile_ahead("dma_stage", (token,), options=(b, words, dtype.name))
+                    ids_b, base_b, count_b = _args_abstract(b, device)
+                    digest_b = (base_b,) + digest[1:] if with_digest else ()
+                    compile_ahead("dma_load_side", local, token, _sds((b, words), dtype, device),
+                                  ids_b, count_b, *digest_b, with_digest=with_digest,
+                                  options=self._side_options(device))
                 kinds = ("dma_offload", "dma_load") if r == 0 else ("dma_load",)
                 for kind in kinds:
                     side = self._beside() if kind == "dma_offload" else None

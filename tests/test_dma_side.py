@@ -1,0 +1,191 @@
+"""Loads beside XLA's stream (``kvxfer.engine._dma_side``), on XLA:CPU over the stand-in
+CUDA driver, whose own streams run every copy late on a thread of their own: a scatter
+that does not wait for its group's copies reads staging they have not reached, and the
+load's digests say so."""
+
+from __future__ import annotations
+
+import gc
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import kvxfer
+from kvxfer import testing
+from kvxfer.engine import COPY_ENGINES, TransferError, _dma
+from kvxfer.engine._copies import TICKETS
+from kvxfer.engine._dma_side import layer_groups
+from kvxfer.engine._mover import _args_abstract, _sds
+from kvxfer.engine import _programs
+
+from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, FakeDriver, HostStreamEngine
+
+pytestmark = pytest.mark.cpu("the stand-in driver's engine runs on XLA:CPU")
+
+bits = testing.bits
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    driver = FakeDriver(delay=0.1)
+    engine = HostStreamEngine(driver.driver(), ordinal=0)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    return driver
+
+
+def calls(fake, kind):
+    return [call for k, call in fake.calls if k == kind]
+
+
+def offloaded(layers: int = 4, shape=(64, 256)):
+    """A DMA manager over 64 KiB float32 blocks (a group per layer) with pages 3, 1, 12
+    offloaded; the caches, their bits then, the manager, the pages."""
+    caches = testing.random_caches(layers, 16, shape, "float32")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
+    return caches, [bits(c) for c in caches], mgr, pages
+
+
+def test_a_load_copies_beside_and_each_group_waits_for_its_own_copies(fake):
+    caches, before, mgr, pages = offloaded()
+    assert mgr._movers[0]._groups == ((0, 1), (1, 2), (2, 3), (3, 4))
+    fake.calls.clear()
+    new, load = mgr.load(caches, pages, [0, 5, 6])
+    assert load.result().verified_prefix == 3
+    for c, b in zip(new, before):
+        assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
+    # Four groups of copies on the engine's own stream; XLA's stream waits for each
+    # group's event once, and each wait is followed by the word that lets its scatter
+    # write.
+    assert {b["stream"] for b in calls(fake, "batch")} == set(fake.streams)
+    assert len(calls(fake, "batch")) == 4
+    waits = [w for w in calls(fake, "wait") if w["stream"] == HostStreamEngine.STREAM]
+    assert len(waits) == 4 and len(calls(fake, "memset")) == 4
+    assert _dma._SIDE.held == 0 and TICKETS.pending() == 0
+    mgr.close()
+
+
+def test_a_scatter_that_does_not_wait_reads_wrong_bytes_and_is_caught(fake, monkeypatch):
+    """The stand-in's copies really come late: without the stream wait the scatter
+    reads staging they have not reached, and the digests catch it."""
+    caches, before, mgr, pages = offloaded()
+    engine = COPY_ENGINES["cpu"](None)
+    monkeypatch.setattr(engine, "hold", lambda completion, stream: None)
+    new, load = mgr.load(caches, pages, [0, 5, 6])
+    assert load.result().verified_prefix == 0
+    assert not np.array_equal(bits(new[0])[[0, 5, 6]], before[0][[3, 1, 12]])
+    mgr.close()
+
+
+def test_prefetch_starts_the_copies_and_the_load_only_scatters(fake):
+    caches, before, mgr, pages = offloaded()
+    fake.calls.clear()
+    staged = mgr.prefetch(pages)
+    assert len(calls(fake, "batch")) == 4  # the copies are under way before the load
+    assert _dma._SIDE.held > 0
+    new, load = mgr.load(caches, pages, [0, 5, 6], prefetched=staged)
+    assert load.result().verified_prefix == 3
+    assert len(calls(fake, "batch")) == 4  # none more
+    for c, b in zip(new, before):
+        assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
+    assert _dma._SIDE.held == 0
+    mgr.close()
+
+
+def test_a_released_prefetch_holds_its_staging_until_the_copies_end(fake):
+    caches, before, mgr, pages = offloaded()
+    staged = mgr.prefetch(pages)
+    held = _dma._SIDE.held
+    assert held > 0 and staged.release()
+    del staged
+    gc.collect()
+    assert _dma._SIDE.held == held  # parked: its copies may still be writing it
+    new, load = mgr.load(caches, pages, [0, 5, 6])  # a later stage lets it go
+    assert load.result().verified_prefix == 3
+    assert _dma._SIDE.held == 0
+    mgr.close()
+
+
+def test_a_failed_staging_fails_the_load_and_writes_no_block(fake):
+    caches, before, mgr, pages = offloaded()
+    fake.fail["cuMemcpyBatchAsync"] = CUDA_ERROR_OUT_OF_MEMORY
+    new, load = mgr.load(caches, pages, [0, 5, 6])
+    with pytest.raises(TransferError, match="staging failed.*out of memory") as err:
+        load.result()
+    for c, b in zip(err.value.kv_caches, before):
+        assert not c.is_deleted() and np.array_equal(bits(c), b)
+    assert _dma._SIDE.held == 0 and TICKETS.pending() == 0
+    del fake.fail["cuMemcpyBatchAsync"]
+    new, load = mgr.load(new, pages, [0, 5, 6])
+    assert load.result().verified_prefix == 3
+    mgr.close()
+
+
+@pytest.mark.parametrize("budget", ["1", str(1 << 30)])
+def test_past_the_staging_budget_a_load_copies_on_xlas_stream(fake, monkeypatch, budget):
+    """One transfer beside XLA's stream at a time under a 1-byte budget: a load
+    prefetched while another prefetch holds staging copies in its own program."""
+    monkeypatch.setenv("KVXFER_DMA_SIDE_BYTES", budget)
+    caches, before, mgr, pages = offloaded()
+    first = mgr.prefetch(pages[:1])
+    fake.calls.clear()
+    second = mgr.prefetch(pages)
+    assert len(calls(fake, "batch")) == (0 if budget == "1" else 4)
+    new, load = mgr.load(caches, pages, [0, 5, 6], prefetched=second)
+    assert load.result().verified_prefix == 3
+    for c, b in zip(new, before):
+        assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
+    first.release()
+    del first
+    gc.collect()
+    mgr.load(new, pages[:1], [7])[1].result()  # reaps the released staging
+    assert _dma._SIDE.held == 0
+    mgr.close()
+
+
+@pytest.mark.cpu("2 devices (conftest.py's CPU devices)")
+def test_sharded_and_replicated_loads_beside(fake):
+    mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
+    heads = NamedSharding(mesh, P(None, "tensor"))
+    caches = [jax.device_put(c, heads)
+              for c in testing.random_caches(3, 16, (64, 256), "bfloat16", seed=1)]
+    caches.append(jax.device_put(testing.random_caches(1, 16, (8, 64), "float32")[0],
+                                 NamedSharding(mesh, P())))
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    before = [bits(c) for c in caches]
+    pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
+    new, load = mgr.load(caches, pages, [0, 5, 6])
+    assert load.result().verified_prefix == 3
+    for c, b in zip(new, before):
+        assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
+    for shard in new[3].addressable_shards:  # every replica got the pages
+        assert np.array_equal(bits(shard.data)[[0, 5, 6]], before[3][[3, 1, 12]])
+    assert _dma._SIDE.held == 0
+    mgr.close()
+
+
+def test_each_group_waits_then_scatters_before_the_next_waits():
+    """The load program's schedule: group g's wait, its rows read, its scatter, then
+    group g + 1's wait; and no copy of the staging buffer anywhere."""
+    device = jax.devices()[0]
+    layers, rows, words = 4, 4, 64 * 256
+    arrays = tuple(_sds((16, 64, 256), np.float32, device) for _ in range(layers))
+    ids, _, count = _args_abstract(rows, device)
+    groups = tuple(layer_groups(layers, 64 << 10))
+    text = _programs.compiled("dma_load_side", arrays, _sds((1,), np.uint32, device),
+                              _sds((rows, layers * words), np.uint32, device), ids, count,
+                              options=(groups, True, 4, (words,) * layers)).as_text()
+    entry = text[text.index("ENTRY"):]
+    order = []
+    for line in entry.splitlines():
+        if "custom-call(" in line and "callback" in line:
+            order.append("wait")
+        elif "wrapped_scatter" in line.split("=")[0]:
+            order.append("scatter")
+    assert order == ["wait", "scatter"] * layers
+    assert not re.search(rf"copy\(\S*staging", entry)
+    assert f"u32[{rows},{layers * words}]" not in "".join(
+        line for line in entry.splitlines() if " copy(" in line)
