@@ -77,7 +77,13 @@ from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 __all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "relayout_mode",
            "RELAYOUT_BELOW", "CallbackRecord", "spy_callbacks"]
 
-#: Shard blocks smaller than this are gathered on the device first (one copy a page).
+#: Shard blocks smaller than this are gathered on the device first (one copy a page
+#: of a shard). Why 64 KiB: batched copies of scattered 64 KiB blocks ran at about
+#: 0.94x the link on an H100 and at 5-7 GB/s (about 0.1x) below 28 KiB (vllm#42212),
+#: while the gather costs the device a read and a write of the same bytes, at HBM
+#: rates about 50x the link: about 4 % of the copy's time, worth it below 64 KiB and
+#: not above. ``kvxfer.bench.first_check``'s copy-size step measures the same sweep on
+#: the device at hand; ``KVXFER_DMA_RELAYOUT`` overrides.
 RELAYOUT_BELOW = 64 << 10
 
 _RELAYOUT_MODES = ("auto", "always", "never")
@@ -377,10 +383,10 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
         mode = relayout_mode()
         # An engine without a batch call pays a call per copy (about 5 us of the
         # caller's time each on CUDA): one copy a page is worth a device gather at any
-        # block size. Sharded classes hold a shard's layers apart in a page (one range
-        # per layer), so a relayout would not join their copies.
+        # block size. A page holds each shard's layers side by side (shard-major), so
+        # a shard's gathered page is one copy under tensor parallelism too.
         looped = getattr(copy_engine(pool.device), "mode", "batch") == "loop"
-        self._relayout = mode == "always" or mode == "auto" and cls.num_shards == 1 and (
+        self._relayout = mode == "always" or mode == "auto" and (
             looped or cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device))
         self._offsets = [np.array([pool.shard_range(pos, s)[0] for pos in range(len(cls.layers))],
                                   dtype=np.uint64) for s in range(cls.num_shards)]
