@@ -7,9 +7,10 @@ page's storage, so no byte is copied on the host to put it in a pool. A load's
 program takes the arrays of its pages and moves them to the device itself.
 
 Slot ``s`` holds, per shard, an array of that shard's bytes of the page, its layers
-side by side (``[layer 0 | layer 1 | ...]``). The page's canonical bytes (what blobs,
-stores and ``read_block_bytes`` see: layer-major, shards within each layer) are
-assembled from them, and written back to them, on the host, off the transfer path.
+side by side (``[layer 0 | layer 1 | ...]``). Pages are shard-major (what blobs and
+stores see: ``SliceClass.shard_range``), so each array is one contiguous range of the
+page's bytes: a page is assembled from them, and written back to them, by one copy
+per shard, on the host, off the transfer path.
 Memory: one page per slot at most, as the plan sizes it, allocated by XLA as pages
 arrive (XLA caps its ``pinned_host`` memory: 64 GB by default on GPU).
 """
@@ -50,7 +51,8 @@ class PageArrays:
     Args:
       page_bytes: bytes of a page (every layer, every shard).
       shard_ranges: ``shard_ranges[pos][shard]``: where that shard of layer ``pos``
-        lies in the page's canonical bytes.
+        lies in the page's bytes; a shard's layers must lie side by side, in layer
+        order (shard-major pages), so its array is one range of the page.
       num_slots: slots of the pool.
       devices: the device of each shard (whose ``pinned_host`` memory holds its part).
       word: the bytes of the words the arrays hold (``hostpool.word_bytes``).
@@ -67,9 +69,16 @@ class PageArrays:
         self.shardings = [jax.sharding.SingleDeviceSharding(
             d, memory_kind="pinned_host" if "pinned_host" in k else None)
             for d, k in zip(self.devices, kinds)]
-        # The bytes of one shard's part of a page: every layer's block of that shard.
-        self.shard_bytes = [sum(hi - lo for lo, hi in (r[s] for r in self.ranges))
-                            for s in range(len(self.devices))]
+        # Where each shard's part of a page (every layer's block of that shard) lies.
+        self.spans = [(self.ranges[0][s][0], self.ranges[-1][s][1])
+                      for s in range(len(self.devices))]
+        for s, (lo, _) in enumerate(self.spans):
+            ends = [lo] + [r[s][1] for r in self.ranges[:-1]]
+            if [r[s][0] for r in self.ranges] != ends:
+                raise ValueError(f"shard {s}'s layers are not side by side in a page "
+                                 f"(ranges {[tuple(r[s]) for r in self.ranges]}); a page "
+                                 "array holds one shard-major range")
+        self.shard_bytes = [hi - lo for lo, hi in self.spans]
         self._arrays: list[list[jax.Array] | None] = [None] * num_slots
         self._views: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
@@ -123,24 +132,21 @@ class PageArrays:
     def shard_view(self, slot: int, pos: int, shard: int) -> np.ndarray:
         """A writable view of one shard of layer ``pos`` of ``slot``'s page."""
         lo, hi = self.ranges[pos][shard]
-        start = sum(r[shard][1] - r[shard][0] for r in self.ranges[:pos])
+        start = lo - self.spans[shard][0]
         return self._shard_views(slot)[shard][start:start + hi - lo]
 
     def read(self, slot: int) -> np.ndarray:
-        """``slot``'s page in its canonical byte order (a new array)."""
+        """``slot``'s page in its byte order (a new array)."""
         out = np.empty(self.page_bytes, dtype=np.uint8)
-        for pos, shards in enumerate(self.ranges):
-            for s, (lo, hi) in enumerate(shards):
-                out[lo:hi] = self.shard_view(slot, pos, s)
+        for (lo, hi), view in zip(self.spans, self._shard_views(slot)):
+            out[lo:hi] = view
         return out
 
     def write(self, slot: int, data: np.ndarray) -> None:
-        """Stores a page given in its canonical byte order as new arrays of ``slot``."""
+        """Stores a page given in its byte order as new arrays of ``slot``."""
         data = np.asarray(data, dtype=np.uint8).reshape(-1)
         if data.size != self.page_bytes:
             raise ValueError(f"a page is {self.page_bytes} bytes; {data.size} were given")
-        arrays = []
-        for s, sharding in enumerate(self.shardings):
-            part = np.concatenate([data[r[s][0]:r[s][1]] for r in self.ranges])
-            arrays.append(jax.device_put(part.view(self.dtype), sharding))
+        arrays = [jax.device_put(np.array(data[lo:hi]).view(self.dtype), sharding)
+                  for (lo, hi), sharding in zip(self.spans, self.shardings)]
         self.put(slot, arrays)

@@ -2,8 +2,13 @@
 
 A *page* is one block index across every layer. Slot ``s`` of every class pool
 holds the same page, so a page is addressed by one ``(slot, generation)`` pair;
-each class stores its part of the page as one contiguous byte range:
-``[layer 0 shard 0 | layer 0 shard 1 | ... | layer L-1 shard S-1]``.
+each class stores its part of the page as one contiguous byte range, shard-major:
+``[shard 0: layer 0 | ... | layer L-1 | shard 1: layer 0 | ... | shard S-1: layer L-1]``
+(``SliceClass.shard_range``). Movers copy shard by shard, each shard on its own
+device, so each shard's part of a page is one contiguous range: one copy per page
+and shard, not one small strided copy per layer. For one-shard classes it is
+``[layer 0 | ... | layer L-1]``. A layer's bytes (``read_block_bytes``) are its
+shards' blocks in shard order, gathered from the shards' ranges.
 
 Every slot carries a generation that changes on each reuse, and each page records
 its key, generation and, per layer and shard, its digest. Digests and page blobs
@@ -246,21 +251,20 @@ class ClassPool:
                             f"{address:#x}); its pages would not reach the host pool")
         self._array = new
 
-    def layer_range(self, pos: int) -> tuple[int, int]:
-        """Byte range of layer ``pos`` (all shards) inside a page."""
-        size = self.cls.bytes_per_block
-        return pos * size, (pos + 1) * size
-
     def word_offsets(self, shard: int) -> tuple[int, ...]:
         """Where shard ``shard`` of each layer starts inside a page, in words of
         ``word_bytes`` (what programs reading or writing ``array`` in place take)."""
         return self._word_offsets[shard]
 
     def shard_range(self, pos: int, shard: int) -> tuple[int, int]:
-        """Byte range of one shard of layer ``pos`` inside a page."""
-        size = self.cls.shard_block_bytes
-        start = pos * self.cls.bytes_per_block + shard * size
-        return start, start + size
+        """Byte range of one shard of layer ``pos`` inside a page (shard-major:
+        ``SliceClass.shard_range``)."""
+        return self.cls.shard_range(pos, shard)
+
+    def shard_span(self, shard: int) -> tuple[int, int]:
+        """Byte range of shard ``shard``'s blocks of every layer inside a page (one
+        range: ``SliceClass.shard_span``)."""
+        return self.cls.shard_span(shard)
 
     @property
     def nbytes(self) -> int:
@@ -274,8 +278,8 @@ class ClassPool:
         return self.data[slot, lo:hi]
 
     def read_page(self, slot: int) -> np.ndarray:
-        """``slot``'s page (every layer, shards within each layer): a view where the
-        pool is one buffer, else a new array."""
+        """``slot``'s page (shard-major: each shard's layers side by side): a view
+        where the pool is one buffer, else a new array."""
         return self.pages.read(slot) if self.data is None else self.data[slot]
 
     def write_page(self, slot: int, data: np.ndarray) -> None:

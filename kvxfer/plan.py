@@ -3,8 +3,12 @@
 Layers whose blocks have the same dtype, block shape, sharding and device geometry
 form a *slice class*. Each class gets its own host pool, sized
 ``num_host_blocks × layers_in_class × bytes_per_block`` and stored page-first (one
-slot holds one block index across every layer of the class). No size or offset is
-derived from another class's layers.
+slot holds one block index across every layer of the class). Inside a page the
+layout is shard-major: each shard's blocks of every layer sit side by side
+(``SliceClass.shard_range``), so a shard's part of a page is one contiguous range,
+which a mover copying shard by shard moves as one copy rather than one per layer
+(small strided copies run copy engines at a fraction of the link). No size or offset
+is derived from another class's layers.
 
 Example:
     >>> from kvxfer.plan import LayerSpec, make_plan
@@ -207,6 +211,35 @@ class SliceClass:
     @property
     def shard_block_bytes(self) -> int:
         return self.bytes_per_block // self.num_shards
+
+    def shard_range(self, pos: int, shard: int) -> tuple[int, int]:
+        """Byte range of shard ``shard`` of layer position ``pos`` inside a page.
+
+        Pages are shard-major: shard ``s``'s blocks of every layer sit side by side
+        (``shard_span``), layer by layer, so a shard's part of a page is one range.
+
+        Example:
+            >>> plan = make_plan([LayerSpec(f"L{i}", (8, 4, 128), "float32", num_shards=2,
+            ...                             shard_shape=(8, 2, 128)) for i in range(3)], 4)
+            >>> c = plan.classes[0]
+            >>> c.shard_block_bytes, c.shard_range(1, 0), c.shard_range(0, 1)
+            (1024, (1024, 2048), (3072, 4096))
+        """
+        size = self.shard_block_bytes
+        start = shard * len(self.layers) * size + pos * size
+        return start, start + size
+
+    def shard_span(self, shard: int) -> tuple[int, int]:
+        """Byte range of shard ``shard``'s blocks of every layer inside a page.
+
+        Example:
+            >>> plan = make_plan([LayerSpec(f"L{i}", (8, 4, 128), "float32", num_shards=2,
+            ...                             shard_shape=(8, 2, 128)) for i in range(3)], 4)
+            >>> plan.classes[0].shard_span(1)
+            (3072, 6144)
+        """
+        size = len(self.layers) * self.shard_block_bytes
+        return shard * size, (shard + 1) * size
 
 
 _HOST_FORMAT: dict[str, str] = {

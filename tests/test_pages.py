@@ -199,3 +199,70 @@ def test_layers_sharded_along_other_axes_never_share_a_page():
     with pytest.raises(kvxfer.PageFormatError, match="another KV geometry"):
         mb.import_page(ma.export_page(page))
     ma.close(), mb.close()
+
+
+# Every mover, and the pinned mover's two routes: each fills the same pages.
+PATHS = ["raw", "staged", "pinned", "pinned-pages", "dma", "pallas"]
+
+
+@pytest.mark.cpu("2 devices (conftest.py's CPU devices); raw and pallas run on XLA:CPU")
+@pytest.mark.parametrize("path", PATHS)
+def test_a_sharded_page_holds_each_shards_layers_side_by_side(path, monkeypatch):
+    """Pages are shard-major: shard s's blocks of every layer are one range of the page
+    (what a mover copying shard by shard moves as one copy), whatever the mover, and a
+    page written back in that order loads exactly."""
+    if path == "pinned-pages":
+        monkeypatch.setenv("KVXFER_PINNED_MODE", "pages")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    heads = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tp", None))
+    caches = testing.random_caches(3, 8, (4, 128), "float32", sharding=heads, seed=5)
+    before = [testing.bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path=path.split("-")[0])
+    assert mgr.paths == [path.split("-")[0]] * 3
+    cls, = mgr.plan.classes
+    assert (cls.num_shards, cls.shard_block_bytes) == (2, 1024)
+    pages = mgr.offload(caches, [5, 2], keys=[1, 2]).wait()
+    fp = bytes.fromhex(mgr.fingerprint)
+    for page, b in zip(pages, [5, 2]):
+        shard = [np.split(before[i][b], 2, axis=0) for i in range(3)]  # [layer][shard]
+        want = b"".join(shard[i][s].tobytes() for s in range(2) for i in range(3))
+        assert decode(mgr.plan, fp, mgr.export_page(page)).data[0].tobytes() == want
+        for s in range(2):  # the pool's own ranges say the same
+            lo, hi = mgr.host_pool.pools[0].shard_span(s)
+            assert (lo, hi) == (s * 3 * 1024, (s + 1) * 3 * 1024)
+            assert want[lo:hi] == b"".join(shard[i][s].tobytes() for i in range(3))
+        for i in range(3):  # a layer's bytes: its shards in order, shard 0 first
+            assert mgr.read_block_bytes(page, i) == before[i][b].tobytes()
+    # Written back in that order (import_page writes the page whole), loaded exactly.
+    back = [mgr.import_page(mgr.export_page(p), key=p.key) for p in pages]
+    mgr.free(pages)
+    new, load = mgr.load(caches, back, [0, 7], gate="layer")
+    assert load.result().verified_prefix == 2
+    for i in range(3):
+        got = testing.bits(new[i])
+        assert np.array_equal(got[[0, 7]], before[i][[5, 2]]), i
+        assert np.array_equal(got[1:7], before[i][1:7]), i
+        for sh in new[i].addressable_shards:
+            assert np.array_equal(testing.bits(sh.data), got[sh.index]), (i, sh.device)
+    mgr.close()
+
+
+def test_a_page_of_the_layer_major_format_is_refused(monkeypatch):
+    """Version 1 pages held each layer's shards side by side: the same bytes in another
+    order. Their blobs are refused, and their fingerprint (which store keys carry)
+    differs, so a store never hands one to this kvxfer."""
+    from kvxfer.manager import _pages
+
+    caches = _mixed()
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    (page,) = mgr.offload(caches, [3], keys=[5]).wait()
+    blob = bytearray(mgr.export_page(page))
+    assert int.from_bytes(blob[8:12], "little") == _pages.PAGE_FORMAT_VERSION == 2
+    blob[8:12] = (1).to_bytes(4, "little")
+    with pytest.raises(kvxfer.PageFormatError, match="page format version 1") as err:
+        mgr.import_page(bytes(blob))
+    assert err.value.kind == "format version"
+    monkeypatch.setattr(_pages, "PAGE_FORMAT_VERSION", 1)
+    old = kvxfer.KVCacheManager(caches, num_host_blocks=2)
+    assert old.fingerprint != mgr.fingerprint
+    old.close(), mgr.close()

@@ -291,12 +291,14 @@ class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):
             first = 0
             for buffer in chunks:
                 host = np.asarray(buffer)  # [pages, layers of the kernel, *block]
-                raw = host.reshape(host.shape[0], host.shape[1], -1).view(np.uint8)[:k]
-                for i in range(raw.shape[1]):
-                    lo, hi = self.pool.shard_range(first + i, s)
-                    self.pool.data[slots, lo:hi] = raw[:, i]
-                    self.copied_on_host(raw[:, i].nbytes)
-                first += raw.shape[1]
+                raw = host.reshape(host.shape[0], -1).view(np.uint8)[:k]
+                m = host.shape[1]
+                # Pages are shard-major: a shard's consecutive layers are one range.
+                lo, hi = self.pool.shard_range(first, s)[0], \
+                    self.pool.shard_range(first + m - 1, s)[1]
+                self.pool.data[slots, lo:hi] = raw
+                self.copied_on_host(raw.nbytes)
+                first += m
         if digests is not None:
             d = digests.get()
             for s in range(self.cls.num_shards):

@@ -228,17 +228,13 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
 
     def finish_offload(self, state: PinnedOffload, slots):
         k = len(slots)
-        size = self.cls.shard_block_bytes
         for s, pages in state.copies:
             pages.block_until_ready()
             view = _host_view(pages)[:k]  # [k, L * shard bytes], in pinned memory
             self.copied_on_host(view.nbytes)
-            if self.cls.num_shards == 1:
-                RowCopy(slots, np.arange(k), view.shape[1])(self.pool.data, view)
-                continue
-            for pos in range(len(self.cls.layers)):
-                lo, hi = self.pool.shard_range(pos, s)
-                self.pool.data[slots, lo:hi] = view[:, pos * size:(pos + 1) * size]
+            # Pages are shard-major: the shard's layers are one range of each slot.
+            lo, hi = self.pool.shard_span(s)
+            RowCopy(slots, np.arange(k), hi - lo)(self.pool.data[:, lo:hi], view)
         for done in state.written:
             done.block_until_ready()
         if state.digests is not None:
@@ -251,10 +247,10 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
     def stage_load(self, layers, request: LoadRequest) -> list[PinnedInputs]:
         batch, slots = request.batch, np.asarray(request.slots)
         k, b = batch.k, len(batch.padded)
-        size = self.cls.shard_block_bytes
         work = []
         for s in range(self.cls.num_shards):
             packed = None
+            lo, hi = self.pool.shard_span(s)  # the shard's layers: one range of a slot
             for r in range(len(layers[0].shards[s])):
                 device = device_of(layers[0].shards[s][r])
                 if self._direct(device):
@@ -267,11 +263,9 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
                 src = zeros(self._packed_shape(b), self.pool.array.dtype, _pinned(device))
                 src.block_until_ready()
                 view = _host_view(src)
-                self.copied_on_host(k * len(self.cls.layers) * size)
+                self.copied_on_host(k * (hi - lo))
                 if packed is None:
-                    for pos in range(len(self.cls.layers)):
-                        lo, hi = self.pool.shard_range(pos, s)
-                        view[:k, pos * size:(pos + 1) * size] = self.pool.data[slots, lo:hi]
+                    RowCopy(np.arange(k), slots, hi - lo)(view, self.pool.data[:, lo:hi])
                     packed = view
                 else:
                     view[:k] = packed[:k]

@@ -5,10 +5,10 @@ TPU classes the Pallas kernels cannot move), with nothing copied on the host and
 arithmetic on host memory (XLA would turn it into host compute):
 
 * **offload**: one program per shard and bucket gathers the transfer's pages on the
-  device, page-major (each page's layers side by side, as a slot holds them), digests
-  them there, and returns each page as an array in the ``pinned_host`` memory of the
-  shard's device. That array becomes the page's storage (``PageArrays``): no copy into
-  a pool.
+  device, page-major (each page's layers side by side, as a shard-major slot holds
+  that shard's part), digests them there, and returns each page as an array in the
+  ``pinned_host`` memory of the shard's device. That array becomes the shard's part of
+  the page's storage (``PageArrays``): no copy into a pool.
 * **load**: the pages' arrays are moved to each replica's device with one batched
   ``device_put`` (staged, so ``prefetch`` can do it from any thread), then one program
   per shard replica and bucket writes them into the donated caches, one scatter per
@@ -123,9 +123,7 @@ class PinnedPagesMover(WaitsOnce, Mover[PagesOffload, list[PagesInputs], PagesLo
     @classmethod
     def host_backing(cls, slice_class, layers):
         devices = [device_of(reps[0]) for reps in layers[0].shards]
-        ranges = [[(pos * slice_class.bytes_per_block + s * slice_class.shard_block_bytes,
-                    pos * slice_class.bytes_per_block + (s + 1) * slice_class.shard_block_bytes)
-                   for s in range(slice_class.num_shards)]
+        ranges = [[slice_class.shard_range(pos, s) for s in range(slice_class.num_shards)]
                   for pos in range(len(slice_class.layers))]
 
         def make(num_slots: int) -> PageArrays:

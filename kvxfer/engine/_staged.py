@@ -304,13 +304,9 @@ class StagedMover(WaitsOnce, Mover[StagedOffload, list[StagedInputs], StagedLoad
                 staging = self._arena.take((n, len(layers)) + first.shape[1:], dtype)
                 lent = staging
                 flat = staging.reshape(n, -1).view(np.uint8)
-                if flat.shape[1] == self.pool.data.shape[1]:  # a page is the pool's row
-                    RowCopy(np.arange(k), slots, flat.shape[1])(flat, self.pool.data)
-                else:
-                    copy = RowCopy(np.arange(k), slots, size)
-                    for pos in range(len(layers)):
-                        lo, hi = self.pool.shard_range(pos, s)
-                        copy(flat[:, pos * size:(pos + 1) * size], self.pool.data[:, lo:hi])
+                # Pages are shard-major: the shard's layers are one range of a slot.
+                lo, hi = self.pool.shard_span(s)
+                RowCopy(np.arange(k), slots, hi - lo)(flat, self.pool.data[:, lo:hi])
             else:
                 # Padding rows are dropped by the scatter: left as they are, not zeroed;
                 # each layer's rows are copied straight into place (runs of slots as

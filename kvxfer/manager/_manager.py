@@ -557,7 +557,11 @@ class KVCacheManager:
         return self._host.is_valid(page)
 
     def read_block_bytes(self, page: PageRef, layer: int) -> bytes:
-        """The host bytes of one layer of a page (all shards, shard-major)."""
+        """The host bytes of one layer of a page: every shard's block, shard 0 first.
+
+        Gathered from the shards' ranges of the page (pages are shard-major: each
+        shard's layers side by side), so this order does not depend on the page's.
+        """
         return self._host.read_block_bytes(page, layer)
 
     def write_block_bytes(self, page: PageRef, layer: int,
@@ -572,7 +576,8 @@ class KVCacheManager:
         Args:
           page: a valid page.
           layer: the layer.
-          data: exactly ``plan.class_of_layer(layer)[0].bytes_per_block`` bytes.
+          data: exactly ``plan.class_of_layer(layer)[0].bytes_per_block`` bytes, in
+            ``read_block_bytes``'s order (every shard's block, shard 0 first).
 
         Raises:
           TypeError: ``data`` is not bytes-like. ValueError: wrong length.

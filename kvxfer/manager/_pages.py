@@ -7,6 +7,9 @@ A blob is what ``KVCacheManager.export_page`` makes and ``import_page`` takes ba
     then, per slice class held:
             class index u32 | page bytes u64 | page bytes | digests uint32[L, S, 4]
 
+A class's page bytes are its host slot's, shard-major: shard 0's blocks of every
+layer, then shard 1's, ... (``SliceClass.shard_range``).
+
 All integers are little-endian. The digests are the ones made on the device when
 the page was first offloaded; they are bound to the page's key and *seal* (the
 generation of the slot that made them), so an imported page is checked on the
@@ -33,8 +36,14 @@ from kvxfer.plan import Plan
 __all__ = ["PAGE_FORMAT_VERSION", "PageFormatError", "PageBlob", "fingerprint", "encode",
            "decode", "first_span", "blob_bytes"]
 
-PAGE_FORMAT_VERSION = 1
-"""Version of the blob format and of what a page's bytes mean; in every fingerprint."""
+PAGE_FORMAT_VERSION = 2
+"""Version of the blob format and of what a page's bytes mean; in every fingerprint.
+
+2: pages are shard-major (``SliceClass.shard_range``: each shard's layers side by
+side). 1 was layer-major (each layer's shards side by side): the same bytes in
+another order, so a version 1 page is refused (``"format version"``), and its store
+keys (which carry the fingerprint) are never looked up.
+"""
 
 _MAGIC = b"KVXPAGE1"
 _HEADER = struct.Struct("<8sIIQIIQ16s")
