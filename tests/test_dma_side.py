@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import re
+import time
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ import kvxfer
 from kvxfer import testing
 from kvxfer.engine import COPY_ENGINES, TransferError, _dma
 from kvxfer.engine._copies import TICKETS
-from kvxfer.engine._dma_side import layer_groups
+from kvxfer.engine._dma_side import layer_groups, reap
 from kvxfer.engine._mover import _args_abstract, _sds
 from kvxfer.engine import _programs
 
@@ -141,7 +142,11 @@ def test_past_the_staging_budget_a_load_copies_on_xlas_stream(fake, monkeypatch,
     first.release()
     del first
     gc.collect()
-    mgr.load(new, pages[:1], [7])[1].result()  # reaps the released staging
+    mgr.load(new, pages[:1], [7])[1].result()
+    deadline = time.monotonic() + 10
+    while _dma._SIDE.held and time.monotonic() < deadline:  # once its copies are done
+        reap()
+        time.sleep(0.05)
     assert _dma._SIDE.held == 0
     mgr.close()
 
@@ -189,3 +194,25 @@ def test_each_group_waits_then_scatters_before_the_next_waits():
     assert not re.search(rf"copy\(\S*staging", entry)
     assert f"u32[{rows},{layers * words}]" not in "".join(
         line for line in entry.splitlines() if " copy(" in line)
+
+
+@pytest.mark.cpu("2 devices (conftest.py's CPU devices)")
+@pytest.mark.parametrize("stream", ["xla", "side"])
+def test_a_sharded_class_moves_a_page_of_a_shard_in_one_copy(fake, monkeypatch, stream):
+    """Pages are shard-major, so with the relayout a shard's part of a page is one
+    copy: 3 pages x 4 layers of 1 KiB shard blocks are 3 copies per shard, not 12."""
+    monkeypatch.setenv("KVXFER_DMA_RELAYOUT", "always")
+    monkeypatch.setenv("KVXFER_DMA_STREAM", stream)
+    mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
+    caches = [jax.device_put(c, NamedSharding(mesh, P(None, "tensor")))
+              for c in testing.random_caches(4, 16, (4, 128), "bfloat16", seed=2)]
+    before = [bits(c) for c in caches]
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    assert mgr._movers[0].relayout and mgr.plan.classes[0].num_shards == 2
+    pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
+    new, load = mgr.load(caches, pages, [0, 5, 6])
+    assert load.result().verified_prefix == 3
+    for c, b in zip(new, before):
+        assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
+    assert [b["count"] for b in calls(fake, "batch")] == [3] * 4  # 2 shards, each way
+    mgr.close()
