@@ -18,6 +18,7 @@ from kvxfer import _cli_target
 from kvxfer import _resources
 from kvxfer import catalog as _catalog
 from kvxfer._check import bounded_int, byte_size, path_name, positive_int
+from kvxfer._requires import JaxVersionError
 from kvxfer._text import format_bytes, table
 from kvxfer._version import __version__
 from kvxfer.layout import LayoutError, SliceGeometry, inspect
@@ -273,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (UsageError, LayoutError, ValueError, OSError, TimeoutError, MemoryError,
-            RecursionError, CompilerUnavailableError) as e:
+            RecursionError, CompilerUnavailableError, JaxVersionError) as e:
         return _one_line(args.command, e)
     except RuntimeError as e:
         # The accelerator ran out of memory: an outcome of the sizes asked for, not a bug.

@@ -37,6 +37,7 @@ import numpy as np
 
 from kvxfer._hostmem import HostMemory
 from kvxfer._pagearrays import PageArrays
+from kvxfer._requires import require_jax
 from kvxfer.layout import dtype_of
 from kvxfer.plan import Plan, SliceClass
 
@@ -147,6 +148,8 @@ def _allocate_bytes(nbytes: int, pinned: bool, device: Any, word: int = 1,
     if pinned and nbytes:
         import jax
         import jax.numpy as jnp
+
+        require_jax()  # XLA:CPU compiles pinned_host outputs from JAX_FLOOR on
 
         if nbytes % (word * rows):
             raise ValueError(f"{nbytes} bytes are not {rows} rows of {word}-byte words")

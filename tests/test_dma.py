@@ -279,19 +279,6 @@ def vm_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def test_without_buffer_callback_the_mover_is_refused_with_its_reason(monkeypatch):
-    """jax before 0.6.1 has no ``buffer_callback``: ``import kvxfer`` still works and
-    the DMA mover says why it cannot run."""
-    from kvxfer.engine import _dma
-
-    monkeypatch.setattr(_dma, "buffer_callback", None)
-    x = jnp.zeros((8, 128), jnp.float32)
-    assert "has no jax.experimental.buffer_callback (first shipped in jax 0.6.1)" in \
-        dma_refusal(x)
-    with pytest.raises(kvxfer.LayoutError, match="buffer_callback"):
-        kvxfer.KVCacheManager([x], num_host_blocks=2, path="dma")
-
-
 def test_a_failed_pin_releases_nothing_twice():
     fake = FakeDriver(fail={"cuMemHostRegister": CUDA_ERROR_OUT_OF_MEMORY})
     engine = CudaCopyEngine(fake.driver(), ordinal=0)

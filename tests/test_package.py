@@ -2,8 +2,12 @@
 
 import ast
 import importlib
+import os
 import pathlib
 import pkgutil
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -131,3 +135,72 @@ def test_the_cache_package_keeps_small_rooms():
            for node, n in _spans(p)
            if n > (300 if isinstance(node, ast.ClassDef) else 60)]
     assert big == [], "classes over 300 lines or functions over 60 in kvxfer/cache/"
+
+
+def _requirements():
+    """The package's requirement strings: pyproject.toml's beside tests/ (a checkout),
+    else the installed distribution's (CI runs a copy of tests/ without it)."""
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    if pyproject.exists():
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            import tomli as tomllib
+        return tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]
+    import importlib.metadata
+
+    return importlib.metadata.requires("kvxfer")
+
+
+def test_the_stated_jax_floor_is_the_one_the_code_checks():
+    from kvxfer._requires import JAX_FLOOR
+
+    floors = {}
+    for req in _requirements():
+        m = re.match(r"(jax|jaxlib)\s*>=\s*([0-9][^,;\s]*)\s*(?:;|$)", req)
+        if m:
+            floors[m.group(1)] = m.group(2)
+    assert floors == {"jax": JAX_FLOOR, "jaxlib": JAX_FLOOR}
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"jax and jaxlib {JAX_FLOOR} or newer" in readme
+
+
+def test_an_older_jax_is_refused_naming_the_floor():
+    from kvxfer._requires import JAX_FLOOR, JaxVersionError, jax_refusal, require_jax
+
+    require_jax()  # the jax the tests run on
+    assert issubclass(JaxVersionError, ImportError)
+    assert jax_refusal({"jax": JAX_FLOOR, "jaxlib": "0.11.0.dev20260101"}) is None
+    why = jax_refusal({"jax": "0.10.1", "jaxlib": "0.10.1"})
+    assert f"jax and jaxlib {JAX_FLOOR} or newer" in why
+    assert "this environment has jax 0.10.1, jaxlib 0.10.1" in why
+    assert jax_refusal({"jax": JAX_FLOOR, "jaxlib": "0.9.2"}) is not None
+    with pytest.raises(ValueError, match="'nightly' \\(str\\) does not start"):
+        jax_refusal({"jax": "nightly"})
+
+
+def test_the_engine_refuses_to_import_under_an_older_jax():
+    """``import kvxfer`` needs no JAX; what runs transfers fails on import, with the
+    versions it needs, where the installed jax is older than the floor, and the command
+    line says so on one line (exit 2)."""
+    from kvxfer._requires import JAX_FLOOR
+
+    code = ("import sys, jax, jaxlib\n"
+            "jax.__version__ = jaxlib.__version__ = '0.10.1'\n"
+            "import kvxfer\n"
+            "from kvxfer import cli\n"
+            "from kvxfer._requires import JaxVersionError\n"
+            "for get in (lambda: kvxfer.KVCacheManager, lambda: __import__('kvxfer.cache')):\n"
+            "    try:\n"
+            "        get()\n"
+            "    except JaxVersionError as e:\n"
+            "        print(e)\n"
+            "sys.exit(cli.main(['demo', '--quiet']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all("this environment has jax 0.10.1, jaxlib 0.10.1" in line
+                                   for line in lines), (out.stdout, out.stderr)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"kvxfer demo: error: kvxfer needs jax and jaxlib {JAX_FLOOR} or newer"), out.stderr

@@ -50,6 +50,12 @@ into shards (``abstract_layer``), a mover's programs (``transfer_programs``,
 imported from here, so nothing outside the package imports its private modules.
 """
 
+from kvxfer._requires import require_jax
+
+# First, before the movers' modules import jax: an older jax or jaxlib is refused here
+# with the versions kvxfer needs (JaxVersionError), not by jax later, inside a transfer.
+require_jax()
+
 from kvxfer.engine._aot import ProgramCheck as ProgramCheck
 from kvxfer.engine._aot import ProgramJob as ProgramJob
 from kvxfer.engine._aot import abstract_layer as abstract_layer

@@ -52,10 +52,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-try:
-    from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
-except ImportError:  # jax before 0.6.1: the mover is refused (``dma_refusal`` says why)
-    ExecutionStage = buffer_callback = None
+from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
 from kvxfer._hostmem import HostMemory
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
@@ -111,14 +108,6 @@ def copy_engine(device: Any) -> CopyEngine:
     return make(device)
 
 
-def _jax_refusal() -> str | None:
-    """Why this jax cannot run the mover's programs (None: it can)."""
-    if buffer_callback is None:
-        return (f"jax {jax.__version__} has no jax.experimental.buffer_callback "
-                "(first shipped in jax 0.6.1)")
-    return None
-
-
 def _engine_refusal(device: Any) -> str | None:
     make = COPY_ENGINES.get(device.platform)
     if make is None:
@@ -129,20 +118,16 @@ def _engine_refusal(device: Any) -> str | None:
 def dma_refusal(array: jax.Array) -> str | None:
     """Why the DMA mover cannot move ``array``'s blocks (None: it can).
 
-    It needs ``jax.experimental.buffer_callback`` (jax 0.6.1 or newer) and a copy
-    engine reaching every device holding the array (XLA:CPU, or an NVIDIA GPU with
-    ``cuda-bindings``), and every block must be one byte range at a fixed
-    stride: a row-major layout of whole-byte elements (what the copy descriptors
-    address), proven addressable by the inspector.
+    It needs a copy engine reaching every device holding the array (XLA:CPU, or an
+    NVIDIA GPU with ``cuda-bindings``), and every block must be one byte range at a
+    fixed stride: a row-major layout of whole-byte elements (what the copy
+    descriptors address), proven addressable by the inspector.
 
     Example:
         >>> import jax.numpy as jnp
         >>> dma_refusal(jnp.zeros((8, 128), jnp.bfloat16)) is None
         True
     """
-    why = _jax_refusal()
-    if why is not None:
-        return why
     for device in array.sharding.device_set:
         why = _engine_refusal(device)
         if why is not None:
