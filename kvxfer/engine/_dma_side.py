@@ -39,10 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-try:
-    from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
-except ImportError:  # jax before 0.6.1: the mover is refused (``dma_refusal`` says why)
-    ExecutionStage = buffer_callback = None
+from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
 from kvxfer.engine._copies import TICKETS, CopyJob, buffer_address, step_fault
 from kvxfer.engine._mover import TransferError
