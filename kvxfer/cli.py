@@ -265,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         command = next((a for a in (argv if argv is not None else sys.argv[1:])
                         if not a.startswith("-")), None)
-        print(f"kvxfer{' ' + command if command else ''}: error: {e}", file=sys.stderr)
+        # One line, however the value was typed: a newline in it is shown escaped.
+        message = str(e).replace("\r", "\\r").replace("\n", "\\n")
+        print(f"kvxfer{' ' + command if command else ''}: error: {message}", file=sys.stderr)
         return 2
     devices = getattr(args, "devices", None)
     if isinstance(devices, int) and devices > 1:

@@ -122,6 +122,14 @@ def test_version():
     (["nosuch"], "invalid choice: 'nosuch'"),
     ([], "the following arguments are required: command"),
     (["plan"], "the following arguments are required: --config"),
+    (["plan", "--config", "two\nlines"], "'two\\nlines': no such file"),
+    (["aot", "--target", "v6e", "--config", "nosuch"], "--config: nosuch: no such file"),
+    (["inspect", "--target", "v6e", "--shape", "8,128", "--dtype", "bf16", "--num-blocks",
+      "4"], "--num-blocks 4 does not go with --shape"),
+    (["inspect", "--target", "v6e", "--config", "tiny", "--shard-dim", "1"],
+     "--shard-dim 1 does not go with --config"),
+    (["inspect", "--target", "v6e", "--catalog", "seeds", "--devices", "2"],
+     "--devices 2 does not go with --catalog"),
 ])
 def test_argument_errors_are_one_line(args, match):
     r = kvxfer(*args)
