@@ -269,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(e).replace("\r", "\\r").replace("\n", "\\n")
         print(f"kvxfer{' ' + command if command else ''}: error: {message}", file=sys.stderr)
         return 2
+    _cpu_where_no_accelerator()
     devices = getattr(args, "devices", None)
     if isinstance(devices, int) and devices > 1:
         _ask_for_cpu_devices(devices)
@@ -304,6 +305,30 @@ def _one_line(command: str, e: BaseException) -> int:
         message = f"out of host memory ({message})"
     print(f"kvxfer {command}: error: {message}", file=sys.stderr)
     return 2
+
+
+def _cpu_where_no_accelerator() -> None:
+    """Before JAX starts, on a machine with no TPU and no GPU, and unless the user says
+    otherwise (``JAX_PLATFORMS``): JAX on the CPU. With libtpu installed (the ``tpu``
+    extra, for deviceless compiles) JAX would try a TPU first, and libtpu prints lines
+    of its failure to start on stderr around the command's own one line."""
+    if "jax" in sys.modules or "JAX_PLATFORMS" in os.environ:
+        return
+    import glob
+
+    pci = glob.glob("/sys/bus/pci/devices/*/vendor")
+    if not pci or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or any(
+            os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg",
+                                        "/dev/kfd")):
+        return  # an accelerator, or no way to tell: JAX's own choice
+    for path in pci:
+        try:
+            with open(path, encoding="ascii") as f:
+                if f.read().strip() == "0x1ae0":  # Google's PCI vendor id: a TPU chip
+                    return
+        except OSError:
+            return
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def _ask_for_cpu_devices(devices: int) -> None:

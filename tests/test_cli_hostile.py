@@ -99,8 +99,27 @@ def test_commands_that_need_no_jax_do_not_import_it(argv):
     assert "jax" not in got["modules"], argv
 
 
-def test_help_does_not_even_import_ml_dtypes():
-    assert "ml_dtypes" not in _imports_after(["--help"])["modules"]
+@pytest.mark.parametrize("argv", [["--help"], ["probe", "--help"], ["aot", "--help"],
+                                  ["bench", "--help"], ["demo", "--help"]])
+def test_help_does_not_even_import_numpy(argv):
+    modules = _imports_after(argv)["modules"]
+    assert not {"numpy", "ml_dtypes"} & set(modules), argv
+
+
+def test_a_refusal_after_jax_starts_is_still_one_line():
+    """With libtpu installed (the tpu extra) and JAX_PLATFORMS unset, JAX on a machine
+    with no TPU would try one first and libtpu would print its failure on stderr."""
+    env = _env()
+    env.pop("JAX_PLATFORMS", None)
+    # libtpu starts (and fails, and says so) every time, not only while no other
+    # process on the machine holds its lock file.
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "probe", "--config", "tiny",
+                          "--inject", "one-shard"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "kvxfer probe: error: --inject one-shard needs a sharded layer (use --devices 2+)"]
 
 
 def test_sizes_take_units():
