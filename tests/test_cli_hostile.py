@@ -74,13 +74,17 @@ def test_every_option_takes_hostile_values_as_one_line_or_a_bounded_run(command,
 
 
 def _imports_after(argv):
-    """The modules ``kvxfer ARGV`` leaves imported (run in a fresh interpreter)."""
+    """The modules ``kvxfer ARGV`` leaves imported (run in a fresh interpreter, with
+    ``JAX_PLATFORMS`` unset as a user's shell has it: with libtpu installed, JAX would
+    then try a TPU first)."""
     code = ("import sys, json; from kvxfer import cli\n"
             "try:\n    status = cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    status = e.code\n"
             "print(json.dumps({'status': status, 'modules': sorted(sys.modules)}))")
+    env = _env()
+    env.pop("JAX_PLATFORMS", None)
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
-                         text=True, timeout=120, env=_env())
+                         text=True, timeout=120, env=env)
     return json.loads(out.stdout.splitlines()[-1])
 
 
