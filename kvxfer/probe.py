@@ -134,9 +134,9 @@ def _check_size(spec: _config.ModelSpec, num_pages: int, num_blocks: int | None,
                 devices: int, emulate_tpu: bool) -> None:
     """Refuses, before anything is allocated, pages above the device blocks and a probe
     whose caches (held about five times: the caches, their clobbered copies, the
-    expected and loaded bits, the result) and host pool exceed the host memory available
-    now (``BudgetError``, naming the sizes)."""
-    from kvxfer.plan import BudgetError, available_host_memory
+    expected and loaded bits, the result), host pool and per-device runtime exceed the
+    host memory available now (``BudgetError``, naming the sizes)."""
+    from kvxfer.plan import RUNTIME_BYTES_PER_DEVICE, BudgetError, available_host_memory
 
     layers = spec.layer_specs(num_blocks, num_devices=devices, emulate_tpu=emulate_tpu)
     n = layers[0].num_blocks if layers else 0
@@ -145,12 +145,15 @@ def _check_size(spec: _config.ModelSpec, num_pages: int, num_blocks: int | None,
                          f"of {spec.name} (raise --num-blocks or lower --pages)")
     caches = sum(s.num_blocks * s.logical_block_bytes for s in layers)
     pool = num_pages * sum(s.logical_block_bytes for s in layers)
-    need, have = 5 * caches + 2 * pool, available_host_memory()
+    runtime = devices * RUNTIME_BYTES_PER_DEVICE
+    need, have = 5 * caches + 2 * pool + runtime, available_host_memory()
     if need > have:
         raise BudgetError(f"probing {spec.name} with {n} blocks per layer and {num_pages} "
-                          f"pages needs about {format_bytes(need)} of host memory (caches "
+                          f"pages on {devices} device{'s' if devices != 1 else ''} needs "
+                          f"about {format_bytes(need)} of host memory (caches "
                           f"{format_bytes(caches)} held five times, host pool "
-                          f"{format_bytes(pool)}); {format_bytes(have)} is available")
+                          f"{format_bytes(pool)}, runtime {format_bytes(runtime)}); "
+                          f"{format_bytes(have)} is available")
 
 
 def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None,
