@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvxfer import config as _config
-from kvxfer import tpu
-from kvxfer._check import bounded_int
+from kvxfer import _resources
+from kvxfer._check import MAX_LAYERS, bounded_int
+from kvxfer._names import GENERATIONS
 
 __all__ = ["register_cli"]
 
@@ -28,11 +28,11 @@ def register_cli(sub: Any) -> None:
         "and checks each for host compute and device-memory staging. Exit 0 only when "
         "every program compiled clean; 2 without libtpu (pip install 'kvxfer[tpu]').")
     p.add_argument("--target", required=True,
-                   help=f"a TPU generation ({', '.join(tpu.GENERATIONS)}) or topology "
+                   help=f"a TPU generation ({', '.join(GENERATIONS)}) or topology "
                    "(e.g. v6e:2x4)")
-    p.add_argument("--config", action="append",
+    p.add_argument("--config", action="append", type=_resources.argument("configs"),
                    help="a built-in config name or a TOML file (repeatable; default: every "
-                   f"built-in config: {', '.join(_config.builtin_names())})")
+                   f"built-in config: {', '.join(_resources.builtin_names('configs'))})")
     p.add_argument("--devices", type=bounded_int(1, 4096), default=1,
                    help="spread the caches over N devices, sharded as each config shards "
                    "(default 1)")
@@ -41,7 +41,7 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--pages", type=bounded_int(1, 65536), default=1,
                    help="compile for transfers of up to N pages: every bucket up to N "
                    "(default 1)")
-    p.add_argument("--max-layers", type=bounded_int(1, _config.MAX_LAYERS),
+    p.add_argument("--max-layers", type=bounded_int(1, MAX_LAYERS),
                    help="keep the first N layers of each layer group (a quicker check: "
                    "the programs differ only in how many layers they repeat; default: all)")
     p.add_argument("--json", action="store_true", help="one JSON object per program")

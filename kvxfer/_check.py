@@ -6,20 +6,31 @@ import argparse
 import math
 import os
 import stat
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from kvxfer._text import parse_bytes
 
 __all__ = ["check_int", "check_timeout", "positive_int", "bounded_int", "byte_size",
-           "path_name", "out_dir", "MAX_COUNT"]
+           "path_name", "out_dir", "MAX_COUNT", "MAX_LAYERS"]
 
 MAX_COUNT = 1 << 31
 """The largest count (pages, blocks, layers, ...) any command takes: larger values are
 refused as typed, before anything is sized from them."""
+
+MAX_LAYERS = 4096
+"""The most layers a model config may have (what a real model can need)."""
+
+
+def _kinds() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """``(bools, ints, floats)``, numpy's among them once numpy is imported (no numpy
+    scalar exists before), so the command line's checks start without numpy."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return (bool,), (int,), (float,)
+    return (bool, np.bool_), (int, np.integer), (float, np.floating)
 
 
 def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
@@ -31,11 +42,12 @@ def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
       TypeError: not an integer, naming ``name``, the value and its type.
       ValueError: below ``minimum``.
     """
-    if isinstance(value, (bool, np.bool_)):
+    bools, ints, floats = _kinds()
+    if isinstance(value, bools):
         raise TypeError(f"{name}={value!r} must be an int, not a bool")
-    if isinstance(value, (int, np.integer)):
+    if isinstance(value, ints):
         out = int(value)
-    elif isinstance(value, (float, np.floating)) and math.isfinite(value) and \
+    elif isinstance(value, floats) and math.isfinite(value) and \
             float(value).is_integer():
         out = int(value)
     else:
@@ -63,8 +75,8 @@ def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
     """
     if timeout is None:
         return None
-    if isinstance(timeout, (bool, np.bool_)) or \
-            not isinstance(timeout, (int, float, np.integer, np.floating)):
+    bools, ints, floats = _kinds()
+    if isinstance(timeout, bools) or not isinstance(timeout, ints + floats):
         raise TypeError(f"{name}={timeout!r} must be None or a number of seconds. Got "
                         f"{type(timeout).__name__}")
     try:

@@ -75,6 +75,7 @@ def inspect_target(args: argparse.Namespace, row: Any, header: list[str],
     every entry of a catalogue. Bad combinations are ``ValueError``s (one line, exit 2)."""
     from kvxfer import tpu
 
+    _only_where_used(args)
     tpu.require_compiler()
     if args.catalog is not None:
         return _inspect_catalog(args, row, header)
@@ -110,6 +111,23 @@ def inspect_target(args: argparse.Namespace, row: Any, header: list[str],
         for line in alternatives_lines(c, name):
             print(line)
     return 0
+
+
+def _only_where_used(args: argparse.Namespace) -> None:
+    """Refuses an option the source of arrays asked for does not use, rather than
+    ignoring it: with --shape the block count is the shape's, with --config the split
+    is the config's, and a catalogue's entries are each one replicated array."""
+    unused = {"shape": (("num_blocks",), "the block count is the shape's dim 0"),
+              "config": (("shard_dim",), "the config says how its layers split"),
+              "catalog": (("devices", "shard_dim", "num_blocks"),
+                          "each entry is one array, replicated")}
+    source = next(s for s in unused if getattr(args, s) is not None)
+    options, why = unused[source]
+    for option in options:
+        value = getattr(args, option)
+        if value is not None and not (option == "devices" and value == 1):
+            raise ValueError(f"--{option.replace('_', '-')} {value} does not go with "
+                             f"--{source} ({why})")
 
 
 def _inspect_catalog(args: argparse.Namespace, row: Any, header: list[str]) -> int:
@@ -154,8 +172,6 @@ def _inspect_catalog(args: argparse.Namespace, row: Any, header: list[str]) -> i
 def plan_layers(spec: Any, args: argparse.Namespace) -> tuple[list[Any], list[str], dict]:
     """The plan's layers, lines that say where each group's layout came from, and the
     JSON fields saying so."""
-    from kvxfer import tpu
-
     n = args.num_blocks or spec.num_device_blocks
     if args.target is None:
         layers = spec.layer_specs(args.num_blocks, num_devices=args.devices,
@@ -173,6 +189,8 @@ def plan_layers(spec: Any, args: argparse.Namespace) -> tuple[list[Any], list[st
     if args.no_tpu_layouts:
         raise ValueError("--no-tpu-layouts and --target both say where layouts come "
                          "from: give one")
+    from kvxfer import tpu
+
     layers, per_group = tpu.compiler_layer_specs(spec, args.target, args.num_blocks,
                                                  args.devices)
     lines = [source_line(per_group[0]).replace("layout", "layouts", 1) + ", per shard, at "

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["PathMode", "PATHS", "IntegrityMode", "Gate", "Fault", "FAULTS"]
+__all__ = ["PathMode", "PATHS", "IntegrityMode", "Gate", "Fault", "FAULTS", "GENERATIONS",
+           "PlanPath"]
 
 PathMode = Literal["auto", "staged", "raw", "pinned", "pallas", "dma"]
 """``"auto"``: the fastest proven mover per class (``AUTO_RULES``); ``"staged"``:
@@ -35,3 +36,11 @@ Fault = Literal["bitflip", "wrong-key", "misfile", "stale-slot", "one-shard", "t
 FAULTS: tuple[str, ...] = get_args(Fault)
 """The faults ``kvxfer.testing.inject`` and ``kvxfer probe --inject`` know (meanings:
 ``kvxfer.testing``)."""
+
+GENERATIONS: tuple[str, ...] = ("v4", "v5e", "v5p", "v6e", "tpu7x")
+"""The TPU generations libtpu compiles for here, oldest first (``kvxfer.tpu``)."""
+
+PlanPath = Literal["staged", "raw", "auto"]
+"""How a plan sizes host blocks (``kvxfer.plan.Path``): ``"staged"`` dense logical
+blocks; ``"raw"`` the device bytes a raw copy moves; ``"auto"`` device bytes where
+addressable, else dense."""

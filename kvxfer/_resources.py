@@ -50,6 +50,12 @@ def _not_a_file(p: Path | int) -> str | None:
                 "not a regular file")
 
 
+def _shown(text: str) -> str:
+    """``text`` as an error message names it: quoted where it is empty or holds a
+    character that would not print as itself (a newline would split the one line)."""
+    return text if text.strip() and text.isprintable() else repr(text)
+
+
 def data_dir(kind: Kind) -> Path:
     """Where the built-in ``kind`` files are: inside the package, else the checkout's."""
     inside = _PACKAGE / kind
@@ -84,14 +90,14 @@ def find(kind: Kind, name: str | os.PathLike[str]) -> Path:
         'seeds.json'
     """
     text = os.fspath(name)
-    shown = text if text.strip() else repr(text)
+    shown = _shown(text)
     if not text.strip() or "\0" in text:
         raise UnknownNameError(f"{shown}: expected a built-in {_WHAT[kind]} name or a "
                                f"{_SUFFIX[kind]} file")
     p = Path(text)
     what = _not_a_file(p)
     if what is not None:
-        raise UnknownNameError(f"{text}: is {what}, not a {_WHAT[kind]} file")
+        raise UnknownNameError(f"{shown}: is {what}, not a {_WHAT[kind]} file")
     if p.is_file():
         return p
     stem = p.name[:-len(_SUFFIX[kind])] if p.name.endswith(_SUFFIX[kind]) else p.name
@@ -100,7 +106,7 @@ def find(kind: Kind, name: str | os.PathLike[str]) -> Path:
     if bare and stem in names:
         return data_dir(kind) / f"{stem}{_SUFFIX[kind]}"
     raise UnknownNameError(
-        f"{text}: no such file and no built-in {_WHAT[kind]} of that name (built-in "
+        f"{shown}: no such file and no built-in {_WHAT[kind]} of that name (built-in "
         f"{_WHAT[kind]}s: {', '.join(names) or 'none found in ' + str(data_dir(kind))})")
 
 
@@ -117,15 +123,15 @@ def read(kind: Kind, name: str | os.PathLike[str]) -> tuple[Path, bytes]:
         >>> path.name, data[:1]
         ('seeds.json', b'{')
     """
-    path = find(kind, name)
+    path, shown = find(kind, name), _shown(os.fspath(name))
     # Non-blocking, so a FIFO put there since ``find`` looked cannot hang the open.
     with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
         what = _not_a_file(f.fileno())
         if what is not None:
-            raise UnknownNameError(f"{os.fspath(name)}: is {what}, not a {_WHAT[kind]} file")
+            raise UnknownNameError(f"{shown}: is {what}, not a {_WHAT[kind]} file")
         data = f.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
-        raise UnknownNameError(f"{os.fspath(name)}: larger than {MAX_FILE_BYTES >> 20} MiB, "
+        raise UnknownNameError(f"{shown}: larger than {MAX_FILE_BYTES >> 20} MiB, "
                                f"too large for a {_WHAT[kind]} file")
     return path, data
 

@@ -12,17 +12,17 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvxfer import _cli_target
 from kvxfer import _resources
-from kvxfer import catalog as _catalog
 from kvxfer._check import bounded_int, byte_size, path_name, positive_int
 from kvxfer._requires import JaxVersionError
 from kvxfer._text import format_bytes, table
 from kvxfer._version import __version__
-from kvxfer.layout import LayoutError, SliceGeometry, inspect
-from kvxfer.tpu import CompilerUnavailableError
+
+if TYPE_CHECKING:
+    from kvxfer.layout import SliceGeometry
 
 __all__ = ["main", "main_entry", "build_parser", "UsageError"]
 
@@ -80,6 +80,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if getattr(args, option) not in (None, 1):
             raise UsageError(f"--{option.replace('_', '-')} {getattr(args, option)} goes "
                              "with --target (layouts from the TPU compiler)")
+    # What a command needs is imported when it runs: ``kvxfer --help`` starts without
+    # numpy (the layout module's).
+    from kvxfer import catalog as _catalog
+    from kvxfer.layout import inspect
+
     if args.shape is not None:
         if args.dtype is None:
             raise UsageError("--dtype is required with --shape")
@@ -207,7 +212,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _register_plan(sub: Any) -> None:
     from typing import get_args
 
-    from kvxfer.plan import Path
+    from kvxfer._names import PlanPath
 
     p = sub.add_parser("plan", help="host-memory plan of a model's KV caches, per slice class",
                        description="Groups a model's layers into slice classes, sizes each "
@@ -219,7 +224,8 @@ def _register_plan(sub: Any) -> None:
                    help="host pages (default: the config's)")
     p.add_argument("--num-blocks", type=positive_int,
                    help="device blocks per layer (default: config)")
-    p.add_argument("--path", type=path_name, choices=list(get_args(Path)), default="staged",
+    p.add_argument("--path", type=path_name, choices=list(get_args(PlanPath)),
+                   default="staged",
                    help="staged stores dense blocks; raw stores the device bytes a raw "
                    "copy moves (whole granularity groups when not addressable); auto: "
                    "device bytes where addressable, else dense blocks")
@@ -242,9 +248,9 @@ def _extra_commands() -> list[Callable[[Any], None]]:
     command imports what it runs when it runs. A new option is walked with hostile
     values by that test too; give it a ``type=`` that names a bad value.
     """
-    from kvxfer import _aot_cli, bench, demo, probe
+    from kvxfer import _aot_cli, _probe_cli, bench, demo
 
-    return [_register_plan, probe.register_cli, bench.register_cli, demo.register_cli,
+    return [_register_plan, _probe_cli.register_cli, bench.register_cli, demo.register_cli,
             _aot_cli.register_cli]
 
 
@@ -260,8 +266,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         command = next((a for a in (argv if argv is not None else sys.argv[1:])
                         if not a.startswith("-")), None)
-        print(f"kvxfer{' ' + command if command else ''}: error: {e}", file=sys.stderr)
+        # One line, however the value was typed: a newline in it is shown escaped.
+        message = str(e).replace("\r", "\\r").replace("\n", "\\n")
+        print(f"kvxfer{' ' + command if command else ''}: error: {message}", file=sys.stderr)
         return 2
+    _cpu_where_no_accelerator()
     devices = getattr(args, "devices", None)
     if isinstance(devices, int) and devices > 1:
         _ask_for_cpu_devices(devices)
@@ -273,12 +282,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (``| head``): stop quietly; further output goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (UsageError, LayoutError, ValueError, OSError, TimeoutError, MemoryError,
-            RecursionError, CompilerUnavailableError, JaxVersionError) as e:
+    except (UsageError, ValueError, OSError, TimeoutError, MemoryError,
+            RecursionError, JaxVersionError) as e:  # a LayoutError is a ValueError
         return _one_line(args.command, e)
     except RuntimeError as e:
-        # The accelerator ran out of memory: an outcome of the sizes asked for, not a bug.
-        if "RESOURCE_EXHAUSTED" not in str(e).split(":", 1)[0]:
+        # No TPU compiler here (kvxfer.tpu's error: that module is loaded when one is
+        # raised), or the accelerator ran out of memory: an outcome of the sizes asked
+        # for. Any other RuntimeError is a bug.
+        tpu = sys.modules.get("kvxfer.tpu")
+        if not (tpu is not None and isinstance(e, tpu.CompilerUnavailableError)
+                or "RESOURCE_EXHAUSTED" in str(e).split(":", 1)[0]):
             raise
         return _one_line(args.command, e)
 
@@ -293,6 +306,30 @@ def _one_line(command: str, e: BaseException) -> int:
         message = f"out of host memory ({message})"
     print(f"kvxfer {command}: error: {message}", file=sys.stderr)
     return 2
+
+
+def _cpu_where_no_accelerator() -> None:
+    """Before JAX starts, on a machine with no TPU and no GPU, and unless the user says
+    otherwise (``JAX_PLATFORMS``): JAX on the CPU. With libtpu installed (the ``tpu``
+    extra, for deviceless compiles) JAX would try a TPU first, and libtpu prints lines
+    of its failure to start on stderr around the command's own one line."""
+    if "jax" in sys.modules or "JAX_PLATFORMS" in os.environ:
+        return
+    import glob
+
+    pci = glob.glob("/sys/bus/pci/devices/*/vendor")
+    if not pci or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or any(
+            os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg",
+                                        "/dev/kfd")):
+        return  # an accelerator, or no way to tell: JAX's own choice
+    for path in pci:
+        try:
+            with open(path, encoding="ascii") as f:
+                if f.read().strip() == "0x1ae0":  # Google's PCI vendor id: a TPU chip
+                    return
+        except OSError:
+            return
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def _ask_for_cpu_devices(devices: int) -> None:

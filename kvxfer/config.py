@@ -73,6 +73,7 @@ except ModuleNotFoundError:  # Python 3.10 (TPU VM images): the same parser, as 
     import tomli as tomllib
 
 from kvxfer import _resources
+from kvxfer._check import MAX_LAYERS
 from kvxfer.layout import (Layout, LayoutError, SliceGeometry, dtype_name, dtype_of,
                            inspect)
 from kvxfer.plan import LayerSpec
@@ -81,9 +82,9 @@ __all__ = ["ConfigError", "LayerGroup", "ModelSpec", "load", "load_builtin",
            "builtin_names", "MAX_LAYERS"]
 
 
-# What a real model can need: layers per model, and block ids and host pages that
-# fit the int32 ids the engine uses. Larger values are refused before anything grows.
-MAX_LAYERS = 4096
+# What a real model can need: layers per model (MAX_LAYERS, kvxfer._check's, so the
+# command line names it without this module), and block ids and host pages that fit
+# the int32 ids the engine uses. Larger values are refused before anything grows.
 _MAX_COUNT = 2**31 - 1
 
 _TOP_KEYS = ("name", "description", "num_device_blocks", "num_host_blocks", "block_size",

@@ -24,21 +24,26 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from kvxfer._check import check_int
+from kvxfer._names import PlanPath as Path
 from kvxfer._text import format_bytes, table
 from kvxfer.layout import Layout, SliceGeometry, dtype_name, dtype_of, inspect, shape_text
 
 __all__ = ["BudgetError", "LayerSpec", "SliceClass", "Plan", "make_plan",
-           "default_host_memory_budget", "DEFAULT_BUDGET_FRACTION", "Path"]
+           "default_host_memory_budget", "DEFAULT_BUDGET_FRACTION", "Path",
+           "RUNTIME_BYTES_PER_DEVICE"]
 
-Path = Literal["staged", "raw", "auto"]
-"""How host blocks are sized: ``"staged"`` dense logical blocks; ``"raw"`` the device
-bytes a raw copy moves; ``"auto"`` device bytes where addressable, else dense."""
 
 # The default budget leaves room for the serving engine's own host memory.
 DEFAULT_BUDGET_FRACTION = 0.5
+
+RUNTIME_BYTES_PER_DEVICE = 24 << 20
+"""Host memory a JAX process holds per device beyond the arrays a command sizes (each
+device's programs and their buffers; on XLA:CPU, where a command creates the devices it
+is asked for, about 18 MB a device for ``kvxfer probe`` and 10 MB for ``kvxfer
+demo``): the probe and the demo count it before they start."""
 
 
 class BudgetError(MemoryError):

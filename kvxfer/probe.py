@@ -22,10 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvxfer import _resources
 from kvxfer import config as _config
-from kvxfer._check import bounded_int, check_int, path_name, positive_int
-from kvxfer._names import FAULTS, PATHS
+from kvxfer._check import check_int
 from kvxfer._text import format_bytes, table
 from kvxfer.layout import LayoutError
 
@@ -34,7 +32,7 @@ if TYPE_CHECKING:
 
     from kvxfer.manager import KVCacheManager
 
-__all__ = ["run_probe", "register_cli", "round_trip"]
+__all__ = ["run_probe", "round_trip"]
 
 
 def _clobber(a: jax.Array, blocks: np.ndarray) -> jax.Array:
@@ -136,9 +134,9 @@ def _check_size(spec: _config.ModelSpec, num_pages: int, num_blocks: int | None,
                 devices: int, emulate_tpu: bool) -> None:
     """Refuses, before anything is allocated, pages above the device blocks and a probe
     whose caches (held about five times: the caches, their clobbered copies, the
-    expected and loaded bits, the result) and host pool exceed the host memory available
-    now (``BudgetError``, naming the sizes)."""
-    from kvxfer.plan import BudgetError, available_host_memory
+    expected and loaded bits, the result), host pool and per-device runtime exceed the
+    host memory available now (``BudgetError``, naming the sizes)."""
+    from kvxfer.plan import RUNTIME_BYTES_PER_DEVICE, BudgetError, available_host_memory
 
     layers = spec.layer_specs(num_blocks, num_devices=devices, emulate_tpu=emulate_tpu)
     n = layers[0].num_blocks if layers else 0
@@ -147,12 +145,15 @@ def _check_size(spec: _config.ModelSpec, num_pages: int, num_blocks: int | None,
                          f"of {spec.name} (raise --num-blocks or lower --pages)")
     caches = sum(s.num_blocks * s.logical_block_bytes for s in layers)
     pool = num_pages * sum(s.logical_block_bytes for s in layers)
-    need, have = 5 * caches + 2 * pool, available_host_memory()
+    runtime = devices * RUNTIME_BYTES_PER_DEVICE
+    need, have = 5 * caches + 2 * pool + runtime, available_host_memory()
     if need > have:
         raise BudgetError(f"probing {spec.name} with {n} blocks per layer and {num_pages} "
-                          f"pages needs about {format_bytes(need)} of host memory (caches "
+                          f"pages on {devices} device{'s' if devices != 1 else ''} needs "
+                          f"about {format_bytes(need)} of host memory (caches "
                           f"{format_bytes(caches)} held five times, host pool "
-                          f"{format_bytes(pool)}); {format_bytes(have)} is available")
+                          f"{format_bytes(pool)}, runtime {format_bytes(runtime)}); "
+                          f"{format_bytes(have)} is available")
 
 
 def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None,
@@ -252,6 +253,7 @@ def _print_human(report: dict[str, Any]) -> None:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
+    """``kvxfer probe`` (its options: ``kvxfer._probe_cli``)."""
     configs = args.config or ["tiny"]
     if args.seeds:
         configs = ["seed-good", "seed-interleaved"]
@@ -272,36 +274,3 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         print(f"kvxfer probe: mismatch in {', '.join(bad)}", file=sys.stderr)
         return 1
     return 0
-
-
-def register_cli(sub: Any) -> None:
-    """Adds ``kvxfer probe`` to the command line's subparsers."""
-    p = sub.add_parser("probe", help="registration + permuted per-block round trip",
-                       description="Offloads a random permutation of blocks, clobbers the "
-                       "device blocks, loads the pages elsewhere and checks every byte.")
-    p.add_argument("--config", action="append", type=_resources.argument("configs"),
-                   help=f"a built-in config name or a TOML file (repeatable); built in: "
-                   f"{', '.join(_config.builtin_names())}")
-    p.add_argument("--seeds", action="store_true", help="the upstream report's seed shapes")
-    p.add_argument("--pages", type=positive_int, default=16,
-                   help="pages to move, at most the blocks per layer (default 16)")
-    p.add_argument("--num-blocks", type=positive_int,
-                   help="device blocks per layer (default: config)")
-    p.add_argument("--devices", type=bounded_int(1, 256), default=1,
-                   help="shard over N devices (at most 256)")
-    p.add_argument("--path", type=path_name, choices=list(PATHS), default="auto",
-                   help="the manager's path= (default: auto)")
-    p.add_argument("--integrity", choices=["off", "page"],
-                   help="default: off, or page with --inject")
-    p.add_argument("--inject", choices=list(FAULTS),
-                   help="damage the middle page before loading (on the host; zero-dma: "
-                   "the load delivers zeros into its blocks of the middle layer); exit 0 "
-                   "only if it is detected at that page and the pages before it load exact")
-    p.add_argument("--gate", choices=["all", "layer"], default="all")
-    p.add_argument("--no-tpu-layouts", action="store_true",
-                   help="ignore the configs' emulated TPU layouts (the table then drops "
-                   "its TPU-layout verdict and device bytes/block columns)")
-    p.add_argument("--seed", type=bounded_int(0, 2**32 - 1), default=0,
-                   help="the random bits' and block ids' seed (default 0)")
-    p.add_argument("--json", action="store_true", help="one JSON object per config")
-    p.set_defaults(func=_cmd_probe)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvxfer._check import check_int
+from kvxfer._names import GENERATIONS
 from kvxfer.layout import Layout, SliceGeometry, dtype_name, dtype_of, inspect, shape_text
 
 __all__ = ["GENERATIONS", "CompilerUnavailableError", "CompiledLayout", "available",
@@ -44,8 +45,6 @@ __all__ = ["GENERATIONS", "CompilerUnavailableError", "CompiledLayout", "availab
            "compiled_layout", "compiled_geometry", "addressable_alternatives",
            "compiler_layer_specs", "INSTALL_HINT"]
 
-GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
-"""The TPU generations libtpu compiles for here, oldest first."""
 
 # Topologies one host's bounds allow, smallest first, with their device counts (v4
 # and tpu7x chips hold two TensorCores, each one device).

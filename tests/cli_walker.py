@@ -26,7 +26,8 @@ def hostile_values(workdir):
         os.mkfifo(fifo)
     directory = os.path.join(workdir, "dir")
     os.makedirs(directory, exist_ok=True)
-    return [HUGE, BIG, "-1", "nan", "ünïcødé", "", fifo, directory, "/dev/zero"]
+    return [HUGE, BIG, "-1", "nan", "ünïcødé", "", "two\nlines", fifo, directory,
+            "/dev/zero"]
 
 
 # What each command needs besides the walked option to run on a tiny scale (an option
@@ -42,6 +43,16 @@ BASES = {
 }
 # Options that exclude the base's (inspect takes one source of arrays).
 ALONE = {("inspect", "--catalog"), ("inspect", "--config")}
+# Options that act only beside others: walked with them, so each value reaches the
+# code that uses it (a TPU compile, deviceless, where libtpu is installed).
+WITH = {
+    ("inspect", "--devices"): {"--target": "v6e", "--shape": "8,128", "--dtype": "bf16"},
+    ("inspect", "--shard-dim"): {"--target": "v6e", "--shape": "8,128", "--dtype": "bf16",
+                                 "--devices": "2"},
+    ("inspect", "--num-blocks"): {"--target": "v6e", "--config": "tiny"},
+    ("plan", "--devices"): {"--config": "tiny", "--target": "v6e"},
+    ("plan", "--num-blocks"): {"--config": "tiny", "--target": "v6e"},
+}
 
 
 def subcommands():
@@ -61,7 +72,8 @@ def options(parser):
 def cases(command, subparser, workdir):
     values = hostile_values(workdir)
     for option, takes_value in options(subparser):
-        base = {} if (command, option) in ALONE else dict(BASES.get(command, {}))
+        base = {} if (command, option) in ALONE else dict(
+            WITH.get((command, option), BASES.get(command, {})))
         base.pop(option, None)
         argv = [command]
         for k, v in base.items():

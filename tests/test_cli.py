@@ -122,6 +122,14 @@ def test_version():
     (["nosuch"], "invalid choice: 'nosuch'"),
     ([], "the following arguments are required: command"),
     (["plan"], "the following arguments are required: --config"),
+    (["plan", "--config", "two\nlines"], "'two\\nlines': no such file"),
+    (["aot", "--target", "v6e", "--config", "nosuch"], "--config: nosuch: no such file"),
+    (["inspect", "--target", "v6e", "--shape", "8,128", "--dtype", "bf16", "--num-blocks",
+      "4"], "--num-blocks 4 does not go with --shape"),
+    (["inspect", "--target", "v6e", "--config", "tiny", "--shard-dim", "1"],
+     "--shard-dim 1 does not go with --config"),
+    (["inspect", "--target", "v6e", "--catalog", "seeds", "--devices", "2"],
+     "--devices 2 does not go with --catalog"),
 ])
 def test_argument_errors_are_one_line(args, match):
     r = kvxfer(*args)
@@ -158,6 +166,23 @@ def test_inspect_catalog_disagreement_exits_nonzero(tmp_path):
     r = kvxfer("inspect", "--catalog", str(path))
     assert r.returncode == 1
     assert "wrong: granularity is 8, expected 16" in r.stderr
+
+
+def test_the_probe_and_the_demo_count_the_runtime_of_each_device(monkeypatch):
+    """On XLA:CPU a command creates the devices it is asked for, and each holds its own
+    programs and buffers: 256 of them are gigabytes, whatever the caches' size."""
+    from kvxfer import plan
+    from kvxfer.demo import DemoOptions
+    from kvxfer.demo.command import footprint
+    from kvxfer.demo.model import tiny_llama
+    from kvxfer.probe import run_probe
+
+    monkeypatch.setattr(plan, "available_host_memory", lambda: 1 << 30)
+    with pytest.raises(plan.BudgetError, match=r"on 64 devices needs about 1\.50 GiB .*"
+                       r"runtime 1\.50 GiB\); 1 GiB is available"):
+        run_probe("tiny", num_pages=2, num_blocks=4, devices=64)
+    assert footprint(tiny_llama(), DemoOptions(devices=64))["runtime"] == \
+        64 * plan.RUNTIME_BYTES_PER_DEVICE
 
 
 def test_probe_cli_inject_json(tmp_path):

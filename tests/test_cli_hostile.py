@@ -38,7 +38,9 @@ def test_the_walk_reaches_every_command():
 
 
 def _named(value, line):
-    return value in line if value else ("''" in line or '""' in line)
+    """``value`` is in ``line`` as typed, or quoted (an empty value; one with a newline,
+    which would split the line, shown escaped)."""
+    return value in line if value and value.isprintable() else repr(value) in line
 
 
 @pytest.mark.parametrize("command", _commands())
@@ -72,13 +74,17 @@ def test_every_option_takes_hostile_values_as_one_line_or_a_bounded_run(command,
 
 
 def _imports_after(argv):
-    """The modules ``kvxfer ARGV`` leaves imported (run in a fresh interpreter)."""
+    """The modules ``kvxfer ARGV`` leaves imported (run in a fresh interpreter, with
+    ``JAX_PLATFORMS`` unset as a user's shell has it: with libtpu installed, JAX would
+    then try a TPU first)."""
     code = ("import sys, json; from kvxfer import cli\n"
             "try:\n    status = cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    status = e.code\n"
             "print(json.dumps({'status': status, 'modules': sorted(sys.modules)}))")
+    env = _env()
+    env.pop("JAX_PLATFORMS", None)
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
-                         text=True, timeout=120, env=_env())
+                         text=True, timeout=120, env=env)
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -97,8 +103,27 @@ def test_commands_that_need_no_jax_do_not_import_it(argv):
     assert "jax" not in got["modules"], argv
 
 
-def test_help_does_not_even_import_ml_dtypes():
-    assert "ml_dtypes" not in _imports_after(["--help"])["modules"]
+@pytest.mark.parametrize("argv", [["--help"], ["probe", "--help"], ["aot", "--help"],
+                                  ["bench", "--help"], ["demo", "--help"]])
+def test_help_does_not_even_import_numpy(argv):
+    modules = _imports_after(argv)["modules"]
+    assert not {"numpy", "ml_dtypes"} & set(modules), argv
+
+
+def test_a_refusal_after_jax_starts_is_still_one_line():
+    """With libtpu installed (the tpu extra) and JAX_PLATFORMS unset, JAX on a machine
+    with no TPU would try one first and libtpu would print its failure on stderr."""
+    env = _env()
+    env.pop("JAX_PLATFORMS", None)
+    # libtpu starts (and fails, and says so) every time, not only while no other
+    # process on the machine holds its lock file.
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "probe", "--config", "tiny",
+                          "--inject", "one-shard"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "kvxfer probe: error: --inject one-shard needs a sharded layer (use --devices 2+)"]
 
 
 def test_sizes_take_units():

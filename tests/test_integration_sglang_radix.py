@@ -149,6 +149,25 @@ def test_install_on_an_unchecked_engine_names_the_missing_name_and_changes_nothi
     assert state == "False sgl_jax.srt.mem_cache.host_kv_pool False"
 
 
+def test_install_on_an_engine_whose_module_fails_to_import_says_which(tmp_path):
+    root = _engine_without(tmp_path, None)
+    radix = root / "sgl_jax" / "srt" / "mem_cache" / "unified_radix_cache.py"
+    radix.write_text("import types\ntypes.NoSuchThing\n" + radix.read_text())
+    code = ("from kvxfer.integrations import sglang_jax\n"
+            "try:\n    sglang_jax.install()\n"
+            "except sglang_jax.EngineMismatchError as e:\n    print(e)\n"
+            "print(sglang_jax.installed())")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    message, state = out.stdout.strip().splitlines()
+    assert "importing sgl_jax.srt.mem_cache.unified_radix_cache raised AttributeError" \
+        in message
+    assert sglang_jax.ENGINE_COMMIT in message and state == "False"
+
+
 def test_the_launcher_without_sglang_jax_says_so_on_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvxfer.integrations.sglang_jax_launch",
                           "--model-path", "m"], capture_output=True, text=True, timeout=120,

@@ -6,8 +6,6 @@ import dataclasses
 import typing
 from typing import Any, Literal
 
-from kvxfer.layout import dtype_of
-
 __all__ = ["BenchConfig", "BatchedBaseline", "Only", "KiB", "MiB", "GiB"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -143,6 +141,8 @@ class BenchConfig:
                              f"{type(self.batched_baseline).__name__}")
         if self.reference not in self.cells:
             raise ValueError(f"reference={self.reference!r} must be one of cells={self.cells!r}")
+        from kvxfer.layout import dtype_of  # here: ``kvxfer --help`` starts without numpy
+
         for block, dtype in self.cells:
             itemsize = dtype_of(dtype).itemsize
             if block % itemsize or block < itemsize:

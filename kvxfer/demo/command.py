@@ -164,18 +164,23 @@ def _open_demo_store(spec: str | None) -> Store | None:
 def footprint(cfg: _model.ModelConfig, opts: DemoOptions) -> dict[str, int]:
     """Bytes a demo run holds at once, by part, before any of it is allocated: the
     weights (float32), three sets of device caches (the reference run's, the server's
-    and a donated step's), the host pool and the store's copy of it in memory.
+    and a donated step's), the host pool and the store's copy of it in memory, and
+    what the JAX runtime holds per device (``RUNTIME_BYTES_PER_DEVICE``).
 
     Example:
         >>> footprint(_model.tiny_llama(), DemoOptions())["host pool"]  # 2 x 64 x 32 KiB
         4194304
     """
+    from kvxfer.plan import RUNTIME_BYTES_PER_DEVICE
+
     d, v, q = cfg.d_model, cfg.vocab_size, cfg.num_q_heads
     weights = 2 * v * d + sum(d * q * lkv.head_dim * 2 + 2 * d * lkv.num_kv_heads * lkv.head_dim
                               + 3 * d * cfg.ffn_dim + 2 * d for lkv in cfg.layers)
     block = sum(cfg.kv_block_bytes(np.dtype(opts.dtype)))
+    devices = max(opts.devices, 2 if opts.inject == "one-shard" else 1)
     return {"weights": 4 * weights, "device caches": 3 * opts.device_blocks * block,
-            "host pool": 2 * opts.host_blocks * block}
+            "host pool": 2 * opts.host_blocks * block,
+            "runtime": devices * RUNTIME_BYTES_PER_DEVICE}
 
 
 def _check_footprint(cfg: _model.ModelConfig, opts: DemoOptions) -> None:
@@ -189,7 +194,8 @@ def _check_footprint(cfg: _model.ModelConfig, opts: DemoOptions) -> None:
         named = ", ".join(f"{k} {format_bytes(n)}" for k, n in parts.items())
         raise BudgetError(f"this demo needs {format_bytes(sum(parts.values()))} ({named}; "
                           f"--scale {opts.scale}, {cfg.num_layers} layers, --device-blocks "
-                          f"{opts.device_blocks}, --host-blocks {opts.host_blocks}) but "
+                          f"{opts.device_blocks}, --host-blocks {opts.host_blocks}, "
+                          f"--devices {opts.devices}) but "
                           f"{format_bytes(budget)} of host memory is available")
 
 

@@ -57,8 +57,8 @@ def _engine_parts() -> dict[str, Any]:
 
     Raises:
       ImportError: sglang-jax is not importable at all.
-      EngineMismatchError: a module or name is missing, naming the first one and the
-        commit this integration was checked against.
+      EngineMismatchError: a module or name is missing, or a module's import raised,
+        naming the first one and the commit this integration was checked against.
     """
     import importlib
 
@@ -74,6 +74,12 @@ def _engine_parts() -> dict[str, Any]:
             value: Any = importlib.import_module(module_name)
         except ImportError:
             missing = module_name
+        except Exception as e:  # noqa: BLE001  (the engine's own import failed)
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise EngineMismatchError(
+                f"kvxfer.integrations.sglang_jax.install(): importing {module_name} "
+                f"raised {type(e).__name__}: {first}; kvxfer's integration was checked "
+                f"against sglang-jax commit {ENGINE_COMMIT}. Nothing was installed") from e
         else:
             owner_name = module_name
             for part in name.split("."):
