@@ -27,7 +27,7 @@ from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells,
                                     throughput_cell)
 from kvxfer.bench._store import DEFAULT_STORE, lookup_section, store_section, store_steps
 from kvxfer.bench.limits import make_limit
-from kvxfer.bench.timing import Progress, now
+from kvxfer.bench.timing import Progress, frozen_heap, now
 from kvxfer.store import parse_spec
 
 __all__ = ["run_bench", "SCHEMA", "Only"]
@@ -148,20 +148,23 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
                  "stores": stores or [DEFAULT_STORE],
                  "stat_note": "throughput from the best repeat; p50/p99 over repeats; "
                               "variants interleaved repeat by repeat"}}
-    if only is None:
-        _transfer_sections(cfg, report, steps)
-    else:
-        report["not_measured"] = []
-    if models and only in (None, "model"):
-        report["models"] = model_section(cfg, models, steps)
-    if only == "fit":
-        report["fit"] = fit_section(cfg, steps)
-        report["not_measured"] += warmups_not_timed(cfg)
-    elif only in (None, "store"):
-        report["store"] = store_section(cfg, stores, steps)
-        report["store_lookup"] = lookup_section(cfg, stores, steps)
-    if only in (None, "policy"):
-        report["policy"] = policy_section(steps, requests=cfg.policy_requests)
+    # What exists before the run (JAX's objects among them) is left out of the
+    # collections the sections make before each timed region.
+    with frozen_heap():
+        if only is None:
+            _transfer_sections(cfg, report, steps)
+        else:
+            report["not_measured"] = []
+        if models and only in (None, "model"):
+            report["models"] = model_section(cfg, models, steps)
+        if only == "fit":
+            report["fit"] = fit_section(cfg, steps)
+            report["not_measured"] += warmups_not_timed(cfg)
+        elif only in (None, "store"):
+            report["store"] = store_section(cfg, stores, steps)
+            report["store_lookup"] = lookup_section(cfg, stores, steps)
+        if only in (None, "policy"):
+            report["policy"] = policy_section(steps, requests=cfg.policy_requests)
     report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
     report["meta"]["peak_rss_bytes"] = peak_bytes()
