@@ -276,16 +276,17 @@ class BenchConfig:
         Each distinct cache shape, host pool size, integrity mode and path compiles its
         programs (seconds each on XLA:CPU), so the sections share them where they can:
         the engine-fit calls and 1-page hits run on caches and pools of the cache-size
-        section's shapes (4 and 16 blocks, 4 host pages), and the prefix sweep is one
-        prefix, the throughput cell's call (a new page count compiles the user
-        baselines and the plain-JAX routes again). One throughput cell; the caller-thread
+        section's shapes (4 and 16 blocks, 4 host pages), and the prefix sweep's longer
+        prefix is the throughput cell's call (a new page count compiles the user
+        baselines and the plain-JAX routes again; the shorter, 1 page, is where a
+        target is read). One throughput cell; the caller-thread
         sections and the warm-up in fresh processes time one case, the pinned mover's
         (the fewest programs to compile), and list the others as not measured.
         """
         return cls(layers=2, batch_bytes=256 * KiB,
                    cells=((16 * KiB, "bfloat16"),),
                    reference=(16 * KiB, "bfloat16"), prefix_block_bytes=16 * KiB,
-                   prefix_pages=(8,), concurrency=(1, 2), request_pages=1,
+                   prefix_pages=(1, 8), concurrency=(1, 2), request_pages=1,
                    overhead_pages=2, cache_small_bytes=128 * KiB, cache_large_bytes=512 * KiB,
                    cache_load_pages=4, repeats=2, overhead_repeats=3,
                    baseline_budget_s=0.02, cache_size_extras=True, call_block_bytes=4 * KiB,
