@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import logging
 import threading
@@ -155,10 +156,20 @@ def _allocate_bytes(nbytes: int, pinned: bool, device: Any, word: int = 1,
             raise ValueError(f"{nbytes} bytes are not {rows} rows of {word}-byte words")
         sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
         dtype = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[word]
-        owner = jax.jit(lambda: jnp.zeros((rows, nbytes // word // rows), dtype),
-                        out_shardings=sharding)()
+        owner = _zeros(sharding, dtype)((rows, nbytes // word // rows))
         return _host_view(owner, nbytes), owner
     return np.zeros(nbytes, dtype=np.uint8), None
+
+
+@functools.lru_cache(maxsize=32)
+def _zeros(sharding: Any, dtype: Any) -> Callable[[tuple[int, int]], Any]:
+    """One jitted allocator of zeros per sharding and dtype: pools of a shape made
+    before reuse its program (a new function each time compiled one per pool)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda shape: jnp.zeros(shape, dtype), static_argnums=0,
+                   out_shardings=sharding)
 
 
 def has_pinned_host(device: Any) -> bool:

@@ -2,7 +2,10 @@
 the physical limits it measures against.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +22,9 @@ from kvxfer.bench import limits, timing
     # The throughput cell (16 KiB, bfloat16) has caches of 8 blocks: not new to the run.
     ({"call_block_bytes": 16 * 1024, "call_blocks": 8}, "call_blocks=8: caches of 8 blocks"),
     ({"call_block_bytes": 16 * 1024, "call_blocks": 7}, "call_blocks=7: caches of 8 blocks"),
+    ({"call_cases": ()}, r"call_cases to name some of \('staged', 'raw', 'pinned'\)"),
+    ({"call_cases": ("raw", "raw")}, r"Got \('raw', 'raw'\) of type tuple"),
+    ({"warmup_paths": ("dma",)}, r"warmup_paths to name some of \('auto', 'staged', 'pinned'\)"),
 ])
 def test_config_rejects_bad_sizes(kwargs, match):
     base = bench.BenchConfig.smoke()
@@ -109,3 +115,18 @@ def test_fit_width_cuts_wide_tables_into_whole_columns_and_wraps_the_rest():
     assert lines[-2] == "  -: a note right under the table, long enough to be wrapped at the"
     assert lines[-1] == "    width asked for"
     assert fit_width(wide, 200) == wide
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="VmHWM is Linux's")
+def test_peak_memory_is_the_bench_process_own_not_its_parents():
+    # Linux carries ru_maxrss across fork and exec: a bench started from a large test
+    # session would report the session's peak. The bench reports its own (VmHWM).
+    ballast = b"x" * (400 << 20)  # resident in this process when the child forks
+    code = ("import resource; from kvxfer.bench import _hostrss; _hostrss.start(); "
+            "print(_hostrss.peak_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    del ballast
+    peak, inherited_kib = int(out[0]), int(out[1])
+    assert inherited_kib * 1024 > 400 << 20  # what ru_maxrss would have said
+    assert 0 < peak < 200 << 20

@@ -3,7 +3,7 @@ device work, and on the first call of a size with and without ``warmup``.
 
 Both sections time each of ``CALL_CASES`` (a bfloat16 cache on ``path="staged"``, a
 float32 one on ``path="auto"``, the raw path on XLA:CPU, and a float16 one on
-``path="pinned"``) with ``integrity="page"``:
+``path="pinned"``) that ``BenchConfig.call_cases`` names, with ``integrity="page"``:
 
 * **queued steps**: ``queued_steps`` donating jitted steps (arithmetic over every
   layer, returning the new caches) are dispatched and not waited for; then the
@@ -26,17 +26,35 @@ import jax
 import numpy as np
 
 from kvxfer._text import format_bytes
-from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._config import CALL_CASE_NAMES, BenchConfig
 from kvxfer.bench._rig import Rig, check_loaded, make_caches
 from kvxfer.bench.timing import Progress, interleaved, no_gc, now, stats
 from kvxfer.manager import PathMode
 
-__all__ = ["CALL_CASES", "first_call_section", "queued_section"]
+__all__ = ["CALL_CASES", "call_cases", "cases_not_timed", "first_call_section",
+           "queued_section"]
 
 #: The cases of both sections: (name, dtype, the manager's ``path``).
 CALL_CASES: tuple[tuple[str, str, PathMode], ...] = (
     ("staged", "bfloat16", "staged"), ("raw", "float32", "auto"),
     ("pinned", "float16", "pinned"))
+assert tuple(name for name, _, _ in CALL_CASES) == CALL_CASE_NAMES
+
+
+def call_cases(cfg: BenchConfig) -> list[tuple[str, str, PathMode]]:
+    """The cases ``cfg`` times (``BenchConfig.call_cases``), in ``CALL_CASES`` order."""
+    return [case for case in CALL_CASES if case[0] in cfg.call_cases]
+
+
+def cases_not_timed(cfg: BenchConfig) -> list[str]:
+    """A line saying which cases ``cfg`` leaves out of both sections and why (or none)."""
+    left = [f"path={path} ({dtype})" for name, dtype, path in CALL_CASES
+            if name not in cfg.call_cases]
+    if not left:
+        return []
+    return [f"first call and queued steps of {', '.join(left)}: this run's call_cases are "
+            f"{', '.join(cfg.call_cases)} (each case compiles the programs of two managers "
+            "of its own, seconds on a CPU; --quick and the full run time every case)"]
 
 # Passes of arithmetic per step at most: tiny caches on a fast device need many to
 # reach step_ms, but a step must not grow without bound.
@@ -175,7 +193,7 @@ def _queued_case(cfg: BenchConfig, name: str, dtype: str, path: PathMode) -> dic
 def queued_section(cfg: BenchConfig, progress: Progress) -> list[dict[str, Any]]:
     """Caller-thread time of ``offload()`` / ``load()`` behind queued donating steps."""
     rows = []
-    for name, dtype, path in CALL_CASES:
+    for name, dtype, path in call_cases(cfg):
         progress.step("queued steps", f"queued steps: {cfg.queued_steps} donating steps, "
                       f"then offload / load of {cfg.call_pages} pages x {cfg.layers} layers "
                       f"({format_bytes(cfg.call_block_bytes)} {dtype} blocks, path={path})")
@@ -211,7 +229,9 @@ def _first_call_case(cfg: BenchConfig, name: str, dtype: str, path: PathMode
         without = _first_calls(cold, path, k)
     finally:
         cold.close()
-    warm = _rig(cfg, cfg.call_blocks, dtype, path, k)
+    # The queued-steps section's caches and pool (2 x k host pages): its warm-up finds
+    # the programs compiled here (programs are compiled per cache shape and pool size).
+    warm = _rig(cfg, cfg.call_blocks, dtype, path, 2 * k)
     try:
         t0 = now()
         buckets = warm.mgr("page", path).warmup(k)
@@ -233,7 +253,7 @@ def first_call_section(cfg: BenchConfig, progress: Progress) -> list[dict[str, A
     its own warm-up then finds the programs compiled.
     """
     rows = []
-    for name, dtype, path in CALL_CASES:
+    for name, dtype, path in call_cases(cfg):
         progress.step("first call", f"first call: offload / load of {cfg.call_pages} pages x "
                       f"{cfg.layers} layers ({format_bytes(cfg.call_block_bytes)} {dtype} "
                       f"blocks, path={path}) without and with warm-up")

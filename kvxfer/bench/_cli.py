@@ -117,9 +117,11 @@ def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
                       "minutes on a 2-core CPU, its peak host memory under 2 GB. Each run's last line says its wall time, "
                       "peak memory and the load average it ran under")
     size.add_argument("--smoke", action="store_true",
-                      help="tiny sizes: checks that every section runs, in under a minute "
-                      "(48 s of CPU time on a 2-core CPU; its figures, and so its targets, "
-                      "mean little)")
+                      help="tiny sizes: checks that every section runs, in about 30 seconds "
+                      "on a shared 2-core CPU (one case of the sections where each case compiles "
+                      "programs of its own or starts processes; the report lists the "
+                      "others as not measured; its figures, and so its targets, mean "
+                      "little)")
     p.add_argument("--store", action="append", metavar="SPEC", type=spec_argument,
                    help=f"a store the store section measures ({SPEC_FORMS}); repeat for "
                    "several. Default: a disk store in a temporary directory. The bench "

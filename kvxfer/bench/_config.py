@@ -16,6 +16,11 @@ Only = Literal["store", "fit", "model", "policy"]
 #: Where the batched user baselines run: every case, the reference cell only, or nowhere.
 BatchedBaseline = Literal["all", "reference", "none"]
 
+#: The cases of the first-call and queued-steps sections, by name (``_caller.CALL_CASES``
+#: says each one's dtype and path), and the paths the engine-fit section times.
+CALL_CASE_NAMES = ("staged", "raw", "pinned")
+FIT_PATH_NAMES = ("auto", "staged", "pinned")
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BenchConfig:
@@ -57,6 +62,8 @@ class BenchConfig:
         timed call of the queued-steps section.
       step_ms: the arithmetic each step aims at (passes over every layer, calibrated).
       call_repeats: timed repeats of the queued-steps section.
+      call_cases: the cases (``CALL_CASE_NAMES``) the first-call and queued-steps
+        sections time: each case compiles the programs of two managers of its own.
       fit_pages: pages per call of the engine-fit section (and its ``warmup`` size).
       fit_block_bytes: block size of the engine-fit section (bfloat16 caches).
       fit_steps: donating steps queued before each queued call of the engine-fit
@@ -67,6 +74,8 @@ class BenchConfig:
       fit_repeats: timed repeats of the engine-fit section (15: a call's host time on
         XLA:CPU varies by 1-2 ms with what the program it enqueued does to the same
         cores, and the median of 7 moved by as much between variants of one code path).
+      warmup_paths: the paths (``FIT_PATH_NAMES``) whose ``warmup`` the engine-fit
+        section times in fresh processes (two processes a path, seconds each).
       store_blob_bytes: blob sizes of the store section (a blob is one exported page).
       store_bytes: bytes each store variant writes or reads per repeat, per blob size
         (at most ``store_max_blobs`` blobs: small blobs cost an fsync each).
@@ -85,7 +94,7 @@ class BenchConfig:
         >>> cfg.layers, cfg.reference
         (2, (16384, 'bfloat16'))
         >>> BenchConfig.smoke().as_dict()["cells"]
-        [[16384, 'bfloat16'], [4096, 'int8']]
+        [[16384, 'bfloat16']]
     """
 
     layers: int = 32
@@ -115,11 +124,13 @@ class BenchConfig:
     queued_steps: int = 10
     step_ms: float = 5.0
     call_repeats: int = 9
+    call_cases: tuple[str, ...] = CALL_CASE_NAMES
     fit_pages: int = 64
     fit_block_bytes: int = 64 * KiB
     fit_steps: int = 3
     fit_step_ms: float = 150.0
     fit_repeats: int = 15
+    warmup_paths: tuple[str, ...] = FIT_PATH_NAMES
     hit_samples: int = 120
     store_blob_bytes: tuple[int, ...] = (64 * KiB, 1 * MiB, 8 * MiB)
     store_bytes: int = 64 * MiB
@@ -172,6 +183,11 @@ class BenchConfig:
                              f"{self.fit_steps}, fit_step_ms={self.fit_step_ms} and "
                              f"fit_repeats={self.fit_repeats}, hit_samples="
                              f"{self.hit_samples} must be positive")
+        for name, got, choices in (("call_cases", self.call_cases, CALL_CASE_NAMES),
+                                   ("warmup_paths", self.warmup_paths, FIT_PATH_NAMES)):
+            if not got or len(set(got)) != len(got) or not set(got) <= set(choices):
+                raise ValueError(f"Expected {name} to name some of {choices}, each once. "
+                                 f"Got {got!r} of type {type(got).__name__}")
         if self.queued_steps < 1 or not self.step_ms > 0 or self.call_repeats < 1:
             raise ValueError(f"queued_steps={self.queued_steps}, step_ms={self.step_ms} and "
                              f"call_repeats={self.call_repeats} must be positive")
@@ -255,16 +271,27 @@ class BenchConfig:
 
     @classmethod
     def smoke(cls) -> BenchConfig:
-        """Tiny sizes for tests: every section and figure, in under a minute (figures mean
-        little)."""
+        """Tiny sizes for tests: every section, in under 30 seconds (figures mean little).
+
+        Each distinct cache shape, host pool size, integrity mode and path compiles its
+        programs (seconds each on XLA:CPU), so the sections share them where they can:
+        the engine-fit calls and 1-page hits run on caches and pools of the cache-size
+        section's shapes (4 and 16 blocks, 4 host pages), and the prefix sweep's longer
+        prefix is the throughput cell's call (a new page count compiles the user
+        baselines and the plain-JAX routes again; the shorter, 1 page, is where a
+        target is read). One throughput cell; the caller-thread
+        sections and the warm-up in fresh processes time one case, the pinned mover's
+        (the fewest programs to compile), and list the others as not measured.
+        """
         return cls(layers=2, batch_bytes=256 * KiB,
-                   cells=((16 * KiB, "bfloat16"), (4 * KiB, "int8")),
+                   cells=((16 * KiB, "bfloat16"),),
                    reference=(16 * KiB, "bfloat16"), prefix_block_bytes=16 * KiB,
-                   prefix_pages=(1, 2), concurrency=(1, 2), request_pages=1,
+                   prefix_pages=(1, 8), concurrency=(1, 2), request_pages=1,
                    overhead_pages=2, cache_small_bytes=128 * KiB, cache_large_bytes=512 * KiB,
-                   cache_load_pages=2, repeats=2, overhead_repeats=3,
+                   cache_load_pages=4, repeats=2, overhead_repeats=3,
                    baseline_budget_s=0.02, cache_size_extras=True, call_block_bytes=4 * KiB,
-                   call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2, fit_pages=2,
+                   call_blocks=8, call_pages=2, step_ms=1.0, call_repeats=2,
+                   call_cases=("pinned",), warmup_paths=("pinned",), fit_pages=2,
                    fit_block_bytes=16 * KiB, fit_steps=1, fit_step_ms=1.0, fit_repeats=2,
                    hit_samples=16,
                    store_blob_bytes=(4 * KiB, 64 * KiB), store_bytes=256 * KiB,
@@ -278,6 +305,6 @@ class BenchConfig:
         d["cells"] = [list(c) for c in self.cells]
         d["reference"] = list(self.reference)
         for k in ("prefix_pages", "concurrency", "store_blob_bytes", "lookup_blob_bytes",
-                  "copy_sizes"):
+                  "copy_sizes", "call_cases", "warmup_paths"):
             d[k] = list(d[k])
         return d

@@ -15,7 +15,8 @@ bfloat16 blocks per call:
   untimed (the first few dozen hits of a process run 5-10 % slower, as its caches and
   Python's adaptive interpreter warm; an engine's hits come in a process long warm);
 * **warm-up**: ``warmup(fit_pages)`` in a fresh process, cold (filling a persistent
-  compilation cache in a new directory), then in a second process over that cache.
+  compilation cache in a new directory), then in a second process over that cache;
+  for the paths ``BenchConfig.warmup_paths`` names.
 """
 
 from __future__ import annotations
@@ -32,18 +33,18 @@ import jax
 
 from kvxfer._text import format_bytes
 from kvxfer.bench._caller import _Steps
-from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._config import FIT_PATH_NAMES, BenchConfig
 from kvxfer.bench._rig import Rig, check_loaded, make_caches
 from kvxfer.bench.timing import Progress, interleaved, now, stats
 from kvxfer.engine import is_cuda
 
-__all__ = ["FIT_PATHS", "HIT_SAMPLES", "fit_section", "WARMUP_SCRIPT"]
+__all__ = ["FIT_PATHS", "HIT_SAMPLES", "fit_section", "warmups_not_timed", "WARMUP_SCRIPT"]
 
 #: The fewest 1-page hits timed in a full or quick run (``BenchConfig.hit_samples``).
 HIT_SAMPLES = BenchConfig().hit_samples
 
 #: The paths the section times (``auto`` is the raw-or-pinned mover on XLA:CPU).
-FIT_PATHS = ("auto", "staged", "pinned")
+FIT_PATHS = FIT_PATH_NAMES
 
 #: Run in a fresh process: ``warmup`` of a manager like the section's, timed; with a
 #: directory, JAX's persistent compilation cache there (how an engine turns it on). It
@@ -213,6 +214,17 @@ def _fail(path: str, proc: subprocess.Popen[str]) -> None:
                        f"{stderr.strip()[-500:]}")
 
 
+def warmups_not_timed(cfg: BenchConfig) -> list[str]:
+    """A line saying which paths' warm-up ``cfg`` does not time, and why (or none)."""
+    left = [p for p in FIT_PATHS if p not in cfg.warmup_paths]
+    if not left:
+        return []
+    return [f"warm-up in fresh processes of path={', path='.join(left)} ('-' in the "
+            f"warm-up columns): this run's warmup_paths are {', '.join(cfg.warmup_paths)} "
+            "(two fresh processes a path, each importing JAX and compiling, seconds each; "
+            "--quick and the full run time every path)"]
+
+
 def fit_section(cfg: BenchConfig, progress: Progress) -> dict[str, Any]:
     """The scheduler thread's cost per call, the 1-page hit, and warm-up per path."""
     shape = (f"{cfg.fit_pages} pages x {cfg.layers} layers of "
@@ -223,7 +235,7 @@ def fit_section(cfg: BenchConfig, progress: Progress) -> dict[str, Any]:
                       f"prefetched and behind {cfg.fit_steps} queued steps; a 1-page hit")
         calls.append(_calls(cfg, path))
         hits.append(_hit(cfg, path))
-    for path in FIT_PATHS:
+    for path in (p for p in FIT_PATHS if p in cfg.warmup_paths):
         progress.step("warm-up", f"warm-up, path={path}: warmup({cfg.fit_pages}) in a fresh "
                       "process, cold and over a persistent compilation cache")
         with tempfile.TemporaryDirectory(prefix="kvxfer-bench-jaxcache-") as d:

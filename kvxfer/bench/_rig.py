@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -41,6 +42,8 @@ class Rig:
     """Caches and one ``KVCacheManager`` per (integrity, path) over them.
 
     Loads (kvxfer's and the user baselines') replace ``caches`` with what they return.
+    ``routes`` keeps what a section compiled over these caches for a list of pages (the
+    plain-JAX routes), for the next section that moves the same pages.
     """
 
     def __init__(self, caches: list[jax.Array], num_host_blocks: int,
@@ -49,6 +52,7 @@ class Rig:
         self.caches = caches
         self.num_host_blocks = num_host_blocks
         self.mgrs: dict[tuple[IntegrityMode, PathMode], KVCacheManager] = {}
+        self.routes: dict[tuple[int, ...], Any] = {}
         for k in kinds:
             self.add(*k)
         self._key = 0
@@ -113,4 +117,5 @@ class Rig:
         for m in self.mgrs.values():
             m.close()
         self.mgrs.clear()
+        self.routes.clear()
         self.caches = []

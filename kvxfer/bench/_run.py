@@ -15,8 +15,9 @@ from typing import Any
 import jax
 
 from kvxfer.bench import report as _report
-from kvxfer.bench._caller import first_call_section, queued_section
-from kvxfer.bench._fit import fit_section
+from kvxfer.bench._caller import cases_not_timed, first_call_section, queued_section
+from kvxfer.bench._fit import fit_section, warmups_not_timed
+from kvxfer.bench._hostrss import peak_bytes, start
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._config import Only as Only
 from kvxfer.bench._copysizes import copy_size_section
@@ -26,7 +27,7 @@ from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells,
                                     throughput_cell)
 from kvxfer.bench._store import DEFAULT_STORE, lookup_section, store_section, store_steps
 from kvxfer.bench.limits import make_limit
-from kvxfer.bench.timing import Progress, now
+from kvxfer.bench.timing import Progress, frozen_heap, now
 from kvxfer.store import parse_spec
 
 __all__ = ["run_bench", "SCHEMA", "Only"]
@@ -129,10 +130,11 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
     model_steps = ["model"] * len(models)
     policy_plan = ["policy"] * policy_steps()
     planned = {None: plan(cfg) + model_steps + ["store"] * store_steps(cfg, stores) +
-               policy_plan, "fit": fit_plan(), "store": ["store"] * store_steps(cfg, stores),
+               policy_plan, "fit": fit_plan(cfg), "store": ["store"] * store_steps(cfg, stores),
                "model": model_steps, "policy": policy_plan}[only]
     steps = Progress(planned,
                      progress or (lambda line: None))
+    start()  # the peak memory reported is this run's, of this process
     started = now()
     dev = jax.devices()[0]
     report: dict[str, Any] = {
@@ -146,22 +148,26 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
                  "stores": stores or [DEFAULT_STORE],
                  "stat_note": "throughput from the best repeat; p50/p99 over repeats; "
                               "variants interleaved repeat by repeat"}}
-    if only is None:
-        _transfer_sections(cfg, report, steps)
-    else:
-        report["not_measured"] = []
-    if models and only in (None, "model"):
-        report["models"] = model_section(cfg, models, steps)
-    if only == "fit":
-        report["fit"] = fit_section(cfg, steps)
-    elif only in (None, "store"):
-        report["store"] = store_section(cfg, stores, steps)
-        report["store_lookup"] = lookup_section(cfg, stores, steps)
-    if only in (None, "policy"):
-        report["policy"] = policy_section(steps, requests=cfg.policy_requests)
+    # What exists before the run (JAX's objects among them) is left out of the
+    # collections the sections make before each timed region.
+    with frozen_heap():
+        if only is None:
+            _transfer_sections(cfg, report, steps)
+        else:
+            report["not_measured"] = []
+        if models and only in (None, "model"):
+            report["models"] = model_section(cfg, models, steps)
+        if only == "fit":
+            report["fit"] = fit_section(cfg, steps)
+            report["not_measured"] += warmups_not_timed(cfg)
+        elif only in (None, "store"):
+            report["store"] = store_section(cfg, stores, steps)
+            report["store_lookup"] = lookup_section(cfg, stores, steps)
+        if only in (None, "policy"):
+            report["policy"] = policy_section(steps, requests=cfg.policy_requests)
     report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
-    report["meta"]["peak_rss_bytes"] = _peak_rss_bytes()
+    report["meta"]["peak_rss_bytes"] = peak_bytes()
     report["meta"]["load_average"] = _load_average()
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
@@ -203,17 +209,7 @@ def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress
     gc.collect()
     report["fit"] = fit_section(cfg, steps)
     report["not_measured"] = report["memory"].pop("not_measured") + \
-        ([skipped] if skipped else [])
-
-
-def _peak_rss_bytes() -> int | None:
-    """The most host memory this process has held so far (its peak resident set)."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if platform.system() == "Darwin" else peak * 1024  # bytes there, KiB here
+        ([skipped] if skipped else []) + cases_not_timed(cfg) + warmups_not_timed(cfg)
 
 
 def _load_average() -> list[float] | None:

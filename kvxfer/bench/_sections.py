@@ -17,8 +17,9 @@ import numpy as np
 from kvxfer._text import format_bytes
 from kvxfer.bench._baselines import (JAX_ROUTES, JaxRoutes, host_pages, load_baselines,
                                      offload_baselines, put_scatter)
-from kvxfer.bench._caller import CALL_CASES
+from kvxfer.bench._caller import call_cases
 from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._hostrss import reset_peak, rss
 from kvxfer.bench._rig import LOAD_VARIANTS, Rig, check_loaded, load_name, make_caches
 from kvxfer.bench.limits import Limit, limit_figures
 from kvxfer.bench.timing import Progress, interleaved, now, stats
@@ -68,15 +69,16 @@ def plan(cfg: BenchConfig) -> list[StepKind]:
         steps += sweep
     steps += ["copy sizes"] * len(cfg.copy_sizes)
     steps.append("cache size")
-    steps += ["first call"] * len(CALL_CASES) + ["queued steps"] * len(CALL_CASES)
-    return steps + fit_plan()
+    cases = len(call_cases(cfg))
+    steps += ["first call"] * cases + ["queued steps"] * cases
+    return steps + fit_plan(cfg)
 
 
-def fit_plan() -> list[StepKind]:
+def fit_plan(cfg: BenchConfig) -> list[StepKind]:
     """The steps of the engine-fit section (``_fit.fit_section``)."""
     from kvxfer.bench._fit import FIT_PATHS
 
-    return ["engine fit"] * len(FIT_PATHS) + ["warm-up"] * len(FIT_PATHS)
+    return ["engine fit"] * len(FIT_PATHS) + ["warm-up"] * len(cfg.warmup_paths)
 
 
 def _with_fraction(s: dict[str, Any], limit: dict[str, dict[str, Any]], direction: str
@@ -111,8 +113,11 @@ def _measure_case(cfg: BenchConfig, limit: Limit, rig: Rig, held: _Held, ids: li
             variants[f"load_pinned_{integ}_all"] = (
                 lambda integ=integ: rig.load(integ, held[(integ, "pinned")][:len(ids)], ids,
                                              "all", "pinned"))
-    # The plain-JAX routes, interleaved with kvxfer's: what an engine would write.
-    routes = JaxRoutes(rig, ids)
+    # The plain-JAX routes, interleaved with kvxfer's: what an engine would write
+    # (compiled once per rig and pages: a sweep on the reference cell reuses its call's).
+    if tuple(ids) not in rig.routes:
+        rig.routes[tuple(ids)] = JaxRoutes(rig, ids)
+    routes = rig.routes[tuple(ids)]
     variants["jax_gather_pinned"] = routes.offload
     variants["jax_put_scatter"] = routes.load
     t = interleaved(variants, cfg.repeats)
@@ -334,25 +339,6 @@ def _integrity_traffic(rig: Rig, pages: int, block_bytes: int) -> list[dict[str,
     return rows
 
 
-def _rss() -> tuple[int, int] | None:
-    """(current, peak) resident bytes of this process, or None off Linux."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _device_bytes_in_use() -> int | None:
     stats_ = jax.devices()[0].memory_stats()
     return None if not stats_ or "bytes_in_use" not in stats_ else int(stats_["bytes_in_use"])
@@ -369,13 +355,13 @@ def _memory_section(rig: Rig, held: _Held, ids: list[int], device_before: int | 
     out["cache_bytes"] = cache_bytes
     device_after = _device_bytes_in_use()
     rig.offload("page", ids)  # the slots it takes (and frees) are touched before measuring
-    rss = _rss()
-    if rss is not None and _reset_peak_rss():
+    at = rss()
+    if at is not None and reset_peak():
         gc.collect()
-        before = (_rss() or rss)[0]
+        before = (rss() or at)[0]
         rig.offload("page", ids)
         rig.load("page", held[("page", "auto")], ids, "all")
-        peak = (_rss() or rss)[1]
+        peak = (rss() or at)[1]
         out["host_rss_before_bytes"] = before
         out["host_peak_rss_bytes"] = peak
         out["host_transient_bytes"] = max(0, peak - before)

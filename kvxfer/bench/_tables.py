@@ -77,6 +77,8 @@ def _format_report(report: dict[str, Any]) -> str:
         lines.append(f"source: {meta['source']}")
     if "fit" in report:
         lines += _fit_lines(report["fit"])
+        if "throughput" not in report and report.get("not_measured"):
+            lines += [""] + [f"  not measured: {note}" for note in report["not_measured"]]
     if "models" in report:
         lines += _model_lines(report["models"])
     if "store" in report:

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["now", "no_gc", "gbps", "stats", "sample", "interleaved", "per_page_loop",
-           "Progress", "format_duration"]
+__all__ = ["now", "no_gc", "frozen_heap", "gbps", "stats", "sample", "interleaved",
+           "per_page_loop", "Progress", "format_duration"]
 
 #: The clock every figure is read from.
 now = time.perf_counter
@@ -49,6 +49,31 @@ def no_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Runs the body with the objects that exist before it left out of every collection.
+
+    ``no_gc`` collects before each timed region; a full collection walks every object
+    the process holds, JAX's own among them (over 100,000 once it is imported: 80 ms
+    a collection on a 2-core CPU, seconds over a run). Objects made in the body are
+    collected as before; those from before it, once it ends.
+
+    Example:
+        >>> import gc
+        >>> with frozen_heap():
+        ...     gc.get_freeze_count() > 0
+        True
+        >>> gc.get_freeze_count()
+        0
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def gbps(nbytes: int, seconds: float) -> float:
