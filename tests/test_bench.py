@@ -405,7 +405,8 @@ def test_only_store_runs_the_store_section_on_the_stores_given(tmp_path, redis_s
     assert f"{r['speedup']:.1f}x ({r['speedup_best']:.1f}x)" in row and "4 KiB *" in row
     lines = [line for line in stderr.splitlines() if PROGRESS.match(line)]
     assert len(lines) == 5 and all("store: " in line for line in lines)
-    assert "lookup of a 4-page prefix of 4 KiB pages" in lines[-1]
+    last = " ".join(stderr[stderr.rindex("[5/5"):].split())  # with its indented lines
+    assert "lookup of a 4-page prefix of 4 KiB pages" in last
 
 
 def test_only_store_measures_a_redis_cluster_store_and_its_lookup(redis_cluster):
@@ -605,10 +606,12 @@ def test_check_exits_1_on_a_miss_and_names_it(fit_only):
     report, rc, stderr = fit_only
     misses = bench.missed(report)
     assert len(misses) == 5 and rc == 1
+    assert max(map(len, stderr.splitlines())) <= 100  # wrapped to fit a terminal
+    said = " ".join(stderr.split())
     assert "0 of 5 targets that apply to cpu met, 5 missed; 2 for other hardware not " \
-        "applicable (--check: exit 1):" in stderr
+        "applicable (--check: exit 1):" in said
     for t in report["targets"]:
-        assert (f"  {t['name']}: " in stderr) == (t["status"] == "MISS")
+        assert (f" {t['name']}: " in said) == (t["status"] == "MISS")
 
 
 def test_missed_and_forced_targets_on_a_report(run):
@@ -626,6 +629,10 @@ def test_missed_and_forced_targets_on_a_report(run):
 def test_progress_lines_count_every_step_and_estimate_what_is_left(run):
     _, _, lines = run
     numbered = [PROGRESS.match(line) for line in lines if PROGRESS.match(line)]
+    # What the run says on stderr fits a 100-column terminal: a long step's
+    # description continues on indented lines under the one with its number.
+    assert max(map(len, lines)) <= 100
+    assert any(line.startswith("  ") for line in lines)
     # Every progress line carries a step number, notes within a step too.
     assert numbered and len(numbered) == len([line for line in lines if "elapsed" in line])
     steps = [m for i, m in enumerate(numbered)

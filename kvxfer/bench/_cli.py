@@ -22,8 +22,14 @@ if TYPE_CHECKING:
 __all__ = ["register_cli"]
 
 
+#: Columns the bench's terminal output fits: the report (``--wide`` lifts it for the
+#: tables), its progress lines and the targets it names on stderr.
+WIDTH = 100
+
+
 def _progress(line: str) -> None:
-    print(f"kvxfer bench: {line}", file=sys.stderr, flush=True)
+    # A long step description goes on indented lines under the one with the counter.
+    print(fit_width(f"kvxfer bench: {line}", WIDTH), file=sys.stderr, flush=True)
 
 
 def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int:
@@ -35,7 +41,7 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int
     if args.targets:
         text = _report.targets_table(targets=targets)
         print(json.dumps([dataclasses.asdict(t) for t in _report.TARGET_TABLE]) if args.json
-              else text if args.wide else fit_width(text, 100))
+              else text if args.wide else fit_width(text, WIDTH))
         return 0
     config = BenchConfig.smoke() if args.smoke else None
     report = run_bench(quick=args.quick, out_dir=args.out, config=config, progress=_progress,
@@ -44,7 +50,7 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int
     if args.json:
         print(json.dumps(report))
     else:
-        print(_report.format_report(report, width=None if args.wide else 100))
+        print(_report.format_report(report, width=None if args.wide else WIDTH))
         if "files" in report:
             print("wrote " + ", ".join(report["files"].values()))
     _say_misses(report, args.check)
@@ -62,7 +68,8 @@ def _say_misses(report: dict[str, Any], check: bool) -> None:
         return
     names = "".join(f"\n  {t['name']}: {t['value']:.3g} ({t['where']})" for t in misses)
     how = "--check: exit 1" if check else "reported, not judged: --check exits 1 on a miss"
-    print(f"kvxfer bench: {_report.summary(report)} ({how}):{names}", file=sys.stderr)
+    print(fit_width(f"kvxfer bench: {_report.summary(report)} ({how}):{names}", WIDTH),
+          file=sys.stderr)
 
 
 def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
