@@ -128,6 +128,17 @@ def _engine_without(tmp_path, missing):
     return root
 
 
+def _run_beside(root, code: str) -> list[str]:
+    """Runs ``code`` in a fresh process with the engine tree ``root`` first on the path;
+    its two lines of output."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()
+
+
 @pytest.mark.parametrize("missing", ["init_load_back", "_split_node"])
 def test_install_on_an_unchecked_engine_names_the_missing_name_and_changes_nothing(
         tmp_path, missing):
@@ -138,12 +149,7 @@ def test_install_on_an_unchecked_engine_names_the_missing_name_and_changes_nothi
             "except sglang_jax.EngineMismatchError as e:\n    print(e)\n"
             "print(sglang_jax.installed(), host_kv_pool.LRUHostKVPool.__module__,\n"
             "      'kvxfer' in str(vars(unified_radix_cache.UnifiedRadixCache)))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
-        "PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    message, state = out.stdout.strip().splitlines()
+    message, state = _run_beside(root, code)
     assert f"UnifiedRadixCache.{missing}" in message
     assert sglang_jax.ENGINE_COMMIT in message and "Nothing was installed" in message
     assert state == "False sgl_jax.srt.mem_cache.host_kv_pool False"
@@ -157,12 +163,7 @@ def test_install_on_an_engine_whose_module_fails_to_import_says_which(tmp_path):
             "try:\n    sglang_jax.install()\n"
             "except sglang_jax.EngineMismatchError as e:\n    print(e)\n"
             "print(sglang_jax.installed())")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
-        "PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    message, state = out.stdout.strip().splitlines()
+    message, state = _run_beside(root, code)
     assert "importing sgl_jax.srt.mem_cache.unified_radix_cache raised AttributeError" \
         in message
     assert sglang_jax.ENGINE_COMMIT in message and state == "False"

@@ -332,19 +332,30 @@ def _caller_time(cfg: CheckConfig) -> tuple[bool, Figures]:
     return True, out
 
 
+def _matmul(n: int) -> Callable[[], float]:
+    """A square bfloat16 matmul of side ``n`` on the first device, compiled and run once:
+    each call dispatches it and returns the seconds until its result is ready."""
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16),
+                       jax.devices()[0])
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(x).block_until_ready()
+
+    def timed() -> float:
+        t0 = now()
+        matmul(x).block_until_ready()
+        return now() - t0
+    return timed
+
+
 def _overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
     """A matmul dispatched right after an ``offload()`` of ``offload_bytes``, against
     the same matmul alone: wall time from its dispatch until it is ready; with the
     offload's copies beside XLA's stream (the default) and on it."""
-    dev = jax.devices()[0]
-    n = cfg.matmul
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16), dev)
-    matmul = jax.jit(lambda a: a @ a)
-    matmul(x).block_until_ready()
+    timed = _matmul(cfg.matmul)
     page = cfg.layers * cfg.block_bytes
     k = max(1, cfg.offload_bytes // page)
     caches = _caches(cfg, k)
-    out: Figures = {"offload_bytes": k * page, "matmul": n}
+    out: Figures = {"offload_bytes": k * page, "matmul": cfg.matmul}
     alone: list[float] = []
     for stream in ("side", "xla"):
         with _env("KVXFER_DMA_STREAM", stream):
@@ -354,15 +365,11 @@ def _overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
             try:
                 mgr.free(mgr.offload(caches, list(range(k)), keys=list(range(k))).wait())
                 for r in range(cfg.repeats):
-                    t0 = now()
-                    matmul(x).block_until_ready()
-                    alone.append(now() - t0)
+                    alone.append(timed())
                     t0 = now()
                     handle = mgr.offload(caches, list(range(k)), keys=list(range(k)))
-                    t1 = now()
-                    matmul(x).block_until_ready()
-                    after.append(now() - t1)
-                    calls.append(t1 - t0)
+                    calls.append(now() - t0)
+                    after.append(timed())
                     mgr.free(handle.wait())
             finally:
                 mgr.close()
@@ -382,11 +389,7 @@ def _load_overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
     plus one layer's share of it (target 1.1x); and a matmul dispatched right after
     ``prefetch()`` (its copies under way beside XLA's stream) against the same matmul
     alone."""
-    dev = jax.devices()[0]
-    n = cfg.matmul
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16), dev)
-    matmul = jax.jit(lambda a: a @ a)
-    matmul(x).block_until_ready()
+    timed = _matmul(cfg.matmul)
     page = cfg.layers * cfg.block_bytes
     k = max(1, cfg.offload_bytes // page)
     with make_limit(k * page) as limit:
@@ -406,19 +409,15 @@ def _load_overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
             load.layer_ready(cfg.layers - 1)
             t1 = now()
             load.result()
-            t2 = now()
-            matmul(x).block_until_ready()
-            t3 = now()
+            by_itself = timed()
             staged = mgr.prefetch(pages)
-            t4 = now()
-            matmul(x).block_until_ready()
-            t5 = now()
+            behind = timed()
             caches, load = mgr.load(caches, pages, ids, prefetched=staged)
             load.result()
             if r:  # the first round is a warm-up
                 last.append(t1 - t0)
-                alone.append(t3 - t2)
-                after.append(t5 - t4)
+                alone.append(by_itself)
+                after.append(behind)
     finally:
         mgr.close()
     bound = copy * (1 + 1 / cfg.layers)
