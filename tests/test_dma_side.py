@@ -98,9 +98,9 @@ def test_prefetch_starts_the_copies_and_the_load_only_scatters(fake):
 
 def test_a_released_prefetch_holds_its_staging_until_the_copies_end(fake):
     caches, before, mgr, pages = offloaded()
-    staged = mgr.prefetch(pages)
+    staged = [mgr.prefetch(pages), mgr.prefetch(pages[:2])]  # two parked at once
     held = _dma._SIDE.held
-    assert held > 0 and staged.release()
+    assert held > 0 and all(s.release() for s in staged)
     del staged
     gc.collect()
     assert _dma._SIDE.held == held  # parked: its copies may still be writing it

@@ -376,22 +376,17 @@ class CopyJob:
             step_fault("address")
             device = [buffer_address(b) for b in buffers]
             step_fault("describe")
+            sets = [self.describe(device, span) for span in self.groups or [None]]
+            step_fault("copy")
             if self.groups is not None:
-                sets = [self.describe(device, span) for span in self.groups]
-                step_fault("copy")
                 self.completions = self.engine.copy_beside_groups(sets, stream,
                                                                   self.direction)
                 self.completion = self.completions[-1] if self.completions else None
-                self.copies = sum(map(len, sets))
-                self.ran = True
-                return
-            copies = self.describe(device)
-            step_fault("copy")
-            if self.beside:
-                self.completion = self.engine.copy_beside(copies, stream, self.direction)
+            elif self.beside:
+                self.completion = self.engine.copy_beside(sets[0], stream, self.direction)
             else:
-                self.engine.copy(copies, stream, self.direction)
-            self.copies = len(copies)
+                self.engine.copy(sets[0], stream, self.direction)
+            self.copies = sum(map(len, sets))
             self.ran = True
         except BaseException as e:  # noqa: BLE001 - reported by the transfer thread
             self.error = e

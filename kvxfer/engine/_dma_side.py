@@ -201,10 +201,10 @@ _parked: list[tuple[list[CopyJob], list[jax.Array], int]] = []
 _parked_lock = threading.Lock()
 
 
-def _park(jobs: list[CopyJob], arrays: list[jax.Array], nbytes: int) -> None:
+def _park(jobs: dict[Any, CopyJob], staging: dict[Any, jax.Array], nbytes: int) -> None:
     """Keeps a dropped staging's buffers until its copies end (a finalizer: no waits)."""
     with _parked_lock:
-        _parked.append((jobs, arrays, nbytes))
+        _parked.append((list(jobs.values()), list(staging.values()), nbytes))
 
 
 def reap() -> None:
@@ -219,8 +219,10 @@ def reap() -> None:
             done = True
         if done:
             with _parked_lock:
-                if entry in _parked:
-                    _parked.remove(entry)
+                # By identity: entries hold arrays, whose == compares elements.
+                kept = [e for e in _parked if e is not entry]
+                if len(kept) < len(_parked):
+                    _parked[:] = kept
                     _SIDE.give(nbytes)
 
 
@@ -240,23 +242,18 @@ class DmaStaged:
         self.nbytes = nbytes
         self.staging: dict[tuple[int, int], jax.Array] = {}
         self.jobs: dict[tuple[int, int], CopyJob] = {}
-        self._jobs: list[CopyJob] = []
-        self._arrays: list[jax.Array] = []
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _park, self._jobs, self._arrays, nbytes)
+        # The dicts, not the object: a finalizer must not keep what it finalizes.
+        self._finalizer = weakref.finalize(self, _park, self.jobs, self.staging, nbytes)
 
     def add(self, shard: int, replica: int, staging: jax.Array, job: CopyJob) -> None:
         """Files one shard replica's staging and the job copying into it."""
         self.staging[shard, replica] = staging
         self.jobs[shard, replica] = job
-        self._jobs.append(job)
-        self._arrays.append(staging)
 
     def handed(self, shard: int, replica: int, staging: jax.Array) -> None:
         """Takes the staging a load program handed back (it consumed the one given)."""
-        old = self.staging[shard, replica]
         self.staging[shard, replica] = staging
-        self._arrays[:] = [staging if a is old else a for a in self._arrays]
 
     def finish(self, strict: bool) -> None:
         """Waits for the copies, then lets the staging and its budget go (once).
@@ -265,8 +262,9 @@ class DmaStaged:
             if not self._finalizer.alive:
                 return
             self._finalizer.detach()
-        error = quiesce(self._jobs, self._arrays)
-        for job in self._jobs:
+        jobs = list(self.jobs.values())
+        error = quiesce(jobs, list(self.staging.values()))
+        for job in jobs:
             for c in job.completions:
                 try:
                     c.wait()
@@ -274,7 +272,6 @@ class DmaStaged:
                     error = error or e
             error = error or job.error
         self.staging.clear()
-        self._arrays.clear()
         _SIDE.give(self.nbytes)
         reap()  # staging dropped earlier: its copies ran before these on the same stream
         if error is not None and strict:
