@@ -317,7 +317,7 @@ class CopyJob:
 
     __slots__ = ("engine", "direction", "pool", "page_bytes", "slots", "offsets",
                  "block_bytes", "ids", "memory", "beside", "ran", "error", "copies", "keep",
-                 "completion", "groups", "completions")
+                 "completion", "groups", "completions", "addresses")
 
     def __init__(self, engine: CopyEngine, direction: Direction, pool: int, page_bytes: int,
                  slots: np.ndarray, offsets: Sequence[int], block_bytes: int,
@@ -340,6 +340,7 @@ class CopyJob:
         self.error: BaseException | None = None
         self.copies = 0
         self.keep: Any = None  # the ticket it is filed under
+        self.addresses: list[int] = []  # the device buffers' addresses, once run
 
     def describe(self, device: Sequence[int], span: tuple[int, int] | None = None) -> Copies:
         """The copies, given the device buffers' addresses: each layer's cache (blocks
@@ -374,7 +375,7 @@ class CopyJob:
         """
         try:
             step_fault("address")
-            device = [buffer_address(b) for b in buffers]
+            device = self.addresses = [buffer_address(b) for b in buffers]
             step_fault("describe")
             sets = [self.describe(device, span) for span in self.groups or [None]]
             step_fault("copy")

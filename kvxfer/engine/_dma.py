@@ -537,13 +537,12 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
         token = TICKETS.issue(device, job)
         digest = (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
         try:
-            out, done, staging, *digests = _programs.run(
+            out, done, *digests = _programs.run(
                 "dma_load_side", arrays, token, staged.staging[shard, replica], ids, count,
                 *digest, with_digest=with_digest, options=self._side_options(device))
         except BaseException:
             TICKETS.withdraw(job)
             raise
-        staged.handed(shard, replica, staging)  # held until the copies into it are done
         return (out, done, *digests), job
 
     def _side_options(self, device: Any) -> tuple:

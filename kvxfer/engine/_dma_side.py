@@ -301,9 +301,10 @@ class SideLoadJob:
         self.keep: Any = None
         self.held = 0  # groups whose wait was enqueued
 
-    def hold(self, group: int, ok: Any, stream: int | None) -> None:
+    def hold(self, group: int, ok: Any, staging: Any, stream: int | None) -> None:
         """Makes ``stream`` wait for group ``group``'s copies, then writes 1 in the
-        ``ok`` word in its order (the scatter of that group then writes its blocks)."""
+        ``ok`` word in its order (the scatter of that group then writes its blocks).
+        Writes nothing unless ``staging`` is the buffer those copies write."""
         stage = self.stage
         if stage.error is not None:
             raise RuntimeError(f"the staging failed: {type(stage.error).__name__}: "
@@ -311,6 +312,10 @@ class SideLoadJob:
         if not stage.ran:
             raise RuntimeError("the staging program ended without enqueueing its copies")
         step_fault("address")
+        handed = buffer_address(staging)
+        if handed != stage.addresses[0]:
+            raise RuntimeError(f"the load was handed staging at {handed:#x}, not the "
+                               f"buffer its copies write ({stage.addresses[0]:#x})")
         address = buffer_address(ok)
         step_fault("copy")
         self.engine.hold(stage.completions[group], stream)
@@ -341,7 +346,7 @@ def _group_callback(ctx: Any, out: Any, token: Any, *operands: Any, group: int,
     if job.error is None:
         try:
             stream = ctx.stream if job.engine.uses_stream else None
-            job.hold(group, out[0], stream)
+            job.hold(group, out[0], operands[1], stream)
         except BaseException as e:  # noqa: BLE001 - see above
             job.error = e
     if last and job.error is None:
@@ -351,38 +356,43 @@ def _group_callback(ctx: Any, out: Any, token: Any, *operands: Any, group: int,
 def _load_side_impl(arrays, token, staging, ids, count, *digest, groups: tuple, raw: bool,
                     loop: bool, unit: int, widths: tuple,
                     callback: Callable[..., None]):
-    # The staging (donated) passes through every group's callback in place, so the
-    # rows a group scatters are read after its wait; each callback after the first
-    # also reads the last array the previous group wrote, so it comes after that
-    # scatter: each scatter runs while later groups are still crossing, and no read
-    # of the staging needs a copy of it.
+    # Nothing aliases the staging and nothing donates it (copies beside XLA's stream
+    # may still write it whatever becomes of this program): each group's callback is
+    # handed it only to check it is the buffer its copies write, and returns a word.
+    # The group's rows are read at a column computed from that word (its start when
+    # the word is 1), so no read of the staging can run before the callback that
+    # waits for its copies (XLA:CPU runs independent work at once) and XLA has no
+    # reason to copy it. Each callback after the first also reads every layer the
+    # group before it wrote, so its wait comes after those scatters: a group's scatter
+    # runs while later groups are still crossing.
     out = list(arrays)
     starts = np.concatenate([[0], np.cumsum(widths)]).tolist()
-    rows, after = staging, ()
+    after: tuple = ()
     ok = None
     for g, (a, b) in enumerate(groups):
-        ok, rows = buffer_callback(
-            functools.partial(callback, group=g, last=g == len(groups) - 1),
-            (_DONE, jax.ShapeDtypeStruct(rows.shape, rows.dtype)), has_side_effect=False,
-            input_output_aliases={1: 0, 2: 1})(token, jnp.zeros((1,), jnp.uint32), rows, *after)
+        ok, = buffer_callback(
+            functools.partial(callback, group=g, last=g == len(groups) - 1), (_DONE,),
+            has_side_effect=False, input_output_aliases={1: 0})(
+                token, jnp.zeros((1,), jnp.uint32), staging, *after)
+        column = starts[a] + ok[0].astype(jnp.int32) - 1
+        rows = jax.lax.dynamic_slice_in_dim(staging, column, starts[b] - starts[a], axis=1)
         written = jnp.where(ok[0] == 1, count, 0)
-        out[a:b] = scatter_rows(out[a:b], rows[:, starts[a]:starts[b]], ids, written, raw,
-                                unit)
-        after = (out[b - 1],)
+        out[a:b] = scatter_rows(out[a:b], rows, ids, written, raw, unit)
+        after = tuple(out[a:b])
     extra = ()
     if digest:
         base, nums = digest
         extra = (_digest_impl(out, ids, base, nums, count, raw=raw, loop=loop),)
-    return (tuple(out), ok, rows, *extra)
+    return (tuple(out), ok, *extra)
 
 
 def _load_side_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
     groups, loop, unit, widths = options
     return (functools.partial(_load_side_impl, groups=groups, raw=raw, loop=loop, unit=unit,
                               widths=widths, callback=_group_callback),
-            dict(donate_argnums=(0, 2),
+            dict(donate_argnums=(0,),
                  in_shardings=(formats, None, None, None, None) + (None, None) * with_digest,
-                 out_shardings=(formats, None, None) + (None,) * with_digest))
+                 out_shardings=(formats, None) + (None,) * with_digest))
 
 
 register_kind("dma_load_side", _load_side_parts, same_formats=0)
