@@ -15,7 +15,7 @@ from kvxfer._version import __version__ as __version__
 
 _WHERE = {
     "kvxfer.cache": ["HostCache", "CacheHit", "CacheLoad"],
-    "kvxfer.engine": ["TransferError"],
+    "kvxfer.engine": ["TransferError", "DmaOptions"],
     "kvxfer.hostpool": ["PageRef", "PoolError", "PoolExhaustedError"],
     "kvxfer.layout": ["Layout", "LayoutError", "SliceGeometry", "inspect",
                       "require_addressable"],
@@ -32,4 +32,4 @@ __all__ = ["__version__", "HostCache", "CacheHit", "CacheLoad", "TransferError",
            "PoolError", "PoolExhaustedError", "Layout", "LayoutError", "SliceGeometry",
            "inspect", "require_addressable", "IntegrityError", "KVCacheManager", "LoadHandle",
            "LoadResult", "OffloadHandle", "PageFormatError", "BudgetError", "LayerSpec", "Plan",
-           "make_plan", "AgreementError"]
+           "make_plan", "AgreementError", "DmaOptions"]

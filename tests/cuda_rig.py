@@ -52,6 +52,7 @@ _PROTOTYPES = {
     "cuEventQuery": (c.c_void_p,),
     "cuEventSynchronize": (c.c_void_p,),
     "cuEventDestroy": (c.c_void_p,),
+    "cuStreamSynchronize": (c.c_void_p,),
     "cuMemsetD32Async": (c.c_uint64, c.c_uint, c.c_size_t, c.c_void_p),  # CUdeviceptr
 }
 CUDA_ERROR_NOT_READY = 600
@@ -213,6 +214,14 @@ class FakeDriver:
         self.events[event].wait()
         return 0
 
+    def _cuStreamSynchronize(self, stream):
+        self.calls.append(("sync", dict(stream=stream)))
+        if stream in self.streams:
+            done = threading.Event()
+            self.streams[stream].queue.put(("record", done))
+            done.wait()
+        return self._failing("cuStreamSynchronize")
+
     def _cuEventDestroy(self, event):
         # A recorded event may be destroyed at once: the stream still sets it.
         return 0 if self.events.pop(event, None) is not None else CUDA_ERROR_INVALID_VALUE
@@ -276,11 +285,8 @@ class HostStreamEngine(CudaCopyEngine):
     def copy(self, copies, stream, direction="offload"):
         super().copy(copies, self.STREAM, direction)
 
-    def copy_beside(self, copies, stream, direction="offload"):
-        return super().copy_beside(copies, self.STREAM, direction)
-
-    def copy_beside_groups(self, groups, stream, direction="load"):
-        return super().copy_beside_groups(groups, self.STREAM, direction)
+    def copy_beside_groups(self, groups, stream, direction, out):
+        return super().copy_beside_groups(groups, self.STREAM, direction, out)
 
     def hold(self, completion, stream):
         super().hold(completion, self.STREAM)

@@ -44,8 +44,7 @@ def round_trip(mgr, caches, src, dst):
 
 
 @pytest.fixture
-def relayout(request, monkeypatch):
-    monkeypatch.setenv("KVXFER_DMA_RELAYOUT", request.param)
+def relayout(request):
     return request.param
 
 
@@ -55,7 +54,8 @@ def test_round_trip_is_bit_exact_and_in_place(dtype, relayout):
     """Every bit comes back (bf16 and fp8 NaN payloads included), in any block order, and
     a load writes the caches' own buffers."""
     caches = caches_of(dtype)
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",
+                                dma=kvxfer.DmaOptions(relayout=relayout))
     assert mgr.paths == ["dma"] * 3
     assert mgr._movers[0].relayout == (relayout == "always")
     before_ptr = [c.unsafe_buffer_pointer() for c in caches]
@@ -82,7 +82,7 @@ def test_the_pool_lives_outside_xla_and_holds_the_plan():
 def test_adjacent_blocks_merge_into_one_copy(monkeypatch):
     """One layer, consecutive blocks into consecutive slots: one copy each way."""
     engine = HostCopyEngine()
-    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     caches = caches_of("float32", layers=1)
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
     block = caches[0][0].nbytes
@@ -163,7 +163,7 @@ def test_a_failing_copy_engine_is_a_transfer_error_and_the_caches_stay_usable(mo
     caches = caches_of("float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
     pages = mgr.offload(caches, [1, 2], keys=[1, 2]).wait()
-    monkeypatch.setitem(COPY_ENGINES, PLATFORM, lambda device: _Failing())
+    monkeypatch.setitem(COPY_ENGINES, PLATFORM, lambda device, copy="batch": _Failing())
     with pytest.raises(TransferError, match="the copy engine is gone"):
         mgr.offload(caches, [3], keys=[3]).wait()
     new, load = mgr.load(caches, pages, [5, 6])
@@ -292,12 +292,12 @@ def test_the_dma_mover_runs_over_the_cuda_engine(monkeypatch):
     """The mover's descriptors through the CUDA engine's batch call: every copy of a
     transfer in one call, bytes exact (on XLA's stream: see the next test for copies
     beside it)."""
-    monkeypatch.setenv("KVXFER_DMA_STREAM", "xla")
     fake = FakeDriver()
     engine = HostStreamEngine(fake.driver(), ordinal=0)
-    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     caches = caches_of("bfloat16", layers=4)
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",
+                                dma=kvxfer.DmaOptions(stream="xla"))
     round_trip(mgr, caches, [3, 1, 12], [0, 5, 6])
     batches = [call for kind, call in fake.calls if kind == "batch"]
     assert [b["count"] for b in batches] == [12, 12]  # 3 pages x 4 layers, each way
@@ -313,7 +313,7 @@ def test_a_looping_engine_relayouts_whatever_the_block_size(monkeypatch):
     fake = FakeDriver(version=12040)
     engine = HostStreamEngine(fake.driver(), ordinal=0)
     assert engine.mode == "loop"
-    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     caches = caches_of("float32", layers=4, shape=(64, 256))  # 64 KiB blocks
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
     assert mgr._movers[0].relayout
@@ -321,8 +321,8 @@ def test_a_looping_engine_relayouts_whatever_the_block_size(monkeypatch):
     # Pages in consecutive slots and staging rows: one copy each way (without the
     # relayout, one per layer and page: 12 each way).
     assert [kind for kind, _ in fake.calls if kind == "copy"] == ["copy"] * 2
-    monkeypatch.setenv("KVXFER_DMA_RELAYOUT", "never")
-    assert not kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")._movers[0].relayout
+    assert not kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=kvxfer.DmaOptions(
+        relayout="never"))._movers[0].relayout
     mgr.close()
 
 
@@ -370,7 +370,7 @@ def test_offload_copies_run_beside_xlas_stream(missing_wait, monkeypatch):
 
     fake = FakeDriver(delay=0.5)
     engine = HostStreamEngine(fake.driver(), ordinal=0)
-    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     late = []
     if missing_wait:
         # What a mover that forgot the wait would commit; the wait (and the staging's
@@ -413,22 +413,24 @@ def test_offload_copies_run_beside_xlas_stream(missing_wait, monkeypatch):
 
 @HOST_ENGINE
 def test_offloads_beside_xlas_stream_hold_bounded_staging(monkeypatch):
-    """Past ``KVXFER_DMA_SIDE_BYTES`` of staging in flight, an offload runs its copies
-    on XLA's stream; every byte of the budget comes back."""
+    """Past ``DmaOptions.staging_bytes`` of staging in flight on a device, an offload
+    runs its copies on XLA's stream (counted in ``stats()``); every byte of the budget
+    comes back."""
     from kvxfer.engine import _dma
 
     fake = FakeDriver(delay=0.3)
     engine = HostStreamEngine(fake.driver(), ordinal=0)
-    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
-    monkeypatch.setenv("KVXFER_DMA_SIDE_BYTES", "1")  # one offload at a time beside
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     caches = caches_of("float32", layers=2)
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",  # one at a time beside
+                                dma=kvxfer.DmaOptions(staging_bytes=1))
     first = mgr.offload(caches, [1, 2], keys=[1, 2])
     second = mgr.offload(caches, [3, 4], keys=[3, 4])
     pages = first.wait() + second.wait()
     streams = [call["stream"] for kind, call in fake.calls if kind == "batch"]
     assert streams[0] in fake.streams and streams[1] == HostStreamEngine.STREAM
-    assert _dma._SIDE.held == 0
+    assert mgr.stats()["dma_fallbacks"] == {"budget": 1, "out_of_memory": 0}
+    assert _dma._SIDE.held() == 0
     caches, load = mgr.load(caches, pages, [8, 9, 10, 11])
     assert load.result().verified_prefix == 4
     mgr.close()

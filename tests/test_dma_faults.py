@@ -72,11 +72,10 @@ def test_each_step_of_the_callback_failing_leaves_the_caches_alive(step, case, m
         from kvxfer.engine import COPY_ENGINES
 
         engine = HostStreamEngine(FakeDriver(delay=0.01).driver(), ordinal=0)
-        monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
-    monkeypatch.setenv("KVXFER_DMA_RELAYOUT", "never" if sharded or case == "beside"
-                       else case)
+        monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     caches = mixed_caches(sharded)
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=kvxfer.DmaOptions(
+        relayout="never" if sharded or case == "beside" else case))
     assert mgr.paths == ["dma"] * len(DTYPES)
     pages = mgr.offload(caches, [1, 2, 3], keys=[1, 2, 3]).wait()
     before = [bits(c) for c in caches]
@@ -91,7 +90,7 @@ def test_each_step_of_the_callback_failing_leaves_the_caches_alive(step, case, m
     assert err.value.kv_caches is not None
     assert_alive(err.value.kv_caches, before)  # a failed load writes no block
     assert all(a is b for a, b in zip(err.value.kv_caches, new))
-    assert TICKETS.pending() == 0 and mgr.num_free_pages == 5 and _dma._SIDE.held == 0
+    assert TICKETS.pending() == 0 and mgr.num_free_pages == 5 and _dma._SIDE.held() == 0
 
     # The caches go on: the same load, without the fault, lands every page.
     new, load = mgr.load(new, pages, [9, 10, 11])

@@ -33,7 +33,7 @@ bits = testing.bits
 def fake(monkeypatch):
     driver = FakeDriver(delay=0.1)
     engine = HostStreamEngine(driver.driver(), ordinal=0)
-    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device: engine)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     return driver
 
 
@@ -41,11 +41,12 @@ def calls(fake, kind):
     return [call for k, call in fake.calls if k == kind]
 
 
-def offloaded(layers: int = 4, shape=(64, 256)):
+def offloaded(layers: int = 4, shape=(64, 256), **options):
     """A DMA manager over 64 KiB float32 blocks (a group per layer) with pages 3, 1, 12
     offloaded; the caches, their bits then, the manager, the pages."""
     caches = testing.random_caches(layers, 16, shape, "float32")
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",
+                                dma=kvxfer.DmaOptions(**options))
     pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
     return caches, [bits(c) for c in caches], mgr, pages
 
@@ -61,11 +62,14 @@ def test_a_load_copies_beside_and_each_group_waits_for_its_own_copies(fake):
     # Four groups of copies on the engine's own stream; XLA's stream waits for each
     # group's event once, and each wait is followed by the word that lets its scatter
     # write.
-    assert {b["stream"] for b in calls(fake, "batch")} == set(fake.streams)
+    # The loads' own stream: not the offloads' (a load never queues behind an offload).
+    load_streams = {b["stream"] for b in calls(fake, "batch")}
+    assert len(load_streams) == 1 and load_streams < set(fake.streams)
+    assert len(fake.streams) == 2
     assert len(calls(fake, "batch")) == 4
     waits = [w for w in calls(fake, "wait") if w["stream"] == HostStreamEngine.STREAM]
     assert len(waits) == 4 and len(calls(fake, "memset")) == 4
-    assert _dma._SIDE.held == 0 and TICKETS.pending() == 0
+    assert _dma._SIDE.held() == 0 and TICKETS.pending() == 0
     mgr.close()
 
 
@@ -86,27 +90,27 @@ def test_prefetch_starts_the_copies_and_the_load_only_scatters(fake):
     fake.calls.clear()
     staged = mgr.prefetch(pages)
     assert len(calls(fake, "batch")) == 4  # the copies are under way before the load
-    assert _dma._SIDE.held > 0
+    assert _dma._SIDE.held() > 0
     new, load = mgr.load(caches, pages, [0, 5, 6], prefetched=staged)
     assert load.result().verified_prefix == 3
     assert len(calls(fake, "batch")) == 4  # none more
     for c, b in zip(new, before):
         assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
-    assert _dma._SIDE.held == 0
+    assert _dma._SIDE.held() == 0
     mgr.close()
 
 
 def test_a_released_prefetch_holds_its_staging_until_the_copies_end(fake):
     caches, before, mgr, pages = offloaded()
     staged = [mgr.prefetch(pages), mgr.prefetch(pages[:2])]  # two parked at once
-    held = _dma._SIDE.held
+    held = _dma._SIDE.held()
     assert held > 0 and all(s.release() for s in staged)
     del staged
     gc.collect()
-    assert _dma._SIDE.held == held  # parked: its copies may still be writing it
+    assert _dma._SIDE.held() == held  # parked: its copies may still be writing it
     new, load = mgr.load(caches, pages, [0, 5, 6])  # a later stage lets it go
     assert load.result().verified_prefix == 3
-    assert _dma._SIDE.held == 0
+    assert _dma._SIDE.held() == 0
     mgr.close()
 
 
@@ -118,7 +122,7 @@ def test_a_failed_staging_fails_the_load_and_writes_no_block(fake):
         load.result()
     for c, b in zip(err.value.kv_caches, before):
         assert not c.is_deleted() and np.array_equal(bits(c), b)
-    assert _dma._SIDE.held == 0 and TICKETS.pending() == 0
+    assert _dma._SIDE.held() == 0 and TICKETS.pending() == 0
     del fake.fail["cuMemcpyBatchAsync"]
     new, load = mgr.load(new, pages, [0, 5, 6])
     assert load.result().verified_prefix == 3
@@ -129,8 +133,7 @@ def test_a_failed_staging_fails_the_load_and_writes_no_block(fake):
 def test_past_the_staging_budget_a_load_copies_on_xlas_stream(fake, monkeypatch, budget):
     """One transfer beside XLA's stream at a time under a 1-byte budget: a load
     prefetched while another prefetch holds staging copies in its own program."""
-    monkeypatch.setenv("KVXFER_DMA_SIDE_BYTES", budget)
-    caches, before, mgr, pages = offloaded()
+    caches, before, mgr, pages = offloaded(staging_bytes=int(budget))
     first = mgr.prefetch(pages[:1])
     fake.calls.clear()
     second = mgr.prefetch(pages)
@@ -144,10 +147,10 @@ def test_past_the_staging_budget_a_load_copies_on_xlas_stream(fake, monkeypatch,
     gc.collect()
     mgr.load(new, pages[:1], [7])[1].result()
     deadline = time.monotonic() + 10
-    while _dma._SIDE.held and time.monotonic() < deadline:  # once its copies are done
+    while _dma._SIDE.held() and time.monotonic() < deadline:  # once its copies are done
         reap()
         time.sleep(0.05)
-    assert _dma._SIDE.held == 0
+    assert _dma._SIDE.held() == 0
     mgr.close()
 
 
@@ -168,22 +171,24 @@ def test_sharded_and_replicated_loads_beside(fake):
         assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
     for shard in new[3].addressable_shards:  # every replica got the pages
         assert np.array_equal(bits(shard.data)[[0, 5, 6]], before[3][[3, 1, 12]])
-    assert _dma._SIDE.held == 0
+    assert _dma._SIDE.held() == 0
     mgr.close()
 
 
-def test_several_layers_a_group_load_exactly_with_integrity_off():
-    """8 layers of 16 KiB blocks wait in two groups of four: every layer of a group is
-    scattered from bytes its copies wrote (late by 0.3 s), with no digest to hide
-    behind."""
+@pytest.mark.parametrize("layers, shape, groups", [
+    (8, (16, 256), ((0, 4), (4, 8))), (9, (4, 256), ((0, 9),)), (2, (64, 256), ((0, 1), (1, 2)))])
+def test_several_layers_a_group_load_exactly_with_integrity_off(layers, shape, groups):
+    """Layers wait in groups (8 layers of 16 KiB blocks: two of four; 9 of 4 KiB: one):
+    every layer of a group is scattered from bytes its copies wrote (late by 0.3 s,
+    the programs compiled ahead), with no digest to hide behind."""
     driver = FakeDriver(delay=0.3)
     engine = HostStreamEngine(driver.driver(), ordinal=0)
     with pytest.MonkeyPatch.context() as m:
-        m.setitem(COPY_ENGINES, "cpu", lambda device: engine)
-        caches = testing.random_caches(8, 16, (16, 256), "float32", seed=5)
+        m.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
+        caches = testing.random_caches(layers, 16, shape, "float32", seed=5)
         before = [bits(c) for c in caches]
         mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", integrity="off")
-        assert mgr._movers[0]._groups == ((0, 4), (4, 8))
+        assert mgr._movers[0]._groups == groups
         mgr.warmup(4)
         pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
         new, load = mgr.load(caches, pages, [0, 5, 6])
@@ -204,7 +209,7 @@ def test_each_group_waits_then_scatters_before_the_next_waits(layers, shape):
     ids, _, count = _args_abstract(rows, device)
     groups = tuple(layer_groups(layers, words * 4))
     text = _programs.compiled("dma_load_side", arrays, _sds((1,), np.uint32, device),
-                              _sds((rows, layers * words), np.uint32, device), ids, count,
+                              _sds((rows + 1, layers * words), np.uint32, device), ids, count,
                               options=(groups, True, 4, (words,) * layers)).as_text()
     entry = text[text.index("ENTRY"):]
     order = []
@@ -224,13 +229,12 @@ def test_each_group_waits_then_scatters_before_the_next_waits(layers, shape):
 def test_a_sharded_class_moves_a_page_of_a_shard_in_one_copy(fake, monkeypatch, stream):
     """Pages are shard-major, so with the relayout a shard's part of a page is one
     copy: 3 pages x 4 layers of 1 KiB shard blocks are 3 copies per shard, not 12."""
-    monkeypatch.setenv("KVXFER_DMA_RELAYOUT", "always")
-    monkeypatch.setenv("KVXFER_DMA_STREAM", stream)
     mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
     caches = [jax.device_put(c, NamedSharding(mesh, P(None, "tensor")))
               for c in testing.random_caches(4, 16, (4, 128), "bfloat16", seed=2)]
     before = [bits(c) for c in caches]
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",
+                                dma=kvxfer.DmaOptions(relayout="always", stream=stream))
     assert mgr._movers[0].relayout and mgr.plan.classes[0].num_shards == 2
     pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
     new, load = mgr.load(caches, pages, [0, 5, 6])

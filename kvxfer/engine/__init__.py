@@ -72,6 +72,7 @@ from kvxfer.engine._auto import RawOrPinnedMover as RawOrPinnedMover
 from kvxfer.engine._cuda import is_cuda as is_cuda
 from kvxfer.engine._dma import COPY_ENGINES as COPY_ENGINES
 from kvxfer.engine._dma import DmaMover as DmaMover
+from kvxfer.engine._dma_options import DmaOptions as DmaOptions
 from kvxfer.engine._dma import copy_engine as copy_engine
 from kvxfer.engine._dma import dma_refusal as dma_refusal
 from kvxfer.engine._dma import spy_callbacks as spy_callbacks
@@ -100,6 +101,6 @@ from kvxfer.engine._raw import shared_buffers as shared_buffers
 from kvxfer.engine._staged import StagedMover as StagedMover
 
 __all__ = ["Mover", "LoadRequest", "Pending", "PageBatch", "ShardedLayer", "TransferError",
-           "StagedMover", "RawMover", "PinnedMover", "PinnedPagesMover", "DmaMover",
+           "StagedMover", "RawMover", "PinnedMover", "PinnedPagesMover", "DmaMover", "DmaOptions",
            "PallasMover", "EmulatedMover",
            "GroupedMover", "RawOrPinnedMover"]

@@ -4,7 +4,7 @@ The DMA mover describes every transfer as *copy descriptors*: three arrays of
 destination addresses, source addresses and sizes (``Copies``), adjacent ranges merged
 into one copy. A *copy engine* executes them: on a GPU the CUDA driver's copy engines,
 enqueued on XLA's own stream or beside it on the engine's own (``kvxfer.engine._cuda``;
-``copy_beside``); on XLA:CPU the
+``copy_beside_groups``); on XLA:CPU the
 ``HostCopyEngine`` here, which runs the same descriptors with ``memmove`` inside the
 program. Nothing else differs between the two, so CPU tests run every line of the
 mover but the driver calls.
@@ -109,17 +109,13 @@ class CopyEngine(Protocol):
     def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
              ) -> None: ...
 
-    def copy_beside(self, copies: Copies, stream: int | None,
-                    direction: Direction = "offload") -> Completion:
-        """Enqueues the copies on the engine's own stream after the work enqueued on
-        ``stream`` so far; later work on ``stream`` does not wait for them (engines
-        with ``side_stream`` only). Returns what waits for their end."""
-
     def copy_beside_groups(self, groups: Sequence[Copies], stream: int | None,
-                           direction: Direction = "load") -> list[Completion]:
-        """``copy_beside`` of several sets in order, after one wait for ``stream``: a
-        completion per set, each recorded after its own copies (engines with
-        ``side_stream`` only)."""
+                           direction: Direction, out: list[Completion]) -> None:
+        """Enqueues the sets in order on the engine's own stream for ``direction``,
+        after the work enqueued on ``stream`` so far (later work there does not wait
+        for them), appending a completion per set to ``out``, each after its own
+        copies; on a failure after a copy was enqueued, the last of ``out`` still
+        comes after every copy enqueued (engines with ``side_stream`` only)."""
 
     def hold(self, completion: Completion, stream: int | None) -> None:
         """Makes the work enqueued on ``stream`` from now on wait for ``completion``'s
@@ -131,7 +127,7 @@ class CopyEngine(Protocol):
 
 
 class Completion(Protocol):
-    """The end of copies running beside XLA's stream (``CopyEngine.copy_beside``)."""
+    """The end of copies running beside XLA's stream (``CopyEngine.copy_beside_groups``)."""
 
     def done(self) -> bool:
         """Whether they have finished (never blocks)."""
@@ -302,7 +298,7 @@ class CopyJob:
       memory: what holds the pool's bytes (a ``HostMemory``): the job keeps it, so the
         mapping and its pin outlive every program that may still copy to or from it,
         whatever becomes of the manager.
-      beside: run the copies on the engine's own stream (``copy_beside``), after what
+      beside: run the copies on the engine's own stream (``copy_beside_groups``), after what
         the program enqueued before its callback; ``completion`` then waits for them.
       groups: with ``beside`` and a staging buffer, the layer spans ``[first, stop)``
         copied as sets in order, each with its own completion (``completions``), so
@@ -317,7 +313,7 @@ class CopyJob:
 
     __slots__ = ("engine", "direction", "pool", "page_bytes", "slots", "offsets",
                  "block_bytes", "ids", "memory", "beside", "ran", "error", "copies", "keep",
-                 "completion", "groups", "completions", "addresses")
+                 "completion", "groups", "completions", "addresses", "sets")
 
     def __init__(self, engine: CopyEngine, direction: Direction, pool: int, page_bytes: int,
                  slots: np.ndarray, offsets: Sequence[int], block_bytes: int,
@@ -341,6 +337,7 @@ class CopyJob:
         self.copies = 0
         self.keep: Any = None  # the ticket it is filed under
         self.addresses: list[int] = []  # the device buffers' addresses, once run
+        self.sets: list[Copies] = []  # the copies it enqueued (or tried to)
 
     def describe(self, device: Sequence[int], span: tuple[int, int] | None = None) -> Copies:
         """The copies, given the device buffers' addresses: each layer's cache (blocks
@@ -379,18 +376,36 @@ class CopyJob:
             step_fault("describe")
             sets = [self.describe(device, span) for span in self.groups or [None]]
             step_fault("copy")
-            if self.groups is not None:
-                self.completions = self.engine.copy_beside_groups(sets, stream,
-                                                                  self.direction)
-                self.completion = self.completions[-1] if self.completions else None
-            elif self.beside:
-                self.completion = self.engine.copy_beside(sets[0], stream, self.direction)
+            self.sets = sets
+            if self.beside:
+                try:  # what a failure leaves enqueued is covered by the last completion
+                    self.engine.copy_beside_groups(sets, stream, self.direction,
+                                                   self.completions)
+                finally:
+                    self.completion = self.completions[-1] if self.completions else None
             else:
                 self.engine.copy(sets[0], stream, self.direction)
             self.copies = sum(map(len, sets))
             self.ran = True
         except BaseException as e:  # noqa: BLE001 - reported by the transfer thread
             self.error = e
+
+
+#: Called with ``(starts, ends)`` of the memory a job's copies touched once kvxfer
+#: lets go of what they touch (``let_go``): ``kvxfer.testing.watch_releases``.
+RELEASE_WATCHERS: list[Callable[[np.ndarray, np.ndarray], None]] = []
+
+
+def let_go(jobs: Sequence[Any]) -> None:
+    """Says that no copy of ``jobs`` can run any more: the memory they touch (device
+    buffers, host slots) may be reused from now on (for ``RELEASE_WATCHERS``)."""
+    if not RELEASE_WATCHERS:
+        return
+    for job in jobs:
+        for copies in getattr(job, "sets", ()):
+            for side in (copies.dst, copies.src):
+                for watch in list(RELEASE_WATCHERS):
+                    watch(side, side + copies.size)
 
 
 class Tickets:
@@ -441,7 +456,7 @@ class Tickets:
 
     def peek(self, address: int) -> CopyJob | None:
         """The job filed under the ticket at ``address``, left filed (a program whose
-        callbacks look it up more than once: the last one ``take``\s it), or None
+        callbacks look it up more than once: the last one takes it), or None
         where none is (recorded in ``lost``). Never raises."""
         with self._lock:
             filed = self._jobs.get(address)

@@ -7,7 +7,7 @@ Everything kvxfer asks of the CUDA driver is in this module, behind ``Driver``:
   lacks it, a loop of ``cuMemcpyAsync``. Both on the stream a program's
   ``buffer_callback`` is handed, so XLA orders the copies after what produced the
   caches and before whatever runs next (donation included);
-* beside XLA's stream (``CudaCopyEngine.copy_beside``): an event recorded on XLA's
+* beside XLA's stream (``CudaCopyEngine.copy_beside_groups``): an event recorded on XLA's
   stream, the engine's own non-blocking stream made to wait for it, the copies there,
   and an event after them that the transfer thread waits on (``CudaCompletion``), so
   later work on XLA's stream does not wait for the copies; a load's copies in groups
@@ -23,14 +23,13 @@ Entry points are found once through ``cuda-bindings`` (``cuGetProcAddress``, the
 optional extra ``kvxfer[cuda]``) and called through ``ctypes``: a transfer is one
 foreign call, not one Python object per copy. ``Driver`` takes any ``get_proc(name,
 version) -> address``, so tests run this module over entry points of their own.
-``KVXFER_CUDA_COPY=loop`` forces the ``cuMemcpyAsync`` loop (to measure both).
+``DmaOptions(copy="loop")`` forces the ``cuMemcpyAsync`` loop (to measure both).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +65,7 @@ _ENTRIES: dict[str, tuple[Any, ...]] = {
     "cuEventQuery": (_c.c_void_p,),
     "cuEventSynchronize": (_c.c_void_p,),
     "cuEventDestroy": (_c.c_void_p,),
+    "cuStreamSynchronize": (_c.c_void_p,),
     "cuMemsetD32Async": (_c.c_uint64, _c.c_uint, _c.c_size_t, _c.c_void_p),
 }
 # cuMemcpyBatchAsync's two ABIs: CUDA 12.8 (with ``size_t* failIdx``) and CUDA 13.
@@ -79,7 +79,10 @@ _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
 _CU_MEM_LOCATION_TYPE_HOST = 2
 _CU_STREAM_NON_BLOCKING = 0x1
+_CU_EVENT_BLOCKING_SYNC = 0x1
 _CU_EVENT_DISABLE_TIMING = 0x2
+#: Events kvxfer waits on: a wait sleeps rather than spins a core, and costs no timing.
+_EVENT_FLAGS = _CU_EVENT_BLOCKING_SYNC | _CU_EVENT_DISABLE_TIMING
 _CUDA_ERROR_NOT_READY = 600
 
 
@@ -225,7 +228,7 @@ def _sysfs_numa_node(bus_id: str) -> int | None:
 
 class CudaCompletion:
     """The end of copies enqueued on a copy engine's own stream: an event recorded
-    after them (``CudaCopyEngine.copy_beside``)."""
+    after them (``CudaCopyEngine.copy_beside_groups``)."""
 
     def __init__(self, engine: CudaCopyEngine, event: int):
         self._engine = engine
@@ -233,13 +236,22 @@ class CudaCompletion:
         self._lock = threading.Lock()
 
     def done(self) -> bool:
-        """Whether the copies have finished (never blocks)."""
+        """Whether the copies have finished (never blocks); the event goes once they
+        have."""
         with self._lock:
             if self._event is None:
                 return True
-            status = self._engine.driver.in_primary_context(
-                self._engine.ordinal, lambda: self._engine.driver.query(self._event))
-        return status
+            driver, event = self._engine.driver, self._event
+
+            def query() -> bool:
+                if not driver.query(event):
+                    return False
+                driver.call("cuEventDestroy", _c.c_void_p(event))
+                return True
+            finished = driver.in_primary_context(self._engine.ordinal, query)
+            if finished:
+                self._event = None
+        return finished
 
     def hold(self, stream: int) -> None:
         """Makes later work on ``stream`` wait for the copies (``cuStreamWaitEvent``;
@@ -279,7 +291,7 @@ class CudaCopyEngine:
 
     name = "cuda"
     uses_stream = True
-    #: Whether ``copy_beside`` runs copies on a stream of the engine's own.
+    #: Whether ``copy_beside_groups`` runs copies on streams of the engine's own.
     side_stream = True
 
     def __init__(self, driver: Driver, ordinal: int, mode: str = "batch"):
@@ -290,7 +302,7 @@ class CudaCopyEngine:
         self.mode = mode if driver.batch_abi is not None else "loop"
         self._attrs = {d: _attributes(d, self.ordinal) for d in ("offload", "load")}
         self._lock = threading.Lock()
-        self._side: int | None = None
+        self._sides: dict[str, int] = {}
         self.copies = self.bytes = self.calls = 0
 
     def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
@@ -301,44 +313,63 @@ class CudaCopyEngine:
             raise DriverError("CUDA copies need XLA's stream; none was given")
         self._enqueue(copies, stream, direction)
 
-    def copy_beside(self, copies: Copies, stream: int | None,
-                    direction: Direction = "offload") -> CudaCompletion:
-        """Enqueues the copies on the engine's own stream, after the work enqueued on
-        ``stream`` (XLA's) so far and before nothing there: later work on XLA's stream
-        does not wait for them. Inside a program's callback, with its context current.
-
-        Returns:
-          What waits for the copies' end (an event recorded after them).
-        """
-        return self.copy_beside_groups([copies], stream, direction)[0]
-
     def copy_beside_groups(self, groups: list[Copies], stream: int | None,
-                           direction: Direction = "load") -> list[CudaCompletion]:
-        """``copy_beside`` of each set in order, after one wait for ``stream``'s work:
-        an event recorded after each set's copies (what ``hold`` makes a stream wait
-        for), so the work reading one set waits for its copies alone."""
+                           direction: Direction, out: list[CudaCompletion]) -> None:
+        """Enqueues each set of copies in order on the engine's own stream for
+        ``direction``, after the work enqueued on ``stream`` (XLA's) so far and before
+        nothing there (later work on XLA's stream does not wait for them; inside a
+        program's callback, its context current), appending to ``out`` an event recorded after each set's copies (what ``hold``
+        makes a stream wait for), so the work reading one set waits for its copies
+        alone.
+
+        A failure after a copy was enqueued still leaves the last of ``out`` after
+        every copy enqueued (an event recorded after the failure, else the stream
+        synchronized), so nothing they touch is let go while they run.
+        """
         if stream is None:
             raise DriverError("CUDA copies need XLA's stream; none was given")
-        side = self.side()
-        after = self.driver.new_handle("cuEventCreate", _CU_EVENT_DISABLE_TIMING)
+        side = self.side(direction)
+        after = self.driver.new_handle("cuEventCreate", _EVENT_FLAGS)
         try:
             self.driver.call("cuEventRecord", _c.c_void_p(after), _c.c_void_p(stream))
             self.driver.call("cuStreamWaitEvent", _c.c_void_p(side), _c.c_void_p(after), 0)
         finally:
             # Destroying a recorded event is allowed: it goes once the wait is met.
             self.driver.call("cuEventDestroy", _c.c_void_p(after))
-        out: list[CudaCompletion] = []
-        for copies in groups:
-            if len(copies):
-                self._enqueue(copies, side, direction)
-            done = self.driver.new_handle("cuEventCreate", _CU_EVENT_DISABLE_TIMING)
+        enqueued = False
+        try:
+            for copies in groups:
+                if len(copies):
+                    enqueued = True  # before the call: a failing batch may have queued some
+                    self._enqueue(copies, side, direction)
+                out.append(self._record(side))
+        except BaseException:
+            if enqueued:
+                self._cover(side, out)
+            raise
+
+    def _record(self, stream: int) -> CudaCompletion:
+        """An event recorded on ``stream`` now (destroyed if the record fails)."""
+        event = self.driver.new_handle("cuEventCreate", _EVENT_FLAGS)
+        try:
+            self.driver.call("cuEventRecord", _c.c_void_p(event), _c.c_void_p(stream))
+        except BaseException:
+            self.driver.call("cuEventDestroy", _c.c_void_p(event))
+            raise
+        return CudaCompletion(self, event)
+
+    def _cover(self, side: int, out: list[CudaCompletion]) -> None:
+        """After a failure: puts in ``out`` what ends after every copy queued on
+        ``side``: an event, else (the event failed too) the stream synchronized here.
+        A stream that cannot be synchronized has failed for good: none of its copies
+        run any more."""
+        try:
+            out.append(self._record(side))
+        except BaseException:  # noqa: BLE001 - the synchronize below covers them
             try:
-                self.driver.call("cuEventRecord", _c.c_void_p(done), _c.c_void_p(side))
-            except BaseException:
-                self.driver.call("cuEventDestroy", _c.c_void_p(done))
-                raise
-            out.append(CudaCompletion(self, done))
-        return out
+                self.driver.call("cuStreamSynchronize", _c.c_void_p(side))
+            except DriverError:
+                pass
 
     def hold(self, completion: CudaCompletion, stream: int | None) -> None:
         """Makes work enqueued on ``stream`` from now on wait for ``completion``'s
@@ -356,14 +387,16 @@ class CudaCopyEngine:
         self.driver.call("cuMemsetD32Async", _c.c_uint64(address), value, 1,
                          _c.c_void_p(stream))
 
-    def side(self) -> int:
-        """The engine's own stream (non-blocking), made once in the device's primary
+    def side(self, direction: Direction) -> int:
+        """The engine's own stream for ``direction`` (non-blocking; one per direction,
+        so a load never queues behind an offload), made once in the device's primary
         context."""
         with self._lock:
-            if self._side is None:
-                self._side = self.driver.in_primary_context(self.ordinal, lambda: (
-                    self.driver.new_handle("cuStreamCreate", _CU_STREAM_NON_BLOCKING)))
-            return self._side
+            if direction not in self._sides:
+                self._sides[direction] = self.driver.in_primary_context(
+                    self.ordinal, lambda: self.driver.new_handle("cuStreamCreate",
+                                                                 _CU_STREAM_NON_BLOCKING))
+            return self._sides[direction]
 
     def _enqueue(self, copies: Copies, stream: int, direction: Direction) -> None:
         if self.mode == "batch":
@@ -457,21 +490,21 @@ def cuda_unavailable(device: Any) -> str | None:
     return _driver_problem()
 
 
-_engines: dict[int, CudaCopyEngine] = {}
+_engines: dict[tuple[int, str], CudaCopyEngine] = {}
 _engines_lock = threading.Lock()
 
 
-def cuda_engine(device: Any) -> CudaCopyEngine:
-    """The CUDA copy engine of a JAX GPU device (one per device, made once).
+def cuda_engine(device: Any, copy: str = "batch") -> CudaCopyEngine:
+    """The CUDA copy engine of a JAX GPU device for a ``copy`` mode (``DmaOptions``;
+    one per device and mode, made once).
 
     Raises:
       DriverError, ImportError: see ``cuda_unavailable``.
     """
     ordinal = int(device.local_hardware_id)
     with _engines_lock:
-        engine = _engines.get(ordinal)
+        engine = _engines.get((ordinal, copy))
         if engine is None:
-            mode = os.environ.get("KVXFER_CUDA_COPY", "batch")
-            engine = _engines[ordinal] = CudaCopyEngine(_load_driver(), ordinal, mode)
+            engine = _engines[ordinal, copy] = CudaCopyEngine(_load_driver(), ordinal, copy)
         return engine
 

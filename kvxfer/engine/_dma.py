@@ -5,14 +5,16 @@ counts; on XLA:CPU one for every transfer of up to ``loop_pages`` pages):
 
 * **offload**: digests the blocks on the device, then calls a ``buffer_callback`` that
   enqueues one batch of copies from the blocks to the pages' host slots. Where the copy
-  engine has a stream of its own (CUDA; ``KVXFER_DMA_STREAM=xla`` turns it off) the
+  engine has a stream of its own (CUDA; ``DmaOptions(stream="xla")`` turns it off) the
   program first gathers the pages into rows it returns (aliased: no copy), and the
   callback records an event on XLA's stream and enqueues the copies on the engine's
   stream after it: the engine's next step does not wait for them. The offload holds
   the rows until the copies' own event says they are done (the transfer thread waits
-  for it before the pages are committed); the staging held at once, offloads' and
-  loads', is bounded by ``KVXFER_DMA_SIDE_BYTES`` (1 GiB), past which a transfer
-  copies on XLA's stream; otherwise, on the stream XLA hands the callback;
+  for it before the pages are committed); the staging held at once on a device,
+  offloads' and loads', is bounded by ``DmaOptions.staging_bytes`` (1 GiB) and half
+  the device's free memory, past which a transfer copies on XLA's stream (so does one
+  whose staging finds no device memory); otherwise, on the stream XLA hands the
+  callback;
 * **load**: where the copy engine has a stream of its own, the copies start before
   the load's program, at ``prefetch`` or else at ``load`` (``stage_load``): a program
   whose callback enqueues them on the engine's stream into device staging, in groups
@@ -37,16 +39,15 @@ Blocks of a class become one copy each, merged where adjacent on both sides. Whe
 they are small (``RELAYOUT_BELOW``), the program first gathers a transfer's pages on
 the device into one page-major buffer (each page's layers side by side, as the pool
 holds them), so each page is one copy: copy engines run copies below about 28 KiB at
-a fraction of the link. ``KVXFER_DMA_RELAYOUT`` (``auto``, ``always``, ``never``)
+a fraction of the link. ``DmaOptions(relayout=...)`` (``auto``, ``always``, ``never``)
 overrides the choice, so a device check can measure both. An engine that loops (one
 driver call per copy: a driver without ``cuMemcpyBatchAsync``, or
-``KVXFER_CUDA_COPY=loop``) relayouts whatever the block size.
+``DmaOptions(copy="loop")``) relayouts whatever the block size.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,10 +58,11 @@ from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 from kvxfer._hostmem import HostMemory
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._copies import TICKETS, CopyEngine, CopyJob, HostCopyEngine, \
-    buffer_address, step_fault
+    buffer_address, let_go, step_fault
 from kvxfer.engine._cuda import cuda_engine, cuda_unavailable
 from kvxfer.engine._dma_side import _SIDE, CallbackRecord, DmaStaged, SideLoadJob, \
-    _spies, _spy, layer_groups, reap, side_bytes, spy_callbacks, stream_mode
+    _spies, _spy, layer_groups, reap, spy_callbacks
+from kvxfer.engine._dma_options import DmaOptions
 from kvxfer.engine._dma_side import quiesce as _quiesce
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _args_abstract, \
     _sds
@@ -71,7 +73,7 @@ from kvxfer.engine._raw import private_layers
 from kvxfer.hostpool import word_bytes
 from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 
-__all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "relayout_mode",
+__all__ = ["DmaMover", "DmaOptions", "COPY_ENGINES", "copy_engine", "dma_refusal",
            "RELAYOUT_BELOW", "CallbackRecord", "spy_callbacks"]
 
 #: Shard blocks smaller than this are gathered on the device first (one copy a page
@@ -80,23 +82,22 @@ __all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "relayout_m
 #: while the gather costs the device a read and a write of the same bytes, at HBM
 #: rates about 50x the link: about 4 % of the copy's time, worth it below 64 KiB and
 #: not above. ``kvxfer.bench.first_check``'s copy-size step measures the same sweep on
-#: the device at hand; ``KVXFER_DMA_RELAYOUT`` overrides.
+#: the device at hand; ``DmaOptions(relayout=...)`` overrides.
 RELAYOUT_BELOW = 64 << 10
-
-_RELAYOUT_MODES = ("auto", "always", "never")
 
 _HOST_ENGINE = HostCopyEngine()
 
-#: The copy engine of each platform, by ``device.platform`` (``copy_engine``): tests
-#: may put another engine here (CUDA's over entry points of their own, say).
-COPY_ENGINES: dict[str, Callable[[Any], CopyEngine]] = {
-    "cpu": lambda device: _HOST_ENGINE,
+#: The copy engine of each platform, by ``device.platform`` (``copy_engine``), made as
+#: ``make(device, copy)`` for a ``DmaOptions.copy`` mode: tests may put another engine
+#: here (CUDA's over entry points of their own, say).
+COPY_ENGINES: dict[str, Callable[..., CopyEngine]] = {
+    "cpu": lambda device, copy="batch": _HOST_ENGINE,
     "gpu": cuda_engine,
     "cuda": cuda_engine,
 }
 
 
-def copy_engine(device: Any) -> CopyEngine:
+def copy_engine(device: Any, copy: str = "batch") -> CopyEngine:
     """The engine that executes the DMA mover's copies for ``device``.
 
     Raises:
@@ -105,7 +106,7 @@ def copy_engine(device: Any) -> CopyEngine:
     make = COPY_ENGINES.get(device.platform)
     if make is None:
         raise ValueError(f"no copy engine for the {device.platform} backend ({device})")
-    return make(device)
+    return make(device, copy)
 
 
 def _engine_refusal(device: Any) -> str | None:
@@ -143,19 +144,6 @@ def dma_refusal(array: jax.Array) -> str | None:
     shard = array.sharding.shard_shape(array.shape)
     geometry = inspect(shard, array.dtype, layout)
     return None if geometry.addressable else geometry.reason
-
-
-def relayout_mode() -> str:
-    """``KVXFER_DMA_RELAYOUT``: ``"auto"`` (the default), ``"always"`` or ``"never"``.
-
-    Example:
-        >>> relayout_mode() == os.environ.get("KVXFER_DMA_RELAYOUT", "auto")
-        True
-    """
-    mode = os.environ.get("KVXFER_DMA_RELAYOUT", "auto")
-    if mode not in _RELAYOUT_MODES:
-        raise ValueError(f"KVXFER_DMA_RELAYOUT={mode!r}; expected one of {_RELAYOUT_MODES}")
-    return mode
 
 
 # -- the programs -------------------------------------------------------------------
@@ -256,8 +244,10 @@ def _load_impl(arrays, token, ids, count, *digest, raw: bool, relayout: bool, lo
 def _stage_impl(arrays, *, rows: int, words: int, dtype: str, callback: Callable[..., None]):
     # The callback enqueues the copies into a buffer XLA allocates for the output
     # (nothing initializes it): on the copy engine's own stream, after an event on
-    # XLA's (``_dma_side``).
-    staging, _ = buffer_callback(callback, (jax.ShapeDtypeStruct((rows, words), dtype), _DONE),
+    # XLA's (``_dma_side``). One row more than the pages: the load reads the pages'
+    # rows at an index it computes (``_dma_side._load_side_impl``).
+    staging, _ = buffer_callback(callback, (jax.ShapeDtypeStruct((rows + 1, words), dtype),
+                                            _DONE),
                                  has_side_effect=False)(*arrays)
     return staging
 
@@ -301,7 +291,7 @@ class DmaOffload(NamedTuple):
     done: list[jax.Array]
     digests: Pending | None
     staging: list[jax.Array]
-    side_bytes: int = 0
+    taken: dict | None = None
 
 
 def _finish_side(state: DmaOffload, strict: bool) -> None:
@@ -312,13 +302,14 @@ def _finish_side(state: DmaOffload, strict: bool) -> None:
         return
     error = None
     for job in state.jobs:
-        if job.completion is not None:
+        for completion in job.completions:
             try:
-                job.completion.wait()
+                completion.wait()
             except BaseException as e:  # noqa: BLE001 - every copy is waited for first
                 error = error or e
+    let_go(state.jobs)
     state.staging.clear()
-    _SIDE.give(state.side_bytes)
+    _SIDE.give(state.taken or {})
     if error is not None and strict:
         raise TransferError(f"the copies beside XLA's stream failed: {error}") from error
 
@@ -359,18 +350,21 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
     name = "dma"
     writes_buffers = True  # its loads donate the caches: shared buffers are copied first
 
-    def __init__(self, cls, pool):
+    def __init__(self, cls, pool, options: DmaOptions = DmaOptions()):
         super().__init__(cls, pool)
         if pool.memory is None and pool.nbytes:
             raise ValueError(f"the DMA mover needs a pool of its own host memory for "
                              f"{cls.name} (DmaMover.host_backing)")
+        self.options = options
+        #: Transfers that copied on XLA's stream though asked to copy beside it, by why.
+        self.fallbacks = {"budget": 0, "out_of_memory": 0}
         self._unit = word_bytes(cls)
-        mode = relayout_mode()
+        mode = options.relayout
         # An engine without a batch call pays a call per copy (about 5 us of the
         # caller's time each on CUDA): one copy a page is worth a device gather at any
         # block size. A page holds each shard's layers side by side (shard-major), so
         # a shard's gathered page is one copy under tensor parallelism too.
-        looped = getattr(copy_engine(pool.device), "mode", "batch") == "loop"
+        looped = getattr(self._engine(pool.device), "mode", "batch") == "loop"
         self._relayout = mode == "always" or mode == "auto" and (
             looped or cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device))
         self._offsets = [np.array([pool.shard_range(pos, s)[0] for pos in range(len(cls.layers))],
@@ -402,9 +396,12 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
             return None
         return loop_pages(k, array.shape[0])
 
+    def _engine(self, device: Any) -> CopyEngine:
+        return copy_engine(device, self.options.copy)
+
     def _job(self, direction: str, device: Any, shard: int, slots: np.ndarray,
              ids: np.ndarray, side: bool = False) -> CopyJob:
-        return CopyJob(copy_engine(device), direction, self.pool.memory.address,
+        return CopyJob(self._engine(device), direction, self.pool.memory.address,
                        self.cls.page_bytes, slots, self._offsets[shard],
                        self.cls.shard_block_bytes,
                        None if self._relayout or side else ids, memory=self.pool.memory,
@@ -418,8 +415,19 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
 
     def _beside(self) -> bool:
         """Whether offloads may run their copies beside XLA's stream."""
-        return stream_mode() == "side" and getattr(copy_engine(self.pool.device),
-                                                   "side_stream", False)
+        return self.options.stream == "side" and getattr(self._engine(self.pool.device),
+                                                         "side_stream", False)
+
+    def _take(self, wanted: dict[Any, int]) -> dict[Any, int] | None:
+        """Takes staging bytes by device from the budget (None, counted: they do not fit)."""
+        taken = _SIDE.take(wanted, int(self.options.staging_bytes))
+        if taken is None:
+            self.fallbacks["budget"] += 1
+        return taken
+
+    def fell_back(self) -> dict[str, int]:
+        """Transfers that copied on XLA's stream though asked to copy beside it."""
+        return dict(self.fallbacks)
 
     # -- offload ------------------------------------------------------------------
 
@@ -441,16 +449,20 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
             TICKETS.withdraw(job)
             raise
 
-    def _side_bytes(self, batch, array: Any) -> int:
-        """Device staging an offload of ``batch`` beside XLA's stream holds: the rows
-        of its padded block ids, every layer, every shard."""
-        rows = self._size(batch.k, array) or len(batch.padded)
-        return rows * len(self.cls.layers) * self.cls.shard_block_bytes * self.cls.num_shards
-
     def start_offload(self, layers, batch, slots, with_digest):
-        nbytes = self._side_bytes(batch, layers[0].primary[0])
-        side = self._beside() and _SIDE.take(nbytes)
-        state = DmaOffload([], [], None, [], nbytes if side else 0)
+        reap()
+        taken = None
+        if self._beside():
+            # The rows of the padded block ids, every layer, on each shard's device.
+            rows = self._size(batch.k, layers[0].primary[0]) or len(batch.padded)
+            wanted: dict[Any, int] = {}
+            for s in range(self.cls.num_shards):
+                device = device_of(layers[0].primary[s])
+                wanted[device] = wanted.get(device, 0) + rows * len(self.cls.layers) * \
+                    self.cls.shard_block_bytes
+            taken = self._take(wanted)
+        side = taken is not None
+        state = DmaOffload([], [], None, [], taken)
         parts = []
         try:
             for s in range(self.cls.num_shards):
@@ -468,7 +480,7 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
             if state.staging:
                 _finish_side(state, strict=False)
             else:  # no program was enqueued: the budget taken goes back
-                _SIDE.give(state.side_bytes)
+                _SIDE.give(state.taken or {})
             raise
         return state._replace(digests=Pending(parts, batch.k) if with_digest else None)
 
@@ -497,22 +509,28 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
         """Starts the load's copies beside XLA's stream (``_dma_side``), where the copy
         engine has a stream of its own and the staging fits the budget; else None (the
         load's own program copies, on XLA's stream)."""
+        reap()
         if not self._beside():
             return None
-        reap()
         slots = np.asarray(request.slots)
         rows = len(request.batch.padded)
         replicas = [len(layers[0].shards[s]) for s in range(self.cls.num_shards)]
-        nbytes = rows * len(self.cls.layers) * self.cls.shard_block_bytes * sum(replicas)
-        if not _SIDE.take(nbytes):
+        wanted: dict[Any, int] = {}
+        for s in range(self.cls.num_shards):
+            for r in range(replicas[s]):
+                device = device_of(layers[0].shards[s][r])
+                wanted[device] = wanted.get(device, 0) + (rows + 1) * len(self.cls.layers) * \
+                    self.cls.shard_block_bytes
+        taken = self._take(wanted)
+        if taken is None:
             return None
-        staged = DmaStaged(request.batch.k, rows, nbytes)
+        staged = DmaStaged(request.batch.k, rows, taken)
         options = (rows, len(self.cls.layers) * self._words, f"uint{8 * self._unit}")
         try:
             for s in range(self.cls.num_shards):
                 for r in range(replicas[s]):
                     device = device_of(layers[0].shards[s][r])
-                    job = CopyJob(copy_engine(device), "load", self.pool.memory.address,
+                    job = CopyJob(self._engine(device), "load", self.pool.memory.address,
                                   self.cls.page_bytes, slots, self._offsets[s],
                                   self.cls.shard_block_bytes, None, memory=self.pool.memory,
                                   beside=True, groups=self._groups)
@@ -523,9 +541,13 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
                         TICKETS.withdraw(job)
                         raise
                     staged.add(s, r, staging, job)
-        except BaseException:
+        except BaseException as e:
             staged.finish(strict=False)
-            raise
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            # No device memory for the staging: the load copies on XLA's stream.
+            self.fallbacks["out_of_memory"] += 1
+            return None
         return staged
 
     def _run_side(self, arrays: tuple, shard: int, replica: int, batch,
@@ -648,11 +670,17 @@ class DmaMover(Mover[DmaOffload, "DmaStaged | None", DmaLoad]):
                     compile_ahead("dma_stage", (token,), options=(b, words, dtype.name))
                     ids_b, base_b, count_b = _args_abstract(b, device)
                     digest_b = (base_b,) + digest[1:] if with_digest else ()
-                    compile_ahead("dma_load_side", local, token, _sds((b, words), dtype, device),
+                    compile_ahead("dma_load_side", local, token,
+                                  _sds((b + 1, words), dtype, device),
                                   ids_b, count_b, *digest_b, with_digest=with_digest,
                                   options=self._side_options(device))
-                kinds = ("dma_offload", "dma_load") if r == 0 else ("dma_load",)
-                for kind in kinds:
-                    side = self._beside() if kind == "dma_offload" else None
-                    compile_ahead(kind, local, token, ids, count, *digest,
-                                  with_digest=with_digest, options=self._options(device, side))
+                # Every offload's program, beside XLA's stream and on it (past the
+                # staging budget), and the load's on XLA's stream: no transfer that
+                # falls back compiles inside the call.
+                if r == 0:
+                    for side in {self._beside(), False}:
+                        compile_ahead("dma_offload", local, token, ids, count, *digest,
+                                      with_digest=with_digest,
+                                      options=self._options(device, side))
+                compile_ahead("dma_load", local, token, ids, count, *digest,
+                              with_digest=with_digest, options=self._options(device))

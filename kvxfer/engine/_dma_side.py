@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -41,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
-from kvxfer.engine._copies import TICKETS, CopyJob, buffer_address, step_fault
+from kvxfer.engine._copies import TICKETS, CopyJob, buffer_address, let_go, step_fault
 from kvxfer.engine._mover import TransferError
 from kvxfer.engine._programs import _digest_impl, register_kind, scatter_rows
 
-__all__ = ["side_bytes", "stream_mode", "layer_groups", "SideLoadJob", "DmaStaged",
+__all__ = ["layer_groups", "SideLoadJob", "DmaStaged",
            "GROUP_BYTES", "CallbackRecord", "spy_callbacks"]
 
 #: A load beside XLA's stream waits for its copies in groups of layers holding at
@@ -57,50 +56,50 @@ GROUP_BYTES = 64 << 10
 _DONE = jax.ShapeDtypeStruct((1,), np.uint32)
 
 
-def side_bytes() -> int:
-    """``KVXFER_DMA_SIDE_BYTES``: the device staging that transfers beside XLA's stream
-    may hold at once, process wide (default 1 GiB; one transfer larger than it still
-    runs beside when it is alone).
-
-    Example:
-        >>> side_bytes() == int(os.environ.get("KVXFER_DMA_SIDE_BYTES", 1 << 30))
-        True
-    """
-    return int(os.environ.get("KVXFER_DMA_SIDE_BYTES", 1 << 30))
-
-
-def stream_mode() -> str:
-    """``KVXFER_DMA_STREAM``: ``"side"`` (the default: copies run on the copy engine's
-    own stream where it has one) or ``"xla"`` (on XLA's stream).
-
-    Example:
-        >>> stream_mode() == os.environ.get("KVXFER_DMA_STREAM", "side")
-        True
-    """
-    mode = os.environ.get("KVXFER_DMA_STREAM", "side")
-    if mode not in ("side", "xla"):
-        raise ValueError(f"KVXFER_DMA_STREAM={mode!r}; expected 'side' or 'xla'")
-    return mode
+def _free_bytes(device: Any) -> int | None:
+    """Device memory not in use, where the device reports it (None: it does not)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
 class _SideBudget:
-    """Bytes of device staging the transfers beside XLA's stream hold at once, process
-    wide (``side_bytes``); a transfer that would pass it runs on XLA's stream."""
+    """Bytes of device staging the transfers beside XLA's stream hold at once, per
+    device (``DmaOptions.staging_bytes``, and at most half the device's free memory);
+    a transfer that would pass it runs on XLA's stream."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.held = 0
+        self._held: dict[Any, int] = {}
 
-    def take(self, nbytes: int) -> bool:
+    def take(self, wanted: dict[Any, int], limit: int) -> dict[Any, int] | None:
+        """Takes the bytes ``wanted`` on each device if they all fit, else none (None).
+        One transfer larger than ``limit`` still runs beside on a device that holds
+        nothing else, if it fits half the device's free memory."""
+        free = {device: _free_bytes(device) for device in wanted}
         with self._lock:
-            if self.held and self.held + nbytes > side_bytes():
-                return False
-            self.held += nbytes
-            return True
+            for device, nbytes in wanted.items():
+                held, room = self._held.get(device, 0), free[device]
+                if held and held + nbytes > limit or room is not None and nbytes > room // 2:
+                    return None
+            for device, nbytes in wanted.items():
+                self._held[device] = self._held.get(device, 0) + nbytes
+        return dict(wanted)
 
-    def give(self, nbytes: int) -> None:
+    def give(self, taken: dict[Any, int]) -> None:
+        """Gives back what ``take`` took, by device."""
         with self._lock:
-            self.held -= nbytes
+            for device, nbytes in taken.items():
+                self._held[device] -= nbytes
+
+    def held(self) -> int:
+        """Bytes held now, every device."""
+        with self._lock:
+            return sum(self._held.values())
 
 
 _SIDE = _SideBudget()
@@ -192,6 +191,8 @@ def quiesce(jobs: Sequence[Any], done: Sequence[jax.Array]) -> BaseException | N
     for job in jobs:
         if not job.ran and job.error is None:
             TICKETS.withdraw(job)
+    # Copies on XLA's stream ended with their programs.
+    let_go([job for job in jobs if not getattr(job, "beside", True)])
     return error
 
 
@@ -201,10 +202,10 @@ _parked: list[tuple[list[CopyJob], list[jax.Array], int]] = []
 _parked_lock = threading.Lock()
 
 
-def _park(jobs: dict[Any, CopyJob], staging: dict[Any, jax.Array], nbytes: int) -> None:
+def _park(jobs: dict[Any, CopyJob], staging: dict[Any, jax.Array], taken: dict) -> None:
     """Keeps a dropped staging's buffers until its copies end (a finalizer: no waits)."""
     with _parked_lock:
-        _parked.append((list(jobs.values()), list(staging.values()), nbytes))
+        _parked.append((list(jobs.values()), list(staging.values()), taken))
 
 
 def reap() -> None:
@@ -212,7 +213,7 @@ def reap() -> None:
     with _parked_lock:
         parked = list(_parked)
     for entry in parked:
-        jobs, _, nbytes = entry
+        jobs, _, taken = entry
         try:
             done = all(c.done() for job in jobs for c in job.completions)
         except BaseException:  # noqa: BLE001 - a failed query: the copies are over
@@ -223,7 +224,8 @@ def reap() -> None:
                 kept = [e for e in _parked if e is not entry]
                 if len(kept) < len(_parked):
                     _parked[:] = kept
-                    _SIDE.give(nbytes)
+                    let_go(jobs)
+                    _SIDE.give(taken)
 
 
 class DmaStaged:
@@ -236,24 +238,20 @@ class DmaStaged:
     that staged again) is parked until they end.
     """
 
-    def __init__(self, k: int, rows: int, nbytes: int):
+    def __init__(self, k: int, rows: int, taken: dict[Any, int]):
         self.k = k
         self.rows = rows
-        self.nbytes = nbytes
+        self.taken = taken
         self.staging: dict[tuple[int, int], jax.Array] = {}
         self.jobs: dict[tuple[int, int], CopyJob] = {}
         self._lock = threading.Lock()
         # The dicts, not the object: a finalizer must not keep what it finalizes.
-        self._finalizer = weakref.finalize(self, _park, self.jobs, self.staging, nbytes)
+        self._finalizer = weakref.finalize(self, _park, self.jobs, self.staging, taken)
 
     def add(self, shard: int, replica: int, staging: jax.Array, job: CopyJob) -> None:
         """Files one shard replica's staging and the job copying into it."""
         self.staging[shard, replica] = staging
         self.jobs[shard, replica] = job
-
-    def handed(self, shard: int, replica: int, staging: jax.Array) -> None:
-        """Takes the staging a load program handed back (it consumed the one given)."""
-        self.staging[shard, replica] = staging
 
     def finish(self, strict: bool) -> None:
         """Waits for the copies, then lets the staging and its budget go (once).
@@ -271,8 +269,9 @@ class DmaStaged:
                 except BaseException as e:  # noqa: BLE001 - every copy is waited for first
                     error = error or e
             error = error or job.error
+        let_go(jobs)
         self.staging.clear()
-        _SIDE.give(self.nbytes)
+        _SIDE.give(self.taken)
         reap()  # staging dropped earlier: its copies ran before these on the same stream
         if error is not None and strict:
             raise TransferError(f"the load's copies beside XLA's stream failed: "
@@ -359,10 +358,11 @@ def _load_side_impl(arrays, token, staging, ids, count, *digest, groups: tuple, 
     # Nothing aliases the staging and nothing donates it (copies beside XLA's stream
     # may still write it whatever becomes of this program): each group's callback is
     # handed it only to check it is the buffer its copies write, and returns a word.
-    # The group's rows are read at a column computed from that word (its start when
-    # the word is 1), so no read of the staging can run before the callback that
-    # waits for its copies (XLA:CPU runs independent work at once) and XLA has no
-    # reason to copy it. Each callback after the first also reads every layer the
+    # The group's rows are read from a row computed from that word (0 when it is 1;
+    # the staging has one row more than the pages, so the read is never the whole
+    # staging, which XLA would take without the index), so no read of the staging can
+    # run before the callback that waits for its copies (XLA:CPU runs independent
+    # work at once) and XLA has no reason to copy it. Each callback after the first also reads every layer the
     # group before it wrote, so its wait comes after those scatters: a group's scatter
     # runs while later groups are still crossing.
     out = list(arrays)
@@ -374,8 +374,9 @@ def _load_side_impl(arrays, token, staging, ids, count, *digest, groups: tuple, 
             functools.partial(callback, group=g, last=g == len(groups) - 1), (_DONE,),
             has_side_effect=False, input_output_aliases={1: 0})(
                 token, jnp.zeros((1,), jnp.uint32), staging, *after)
-        column = starts[a] + ok[0].astype(jnp.int32) - 1
-        rows = jax.lax.dynamic_slice_in_dim(staging, column, starts[b] - starts[a], axis=1)
+        first = ok[0].astype(jnp.int32) - 1
+        rows = jax.lax.dynamic_slice(staging, (first, starts[a]),
+                                     (staging.shape[0] - 1, starts[b] - starts[a]))
         written = jnp.where(ok[0] == 1, count, 0)
         out[a:b] = scatter_rows(out[a:b], rows, ids, written, raw, unit)
         after = tuple(out[a:b])

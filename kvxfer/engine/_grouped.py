@@ -159,6 +159,9 @@ class GroupedMover(Mover[GroupedOffload[OffloadT], list[StagedT], list[LoadT]]):
     def host_copied(self) -> int:
         return self.inner.host_copied()
 
+    def fell_back(self) -> dict[str, int]:
+        return self.inner.fell_back()
+
     def _split(self, batch: PageBatch) -> list[tuple[int, np.ndarray, PageBatch]]:
         """Per group holding pages of the batch: (group, request rows, its batch)."""
         out = self._splits.get(batch)

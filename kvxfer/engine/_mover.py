@@ -338,6 +338,10 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         """Payload bytes copied on the host so far, by this mover and any it runs."""
         return self.host_copy_bytes
 
+    def fell_back(self) -> dict[str, int]:
+        """Transfers that took a slower route than asked for, by why (the DMA mover's)."""
+        return {}
+
     def _store_digests(self, slots: np.ndarray, shard: int, d: np.ndarray) -> None:
         # d: [L, k, D] -> pool.digests[slot, L, shard, D]
         self.pool.digests[slots, :, shard, :integrity.DIGEST_WORDS] = \

@@ -24,8 +24,8 @@ import numpy as np
 
 from kvxfer._names import IntegrityMode as IntegrityMode
 from kvxfer._check import check_int
-from kvxfer.engine import (BlockGroups, GroupedMover, Mover, ShardedLayer, abstract, bucket,
-                           deferred_compiles, own_context)
+from kvxfer.engine import (BlockGroups, DmaMover, DmaOptions, GroupedMover, Mover,
+                           ShardedLayer, abstract, bucket, deferred_compiles, own_context)
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement
 from kvxfer.manager._checks import Checks, check_construction
@@ -49,7 +49,7 @@ Blocks = Sequence[int] | Mapping[int, Sequence[int]]
 
 
 def _pool_and_movers(plan: Plan, caches: list[jax.Array], mover_types: list[type[Mover]],
-                     pinned: bool | None, layers: list[ShardedLayer]
+                     pinned: bool | None, layers: list[ShardedLayer], dma: DmaOptions
                      ) -> tuple[HostPool, list[Mover[Any, Any, Any]]]:
     """The host pool and each slice class's mover; ``layers`` are abstract."""
     # A class whose mover reads and writes pinned memory gets its pool in the
@@ -61,7 +61,8 @@ def _pool_and_movers(plan: Plan, caches: list[jax.Array], mover_types: list[type
         device=[next(iter(a.devices())) for a in firsts],
         backings={c.index: m.host_backing(c, [layers[i] for i in c.layers])
                   for m, c in zip(mover_types, plan.classes)})
-    movers: list[Mover[Any, Any, Any]] = [m(cls, p) for m, cls, p in
+    movers: list[Mover[Any, Any, Any]] = [m(cls, p, dma) if m is DmaMover else m(cls, p)
+                                          for m, cls, p in
                                           zip(mover_types, plan.classes, pool.pools)]
     for c in plan.classes:  # a block dim sharded over data parallelism
         groups = BlockGroups.of(caches[c.layers[0]], f"layer {c.layers[0]}")
@@ -141,12 +142,15 @@ class KVCacheManager:
                  layouts: Sequence[Any] | None = None, integrity: IntegrityMode = "page",
                  host_memory_budget: int | None = None, path: PathMode = "auto",
                  ready_timeout: float = 30.0, pinned: bool | None = None,
-                 agreement_timeout: float = 60.0):
+                 agreement_timeout: float = 60.0, dma: DmaOptions | None = None):
         # First, before any check that could fail on one rank only: every rank must
         # create its managers' agreements in the same order.
         self._agreement = Agreement(timeout=agreement_timeout)
         caches, specs, num_host_blocks, ready_timeout = check_construction(
             kv_caches, layouts, integrity, path, num_host_blocks, ready_timeout)
+        if dma is not None and not isinstance(dma, DmaOptions):
+            raise TypeError(f"dma={dma!r}: expected a kvxfer.DmaOptions")
+        dma = DmaOptions() if dma is None else dma
         self.integrity = integrity
         self.ready_timeout = ready_timeout
         emulated = layouts is not None
@@ -164,7 +168,8 @@ class KVCacheManager:
         # Abstract values of every layer: enough to compile ahead, holding no buffer.
         self._abstract = [(abstract(a), ShardedLayer.of(a).abstract()) for a in caches]
         self._pool, self._movers = _pool_and_movers(
-            self._plan, caches, mover_types, pinned, [layer for _, layer in self._abstract])
+            self._plan, caches, mover_types, pinned, [layer for _, layer in self._abstract],
+            dma)
         self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]
         self._verifier = LoadVerifier(self._plan, self._movers, self._pool,
                                       integrity == "page")
@@ -657,12 +662,18 @@ class KVCacheManager:
         ``imports_refused`` (reason -> count), ``host_copy_bytes`` (payload bytes the
         movers copied on the host on a transfer's path: numpy or memmove copies of
         kvxfer's own, not what a copy engine executes; 0 on ``dma`` and on the
-        pinned mover's pure-JAX route), ``host_pages`` / ``host_free_pages``,
+        pinned mover's pure-JAX route), ``dma_fallbacks`` (DMA transfers that copied
+        on XLA's stream though ``DmaOptions(stream="side")`` asked for the copy
+        engine's own: ``budget``, past ``staging_bytes``; ``out_of_memory``, no device
+        memory for the staging), ``host_pages`` / ``host_free_pages``,
         and ``offload_seconds`` / ``load_seconds`` (count, sum, p50, p90, p99 of the
         time from the call to the transfer's end).
         """
         out = self._stats.snapshot()
         out["host_copy_bytes"] = sum(m.host_copied() for m in self._movers)
+        fell = [m.fell_back() for m in self._movers]
+        out["dma_fallbacks"] = {why: sum(f.get(why, 0) for f in fell)
+                                for why in ("budget", "out_of_memory")}
         out["host_pages"] = self._pool.num_slots
         out["host_free_pages"] = self._pool.num_free
         return out
