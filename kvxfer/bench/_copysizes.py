@@ -10,7 +10,6 @@ one copy of each size costs, which is what decides ``_dma.RELAYOUT_BELOW``.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._rig import check_loaded, make_caches
 from kvxfer.bench.limits import Limit, limit_figures
 from kvxfer.bench.timing import Progress, interleaved, now, stats
-from kvxfer.engine import dma_refusal
+from kvxfer.engine import DmaOptions, dma_refusal
 from kvxfer.manager import KVCacheManager
 
 __all__ = ["copy_size_section"]
@@ -30,26 +29,15 @@ def copy_size_section(cfg: BenchConfig, limit: Limit, progress: Progress
                       ) -> tuple[list[dict[str, Any]], str | None]:
     """One row per copy size; or no rows and why (no copy engine on this backend)."""
     rows: list[dict[str, Any]] = []
-    # Copies of the blocks as they lie: no relayout, and none for offloads beside XLA's
-    # stream either (those copy gathered rows).
-    forced = {"KVXFER_DMA_RELAYOUT": "never", "KVXFER_DMA_STREAM": "xla"}
-    saved = {k: os.environ.get(k) for k in forced}
-    os.environ.update(forced)
-    try:
-        for size in cfg.copy_sizes:
-            n = max(1, cfg.copy_bytes // size)
-            progress.step("copy sizes", f"copy sizes: {n} copies of {format_bytes(size)}, "
-                          "path=dma, scattered")
-            caches = make_caches(1, n, size, "bfloat16")
-            why = dma_refusal(caches[0])
-            if why is not None:
-                return [], f"copy sizes: the DMA mover cannot run here: {why}"
-            rows.append(_row(cfg, limit, caches, n, size))
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
+    for size in cfg.copy_sizes:
+        n = max(1, cfg.copy_bytes // size)
+        progress.step("copy sizes", f"copy sizes: {n} copies of {format_bytes(size)}, "
+                      "path=dma, scattered")
+        caches = make_caches(1, n, size, "bfloat16")
+        why = dma_refusal(caches[0])
+        if why is not None:
+            return [], f"copy sizes: the DMA mover cannot run here: {why}"
+        rows.append(_row(cfg, limit, caches, n, size))
     return rows, None
 
 
@@ -57,7 +45,10 @@ def _row(cfg: BenchConfig, limit: Limit, caches: list, n: int, size: int) -> dic
     nbytes = n * size
     order = np.random.default_rng(n).permutation(n).tolist()
     # Twice the slots: the loads' pages stay held while offloads take the others.
-    mgr = KVCacheManager(caches, num_host_blocks=2 * n, path="dma", integrity="off")
+    # Copies of the blocks as they lie: no relayout, and none for offloads beside XLA's
+    # stream either (those copy gathered rows).
+    mgr = KVCacheManager(caches, num_host_blocks=2 * n, path="dma", integrity="off",
+                         dma=DmaOptions(relayout="never", stream="xla"))
     box = {"caches": caches, "key": n}
     try:
         held = mgr.offload(caches, order, keys=list(range(n))).wait()

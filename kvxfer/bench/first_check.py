@@ -22,7 +22,7 @@ the next one runs. The steps, each on the DMA mover (``path="dma"``):
 * ``caller_time``: the caller's time per ``offload()`` and ``load()`` call;
 * ``overlap``: how long a model-sized matmul dispatched right after an ``offload()``
   takes to finish, against the same matmul alone, with the offload's copies beside
-  XLA's stream (the default) and on it (``KVXFER_DMA_STREAM=xla``).
+  XLA's stream (the default) and on it (``DmaOptions(stream="xla")``).
 
 On XLA:CPU every step runs with ``CheckConfig.small()`` (the tests run it there); the
 figures mean something on an accelerator only.
@@ -33,7 +33,6 @@ Usage:  python -m kvxfer.bench.first_check OUTDIR [--small]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -41,7 +40,7 @@ import pathlib
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -95,22 +94,6 @@ class CheckConfig:
         return cls(layers=2, block_bytes=4 * KiB, pages=4, offload_bytes=256 * KiB,
                    matmul=128, copy_sizes=(4 * KiB, 16 * KiB), copy_bytes=64 * KiB,
                    repeats=2)
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-        if saved is not None:
-            os.environ[name] = saved
-
-
-def _relayout(mode: str) -> contextlib.AbstractContextManager[None]:
-    return _env("KVXFER_DMA_RELAYOUT", mode)
 
 
 def _caches(cfg: CheckConfig, blocks: int, dtype: str = "bfloat16",
@@ -181,23 +164,23 @@ def _round_trips(cfg: CheckConfig) -> tuple[bool, Figures]:
     cases = [(dt, mode, "side") for dt in ("bfloat16", "float8_e4m3fn")
              for mode in ("never", "always")] + [("bfloat16", "never", "xla")]
     for dtype, mode, stream in cases:
-        with _relayout(mode), _env("KVXFER_DMA_STREAM", stream):
-            blocks = 2 * cfg.pages
-            caches = _caches(cfg, blocks, dtype)
-            mgr = kvxfer.KVCacheManager(caches, num_host_blocks=cfg.pages, path="dma")
-            try:
-                src = rng.permutation(blocks)[:cfg.pages].tolist()
-                dst = rng.permutation(blocks)[:cfg.pages].tolist()
-                before = [_bits(c) for c in caches]
-                pointers = [c.unsafe_buffer_pointer() for c in caches]
-                pages = mgr.offload(caches, src, keys=list(range(cfg.pages))).wait()
-                caches, load = mgr.load(caches, pages, dst)
-                verified = load.result().verified_prefix == cfg.pages
-                exact = all(np.array_equal(_bits(c)[dst], b[src])
-                            for c, b in zip(caches, before))
-                in_place = [c.unsafe_buffer_pointer() for c in caches] == pointers
-            finally:
-                mgr.close()
+        blocks = 2 * cfg.pages
+        caches = _caches(cfg, blocks, dtype)
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=cfg.pages, path="dma",
+                                    dma=kvxfer.DmaOptions(relayout=mode, stream=stream))
+        try:
+            src = rng.permutation(blocks)[:cfg.pages].tolist()
+            dst = rng.permutation(blocks)[:cfg.pages].tolist()
+            before = [_bits(c) for c in caches]
+            pointers = [c.unsafe_buffer_pointer() for c in caches]
+            pages = mgr.offload(caches, src, keys=list(range(cfg.pages))).wait()
+            caches, load = mgr.load(caches, pages, dst)
+            verified = load.result().verified_prefix == cfg.pages
+            exact = all(np.array_equal(_bits(c)[dst], b[src])
+                        for c, b in zip(caches, before))
+            in_place = [c.unsafe_buffer_pointer() for c in caches] == pointers
+        finally:
+            mgr.close()
         out[f"{dtype}-{mode}" + ("-xla" if stream == "xla" else "")] = {
             "verified": verified, "exact": exact, "in_place": in_place}
     ok = all(all(v.values()) for v in out.values())
@@ -245,14 +228,15 @@ def _no_cache_copy(cfg: CheckConfig) -> tuple[bool, Figures]:
     """The compiled load program (relayout never and always) copies no cache."""
     out: Figures = {}
     for mode in ("never", "always"):
-        with _relayout(mode):
-            caches = _caches(cfg, 2 * cfg.pages)
-            mgr = kvxfer.KVCacheManager(caches, num_host_blocks=cfg.pages, path="dma")
-            try:
-                mover = DmaMover(mgr.plan.classes[0], mgr.host_pool.pools[0])
-                program = mover.compiled_load(layers_of(caches), cfg.pages, True)
-            finally:
-                mgr.close()
+        caches = _caches(cfg, 2 * cfg.pages)
+        options = kvxfer.DmaOptions(relayout=mode)
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=cfg.pages, path="dma",
+                                    dma=options)
+        try:
+            mover = DmaMover(mgr.plan.classes[0], mgr.host_pool.pools[0], options)
+            program = mover.compiled_load(layers_of(caches), cfg.pages, True)
+        finally:
+            mgr.close()
         # A load's temporaries hold its pages a few times (the blocks its digests read;
         # with relayout the gathered rows and the staging rows the copies land in),
         # never a whole cache; its outputs are its inputs (aliased).
@@ -358,21 +342,20 @@ def _overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
     out: Figures = {"offload_bytes": k * page, "matmul": cfg.matmul}
     alone: list[float] = []
     for stream in ("side", "xla"):
-        with _env("KVXFER_DMA_STREAM", stream):
-            mgr = kvxfer.KVCacheManager(caches, num_host_blocks=k, path="dma",
-                                        integrity="off")
-            after, calls = [], []
-            try:
-                mgr.free(mgr.offload(caches, list(range(k)), keys=list(range(k))).wait())
-                for r in range(cfg.repeats):
-                    alone.append(timed())
-                    t0 = now()
-                    handle = mgr.offload(caches, list(range(k)), keys=list(range(k)))
-                    calls.append(now() - t0)
-                    after.append(timed())
-                    mgr.free(handle.wait())
-            finally:
-                mgr.close()
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=k, path="dma",
+                                    integrity="off", dma=kvxfer.DmaOptions(stream=stream))
+        after, calls = [], []
+        try:
+            mgr.free(mgr.offload(caches, list(range(k)), keys=list(range(k))).wait())
+            for r in range(cfg.repeats):
+                alone.append(timed())
+                t0 = now()
+                handle = mgr.offload(caches, list(range(k)), keys=list(range(k)))
+                calls.append(now() - t0)
+                after.append(timed())
+                mgr.free(handle.wait())
+        finally:
+            mgr.close()
         suffix = "" if stream == "side" else "_xla_stream"
         out[f"after_offload{suffix}_ms"] = stats(after)["p50_s"] * 1e3
         out[f"offload_call{suffix}_ms"] = stats(calls)["p50_s"] * 1e3
