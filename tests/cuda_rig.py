@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from kvxfer.engine._cuda import CudaCopyEngine, Driver
 
 CUDA_ERROR_INVALID_VALUE = 1
@@ -63,8 +65,9 @@ class _Stream:
     order, each copy ``delay`` seconds late, so work that does not wait for it sees the
     bytes from before."""
 
-    def __init__(self, delay: float):
+    def __init__(self, delay: float, driver: Any = None):
         self.delay = delay
+        self.driver = driver
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -73,8 +76,15 @@ class _Stream:
         while True:
             kind, arg = self.queue.get()
             if kind == "copy":
+                copies, tick = arg
                 time.sleep(self.delay)
-                for d, s, n in arg:
+                watch = self.driver.watch if self.driver is not None else None
+                if watch is not None:
+                    d, s, n = (np.array(x, np.uint64) for x in zip(*copies))
+                    for start in (d, s):
+                        if watch.freed_since(tick, start, start + n):
+                            self.driver.late.append(copies)
+                for d, s, n in copies:
                     c.memmove(d, s, n)
             elif kind == "set":
                 c.c_uint32.from_address(arg[0]).value = arg[1]
@@ -100,9 +110,17 @@ class FakeDriver:
     """
 
     def __init__(self, version: int = 13000, numa: int = -1, fail: dict[str, int] | None = None,
-                 delay: float = 0.05):
+                 delay: float = 0.05, fail_at: tuple[str, int] | None = None,
+                 watch: Any = None):
         self.version = version
         self.delay = delay
+        # ``fail_at=(name, n)``: the n-th call (from 0) of entry point ``name`` fails.
+        self.fail_at = fail_at
+        self._counts: dict[str, int] = {}
+        # A ``kvxfer.testing.ReleaseWatch``: copies that run into memory kvxfer let go
+        # of after they were enqueued are kept in ``late``.
+        self.watch = watch
+        self.late: list[Any] = []
         self.streams: dict[int, _Stream] = {}
         self.events: dict[int, threading.Event] = {}
         self._handles = itertools.count(0xE000)
@@ -130,6 +148,9 @@ class FakeDriver:
         return Driver(self.get_proc, self.version)
 
     def _failing(self, name: str) -> int:
+        n = self._counts[name] = self._counts.get(name, 0) + 1
+        if self.fail_at is not None and self.fail_at == (name, n - 1):
+            return CUDA_ERROR_INVALID_VALUE
         return self.fail.get(name, 0)
 
     def _cuMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, idxs, num, *rest):
@@ -140,28 +161,34 @@ class FakeDriver:
                                          src=(a.src_type, a.src_id), dst=(a.dst_type, a.dst_id),
                                          flags=a.flags, idx0=idxs[0], num=num,
                                          failidx=failidx is not None)))
-        if self._failing("cuMemcpyBatchAsync"):
-            return self._failing("cuMemcpyBatchAsync")
+        status = self._failing("cuMemcpyBatchAsync")
+        if status:
+            return status
         self._copy(stream, [(dsts[i], srcs[i], sizes[i]) for i in range(count)])
         return 0
 
     def _cuMemcpyAsync(self, dst, src, n, stream):
         self.calls.append(("copy", dict(size=n, stream=stream)))
+        status = self._failing("cuMemcpyAsync")
+        if status:
+            return status
         self._copy(stream, [(dst, src, n)])
-        return self._failing("cuMemcpyAsync")
+        return 0
 
     def _copy(self, stream, copies):
         # The descriptors are read during the call, as the driver reads them.
         if stream in self.streams:
-            self.streams[stream].queue.put(("copy", copies))
+            tick = self.watch.now() if self.watch is not None else None
+            self.streams[stream].queue.put(("copy", (copies, tick)))
         else:
             for d, s, n in copies:
                 c.memmove(d, s, n)
 
     def _cuMemsetD32Async(self, dst, value, count, stream):
         self.calls.append(("memset", dict(count=count, stream=stream)))
-        if self._failing("cuMemsetD32Async"):
-            return self._failing("cuMemsetD32Async")
+        status = self._failing("cuMemsetD32Async")
+        if status:
+            return status
         for i in range(count):
             if stream in self.streams:
                 self.streams[stream].queue.put(("set", (dst + 4 * i, value)))
@@ -170,19 +197,28 @@ class FakeDriver:
         return 0
 
     def _cuStreamCreate(self, out, flags):
+        status = self._failing("cuStreamCreate")
+        if status:
+            return status
         handle = next(self._handles)
-        self.streams[handle] = _Stream(self.delay)
+        self.streams[handle] = _Stream(self.delay, self)
         self.calls.append(("stream", dict(flags=flags)))
         out[0] = handle
         return 0
 
     def _cuEventCreate(self, out, flags):
+        status = self._failing("cuEventCreate")
+        if status:
+            return status
         handle = next(self._handles)
         self.events[handle] = threading.Event()
         out[0] = handle
         return 0
 
     def _cuEventRecord(self, event, stream):
+        status = self._failing("cuEventRecord")
+        if status:
+            return status
         if event not in self.events:
             return CUDA_ERROR_INVALID_VALUE
         self.events[event].clear()
@@ -194,6 +230,9 @@ class FakeDriver:
         return 0
 
     def _cuStreamWaitEvent(self, stream, event, flags):
+        status = self._failing("cuStreamWaitEvent")
+        if status:
+            return status
         if event not in self.events:
             return CUDA_ERROR_INVALID_VALUE
         self.calls.append(("wait", dict(stream=stream)))
@@ -228,8 +267,9 @@ class FakeDriver:
 
     def _cuMemHostRegister(self, p, size, flags):
         self.calls.append(("register", dict(address=p, size=size, flags=flags)))
-        if self._failing("cuMemHostRegister"):
-            return self._failing("cuMemHostRegister")
+        status = self._failing("cuMemHostRegister")
+        if status:
+            return status
         self.registered[p] = (size, flags, self.context[-1] if self.context else 0)
         return 0
 

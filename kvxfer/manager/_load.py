@@ -10,6 +10,7 @@ processes, settles and unpins.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -72,6 +73,8 @@ class Loads:
         self._worker = worker
         self._agreement = agreement
         self._abstract = abstract_layers
+        # Pins of prefetch handles dropped unused (a finalizer files them; ``reap``).
+        self._dropped: collections.deque[list[int]] = collections.deque()
         # Each class's layers as a slice of the caches, where they are consecutive
         # (a model of one kind of layer has one class of every layer).
         self._spans = [_span(c.layers) for c in plan.classes]
@@ -82,6 +85,7 @@ class Loads:
              keys: Sequence[Any] | None, gate: Gate, prefetched: PrefetchHandle | None
              ) -> tuple[list[jax.Array], LoadHandle]:
         """``KVCacheManager.load``: one agreement round, also for a call that raises."""
+        self.reap()
         round_ = self._agreement.next_round()
         try:
             return self._load(round_, kv_caches, pages, device_blocks, keys, gate,
@@ -178,6 +182,7 @@ class Loads:
 
     def prefetch(self, pages: Sequence[PageRef]) -> PrefetchHandle:
         """``KVCacheManager.prefetch``: pins the pages and stages what a load needs."""
+        self.reap()
         pages = self._checks.pages(pages)
         problems, pinned = self._pin(pages)
         reasons = {j: f"{problem} ({p})" for j, (p, problem) in enumerate(zip(pages, problems))
@@ -201,7 +206,17 @@ class Loads:
             self._pool.release_readers(pinned)
             raise TransferError(f"prefetch of {len(pages)} pages failed: {e}") from e
         return PrefetchHandle(self, pages, reasons, pinned, staged, n,
-                              self._pool.release_readers)
+                              self._pool.release_readers, self._dropped)
+
+    def reap(self) -> None:
+        """Gives back the pins of prefetch handles dropped unused (every entry point
+        of the manager that takes or frees host slots calls it)."""
+        while self._dropped:
+            try:
+                pinned = self._dropped.popleft()
+            except IndexError:
+                return
+            self._pool.release_readers(pinned)
 
     def _quiesce(self, states: dict[int, Any]) -> None:
         """Waits until no program of a failed load can still read its pinned slots."""

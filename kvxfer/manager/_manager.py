@@ -371,6 +371,7 @@ class KVCacheManager:
             offload (nothing written).
         """
         self._checks.open()
+        self._loads.reap()
         with hooked_call(self._hook):
             return self._offloads.start(kv_caches, device_blocks, keys, slots)
 
@@ -495,6 +496,7 @@ class KVCacheManager:
           PoolError: an unknown slot, a generation never issued, a stale ref, or a
             double free (nothing freed).
         """
+        self._loads.reap()
         self._host.free(pages)
 
     @own_context

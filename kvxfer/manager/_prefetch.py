@@ -10,7 +10,9 @@ scatter into the caches and the digests.
 
 from __future__ import annotations
 
+import collections
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +25,8 @@ class PrefetchHandle:
     """Host pages staged on the devices for one later load.
 
     The pages stay pinned (never evicted, freed or overwritten) until the load that
-    consumes the handle finishes, or until ``release()``. A handle is used by at most
-    one load.
+    consumes the handle finishes, or until ``release()``; a handle dropped unused is
+    released by the manager's next call. A handle is used by at most one load.
 
     Attributes:
       pages: the page refs staged, in request order.
@@ -34,7 +36,8 @@ class PrefetchHandle:
 
     def __init__(self, owner: object, pages: list[PageRef], problems: dict[int, str],
                  pinned_slots: list[int], staged: dict[int, Any], n: int,
-                 unpin: Callable[[list[int]], None]):
+                 unpin: Callable[[list[int]], None],
+                 dropped: collections.deque[list[int]] | None = None):
         self.pages = pages
         self.problems = problems
         self._owner = owner
@@ -44,6 +47,10 @@ class PrefetchHandle:
         self._unpin = unpin
         self._lock = threading.Lock()
         self._state = "staged"  # staged | consumed | released
+        # A handle dropped unused files its pins for the manager's next call to give
+        # back (a finalizer takes no lock: it may run inside any of them).
+        self._finalizer = weakref.finalize(self, dropped.append, pinned_slots) \
+            if dropped is not None else None
 
     @property
     def num_staged(self) -> int:
@@ -61,6 +68,8 @@ class PrefetchHandle:
             if self._state != "staged":
                 return False
             self._state = "released"
+            if self._finalizer is not None:
+                self._finalizer.detach()
             pinned, self._pinned, self._staged = self._pinned, [], {}
         self._unpin(pinned)
         return True
@@ -87,6 +96,8 @@ class PrefetchHandle:
                                  f"for {len(pages)} pages {[str(p) for p in pages[:4]]}...; "
                                  "pass the pages the handle was made for, in that order")
             self._state = "consumed"
+            if self._finalizer is not None:
+                self._finalizer.detach()
             return self._staged, self._n
 
     def __repr__(self) -> str:

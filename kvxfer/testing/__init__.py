@@ -65,9 +65,15 @@ from kvxfer.testing._faults import tear as tear
 from kvxfer.testing._faults import wrong_keys as wrong_keys
 from kvxfer.testing._faults import zero_dma as zero_dma
 from kvxfer.testing._store import CountingStore as CountingStore
+from kvxfer.testing._dma import CALLBACK_STEPS as CALLBACK_STEPS
+from kvxfer.testing._dma import ReleaseWatch as ReleaseWatch
+from kvxfer.testing._dma import callback_fault as callback_fault
+from kvxfer.testing._dma import spy_callbacks as spy_callbacks
+from kvxfer.testing._dma import watch_releases as watch_releases
 from kvxfer.testing._store import flip_stored_bit as flip_stored_bit
 
-__all__ = ["bits", "same_bits", "random_bits", "block_shape", "random_caches", "FAULTS",
+__all__ = ["CALLBACK_STEPS", "ReleaseWatch", "callback_fault", "spy_callbacks",
+           "watch_releases", "bits", "same_bits", "random_bits", "block_shape", "random_caches", "FAULTS",
            "Fault", "InjectedTransferError", "flip_bit", "wrong_keys", "misfile",
            "reuse_slot", "corrupt_shard", "tear", "failing_transfer", "zero_dma", "inject",
            "flip_stored_bit", "CountingStore"]
