@@ -243,3 +243,56 @@ def test_a_sharded_class_moves_a_page_of_a_shard_in_one_copy(fake, monkeypatch, 
         assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
     assert [b["count"] for b in calls(fake, "batch")] == [3] * 4  # 2 shards, each way
     mgr.close()
+
+
+def test_a_dropped_prefetch_gives_back_its_pins_and_released_ones_their_events(fake):
+    """A handle neither loaded nor released is let go of by the manager's next call
+    (the pages can be freed, their slots reused); prefetches released over and over
+    leave no driver event behind."""
+    caches, before, mgr, pages = offloaded()
+    for _ in range(5):
+        mgr.prefetch(pages).release()
+    mgr.prefetch(pages)  # dropped at once
+    gc.collect()
+    mgr.free(pages)
+    assert mgr.num_free_pages == 8  # the dropped handle's pins were given back
+    deadline = time.monotonic() + 10
+    while testing_held() and time.monotonic() < deadline:
+        mgr.free(mgr.offload(caches, [0], keys=[99]).wait())  # every entry point reaps
+        time.sleep(0.05)
+    assert _dma._SIDE.held() == 0
+    assert len(fake.events) <= 2, f"{len(fake.events)} events left"
+    mgr.close()
+
+
+def testing_held() -> bool:
+    return _dma._SIDE.held() > 0
+
+
+def test_a_failure_after_copies_were_enqueued_keeps_their_memory_until_they_end():
+    """A driver without the batch call: the second ``cuMemcpyAsync`` of a load's
+    staging fails after the first was enqueued (late by 0.3 s), with no event after
+    it yet: the load fails, and neither its staging nor anything else that copy
+    reaches is let go of before it ends."""
+    with testing.watch_releases() as watch, pytest.MonkeyPatch.context() as m:
+        driver = FakeDriver(delay=0.3, watch=watch, version=12040)
+        engine = HostStreamEngine(driver.driver(), ordinal=0)
+        m.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
+        caches = testing.random_caches(8, 16, (16, 256), "float32", seed=5)
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+        mgr.warmup(4)  # no compile inside the load to outlast the late copy
+        pages = mgr.offload(caches, [3, 1, 12, 9], keys=[1, 2, 3, 4]).wait()
+        mgr.free(pages[1:2])  # slots 0, 2, 3: two copies, not one
+        pages = pages[:1] + pages[2:]
+        driver.fail_at = ("cuMemcpyAsync", 1)
+        driver._counts.clear()
+        new, load = mgr.load(caches, pages, [0, 5, 6])
+        with pytest.raises(TransferError) as err:
+            load.result()
+        assert not any(c.is_deleted() for c in err.value.kv_caches)
+        assert _dma._SIDE.held() == 0
+        for handle in list(driver.streams):
+            driver._cuStreamSynchronize(handle)
+        assert driver.late == []
+        assert [k for k, _ in driver.calls if k == "copy"][-2:] == ["copy", "copy"]
+        mgr.close()
