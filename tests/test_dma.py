@@ -17,12 +17,14 @@ import kvxfer
 from kvxfer import testing
 from kvxfer._hostmem import HostMemory
 from kvxfer.engine import COPY_ENGINES, TransferError, dma_refusal
-from kvxfer.engine._copies import TICKETS, Copies, HostCopyEngine
-from kvxfer.engine._cuda import CudaCopyEngine, DriverError
+from kvxfer.engine.dma._copies import Copies, HostCopyEngine
+from kvxfer.engine.dma._jobs import TICKETS
+from kvxfer.engine.dma._cuda import CudaCopyEngine, DriverError
 
-from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, FakeDriver, HostStreamEngine
+from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, NO_CHECK, FakeDriver, HostStreamEngine
 
 bits = testing.bits
+held = kvxfer.engine.staging_bytes_held
 PLATFORM = jax.devices()[0].platform
 HOST_ENGINE = pytest.mark.cpu("counts the host copy engine's copies (XLA:CPU's)")
 
@@ -297,7 +299,7 @@ def test_the_dma_mover_runs_over_the_cuda_engine(monkeypatch):
     monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     caches = caches_of("bfloat16", layers=4)
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",
-                                dma=kvxfer.DmaOptions(stream="xla"))
+                                dma=kvxfer.DmaOptions(stream="xla", self_check=False))
     round_trip(mgr, caches, [3, 1, 12], [0, 5, 6])
     batches = [call for kind, call in fake.calls if kind == "batch"]
     assert [b["count"] for b in batches] == [12, 12]  # 3 pages x 4 layers, each way
@@ -315,13 +317,13 @@ def test_a_looping_engine_relayouts_whatever_the_block_size(monkeypatch):
     assert engine.mode == "loop"
     monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     caches = caches_of("float32", layers=4, shape=(64, 256))  # 64 KiB blocks
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=NO_CHECK)
     assert mgr._movers[0].relayout
     caches, _, _ = round_trip(mgr, caches, [3, 1, 12], [0, 5, 6])
     # Pages in consecutive slots and staging rows: one copy each way (without the
     # relayout, one per layer and page: 12 each way).
     assert [kind for kind, _ in fake.calls if kind == "copy"] == ["copy"] * 2
-    assert not kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=kvxfer.DmaOptions(
+    assert not kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=kvxfer.DmaOptions(self_check=False, 
         relayout="never"))._movers[0].relayout
     mgr.close()
 
@@ -366,8 +368,7 @@ def test_offload_copies_run_beside_xlas_stream(missing_wait, monkeypatch):
     (a donating write of the offloaded blocks) runs while they are still pending, the
     pages hold the blocks as they were at the call (the copies read the gathered rows
     the offload holds), and only the wait for their event makes the pages complete."""
-    from kvxfer.engine import _dma
-
+    
     fake = FakeDriver(delay=0.5)
     engine = HostStreamEngine(fake.driver(), ordinal=0)
     monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
@@ -375,12 +376,18 @@ def test_offload_copies_run_beside_xlas_stream(missing_wait, monkeypatch):
     if missing_wait:
         # What a mover that forgot the wait would commit; the wait (and the staging's
         # release) comes only at the end, so no copy reads memory already given back.
-        finish = _dma._finish_side
-        monkeypatch.setattr(_dma, "_finish_side", lambda state, strict: late.append(
-            lambda: finish(state, strict)))
+        from kvxfer.engine.dma import _staging
+
+        finish = _staging.Transfer.finish
+
+        def deferred(state, strict):
+            if not state.buffers:  # not the offload's rows
+                return finish(state, strict)
+            late.append(lambda: finish(state, strict))
+        monkeypatch.setattr(_staging.Transfer, "finish", deferred)
     caches = caches_of("float32", layers=4)
     before = [bits(c) for c in caches]
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=NO_CHECK)
     pool = mgr.host_pool.pools[0].data
     step = jax.jit(lambda cs: [c.at[jnp.array([3, 1, 12])].set(0) for c in cs],
                    donate_argnums=0)
@@ -416,21 +423,20 @@ def test_offloads_beside_xlas_stream_hold_bounded_staging(monkeypatch):
     """Past ``DmaOptions.staging_bytes`` of staging in flight on a device, an offload
     runs its copies on XLA's stream (counted in ``stats()``); every byte of the budget
     comes back."""
-    from kvxfer.engine import _dma
-
+    
     fake = FakeDriver(delay=0.3)
     engine = HostStreamEngine(fake.driver(), ordinal=0)
     monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     caches = caches_of("float32", layers=2)
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",  # one at a time beside
-                                dma=kvxfer.DmaOptions(staging_bytes=1))
+                                dma=kvxfer.DmaOptions(staging_bytes=1, self_check=False))
     first = mgr.offload(caches, [1, 2], keys=[1, 2])
     second = mgr.offload(caches, [3, 4], keys=[3, 4])
     pages = first.wait() + second.wait()
     streams = [call["stream"] for kind, call in fake.calls if kind == "batch"]
     assert streams[0] in fake.streams and streams[1] == HostStreamEngine.STREAM
     assert mgr.stats()["dma_fallbacks"] == {"budget": 1, "out_of_memory": 0}
-    assert _dma._SIDE.held() == 0
+    assert held() == 0
     caches, load = mgr.load(caches, pages, [8, 9, 10, 11])
     assert load.result().verified_prefix == 4
     mgr.close()

@@ -1,4 +1,4 @@
-"""Loads beside XLA's stream (``kvxfer.engine._dma_side``), on XLA:CPU over the stand-in
+"""Loads beside XLA's stream (``kvxfer.engine.dma``), on XLA:CPU over the stand-in
 CUDA driver, whose own streams run every copy late on a thread of their own: a scatter
 that does not wait for its group's copies reads staging they have not reached, and the
 load's digests say so."""
@@ -16,17 +16,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kvxfer
 from kvxfer import testing
-from kvxfer.engine import COPY_ENGINES, TransferError, _dma
-from kvxfer.engine._copies import TICKETS
-from kvxfer.engine._dma_side import layer_groups, reap
+from kvxfer.engine import COPY_ENGINES, TransferError
+from kvxfer.engine.dma._jobs import TICKETS
+from kvxfer.engine.dma._mover import layer_groups
 from kvxfer.engine._mover import _args_abstract, _sds
 from kvxfer.engine import _programs
 
-from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, FakeDriver, HostStreamEngine
+from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, NO_CHECK, FakeDriver, HostStreamEngine
 
 pytestmark = pytest.mark.cpu("the stand-in driver's engine runs on XLA:CPU")
 
 bits = testing.bits
+held = kvxfer.engine.staging_bytes_held
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def offloaded(layers: int = 4, shape=(64, 256), **options):
     offloaded; the caches, their bits then, the manager, the pages."""
     caches = testing.random_caches(layers, 16, shape, "float32")
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",
-                                dma=kvxfer.DmaOptions(**options))
+                                dma=kvxfer.DmaOptions(self_check=False, **options))
     pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
     return caches, [bits(c) for c in caches], mgr, pages
 
@@ -69,7 +70,7 @@ def test_a_load_copies_beside_and_each_group_waits_for_its_own_copies(fake):
     assert len(calls(fake, "batch")) == 4
     waits = [w for w in calls(fake, "wait") if w["stream"] == HostStreamEngine.STREAM]
     assert len(waits) == 4 and len(calls(fake, "memset")) == 4
-    assert _dma._SIDE.held() == 0 and TICKETS.pending() == 0
+    assert held() == 0 and TICKETS.pending() == 0
     mgr.close()
 
 
@@ -90,27 +91,28 @@ def test_prefetch_starts_the_copies_and_the_load_only_scatters(fake):
     fake.calls.clear()
     staged = mgr.prefetch(pages)
     assert len(calls(fake, "batch")) == 4  # the copies are under way before the load
-    assert _dma._SIDE.held() > 0
+    assert held() > 0
     new, load = mgr.load(caches, pages, [0, 5, 6], prefetched=staged)
     assert load.result().verified_prefix == 3
     assert len(calls(fake, "batch")) == 4  # none more
     for c, b in zip(new, before):
         assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
-    assert _dma._SIDE.held() == 0
+    assert held() == 0
     mgr.close()
 
 
 def test_a_released_prefetch_holds_its_staging_until_the_copies_end(fake):
     caches, before, mgr, pages = offloaded()
     staged = [mgr.prefetch(pages), mgr.prefetch(pages[:2])]  # two parked at once
-    held = _dma._SIDE.held()
-    assert held > 0 and all(s.release() for s in staged)
+    was = mgr.stats()["dma_staging_bytes"]
+    assert was > 0 and all(s.release() for s in staged)
     del staged
     gc.collect()
-    assert _dma._SIDE.held() == held  # parked: its copies may still be writing it
+    assert held() == was  # kept: its copies may still be writing it
+    time.sleep(1)  # until they end
     new, load = mgr.load(caches, pages, [0, 5, 6])  # a later stage lets it go
     assert load.result().verified_prefix == 3
-    assert _dma._SIDE.held() == 0
+    assert mgr.stats()["dma_staging_bytes"] == 0
     mgr.close()
 
 
@@ -122,7 +124,7 @@ def test_a_failed_staging_fails_the_load_and_writes_no_block(fake):
         load.result()
     for c, b in zip(err.value.kv_caches, before):
         assert not c.is_deleted() and np.array_equal(bits(c), b)
-    assert _dma._SIDE.held() == 0 and TICKETS.pending() == 0
+    assert held() == 0 and TICKETS.pending() == 0
     del fake.fail["cuMemcpyBatchAsync"]
     new, load = mgr.load(new, pages, [0, 5, 6])
     assert load.result().verified_prefix == 3
@@ -147,10 +149,10 @@ def test_past_the_staging_budget_a_load_copies_on_xlas_stream(fake, monkeypatch,
     gc.collect()
     mgr.load(new, pages[:1], [7])[1].result()
     deadline = time.monotonic() + 10
-    while _dma._SIDE.held() and time.monotonic() < deadline:  # once its copies are done
+    while held() and time.monotonic() < deadline:  # once its copies are done
         reap()
         time.sleep(0.05)
-    assert _dma._SIDE.held() == 0
+    assert held() == 0
     mgr.close()
 
 
@@ -162,7 +164,7 @@ def test_sharded_and_replicated_loads_beside(fake):
               for c in testing.random_caches(3, 16, (64, 256), "bfloat16", seed=1)]
     caches.append(jax.device_put(testing.random_caches(1, 16, (8, 64), "float32")[0],
                                  NamedSharding(mesh, P())))
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=NO_CHECK)
     before = [bits(c) for c in caches]
     pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
     new, load = mgr.load(caches, pages, [0, 5, 6])
@@ -171,7 +173,7 @@ def test_sharded_and_replicated_loads_beside(fake):
         assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
     for shard in new[3].addressable_shards:  # every replica got the pages
         assert np.array_equal(bits(shard.data)[[0, 5, 6]], before[3][[3, 1, 12]])
-    assert _dma._SIDE.held() == 0
+    assert held() == 0
     mgr.close()
 
 
@@ -187,7 +189,8 @@ def test_several_layers_a_group_load_exactly_with_integrity_off(layers, shape, g
         m.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
         caches = testing.random_caches(layers, 16, shape, "float32", seed=5)
         before = [bits(c) for c in caches]
-        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", integrity="off")
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", integrity="off",
+                                    dma=NO_CHECK)
         assert mgr._movers[0]._groups == groups
         mgr.warmup(4)
         pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
@@ -234,7 +237,8 @@ def test_a_sharded_class_moves_a_page_of_a_shard_in_one_copy(fake, monkeypatch, 
               for c in testing.random_caches(4, 16, (4, 128), "bfloat16", seed=2)]
     before = [bits(c) for c in caches]
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",
-                                dma=kvxfer.DmaOptions(relayout="always", stream=stream))
+                                dma=kvxfer.DmaOptions(relayout="always", stream=stream,
+                                                      self_check=False))
     assert mgr._movers[0].relayout and mgr.plan.classes[0].num_shards == 2
     pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
     new, load = mgr.load(caches, pages, [0, 5, 6])
@@ -260,13 +264,13 @@ def test_a_dropped_prefetch_gives_back_its_pins_and_released_ones_their_events(f
     while testing_held() and time.monotonic() < deadline:
         mgr.free(mgr.offload(caches, [0], keys=[99]).wait())  # every entry point reaps
         time.sleep(0.05)
-    assert _dma._SIDE.held() == 0
+    assert held() == 0
     assert len(fake.events) <= 2, f"{len(fake.events)} events left"
     mgr.close()
 
 
 def testing_held() -> bool:
-    return _dma._SIDE.held() > 0
+    return held() > 0
 
 
 def test_a_failure_after_copies_were_enqueued_keeps_their_memory_until_they_end():
@@ -279,7 +283,7 @@ def test_a_failure_after_copies_were_enqueued_keeps_their_memory_until_they_end(
         engine = HostStreamEngine(driver.driver(), ordinal=0)
         m.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
         caches = testing.random_caches(8, 16, (16, 256), "float32", seed=5)
-        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=NO_CHECK)
         mgr.warmup(4)  # no compile inside the load to outlast the late copy
         pages = mgr.offload(caches, [3, 1, 12, 9], keys=[1, 2, 3, 4]).wait()
         mgr.free(pages[1:2])  # slots 0, 2, 3: two copies, not one
@@ -290,9 +294,37 @@ def test_a_failure_after_copies_were_enqueued_keeps_their_memory_until_they_end(
         with pytest.raises(TransferError) as err:
             load.result()
         assert not any(c.is_deleted() for c in err.value.kv_caches)
-        assert _dma._SIDE.held() == 0
+        assert held() == 0
         for handle in list(driver.streams):
             driver._cuStreamSynchronize(handle)
         assert driver.late == []
         assert [k for k, _ in driver.calls if k == "copy"][-2:] == ["copy", "copy"]
         mgr.close()
+
+
+def test_the_self_check_runs_once_and_a_broken_engine_fails_it(monkeypatch):
+    """A good engine passes the self-check, once a process (a second manager adds no
+    driver call); one whose stream waits wait for nothing fails it (a several-group
+    load reads staging before its copies land): ``path="dma"`` raises naming it, and
+    ``auto`` (made to prefer dma here) takes the pinned route, saying why."""
+    from kvxfer.manager._select import AUTO_RULES
+
+    driver = FakeDriver(delay=0.05)
+    engine = HostStreamEngine(driver.driver(), ordinal=0)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
+    caches = testing.random_caches(2, 16, (64, 256), "float32")
+    kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma").close()
+    checked = sum(k == "batch" for k, _ in driver.calls)
+    assert checked >= 6  # its round trips ran
+    kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma").close()
+    assert sum(k == "batch" for k, _ in driver.calls) == checked
+
+    broken = HostStreamEngine(FakeDriver(delay=0.3).driver(), ordinal=0)
+    monkeypatch.setattr(broken, "hold", lambda completion, stream: None)
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": broken)
+    with pytest.raises(ValueError, match="self-check failed.*other bytes"):
+        kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
+    monkeypatch.setitem(AUTO_RULES, "cpu", ("dma", "pinned", "staged"))
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="auto")
+    assert mgr.paths == ["pinned"] * 2 and "self-check failed" in mgr.paths[0].reason
+    mgr.close()

@@ -34,7 +34,7 @@ def _index_args(with_digest):
 def _programs_of_the_routes():
     """(name, kind, arrays, args, with_digest, options) of every transfer program the
     DMA mover and the pinned mover's pages route run on an accelerator."""
-    from kvxfer.engine import _dma, _pinned_pages  # noqa: F401 - registers the kinds
+    from kvxfer.engine import _pinned_pages, dma  # noqa: F401 - registers the kinds
 
     caches = _caches()
     words = 3 * 8 * 64 * 2 // 2
@@ -52,7 +52,7 @@ def _programs_of_the_routes():
         # Loads beside XLA's stream: the staging program, and the load from staging
         # (a wait per layer group).
         yield (f"dma_load_side-digest{with_digest}", "dma_load_side", caches,
-               (token, _sds((B, words), np.uint16, DEVICE), ids, count, *digest),
+               (token, _sds((B + 1, words), np.uint16, DEVICE), ids, count, *digest),
                with_digest, (((0, 1), (1, 3)), False, 2, (words // 3,) * 3))
         yield (f"pages_offload-digest{with_digest}", "pages_offload", caches,
                (ids, count, *digest), with_digest, (2, False, B, PINNED))

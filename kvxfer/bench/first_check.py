@@ -53,8 +53,8 @@ from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._copysizes import copy_size_section
 from kvxfer.bench.limits import make_limit
 from kvxfer.bench.timing import Progress, now, stats
-from kvxfer.engine import (CALLBACK_STEPS, DmaMover, callback_fault, copy_engine,
-                           dma_refusal, layers_of, spy_callbacks)
+from kvxfer.engine import CALLBACK_STEPS, DmaMover, copy_engine, dma_refusal, layers_of
+from kvxfer.testing import callback_fault, spy_callbacks
 from kvxfer.layout import short_dtype_name
 
 __all__ = ["CheckConfig", "STEPS", "run", "main", "cache_copies"]

@@ -15,10 +15,11 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
   move the pages' arrays to the device and scatter them into the donated caches.
 * ``EmulatedMover`` (emulated TPU memory): raw byte-range copies over emulated device
   images, for layouts the inspector has proven addressable.
-* ``DmaMover`` (NVIDIA GPUs with ``cuda-bindings``; XLA:CPU with a host copy engine):
-  one program per class and transfer that digests on the device and calls a
-  ``buffer_callback`` enqueuing batched copy-engine copies on XLA's own stream, between
-  the caches' blocks and a page-major pool allocated and pinned outside XLA.
+* ``DmaMover`` (NVIDIA GPUs with ``cuda-bindings``; XLA:CPU with a host copy engine;
+  the ``dma`` package): programs that digest on the device and call a
+  ``buffer_callback`` enqueuing batched copy-engine copies, beside XLA's stream where
+  the engine has streams of its own (ordered by events), between the caches' blocks
+  and a page-major pool allocated and pinned outside XLA.
 * ``PallasMover`` (TPU; Pallas interpret mode on CPU): per-block DMA kernels between
   the caches and the host pool, for layouts the inspector has proven addressable.
 * ``GroupedMover`` (a block dim sharded over data parallelism): runs another mover
@@ -36,9 +37,9 @@ array without its buffers (``abstract``), every layer's shards at once
 between arrays (``shared_buffers``), whether a mover can take an array
 (``raw_capable``, ``pinned_capable``, ``pallas_refusal``, ``dma_refusal``), the
 pinned mover's class on a platform (``pinned_mover``), the copy
-engine of each platform (``COPY_ENGINES``, ``copy_engine``), what the DMA programs'
-callbacks see and a failure injected at each of their steps (``spy_callbacks``,
-``CALLBACK_STEPS``, ``callback_fault``: device checks), whether a GPU is NVIDIA's
+engine of each platform (``COPY_ENGINES``, ``copy_engine``), the steps of the DMA
+programs' callbacks (``CALLBACK_STEPS``; ``kvxfer.testing`` injects failures there and
+spies on them), whether a GPU is NVIDIA's
 (``is_cuda``), compiles collected to run
 side by side (``deferred_compiles``), an array's format handed to the programs
 (``known_format``) and the digest programs' chunk (``DIGEST_CHUNK``); and, for
@@ -69,15 +70,14 @@ from kvxfer.engine._batch import layers_of as layers_of
 from kvxfer.engine._batch import local as local
 from kvxfer.engine._batch import own_context as own_context
 from kvxfer.engine._auto import RawOrPinnedMover as RawOrPinnedMover
-from kvxfer.engine._cuda import is_cuda as is_cuda
-from kvxfer.engine._dma import COPY_ENGINES as COPY_ENGINES
-from kvxfer.engine._dma import DmaMover as DmaMover
-from kvxfer.engine._dma_options import DmaOptions as DmaOptions
-from kvxfer.engine._dma import copy_engine as copy_engine
-from kvxfer.engine._dma import dma_refusal as dma_refusal
-from kvxfer.engine._dma import spy_callbacks as spy_callbacks
-from kvxfer.engine._copies import CALLBACK_STEPS as CALLBACK_STEPS
-from kvxfer.engine._copies import callback_fault as callback_fault
+from kvxfer.engine.dma import CALLBACK_STEPS as CALLBACK_STEPS
+from kvxfer.engine.dma import COPY_ENGINES as COPY_ENGINES
+from kvxfer.engine.dma import DmaMover as DmaMover
+from kvxfer.engine.dma import DmaOptions as DmaOptions
+from kvxfer.engine.dma import copy_engine as copy_engine
+from kvxfer.engine.dma import dma_refusal as dma_refusal
+from kvxfer.engine.dma import is_cuda as is_cuda
+from kvxfer.engine.dma import staging_bytes_held as staging_bytes_held
 from kvxfer.engine._emulated import EmulatedMover as EmulatedMover
 from kvxfer.engine._grouped import BlockGroups as BlockGroups
 from kvxfer.engine._grouped import GroupedMover as GroupedMover

@@ -162,6 +162,10 @@ class GroupedMover(Mover[GroupedOffload[OffloadT], list[StagedT], list[LoadT]]):
     def fell_back(self) -> dict[str, int]:
         return self.inner.fell_back()
 
+    def discard(self, staged: Any) -> None:
+        for s in staged:
+            self.inner.discard(s)
+
     def _split(self, batch: PageBatch) -> list[tuple[int, np.ndarray, PageBatch]]:
         """Per group holding pages of the batch: (group, request rows, its batch)."""
         out = self._splits.get(batch)

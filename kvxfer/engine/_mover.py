@@ -338,6 +338,10 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         """Payload bytes copied on the host so far, by this mover and any it runs."""
         return self.host_copy_bytes
 
+    def discard(self, staged: Any) -> None:
+        """Lets what ``stage_load`` returned go unused (a prefetch released): caller's
+        thread, never blocking (movers whose staging XLA keeps need do nothing)."""
+
     def fell_back(self) -> dict[str, int]:
         """Transfers that took a slower route than asked for, by why (the DMA mover's)."""
         return {}

@@ -74,7 +74,7 @@ class Loads:
         self._agreement = agreement
         self._abstract = abstract_layers
         # Pins of prefetch handles dropped unused (a finalizer files them; ``reap``).
-        self._dropped: collections.deque[list[int]] = collections.deque()
+        self._dropped: collections.deque[tuple[list[int], dict]] = collections.deque()
         # Each class's layers as a slice of the caches, where they are consecutive
         # (a model of one kind of layer has one class of every layer).
         self._spans = [_span(c.layers) for c in plan.classes]
@@ -206,16 +206,22 @@ class Loads:
             self._pool.release_readers(pinned)
             raise TransferError(f"prefetch of {len(pages)} pages failed: {e}") from e
         return PrefetchHandle(self, pages, reasons, pinned, staged, n,
-                              self._pool.release_readers, self._dropped)
+                              self._pool.release_readers, self._dropped, self._discard)
+
+    def _discard(self, staged: dict[int, Any]) -> None:
+        """Lets a prefetch's staging go unused (a released or dropped handle)."""
+        for c, s in staged.items():
+            self._movers[c].discard(s)
 
     def reap(self) -> None:
         """Gives back the pins of prefetch handles dropped unused (every entry point
         of the manager that takes or frees host slots calls it)."""
         while self._dropped:
             try:
-                pinned = self._dropped.popleft()
+                pinned, staged = self._dropped.popleft()
             except IndexError:
                 return
+            self._discard(staged)
             self._pool.release_readers(pinned)
 
     def _quiesce(self, states: dict[int, Any]) -> None:

@@ -25,7 +25,8 @@ import numpy as np
 from kvxfer._names import IntegrityMode as IntegrityMode
 from kvxfer._check import check_int
 from kvxfer.engine import (BlockGroups, DmaMover, DmaOptions, GroupedMover, Mover,
-                           ShardedLayer, abstract, bucket, deferred_compiles, own_context)
+                           ShardedLayer, abstract, bucket, deferred_compiles, own_context,
+                           staging_bytes_held)
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement
 from kvxfer.manager._checks import Checks, check_construction
@@ -159,7 +160,7 @@ class KVCacheManager:
                              host_memory_budget=host_memory_budget)
         except BudgetError as e:  # the plan names how it sizes blocks, not the mover
             raise BudgetError(f"KVCacheManager(path={path!r}): {e}") from None
-        chosen = choose_movers(plan, specs, caches, path, emulated, pinned)
+        chosen = choose_movers(plan, specs, caches, path, emulated, pinned, dma)
         mover_types = [mover for mover, _ in chosen]
         self._reasons = [reason for _, reason in chosen]
         # The plan sizes host blocks; its table names the mover of each class too.
@@ -667,7 +668,9 @@ class KVCacheManager:
         pinned mover's pure-JAX route), ``dma_fallbacks`` (DMA transfers that copied
         on XLA's stream though ``DmaOptions(stream="side")`` asked for the copy
         engine's own: ``budget``, past ``staging_bytes``; ``out_of_memory``, no device
-        memory for the staging), ``host_pages`` / ``host_free_pages``,
+        memory for the staging), ``dma_staging_bytes`` (device staging the DMA
+        transfers of this process hold now, every device: 0 once they have all
+        ended), ``host_pages`` / ``host_free_pages``,
         and ``offload_seconds`` / ``load_seconds`` (count, sum, p50, p90, p99 of the
         time from the call to the transfer's end).
         """
@@ -676,6 +679,7 @@ class KVCacheManager:
         fell = [m.fell_back() for m in self._movers]
         out["dma_fallbacks"] = {why: sum(f.get(why, 0) for f in fell)
                                 for why in ("budget", "out_of_memory")}
+        out["dma_staging_bytes"] = staging_bytes_held()
         out["host_pages"] = self._pool.num_slots
         out["host_free_pages"] = self._pool.num_free
         return out

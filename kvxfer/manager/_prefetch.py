@@ -37,7 +37,8 @@ class PrefetchHandle:
     def __init__(self, owner: object, pages: list[PageRef], problems: dict[int, str],
                  pinned_slots: list[int], staged: dict[int, Any], n: int,
                  unpin: Callable[[list[int]], None],
-                 dropped: collections.deque[list[int]] | None = None):
+                 dropped: collections.deque[tuple[list[int], dict]] | None = None,
+                 discard: Callable[[dict[int, Any]], None] | None = None):
         self.pages = pages
         self.problems = problems
         self._owner = owner
@@ -49,7 +50,8 @@ class PrefetchHandle:
         self._state = "staged"  # staged | consumed | released
         # A handle dropped unused files its pins for the manager's next call to give
         # back (a finalizer takes no lock: it may run inside any of them).
-        self._finalizer = weakref.finalize(self, dropped.append, pinned_slots) \
+        self._discard = discard
+        self._finalizer = weakref.finalize(self, dropped.append, (pinned_slots, staged)) \
             if dropped is not None else None
 
     @property
@@ -70,7 +72,10 @@ class PrefetchHandle:
             self._state = "released"
             if self._finalizer is not None:
                 self._finalizer.detach()
-            pinned, self._pinned, self._staged = self._pinned, [], {}
+            pinned, staged = self._pinned, self._staged
+            self._pinned, self._staged = [], {}
+        if self._discard is not None:
+            self._discard(staged)
         self._unpin(pinned)
         return True
 

@@ -8,11 +8,12 @@ import jax
 
 from kvxfer._names import PATHS as PATHS
 from kvxfer._names import PathMode as PathMode
-from kvxfer.engine import (DmaMover, EmulatedMover, Mover, PallasMover, RawMover,
+from kvxfer.engine import (DmaMover, DmaOptions, EmulatedMover, Mover, PallasMover, RawMover,
                            RawOrPinnedMover, StagedMover, abstract_layer, dma_refusal,
                            pallas_compile_refusal, pallas_refusal, pinned_capable,
                            pinned_mover, raw_capable)
 from kvxfer.layout import LayoutError, shape_text
+from kvxfer.manager._dma_check import dma_self_check
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
 __all__ = ["PathMode", "PATHS", "AUTO_RULES", "MoverChoice", "check_path", "plan_path",
@@ -84,7 +85,8 @@ def _memory_kinds(a: jax.Array) -> list[str]:
 
 
 def _applies(caches: Sequence[jax.Array], pinned: bool | None, specs: Sequence[LayerSpec],
-             emulated: bool) -> dict[str, Callable[[SliceClass], str | None]]:
+             emulated: bool, options: DmaOptions
+             ) -> dict[str, Callable[[SliceClass], str | None]]:
     """Why each mover cannot move a class, or None where it can (``AUTO_RULES`` names
     these)."""
     def pallas(cls: SliceClass) -> str | None:
@@ -95,8 +97,9 @@ def _applies(caches: Sequence[jax.Array], pinned: bool | None, specs: Sequence[L
         return pallas_compile_refusal([abstract_layer(caches[i]) for i in cls.layers])
 
     def dma(cls: SliceClass) -> str | None:
-        return next((f"layer {i}: {why}" for i in cls.layers
-                     if (why := dma_refusal(caches[i])) is not None), None)
+        refused = next((f"layer {i}: {why}" for i in cls.layers
+                        if (why := dma_refusal(caches[i])) is not None), None)
+        return refused or _self_check(caches, cls, options)
 
     def raw(cls: SliceClass) -> str | None:
         if all(raw_capable(caches[i]) for i in cls.layers):
@@ -152,12 +155,26 @@ def _check_pinned(caches: Sequence[jax.Array], cls: SliceClass, pinned: bool | N
                 f"{_memory_kinds(a)}; use path='staged' or 'auto'")
 
 
-def _check_dma(caches: Sequence[jax.Array], cls: SliceClass) -> None:
+def _self_check(caches: Sequence[jax.Array], cls: SliceClass, options: DmaOptions
+                ) -> str | None:
+    """Why the DMA mover's self-check failed on the devices of ``cls`` (None: passed)."""
+    for device in sorted(caches[cls.layers[0]].sharding.device_set, key=lambda d: d.id):
+        why = dma_self_check(device, options)
+        if why is not None:
+            return f"its self-check failed on {device}: {why}"
+    return None
+
+
+def _check_dma(caches: Sequence[jax.Array], cls: SliceClass, options: DmaOptions) -> None:
     for i in cls.layers:
         why = dma_refusal(caches[i])
         if why is not None:
             raise LayoutError(f"DMA path refused for {cls.name} (layers {list(cls.layers)}), "
                               f"layer {i}: {why}; use path='pinned', 'staged' or 'auto'")
+    why = _self_check(caches, cls, options)
+    if why is not None:
+        raise ValueError(f"path='dma' refused for {cls.name}: {why}; use path='pinned' or "
+                         "'auto'")
 
 
 def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
@@ -168,8 +185,8 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
 
 
 def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
-                  path: PathMode, emulated: bool, pinned: bool | None = None
-                  ) -> list[tuple[type[Mover], str]]:
+                  path: PathMode, emulated: bool, pinned: bool | None = None,
+                  dma: DmaOptions | None = None) -> list[tuple[type[Mover], str]]:
     """The mover type of each slice class of ``plan``, and why.
 
     Args:
@@ -180,6 +197,7 @@ def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
       path: what was asked for.
       emulated: the layouts are emulated TPU layouts (``layouts=`` on CPU).
       pinned: the manager's ``pinned=`` (False keeps ``auto`` off the pinned mover).
+      dma: the manager's ``DmaOptions`` (the DMA mover's self-check runs with them).
 
     Raises:
       LayoutError: ``path="raw"`` over a class with no proven raw copy, or
@@ -188,14 +206,15 @@ def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
       ValueError: ``path="pinned"`` on a backend without ``pinned_host`` memory (or
         with ``pinned=False``), naming the backend.
     """
-    applies = _applies(caches, pinned, specs, emulated)
-    return [_select_class(cls, specs, caches, path, emulated, pinned, applies)
+    dma = DmaOptions() if dma is None else dma
+    applies = _applies(caches, pinned, specs, emulated, dma)
+    return [_select_class(cls, specs, caches, path, emulated, pinned, applies, dma)
             for cls in plan.classes]
 
 
 def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
                   path: PathMode, emulated: bool, pinned: bool | None,
-                  applies: dict[str, Callable[[SliceClass], str | None]]
+                  applies: dict[str, Callable[[SliceClass], str | None]], dma: DmaOptions
                   ) -> tuple[type[Mover], str]:
     """The mover type of one slice class, and why (``choose_movers``)."""
     first = cls.layers[0]
@@ -215,7 +234,7 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
         if emulated:
             raise ValueError("path='dma' copies the arrays' own buffers; it cannot move "
                              "emulated TPU layouts (layouts=): use path='raw' or 'auto'")
-        _check_dma(caches, cls)
+        _check_dma(caches, cls, dma)
         return DmaMover, asked
     if emulated:
         # The bytes live in emulated TPU memory under the given layouts: only the

@@ -68,11 +68,12 @@ from kvxfer.testing._store import CountingStore as CountingStore
 from kvxfer.testing._dma import CALLBACK_STEPS as CALLBACK_STEPS
 from kvxfer.testing._dma import ReleaseWatch as ReleaseWatch
 from kvxfer.testing._dma import callback_fault as callback_fault
+from kvxfer.testing._dma import driver_fault as driver_fault
 from kvxfer.testing._dma import spy_callbacks as spy_callbacks
 from kvxfer.testing._dma import watch_releases as watch_releases
 from kvxfer.testing._store import flip_stored_bit as flip_stored_bit
 
-__all__ = ["CALLBACK_STEPS", "ReleaseWatch", "callback_fault", "spy_callbacks",
+__all__ = ["CALLBACK_STEPS", "ReleaseWatch", "callback_fault", "driver_fault", "spy_callbacks",
            "watch_releases", "bits", "same_bits", "random_bits", "block_shape", "random_caches", "FAULTS",
            "Fault", "InjectedTransferError", "flip_bit", "wrong_keys", "misfile",
            "reuse_slot", "corrupt_shard", "tear", "failing_transfer", "zero_dma", "inject",

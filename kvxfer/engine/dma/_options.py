@@ -31,6 +31,11 @@ class DmaOptions:
         A transfer past it copies on XLA's stream (counted in ``stats()``).
       copy: ``"batch"`` (one ``cuMemcpyBatchAsync`` a transfer where the driver has
         it, the default) or ``"loop"`` (``cuMemcpyAsync`` per copy).
+      self_check: before a process first moves pages with a copy engine that has
+        streams of its own (a GPU's), a small round trip of every program form with
+        integrity off, bytes compared, and one injected callback failure
+        (``kvxfer.manager.dma_self_check``); on a failure ``path="auto"`` takes the
+        pinned route, saying why in ``mgr.paths``, and ``path="dma"`` raises.
 
     Raises:
       ValueError: a value not among the choices, or a size that is not one, naming
@@ -49,8 +54,11 @@ class DmaOptions:
     relayout: str = "auto"
     staging_bytes: int | str = 1 << 30
     copy: str = "batch"
+    self_check: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.self_check, bool):
+            raise ValueError(f"DmaOptions(self_check={self.self_check!r}): expected True or False")
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
@@ -69,4 +77,5 @@ class DmaOptions:
 
     def __str__(self) -> str:
         return (f"stream={self.stream}, relayout={self.relayout}, "
-                f"staging={format_bytes(int(self.staging_bytes))}, copy={self.copy}")
+                f"staging={format_bytes(int(self.staging_bytes))}, copy={self.copy}, "
+                f"self_check={self.self_check}")

@@ -1,0 +1,268 @@
+"""The copies of one program (``CopyJob``), the tickets its callback finds it by, and
+the callback.
+
+A program finds its copies through a *ticket*: a one-word device array per call whose
+buffer address identifies the call while the program runs (``Tickets``). The caller's
+thread files a job under a ticket before it enqueues the program; the callback finds
+it by the address of the buffer it is handed. No device value is read on the host, and
+programs may run in any order. A ticket serves another call only once its program has
+taken its job or can no longer run, so an old program never takes a new call's job;
+a job holds the pool's memory, so no copy reaches memory unmapped under it.
+
+Nothing in a callback raises into XLA (a load's program would fail after XLA
+confirmed the donation of the caches): failures are kept on the job, and the program
+ends normally, its aliased outputs still holding the caches.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.buffer_callback import ExecutionStage
+
+from kvxfer.engine.dma._copies import HOOKS, Copies, buffer_address, step_fault
+
+__all__ = ["CopyJob", "Tickets", "TICKETS", "callback"]
+
+
+class CopyJob:
+    """The copies of one program between one shard replica's blocks and host slots; or
+    (``stage``) a load's waits, one a layer group, for the copies a staging job put
+    under way beside XLA's stream.
+
+    Made on the caller's thread with everything but the device addresses, which the
+    program's callback reads from the buffers XLA hands it (``run``).
+
+    Args:
+      engine: what executes the copies.
+      direction: ``"offload"`` (device to host) or ``"load"``.
+      pool: the class pool's first byte; ``page_bytes``: a slot's size there.
+      slots: the host slot of each page; ``offsets``: where each layer's block (of
+        this shard) starts inside a slot; ``block_bytes``: one block of one shard.
+      ids: the device block of each page; None where the device side is one page-major
+        buffer (a row a page, its layers side by side).
+      memory: what holds the pool's bytes: kept, so its mapping outlives the copies.
+      beside: copies on the engine's own stream (``completions`` wait for them).
+      groups: with a page-major buffer, the layer spans ``[first, stop)`` copied in
+        order beside XLA's stream, each with its own completion.
+      stage: for a load's waits, the staging job whose completions they wait for.
+
+    Attributes:
+      ran: whether the callback did its work (every group's, for waits); error: what
+        failed instead. sets: the copies enqueued (or tried). completions: their ends
+        beside XLA's stream (after a failure, the last covers every copy enqueued).
+        addresses: the device buffers' addresses the callback read.
+    """
+
+    def __init__(self, engine: Any, direction: str, pool: int = 0, page_bytes: int = 0,
+                 slots: Any = (), offsets: Any = (), block_bytes: int = 0, ids: Any = None,
+                 memory: Any = None, beside: bool = False,
+                 groups: Sequence[tuple[int, int]] | None = None, stage: CopyJob | None = None):
+        self.engine, self.direction, self.memory, self.beside = engine, direction, memory, beside
+        self.pool, self.page_bytes, self.block_bytes = pool, page_bytes, block_bytes
+        self.slots = np.asarray(slots, dtype=np.uint64)
+        self.offsets = np.asarray(offsets, dtype=np.uint64)
+        self.ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
+        self.groups, self.stage = groups, stage
+        self.ran, self.error = False, None
+        self.sets: list[Copies] = []
+        self.completions: list[Any] = []
+        self.addresses: list[int] = []
+        self.ticket: Any = None
+        self.fault: str | None = None  # a step made to fail (a self-check's)
+
+    def describe(self, device: Sequence[int], span: tuple[int, int] | None = None) -> Copies:
+        """The copies, given the device buffers' addresses: each layer's cache (blocks at
+        ``ids``), or the page-major buffer; with ``span``, of layers ``[first, stop)``."""
+        bb = np.uint64(self.block_bytes)
+        first, stop = span if span is not None else (0, len(self.offsets))
+        host = (np.uint64(self.pool) + self.slots[:, None] * np.uint64(self.page_bytes)
+                + self.offsets[None, first:stop])                           # [k, L]
+        if self.ids is None:  # row j holds page j: a page is one copy
+            row = np.uint64(len(self.offsets)) * bb
+            dev = (np.uint64(device[0]) + np.arange(len(self.slots), dtype=np.uint64)[:, None]
+                   * row + np.arange(first, stop, dtype=np.uint64)[None, :] * bb)
+        else:  # layer-major: consecutive blocks of one layer merge where their slots do
+            dev = np.asarray(device, dtype=np.uint64)[:, None] + self.ids[None, :] * bb
+            host = host.T
+        src, dst = (dev, host) if self.direction == "offload" else (host, dev)
+        return Copies(dst.ravel(), src.ravel(),
+                      np.full(dst.size, self.block_bytes, dtype=np.uint64)).merged()
+
+    def run(self, buffers: Sequence[Any], stream: int | None) -> None:
+        """Enqueues the copies between ``buffers`` (what XLA handed the callback) and the
+        host slots. Never raises: a failure is kept in ``error``."""
+        try:
+            step_fault("address", self)
+            device = self.addresses = [buffer_address(b) for b in buffers]
+            step_fault("describe", self)
+            self.sets = [self.describe(device, span) for span in self.groups or [None]]
+            step_fault("copy", self)
+            if self.beside:
+                self.engine.copy_beside_groups(self.sets, stream, self.direction,
+                                               self.completions)
+            else:
+                self.engine.copy(self.sets[0], stream, self.direction)
+            self.ran = True
+        except BaseException as e:  # noqa: BLE001 - reported by the transfer thread
+            self.error = e
+
+    def hold(self, group: int, ok: Any, staging: Any, stream: int | None) -> None:
+        """A load's wait for group ``group``: makes ``stream`` wait for that group's
+        copies, then writes 1 in the ``ok`` word in its order (the group's scatter then
+        writes its blocks). Writes nothing unless ``staging`` is the buffer those copies
+        write."""
+        stage = self.stage
+        if stage.error is not None:
+            raise RuntimeError(f"the staging failed: {type(stage.error).__name__}: "
+                               f"{stage.error}")
+        if not stage.ran:
+            raise RuntimeError("the staging program ended without enqueueing its copies")
+        step_fault("address")
+        handed = buffer_address(staging)
+        if handed != stage.addresses[0]:
+            raise RuntimeError(f"the load was handed staging at {handed:#x}, not the "
+                               f"buffer its copies write ({stage.addresses[0]:#x})")
+        address = buffer_address(ok)
+        step_fault("copy")
+        self.engine.hold(stage.completions[group], stream)
+        self.engine.set_word(address, 1, stream)
+
+    def wait(self) -> BaseException | None:
+        """Waits for every copy beside XLA's stream (never raising); the first error."""
+        first = None
+        for completion in self.completions:
+            try:
+                completion.wait()
+            except BaseException as e:  # noqa: BLE001 - every copy is waited for first
+                first = first or e
+        return first
+
+    def done(self) -> bool:
+        """Whether every copy beside XLA's stream has ended (never blocks; a failed
+        query says the stream runs nothing more)."""
+        try:
+            return all(c.done() for c in self.completions)
+        except BaseException:  # noqa: BLE001 - see above
+            return True
+
+
+class Tickets:
+    """Per-call identities for programs (see the module): a one-word device array, made
+    per device as needed and kept, whose buffer address names the job filed under it.
+
+    A callback that fails before it finds its job records the failure here (``lost``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[Any, list[tuple[int, jax.Array, Any]]] = {}
+        self._jobs: dict[int, CopyJob] = {}
+        self._lost: list[str] = []
+
+    def issue(self, device: Any, job: CopyJob) -> jax.Array:
+        """A ticket on ``device`` with ``job`` filed under it."""
+        with self._lock:
+            free = self._free.get(device)
+            ticket = free.pop() if free else None
+        if ticket is None:
+            token = jax.device_put(np.zeros(1, dtype=np.uint32), device)
+            ticket = (token.unsafe_buffer_pointer(), token, device)
+        job.ticket = ticket
+        with self._lock:
+            self._jobs[ticket[0]] = job
+        return ticket[1]
+
+    def find(self, address: int, take: bool) -> CopyJob | None:
+        """The job filed under the ticket at ``address`` (with ``take``, its ticket then
+        serves again), or None where none is (recorded in ``lost``). Never raises."""
+        with self._lock:
+            job = self._jobs.pop(address, None) if take else self._jobs.get(address)
+            if job is None:
+                self._lost.append(f"no job is filed under ticket {address:#x}")
+            elif take:
+                self._free.setdefault(job.ticket[2], []).append(job.ticket)
+            del self._lost[:-8]  # the latest few: what a failed transfer's message quotes
+        return job
+
+    def lose(self, error: BaseException) -> None:
+        """Records a callback's failure that came before it found its job."""
+        with self._lock:
+            self._lost.append(f"{type(error).__name__}: {error}")
+            del self._lost[:-8]
+
+    def lost(self) -> list[str]:
+        """The latest failures of callbacks that never found their job."""
+        with self._lock:
+            return list(self._lost)
+
+    def withdraw(self, job: CopyJob) -> None:
+        """Takes back a job whose program can no longer run its callback (it failed to
+        enqueue, or ended without running it), so its ticket serves again."""
+        with self._lock:
+            address = job.ticket[0]
+            if self._jobs.get(address) is job:
+                del self._jobs[address]
+                self._free.setdefault(job.ticket[2], []).append(job.ticket)
+
+    def pending(self) -> int:
+        """Jobs filed and not yet taken."""
+        with self._lock:
+            return len(self._jobs)
+
+
+#: The tickets every DMA program's callback looks its job up in (per device).
+TICKETS = Tickets()
+
+
+def callback(ctx: Any, out: Any, token: Any, *operands: Any, group: int | None = None,
+             last: bool = True) -> None:
+    """Runs the job filed under ``token`` on the buffers XLA hands over: its copies,
+    or (``group``) a load's wait for that group, the last group taking the job.
+
+    The buffers copied are the staging (an operand for an offload, the output for a
+    staging program) for a page-major job, else the caches (read for an offload,
+    written in place for a load: aliased outputs). Never raises (see the module).
+    """
+    try:
+        if ctx.stage != ExecutionStage.EXECUTE:
+            return  # a handler may also be called to prepare: the copies belong to execution
+        step_fault("ticket")
+        address = buffer_address(token)
+        step_fault("lookup")
+        job = TICKETS.find(address, take=last)
+    except BaseException as e:  # noqa: BLE001 - see above
+        TICKETS.lose(e)
+        return
+    for seen in list(HOOKS["spies"]):
+        try:
+            stream = ctx.stream
+        except Exception:  # noqa: BLE001 - XLA:CPU has no stream to give
+            stream = None
+        seen.append(types.SimpleNamespace(thread=threading.get_ident(), stream=stream,
+                                          found=job is not None,
+                                          direction=None if job is None else job.direction))
+    if job is None or job.error is not None:
+        return
+    try:
+        stream = ctx.stream if job.engine.uses_stream else None
+        if group is not None:
+            job.hold(group, out[0], operands[1], stream)
+            job.ran = last
+            return
+        if job.direction == "offload":
+            if job.beside and buffer_address(operands[0]) != buffer_address(out[0]):
+                raise RuntimeError("the offload's rows were not handed back in place")
+            buffers = [out[0]] if job.beside else ([operands[0]] if job.ids is None
+                                                   else operands)
+        else:
+            buffers = [out[0]] if job.ids is None else out[:-1]
+    except BaseException as e:  # noqa: BLE001 - see above
+        job.error = e
+        return
+    job.run(buffers, stream)

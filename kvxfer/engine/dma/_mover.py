@@ -1,0 +1,407 @@
+"""``DmaMover``: a slice class's transfers as the DMA programs (``_programs``), their
+jobs (``_jobs``) and their staging (``_staging``).
+
+One program per shard replica and transfer (one per bucket of page counts; on XLA:CPU
+one for every transfer of up to ``loop_pages`` pages). Offloads copy beside XLA's
+stream where the copy engine has streams of its own (``DmaOptions.stream``) and the
+staging fits the budget; loads there start their copies at ``prefetch`` (else at
+``load``) into staging, and the load's program scatters each layer group once its
+copies are in. Past the budget, or where the staging finds no device memory, a
+transfer copies on XLA's stream (``fell_back``). Where shard blocks are small
+(``RELAYOUT_BELOW``) pages are gathered on the device first, so each is one copy.
+
+The host pool is allocated outside XLA (``kvxfer._hostmem.HostMemory``), page-major,
+page-locked by the copy engine and placed on the device's NUMA node. No payload byte
+passes through a CPU copy and no arithmetic reads host memory: the digests read device
+buffers only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvxfer._hostmem import HostMemory
+from kvxfer.engine import _programs
+from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
+from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _args_abstract, \
+    _sds
+from kvxfer.engine._programs import compile_ahead, page_loops
+from kvxfer.engine._raw import private_layers
+from kvxfer.engine.dma import _programs as _kinds  # noqa: F401 # registers the kinds
+from kvxfer.engine.dma._copies import HostCopyEngine
+from kvxfer.engine.dma._cuda import cuda_engine, cuda_unavailable
+from kvxfer.engine.dma._jobs import TICKETS, CopyJob
+from kvxfer.engine.dma._options import DmaOptions
+from kvxfer.engine.dma._staging import Staging, Transfer
+from kvxfer.hostpool import word_bytes
+from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
+
+__all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "RELAYOUT_BELOW",
+           "GROUP_BYTES", "layer_groups"]
+
+#: Shard blocks smaller than this are gathered on the device first (one copy a page
+#: of a shard): batched copies of scattered 64 KiB blocks ran at about 0.94x the link
+#: on an H100 and at 5-7 GB/s (about 0.1x) below 28 KiB (vllm#42212), while the
+#: gather costs the device a read and a write at HBM rates about 50x the link.
+RELAYOUT_BELOW = 64 << 10
+
+#: A load beside XLA's stream waits for its copies in groups of layers holding at
+#: least this much of a page: a group a layer from 64 KiB blocks, fewer below.
+GROUP_BYTES = 64 << 10
+
+_HOST_ENGINE = HostCopyEngine()
+
+#: The copy engine of each platform, made as ``make(device, copy)`` for a
+#: ``DmaOptions.copy`` mode: tests may put another here (CUDA's over their own driver).
+COPY_ENGINES: dict[str, Any] = {"cpu": lambda device, copy="batch": _HOST_ENGINE,
+                                "gpu": cuda_engine, "cuda": cuda_engine}
+
+
+def copy_engine(device: Any, copy: str = "batch") -> Any:
+    """The engine that executes the DMA mover's copies for ``device``.
+
+    Raises:
+      ValueError: the platform has none.
+    """
+    make = COPY_ENGINES.get(device.platform)
+    if make is None:
+        raise ValueError(f"no copy engine for the {device.platform} backend ({device})")
+    return make(device, copy)
+
+
+def dma_refusal(array: jax.Array) -> str | None:
+    """Why the DMA mover cannot move ``array``'s blocks (None: it can): it needs a copy
+    engine on every device holding the array (XLA:CPU, or an NVIDIA GPU with
+    ``cuda-bindings``) and blocks of whole-byte elements in a row-major layout, proven
+    addressable by the inspector.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> dma_refusal(jnp.zeros((8, 128), jnp.bfloat16)) is None
+        True
+    """
+    for device in array.sharding.device_set:
+        make = COPY_ENGINES.get(device.platform)
+        if make is None:
+            return f"no copy engine for the {device.platform} backend"
+        if make is cuda_engine and (why := cuda_unavailable(device)) is not None:
+            return why
+    if array.dtype.itemsize * 8 != natural_bits(array.dtype):
+        return f"{array.dtype} elements are not whole bytes"
+    try:
+        layout = Layout.of(array)
+    except LayoutError as e:
+        return str(e)
+    if layout.minor_to_major != tuple(range(array.ndim - 1, -1, -1)):
+        return f"layout {layout} is not row-major"
+    geometry = inspect(array.sharding.shard_shape(array.shape), array.dtype, layout)
+    return None if geometry.addressable else geometry.reason
+
+
+def layer_groups(num_layers: int, block_bytes: int, at_least: int = GROUP_BYTES
+                 ) -> list[tuple[int, int]]:
+    """Consecutive layer spans ``[first, stop)`` of at least ``at_least`` bytes of a page
+    each (the last may hold less where it would otherwise be alone).
+
+    Example:
+        >>> layer_groups(4, 64 << 10), layer_groups(5, 16 << 10), layer_groups(9, 16 << 10)
+        ([(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 5)], [(0, 4), (4, 9)])
+    """
+    per = max(1, -(-at_least // max(1, block_bytes)))
+    spans = [(a, min(a + per, num_layers)) for a in range(0, num_layers, per)]
+    if len(spans) > 1 and spans[-1][1] - spans[-1][0] < per:
+        spans[-2:] = [(spans[-2][0], num_layers)]
+    return spans
+
+
+class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
+    """Copy-engine copies between the caches and a pinned pool, ordered by XLA.
+
+    Attributes:
+      options: the ``DmaOptions`` it runs with. fallbacks: transfers that copied on
+        XLA's stream though asked to copy beside it, by why (``budget``,
+        ``out_of_memory``).
+    """
+
+    name = "dma"
+    writes_buffers = True  # its loads donate the caches: shared buffers are copied first
+
+    def __init__(self, cls, pool, options: DmaOptions = DmaOptions()):
+        super().__init__(cls, pool)
+        if pool.memory is None and pool.nbytes:
+            raise ValueError(f"the DMA mover needs a pool of its own host memory for "
+                             f"{cls.name} (DmaMover.host_backing)")
+        self.options = options
+        self.fallbacks = {"budget": 0, "out_of_memory": 0}
+        self.fault: str | None = None  # a callback step its jobs fail at (a self-check)
+        self._unit = word_bytes(cls)
+        # An engine that loops pays a driver call a copy: one copy a page is worth a
+        # device gather at any block size, and one group a load. A page holds each
+        # shard's layers side by side, so a shard's gathered page is one copy.
+        looped = getattr(self._engine(pool.device), "mode", "batch") == "loop"
+        self.relayout = options.relayout == "always" or options.relayout == "auto" and (
+            looped or cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device))
+        self._offsets = [np.array([pool.shard_range(pos, s)[0] for pos in range(len(cls.layers))],
+                                  dtype=np.uint64) for s in range(cls.num_shards)]
+        self._groups = ((0, len(cls.layers)),) if looped else tuple(
+            layer_groups(len(cls.layers), cls.shard_block_bytes))
+        self._words = cls.shard_block_bytes // self._unit
+
+    @classmethod
+    def host_backing(cls, slice_class, layers):
+        engine = copy_engine(device_of(layers[0].shards[0][0]))
+        return lambda num_slots: HostMemory(num_slots * slice_class.page_bytes,
+                                            numa_node=engine.numa_node(), pin=engine.pin)
+
+    def fell_back(self) -> dict[str, int]:
+        return dict(self.fallbacks)
+
+    def _engine(self, device: Any) -> Any:
+        return copy_engine(device, self.options.copy)
+
+    def _beside(self) -> bool:
+        return self.options.stream == "side" and self._engine(self.pool.device).side_stream
+
+    def _size(self, k: int, array: Any) -> int | None:
+        """Entries of a program's index arrays: ``loop_pages`` where the digests loop
+        (XLA:CPU: one program for every transfer up to it), else the bucket (None)."""
+        return None if self.relayout or not page_loops(device_of(array)) else \
+            loop_pages(k, array.shape[0])
+
+    def _take(self, devices: list[Any], rows: int) -> list | None:
+        """Budget for ``rows`` page rows of staging on each of ``devices`` (None,
+        counted, where it does not fit)."""
+        wanted: dict[Any, int] = {}
+        for device in devices:
+            wanted[device] = wanted.get(device, 0) + rows * self.cls.page_bytes // \
+                self.cls.num_shards
+        taken = Staging.take(wanted, int(self.options.staging_bytes))
+        if taken is None:
+            self.fallbacks["budget"] += 1
+        return taken
+
+    def _job(self, device: Any, direction: str, shard: int, slots: Any, ids: Any = None,
+             **kw: Any) -> CopyJob:
+        job = CopyJob(self._engine(device), direction, self.pool.memory.address,
+                      self.cls.page_bytes, slots, self._offsets[shard],
+                      self.cls.shard_block_bytes, ids, memory=self.pool.memory, **kw)
+        job.fault = self.fault
+        return job
+
+    def _run(self, kind: str, job: CopyJob, device: Any, arrays: tuple | None, *args: Any,
+             **kw: Any) -> Any:
+        """Files ``job`` under a ticket and enqueues program ``kind`` over ``arrays`` (None:
+        the ticket alone): its outputs."""
+        token = TICKETS.issue(device, job)
+        try:
+            if arrays is None:
+                return _programs.run(kind, (token,), **kw)
+            return _programs.run(kind, arrays, token, *args, **kw)
+        except BaseException:
+            TICKETS.withdraw(job)
+            raise
+
+    def _digest(self, device: Any, base: Any, with_digest: bool) -> tuple:
+        return (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
+
+    # -- offload ------------------------------------------------------------------
+
+    def start_offload(self, layers, batch, slots, with_digest):
+        Staging.reap()
+        primary = [tuple(layer.primary[s] for layer in layers)
+                   for s in range(self.cls.num_shards)]
+        rows = self._size(batch.k, primary[0][0]) or len(batch.padded)
+        taken = self._take([device_of(p[0]) for p in primary], rows) if self._beside() else None
+        side = taken is not None
+        state, parts = Transfer(taken), []
+        try:
+            for s, arrays in enumerate(primary):
+                device = device_of(arrays[0])
+                ids, base, count = batch.args(device, s, self._size(batch.k, arrays[0]))
+                job = self._job(device, "offload", s, slots,
+                                None if self.relayout or side else batch.ids, beside=side)
+                out = self._run("dma_offload", job, device, arrays, ids, count,
+                                *self._digest(device, base, with_digest),
+                                with_digest=with_digest,
+                                options=(self.relayout, page_loops(device), self._unit, side))
+                state.jobs.append(job)
+                state.done.append(out[0])
+                if side:
+                    state.buffers[s] = out[1]
+                parts.append(list(out[2 if side else 1:]))
+        except BaseException:
+            state.finish(strict=False)  # the shards enqueued may still write the slots
+            raise
+        state.digests = Pending(parts, batch.k) if with_digest else None
+        return state
+
+    def finish_offload(self, state: Transfer, slots):
+        try:
+            state.settle(f"DMA offload of {self.cls.name}")
+        except BaseException:
+            state.finish(strict=False)
+            raise
+        state.finish(strict=True)  # the host pages are written after this
+        if state.digests is not None:
+            d = state.digests.get()
+            for s in range(self.cls.num_shards):
+                self._store_digests(slots, s, d[:, s])
+
+    def quiesce(self, state: Transfer) -> None:
+        state.finish(strict=False)
+        if state.staged is not None:
+            state.staged.finish(strict=False)
+
+    # -- load ---------------------------------------------------------------------
+
+    def stage_load(self, layers, request: LoadRequest) -> Transfer | None:
+        """Puts the load's copies under way beside XLA's stream into device staging,
+        where the engine has streams of its own and the staging fits (else None: the
+        load's own program copies, on XLA's stream)."""
+        Staging.reap()
+        if not self._beside():
+            return None
+        replicas = [(s, r, device_of(layers[0].shards[s][r]))
+                    for s in range(self.cls.num_shards) for r in range(len(layers[0].shards[s]))]
+        rows = len(request.batch.padded)
+        taken = self._take([device for _, _, device in replicas], rows + 1)
+        if taken is None:
+            return None
+        staged = Transfer(taken, request.batch.k, rows)
+        options = (rows, len(self.cls.layers) * self._words, f"uint{8 * self._unit}")
+        try:
+            for s, r, device in replicas:
+                job = self._job(device, "load", s, request.slots, beside=True,
+                                groups=self._groups)
+                staged.buffers[s, r] = self._run("dma_stage", job, device, None, options=options)
+                staged.stage_jobs[s, r] = job
+                staged.jobs.append(job)
+        except BaseException as e:
+            staged.finish(strict=False)
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            self.fallbacks["out_of_memory"] += 1  # the load copies on XLA's stream
+            return None
+        return staged
+
+    def discard(self, staged: Transfer | None) -> None:
+        if staged is not None:
+            staged.discard()
+
+    def start_load(self, arrays, layers, request: LoadRequest, staged: Transfer | None):
+        if staged is not None and (staged.k != request.batch.k or
+                                   staged.rows < len(request.batch.padded)):
+            staged.discard()  # staged for other pages: the load copies itself
+            staged = None
+        if request.shared:
+            layers = private_layers(layers, request.shared)
+            arrays = [assemble(a, layer.shards) for a, layer in zip(arrays, layers)]
+        single = isinstance(arrays[0].sharding, jax.sharding.SingleDeviceSharding)
+        # Each shard replica's arrays: the loaded ones once its program is enqueued.
+        shards = [[list(layer.shards[s]) for s in range(self.cls.num_shards)] for layer in layers]
+        batch, fused = request.batch, request.on_digested is not None
+        state = Transfer()
+        state.staged = staged
+        try:
+            for s in range(self.cls.num_shards):
+                for r in range(len(layers[0].shards[s])):
+                    local = tuple(arrays) if single else tuple(x[s][r] for x in shards)
+                    device = device_of(local[0])
+                    loop = page_loops(device)
+                    if staged is not None:
+                        ids, base, count = batch.args(device, s, staged.rows)
+                        job = CopyJob(self._engine(device), "load",
+                                      stage=staged.stage_jobs[s, r])
+                        out, done, *digests = self._run(
+                            "dma_load_side", job, device, local, staged.buffers[s, r], ids,
+                            count, *self._digest(device, base, fused), with_digest=fused,
+                            options=(self._groups, loop, self._unit,
+                                     (self._words,) * len(self.cls.layers)))
+                    else:
+                        ids, base, count = batch.args(device, s, self._size(batch.k, local[0]))
+                        job = self._job(device, "load", s, request.slots,
+                                        None if self.relayout else batch.ids)
+                        out, done, *digests = self._run(
+                            "dma_load", job, device, local, ids, count,
+                            *self._digest(device, base, fused), with_digest=fused,
+                            options=(self.relayout, loop, self._unit))
+                    state.jobs.append(job)
+                    state.done.append(done)
+                    for pos, a in enumerate(out):
+                        shards[pos][s][r] = a
+                    if fused:
+                        request.on_digested(s, r, digests[0])
+        except BaseException as e:
+            # Shards already enqueued consumed their inputs (donated): hand back what
+            # every layer lives in now, once no program can still copy.
+            state.quiesce()
+            if staged is not None:
+                staged.finish(strict=False)
+            raise TransferError(f"DMA load of {self.cls.name} failed after {len(state.jobs)} "
+                                f"shard program(s) were enqueued: {e}", kv_caches=[
+                                    self._whole(a, x, single) for a, x in zip(arrays, shards)]
+                                ) from e
+        return [self._whole(a, x, single) for a, x in zip(arrays, shards)], state
+
+    @staticmethod
+    def _whole(array: jax.Array, shards: list[list[jax.Array]], single: bool) -> jax.Array:
+        return shards[0][0] if single else assemble(array, shards)
+
+    def load_layer_waits(self, state: Transfer, pos: int) -> bool:
+        return any(not d.is_ready() for d in state.done)
+
+    def finish_load_layer(self, state: Transfer, pos: int) -> None:
+        self.finish_load(state, len(self.cls.layers))
+
+    def finish_load(self, state: Transfer, num_layers: int) -> None:
+        try:
+            state.settle(f"DMA load of {self.cls.name}")
+        except BaseException:
+            if state.staged is not None:
+                state.staged.finish(strict=False)
+            raise
+        if state.staged is not None:
+            state.staged.finish(strict=True)
+
+    def compiled_load(self, layers, b: int, with_digest: bool) -> jax.stages.Compiled:
+        """The load program of ``b`` pages into shard 0's first replica, compiled on
+        XLA's stream (for checks: its HLO and ``memory_analysis()``)."""
+        local = tuple(layer.shards[0][0] for layer in layers)
+        device = device_of(local[0])
+        ids, base, count = _args_abstract(self._size(b, local[0]) or b, device)
+        digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
+        return _programs.compiled("dma_load", local, _sds((1,), np.uint32, device), ids,
+                                  count, *digest, with_digest=with_digest,
+                                  options=(self.relayout, page_loops(device), self._unit))
+
+    # -- warm-up ------------------------------------------------------------------
+
+    def warmup(self, arrays, layers, b, with_digest):
+        # Every program a transfer of ``b`` pages may run, the fallbacks to XLA's
+        # stream included, so none compiles inside a call.
+        for s in range(self.cls.num_shards):
+            for r in range(len(layers[0].shards[s])):
+                local = tuple(layer.shards[s][r] for layer in layers)
+                device = device_of(local[0])
+                loop, token = page_loops(device), _sds((1,), np.uint32, device)
+                ids, base, count = _args_abstract(self._size(b, local[0]) or b, device)
+                digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
+                if self._beside():
+                    words, dtype = len(self.cls.layers) * self._words, f"uint{8 * self._unit}"
+                    compile_ahead("dma_stage", (token,), options=(b, words, dtype))
+                    ids_b, base_b, count_b = _args_abstract(b, device)
+                    compile_ahead("dma_load_side", local, token,
+                                  _sds((b + 1, words), np.dtype(dtype), device), ids_b,
+                                  count_b, *((base_b,) + digest[1:] if with_digest else ()),
+                                  with_digest=with_digest,
+                                  options=(self._groups, loop, self._unit,
+                                           (self._words,) * len(self.cls.layers)))
+                for side in ({self._beside(), False} if r == 0 else ()):
+                    compile_ahead("dma_offload", local, token, ids, count, *digest,
+                                  with_digest=with_digest,
+                                  options=(self.relayout, loop, self._unit, side))
+                compile_ahead("dma_load", local, token, ids, count, *digest,
+                              with_digest=with_digest, options=(self.relayout, loop, self._unit))
