@@ -323,7 +323,8 @@ def test_a_looping_engine_relayouts_whatever_the_block_size(monkeypatch):
     # Pages in consecutive slots and staging rows: one copy each way (without the
     # relayout, one per layer and page: 12 each way).
     assert [kind for kind, _ in fake.calls if kind == "copy"] == ["copy"] * 2
-    assert not kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=kvxfer.DmaOptions(self_check=False, 
+    assert not kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=kvxfer.DmaOptions(
+        self_check=False, 
         relayout="never"))._movers[0].relayout
     mgr.close()
 

@@ -319,12 +319,38 @@ def test_the_self_check_runs_once_and_a_broken_engine_fails_it(monkeypatch):
     kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma").close()
     assert sum(k == "batch" for k, _ in driver.calls) == checked
 
-    broken = HostStreamEngine(FakeDriver(delay=0.3).driver(), ordinal=0)
-    monkeypatch.setattr(broken, "hold", lambda completion, stream: None)
+    class WaitsForNothing(HostStreamEngine):  # another kind of engine: checked anew
+        def hold(self, completion, stream):
+            pass
+
+    broken = WaitsForNothing(FakeDriver(delay=0.3).driver(), ordinal=0)
     monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": broken)
     with pytest.raises(ValueError, match="self-check failed.*other bytes"):
         kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma")
     monkeypatch.setitem(AUTO_RULES, "cpu", ("dma", "pinned", "staged"))
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="auto")
     assert mgr.paths == ["pinned"] * 2 and "self-check failed" in mgr.paths[0].reason
+    mgr.close()
+
+
+def test_staging_that_finds_no_device_memory_falls_back_to_xlas_stream(fake, monkeypatch):
+    """A staging program refused for memory (XLA's RESOURCE_EXHAUSTED) costs nothing
+    but the route: the load copies on XLA's stream, exactly, and says so in
+    ``stats()``."""
+    from kvxfer.engine import _programs
+
+    caches, before, mgr, pages = offloaded()
+    run = _programs.run
+
+    def no_memory(kind, *args, **kw):
+        if kind == "dma_stage":
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory allocating the staging")
+        return run(kind, *args, **kw)
+    monkeypatch.setattr(_programs, "run", no_memory)
+    new, load = mgr.load(caches, pages, [0, 5, 6])
+    assert load.result().verified_prefix == 3
+    for c, b in zip(new, before):
+        assert np.array_equal(bits(c)[[0, 5, 6]], b[[3, 1, 12]])
+    assert mgr.stats()["dma_fallbacks"] == {"budget": 0, "out_of_memory": 1}
+    assert mgr.stats()["dma_staging_bytes"] == 0 and TICKETS.pending() == 0
     mgr.close()

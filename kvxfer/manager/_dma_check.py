@@ -6,7 +6,7 @@ offload beside XLA's stream, a load whose layer groups hold several layers (8 la
 of 16 KiB blocks: two groups of four), a prefetched load, an offload whose callback is
 made to fail (it must fail with ``TransferError``, the caches alive), and a load after
 it. About a second on a GPU, most of it compiling; once a process for each device
-kind, engine and ``DmaOptions`` stream and copy mode.
+kind, copy engine type and ``DmaOptions`` stream and copy mode.
 """
 
 from __future__ import annotations
@@ -26,26 +26,32 @@ _lock = threading.Lock()
 _inside = threading.local()
 
 
-def dma_self_check(device: Any, options: DmaOptions) -> str | None:
+def dma_self_check(device: Any, options: DmaOptions, manager: type) -> str | None:
     """Why the DMA mover failed its self-check on ``device``'s kind (None: it passed,
     or there is nothing to check: ``options.self_check`` off, or a copy engine without
     streams of its own, whose copies run inside XLA's programs as the CPU tests run
-    them). The verdict is kept for the process.
+    them). The verdict is kept for the process. ``manager``: the manager type whose
+    transfers the check runs (``KVCacheManager``).
+
+    In a job of several processes every rank runs it when its first DMA manager is
+    made, as every rank makes that manager; its loads agree across ranks like any, so
+    one rank's failure fails the check on every rank.
 
     Example:
-        >>> import jax
-        >>> dma_self_check(jax.devices()[0], DmaOptions()) is None  # XLA:CPU's host engine
+        >>> import jax, kvxfer
+        >>> dma_self_check(jax.devices()[0], DmaOptions(), kvxfer.KVCacheManager) is None
         True
     """
     engine = copy_engine(device, options.copy)
     if not options.self_check or not engine.side_stream or getattr(_inside, "on", False):
         return None
-    key = (device.platform, device.device_kind, id(engine), options.stream, options.copy)
+    key = (device.platform, device.device_kind, type(engine).__qualname__, options.stream,
+           options.copy)
     with _lock:
         if key not in _verdicts:
             _inside.on = True
             try:
-                _verdicts[key] = _round_trips(device, options)
+                _verdicts[key] = _round_trips(device, options, manager)
             except Exception as e:  # noqa: BLE001 - the verdict names it
                 _verdicts[key] = f"{type(e).__name__}: {e}"
             finally:
@@ -53,14 +59,12 @@ def dma_self_check(device: Any, options: DmaOptions) -> str | None:
         return _verdicts[key]
 
 
-def _round_trips(device: Any, options: DmaOptions) -> str | None:
-    from kvxfer.manager._manager import KVCacheManager
-
+def _round_trips(device: Any, options: DmaOptions, manager: type) -> str | None:
     rng = np.random.default_rng(0)
     caches = [jax.device_put(rng.integers(0, 1 << 16, (8, 8, 1024), dtype=np.uint16), device)
               for _ in range(8)]  # 16 KiB blocks
     before = [np.asarray(c) for c in caches]
-    mgr = KVCacheManager(caches, num_host_blocks=4, path="dma", integrity="off", dma=options)
+    mgr = manager(caches, num_host_blocks=4, path="dma", integrity="off", dma=options)
     try:
         pages = mgr.offload(caches, [5, 2], keys=[0, 1]).wait()
         for dst, prefetched in (([0, 7], None), ([1, 3], mgr.prefetch(pages))):

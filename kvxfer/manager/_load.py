@@ -132,7 +132,8 @@ class Loads:
         reasons = self._reasons(pages, problems, want, blocks)
         n = min(reasons) if reasons else len(pages)
         if prefetched is not None and staged_n != n:
-            staged = {}  # fewer pages pass the load's checks: stage them again
+            self._discard(staged)  # fewer pages pass the load's checks: stage them again
+            staged = {}
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
         batches = page_batches({c: ids[:n] for c, ids in blocks.items()},
                                [p.key for p in pages[:n]],
@@ -249,7 +250,9 @@ class Loads:
         new = list(caches)
         states = {} if states is None else states
         digests = DigestStarter(self._verifier, batches, gate)
+        prefetched = dict(prefetched)  # what this load does not take is discarded
         if not n:
+            self._discard(prefetched)
             return new, states, digests.finish(new)
         shared: frozenset[int] = frozenset()
         if any(self._movers[c].writes_buffers for c in batches) and \
@@ -258,17 +261,26 @@ class Loads:
         requests = {c: LoadRequest(b, slots, shared, functools.partial(digests.written, c),
                                    digests.digested(c))
                     for c, b in batches.items()}
+        staged: dict[int, Any] = {}
         try:
-            staged = {c: prefetched[c] if c in prefetched else self._movers[c].stage_load(
-                [layers[i] for i in self._plan.classes[c].layers], request)
-                for c, request in requests.items()}
+            for c, request in requests.items():
+                staged[c] = prefetched.pop(c) if c in prefetched else \
+                    self._movers[c].stage_load(
+                        [layers[i] for i in self._plan.classes[c].layers], request)
         except Exception as e:
+            self._discard({**staged, **prefetched})
             raise TransferError(f"load of {n} pages failed while staging (the caches are "
                                 f"unchanged): {e}", kv_caches=new) from e
+        self._discard(prefetched)  # classes this load does not move
         hook = self._verifier.hook
         for c, request in requests.items():
-            self._start_class(caches, layers, new, states, digests, hook, c, request,
-                              staged[c])
+            try:
+                self._start_class(caches, layers, new, states, digests, hook, c, request,
+                                  staged[c])
+            except BaseException:
+                # A class that started owns its staging; the others' goes unused.
+                self._discard({d: s for d, s in staged.items() if d not in states})
+                raise
         try:
             return new, states, digests.finish(new)
         except Exception as e:

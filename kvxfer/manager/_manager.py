@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from kvxfer.engine import (BlockGroups, DmaMover, DmaOptions, GroupedMover, Move
                            staging_bytes_held)
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement
+from kvxfer.manager._dma_check import dma_self_check
 from kvxfer.manager._checks import Checks, check_construction
 from kvxfer.manager._handles import (Gate, LoadHandle, OffloadHandle, current_hook,
                                      hooked_call)
@@ -160,7 +162,9 @@ class KVCacheManager:
                              host_memory_budget=host_memory_budget)
         except BudgetError as e:  # the plan names how it sizes blocks, not the mover
             raise BudgetError(f"KVCacheManager(path={path!r}): {e}") from None
-        chosen = choose_movers(plan, specs, caches, path, emulated, pinned, dma)
+        chosen = choose_movers(plan, specs, caches, path, emulated, pinned,
+                               functools.partial(dma_self_check, options=dma,
+                                                 manager=KVCacheManager))
         mover_types = [mover for mover, _ in chosen]
         self._reasons = [reason for _, reason in chosen]
         # The plan sizes host blocks; its table names the mover of each class too.
@@ -669,8 +673,9 @@ class KVCacheManager:
         on XLA's stream though ``DmaOptions(stream="side")`` asked for the copy
         engine's own: ``budget``, past ``staging_bytes``; ``out_of_memory``, no device
         memory for the staging), ``dma_staging_bytes`` (device staging the DMA
-        transfers of this process hold now, every device: 0 once they have all
-        ended), ``host_pages`` / ``host_free_pages``,
+        transfers of this process hold now, every device; a released prefetch's goes
+        at the next transfer once its copies end), ``host_pages`` /
+        ``host_free_pages``,
         and ``offload_seconds`` / ``load_seconds`` (count, sum, p50, p90, p99 of the
         time from the call to the transfer's end).
         """

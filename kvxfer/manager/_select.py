@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
 from kvxfer._names import PATHS as PATHS
 from kvxfer._names import PathMode as PathMode
-from kvxfer.engine import (DmaMover, DmaOptions, EmulatedMover, Mover, PallasMover, RawMover,
+from kvxfer.engine import (DmaMover, EmulatedMover, Mover, PallasMover, RawMover,
                            RawOrPinnedMover, StagedMover, abstract_layer, dma_refusal,
                            pallas_compile_refusal, pallas_refusal, pinned_capable,
                            pinned_mover, raw_capable)
 from kvxfer.layout import LayoutError, shape_text
-from kvxfer.manager._dma_check import dma_self_check
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
 __all__ = ["PathMode", "PATHS", "AUTO_RULES", "MoverChoice", "check_path", "plan_path",
@@ -84,8 +84,12 @@ def _memory_kinds(a: jax.Array) -> list[str]:
     return sorted({m.kind for d in a.sharding.device_set for m in d.addressable_memories()})
 
 
+SelfCheck = Callable[[Any], "str | None"]
+"""Why the DMA mover failed its self-check on a device (None: it passed)."""
+
+
 def _applies(caches: Sequence[jax.Array], pinned: bool | None, specs: Sequence[LayerSpec],
-             emulated: bool, options: DmaOptions
+             emulated: bool, check: SelfCheck | None
              ) -> dict[str, Callable[[SliceClass], str | None]]:
     """Why each mover cannot move a class, or None where it can (``AUTO_RULES`` names
     these)."""
@@ -99,7 +103,7 @@ def _applies(caches: Sequence[jax.Array], pinned: bool | None, specs: Sequence[L
     def dma(cls: SliceClass) -> str | None:
         refused = next((f"layer {i}: {why}" for i in cls.layers
                         if (why := dma_refusal(caches[i])) is not None), None)
-        return refused or _self_check(caches, cls, options)
+        return refused or _self_check(caches, cls, check)
 
     def raw(cls: SliceClass) -> str | None:
         if all(raw_capable(caches[i]) for i in cls.layers):
@@ -155,23 +159,31 @@ def _check_pinned(caches: Sequence[jax.Array], cls: SliceClass, pinned: bool | N
                 f"{_memory_kinds(a)}; use path='staged' or 'auto'")
 
 
-def _self_check(caches: Sequence[jax.Array], cls: SliceClass, options: DmaOptions
+def _self_check(caches: Sequence[jax.Array], cls: SliceClass, check: SelfCheck | None
                 ) -> str | None:
-    """Why the DMA mover's self-check failed on the devices of ``cls`` (None: passed)."""
+    """Why the DMA mover's self-check failed on the devices of ``cls`` (None: passed):
+    one device of each kind among this process's checks."""
+    if check is None:
+        return None
+    kinds: dict[str, Any] = {}
     for device in sorted(caches[cls.layers[0]].sharding.device_set, key=lambda d: d.id):
-        why = dma_self_check(device, options)
+        if device.process_index == jax.process_index():
+            kinds.setdefault(device.device_kind, device)
+    for device in kinds.values():
+        why = check(device)
         if why is not None:
             return f"its self-check failed on {device}: {why}"
     return None
 
 
-def _check_dma(caches: Sequence[jax.Array], cls: SliceClass, options: DmaOptions) -> None:
+def _check_dma(caches: Sequence[jax.Array], cls: SliceClass, check: SelfCheck | None
+               ) -> None:
     for i in cls.layers:
         why = dma_refusal(caches[i])
         if why is not None:
             raise LayoutError(f"DMA path refused for {cls.name} (layers {list(cls.layers)}), "
                               f"layer {i}: {why}; use path='pinned', 'staged' or 'auto'")
-    why = _self_check(caches, cls, options)
+    why = _self_check(caches, cls, check)
     if why is not None:
         raise ValueError(f"path='dma' refused for {cls.name}: {why}; use path='pinned' or "
                          "'auto'")
@@ -186,7 +198,7 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
 
 def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
                   path: PathMode, emulated: bool, pinned: bool | None = None,
-                  dma: DmaOptions | None = None) -> list[tuple[type[Mover], str]]:
+                  self_check: SelfCheck | None = None) -> list[tuple[type[Mover], str]]:
     """The mover type of each slice class of ``plan``, and why.
 
     Args:
@@ -197,7 +209,8 @@ def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
       path: what was asked for.
       emulated: the layouts are emulated TPU layouts (``layouts=`` on CPU).
       pinned: the manager's ``pinned=`` (False keeps ``auto`` off the pinned mover).
-      dma: the manager's ``DmaOptions`` (the DMA mover's self-check runs with them).
+      self_check: why the DMA mover failed its self-check on a device (None: it did
+        not; the manager's runs with its ``DmaOptions``); None: no check.
 
     Raises:
       LayoutError: ``path="raw"`` over a class with no proven raw copy, or
@@ -206,16 +219,15 @@ def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
       ValueError: ``path="pinned"`` on a backend without ``pinned_host`` memory (or
         with ``pinned=False``), naming the backend.
     """
-    dma = DmaOptions() if dma is None else dma
-    applies = _applies(caches, pinned, specs, emulated, dma)
-    return [_select_class(cls, specs, caches, path, emulated, pinned, applies, dma)
+    applies = _applies(caches, pinned, specs, emulated, self_check)
+    return [_select_class(cls, specs, caches, path, emulated, pinned, applies, self_check)
             for cls in plan.classes]
 
 
 def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
                   path: PathMode, emulated: bool, pinned: bool | None,
-                  applies: dict[str, Callable[[SliceClass], str | None]], dma: DmaOptions
-                  ) -> tuple[type[Mover], str]:
+                  applies: dict[str, Callable[[SliceClass], str | None]],
+                  self_check: SelfCheck | None) -> tuple[type[Mover], str]:
     """The mover type of one slice class, and why (``choose_movers``)."""
     first = cls.layers[0]
     asked = f"path={path!r}"
@@ -234,7 +246,7 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
         if emulated:
             raise ValueError("path='dma' copies the arrays' own buffers; it cannot move "
                              "emulated TPU layouts (layouts=): use path='raw' or 'auto'")
-        _check_dma(caches, cls, dma)
+        _check_dma(caches, cls, self_check)
         return DmaMover, asked
     if emulated:
         # The bytes live in emulated TPU memory under the given layouts: only the

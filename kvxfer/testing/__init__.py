@@ -36,6 +36,11 @@ rank only. ``flip_stored_bit`` damages a page at rest in a store tier;
 ``CountingStore`` counts the calls made to a real store. The faults
 act through ``KVCacheManager.set_transfer_hook`` and the host pool's public views.
 
+The DMA mover's hooks: ``callback_fault`` fails a step of its programs' callbacks,
+``driver_fault`` one CUDA driver call, ``spy_callbacks`` records what the callbacks
+see, and ``watch_releases`` the memory kvxfer lets go of (``ReleaseWatch``: a
+stand-in copy engine reports a copy landing in it after it was let go).
+
     >>> import kvxfer
     >>> caches = testing.random_caches(2, 8, (4, 128), "float32")
     >>> mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
@@ -73,8 +78,9 @@ from kvxfer.testing._dma import spy_callbacks as spy_callbacks
 from kvxfer.testing._dma import watch_releases as watch_releases
 from kvxfer.testing._store import flip_stored_bit as flip_stored_bit
 
-__all__ = ["CALLBACK_STEPS", "ReleaseWatch", "callback_fault", "driver_fault", "spy_callbacks",
-           "watch_releases", "bits", "same_bits", "random_bits", "block_shape", "random_caches", "FAULTS",
+__all__ = ["CALLBACK_STEPS", "ReleaseWatch", "callback_fault", "driver_fault",
+           "spy_callbacks", "watch_releases", "bits", "same_bits", "random_bits",
+           "block_shape", "random_caches", "FAULTS",
            "Fault", "InjectedTransferError", "flip_bit", "wrong_keys", "misfile",
            "reuse_slot", "corrupt_shard", "tear", "failing_transfer", "zero_dma", "inject",
            "flip_stored_bit", "CountingStore"]

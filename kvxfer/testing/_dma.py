@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.engine.dma._copies import CALLBACK_STEPS, HOOKS
+from kvxfer.engine.dma import CALLBACK_STEPS, HOOKS
 
 __all__ = ["CALLBACK_STEPS", "callback_fault", "driver_fault", "spy_callbacks",
            "ReleaseWatch", "watch_releases"]
@@ -41,12 +41,9 @@ def callback_fault(step: str, error: BaseException | None = None
     normally and its aliased outputs still hold the caches.
 
     Example:
-        >>> from kvxfer.engine.dma._copies import step_fault
-        >>> with callback_fault("copy"):
-        ...     step_fault("copy")
-        Traceback (most recent call last):
-        ...
-        RuntimeError: injected failure at the callback's copy step
+        >>> with callback_fault("copy") as error:
+        ...     error
+        RuntimeError("injected failure at the callback's copy step")
     """
     if step not in CALLBACK_STEPS:
         raise ValueError(f"step={step!r}; expected one of {CALLBACK_STEPS}")

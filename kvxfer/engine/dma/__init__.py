@@ -9,6 +9,7 @@ callback), ``_staging`` (what a transfer enqueued and the device staging it hold
 """
 
 from kvxfer.engine.dma._copies import CALLBACK_STEPS as CALLBACK_STEPS
+from kvxfer.engine.dma._copies import HOOKS as HOOKS
 from kvxfer.engine.dma._cuda import is_cuda as is_cuda
 from kvxfer.engine.dma._mover import COPY_ENGINES as COPY_ENGINES
 from kvxfer.engine.dma._mover import RELAYOUT_BELOW as RELAYOUT_BELOW
@@ -21,4 +22,4 @@ from kvxfer.engine.dma._staging import Staging as _Staging
 staging_bytes_held = _Staging.bytes_held
 
 __all__ = ["DmaMover", "DmaOptions", "COPY_ENGINES", "copy_engine", "dma_refusal",
-           "RELAYOUT_BELOW", "CALLBACK_STEPS", "is_cuda", "staging_bytes_held"]
+           "RELAYOUT_BELOW", "CALLBACK_STEPS", "HOOKS", "is_cuda", "staging_bytes_held"]

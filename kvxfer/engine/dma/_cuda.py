@@ -1,23 +1,14 @@
-"""The CUDA driver's copy engine: batched copies on XLA's stream or beside it.
-
-Everything kvxfer asks of the CUDA driver is here, behind ``Driver``:
-
-* ``cuMemcpyBatchAsync`` (CUDA 12.8+; its CUDA 13 ABI has no ``failIdx``): one call a
-  set of copies, the descriptors packed as numpy arrays of addresses; where the
-  driver lacks it (or ``DmaOptions(copy="loop")``), a loop of ``cuMemcpyAsync``;
-* beside XLA's stream (``CudaCopyEngine.copy_beside_groups``): an event recorded on
-  XLA's stream, the engine's own non-blocking stream for the direction made to wait
-  for it, each set of copies there with an event after it (``CudaCompletion``); a
-  stream made to wait for one of those events right before the work that reads its
-  copies (``hold``), with a word written in its order (``cuMemsetD32Async``);
-* ``cuMemHostRegister`` (portable) for host pools allocated outside XLA, inside the
-  device's primary context (XLA's, retained for the call and released after it);
-* the device's host NUMA node, so a pool is allocated near the device.
+"""The CUDA driver's copy engine. Everything kvxfer asks of the driver is behind
+``Driver``: ``cuMemcpyBatchAsync`` (CUDA 12.8+; its CUDA 13 ABI has no ``failIdx``),
+one call a set of copies, else a loop of ``cuMemcpyAsync``; streams and events, so
+copies run beside XLA's stream (``CudaCopyEngine.copy_beside_groups``) and a stream
+waits for them right before the work that reads them (``hold``); ``cuMemHostRegister``
+for host pools allocated outside XLA; the device's host NUMA node.
 
 Entry points are found once through ``cuda-bindings`` (``cuGetProcAddress``, the
-optional extra ``kvxfer[cuda]``) and called through ``ctypes``: a transfer is one
-foreign call, not one Python object per copy. ``Driver`` takes any ``get_proc(name,
-version) -> address``, so tests run this module over entry points of their own.
+extra ``kvxfer[cuda]``) and called through ``ctypes``: a transfer is one foreign call,
+not one Python object a copy. ``Driver`` takes any ``get_proc(name, version) ->
+address``, so tests run this module over entry points of their own.
 """
 
 from __future__ import annotations
@@ -137,14 +128,6 @@ class Driver:
         self.call(name, _c.byref(out), flags)
         return int(out.value or 0)
 
-    def query(self, event: int) -> bool:
-        """Whether the work before ``event`` has finished (``cuEventQuery``)."""
-        status = self._fns["cuEventQuery"](_vp(event))
-        if status == _NOT_READY:
-            return False
-        self.check(status, "cuEventQuery")
-        return True
-
     def memcpy(self, copies: Copies, attrs: Any, stream: int, loop: bool) -> None:
         """Every copy on ``stream``: one ``cuMemcpyBatchAsync``, or with ``loop`` (or no
         batch call) ``cuMemcpyAsync`` per copy."""
@@ -207,16 +190,21 @@ class CudaCompletion:
         self._event: int | None = event
         self._lock = threading.Lock()
 
-    def _in_context(self, fn: Callable[[Any, int], Any]) -> Any:
+    def _in_context(self, fn: Callable[[Driver, int], Any]) -> Any:
         return self._engine.driver.in_primary_context(
             self._engine.ordinal, lambda: fn(self._engine.driver, self._event))
 
     def done(self) -> bool:
         """Whether the copies have finished (never blocks)."""
+        def query(driver: Driver, event: int) -> None:
+            status = driver._fns["cuEventQuery"](_vp(event))
+            if status != _NOT_READY:
+                driver.check(status, "cuEventQuery")
+                self._event = None  # before the destroy: never destroyed twice
+                driver.call("cuEventDestroy", _vp(event))
         with self._lock:
-            if self._event is not None and self._in_context(lambda d, e: d.query(e)):
-                self._in_context(lambda d, e: d.call("cuEventDestroy", _vp(e)))
-                self._event = None
+            if self._event is not None:
+                self._in_context(query)
             return self._event is None
 
     def hold(self, stream: int) -> None:
@@ -235,11 +223,9 @@ class CudaCompletion:
                 try:
                     driver.call("cuEventSynchronize", _vp(event))
                 finally:
+                    self._event = None
                     driver.call("cuEventDestroy", _vp(event))
-            try:
-                self._in_context(sync)
-            finally:
-                self._event = None
+            self._in_context(sync)
 
 
 class CudaCopyEngine:

@@ -31,26 +31,17 @@ __all__ = ["CopyJob", "Tickets", "TICKETS", "callback"]
 
 
 class CopyJob:
-    """The copies of one program between one shard replica's blocks and host slots; or
-    (``stage``) a load's waits, one a layer group, for the copies a staging job put
-    under way beside XLA's stream.
+    """The copies of one program between one shard replica's blocks and host slots
+    (``direction`` ``"offload"``: device to host; ``"load"``); or (``stage``) a load's
+    waits, one a layer group, for the copies a staging job put under way.
 
     Made on the caller's thread with everything but the device addresses, which the
-    program's callback reads from the buffers XLA hands it (``run``).
-
-    Args:
-      engine: what executes the copies.
-      direction: ``"offload"`` (device to host) or ``"load"``.
-      pool: the class pool's first byte; ``page_bytes``: a slot's size there.
-      slots: the host slot of each page; ``offsets``: where each layer's block (of
-        this shard) starts inside a slot; ``block_bytes``: one block of one shard.
-      ids: the device block of each page; None where the device side is one page-major
-        buffer (a row a page, its layers side by side).
-      memory: what holds the pool's bytes: kept, so its mapping outlives the copies.
-      beside: copies on the engine's own stream (``completions`` wait for them).
-      groups: with a page-major buffer, the layer spans ``[first, stop)`` copied in
-        order beside XLA's stream, each with its own completion.
-      stage: for a load's waits, the staging job whose completions they wait for.
+    program's callback reads from the buffers XLA hands it (``run``). ``pool``,
+    ``page_bytes``, ``slots`` and ``offsets`` place each page's blocks (of this shard)
+    in the host pool; ``ids`` are the device blocks, None where the device side is one
+    page-major buffer (a row a page); ``memory`` keeps the pool mapped while copies
+    may run; ``beside`` puts them on the engine's own stream, ``groups`` (spans of
+    layers) in sets with a completion each.
 
     Attributes:
       ran: whether the callback did its work (every group's, for waits); error: what

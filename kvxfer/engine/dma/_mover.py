@@ -104,7 +104,7 @@ def dma_refusal(array: jax.Array) -> str | None:
 def layer_groups(num_layers: int, block_bytes: int, at_least: int = GROUP_BYTES
                  ) -> list[tuple[int, int]]:
     """Consecutive layer spans ``[first, stop)`` of at least ``at_least`` bytes of a page
-    each (the last may hold less where it would otherwise be alone).
+    each (a shorter tail joins the span before it).
 
     Example:
         >>> layer_groups(4, 64 << 10), layer_groups(5, 16 << 10), layer_groups(9, 16 << 10)
@@ -279,6 +279,7 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
                 staged.buffers[s, r] = self._run("dma_stage", job, device, None, options=options)
                 staged.stage_jobs[s, r] = job
                 staged.jobs.append(job)
+                staged.done.append(staged.buffers[s, r])  # ready once its callback ran
         except BaseException as e:
             staged.finish(strict=False)
             if "RESOURCE_EXHAUSTED" not in str(e):
@@ -290,8 +291,10 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
     def discard(self, staged: Transfer | None) -> None:
         if staged is not None:
             staged.discard()
+        Staging.reap()
 
     def start_load(self, arrays, layers, request: LoadRequest, staged: Transfer | None):
+        Staging.reap()
         if staged is not None and (staged.k != request.batch.k or
                                    staged.rows < len(request.batch.padded)):
             staged.discard()  # staged for other pages: the load copies itself

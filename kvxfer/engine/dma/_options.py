@@ -28,11 +28,12 @@ class DmaOptions:
       staging_bytes: device staging that transfers beside XLA's stream may hold at
         once on one device: bytes, or a size such as ``"1GiB"`` (the default); it is
         also kept under half the device's free memory where the device reports it.
-        A transfer past it copies on XLA's stream (counted in ``stats()``).
+        A transfer past it copies on XLA's stream (counted in ``stats()``), but for
+        one alone on its device, which still runs beside where it fits that half.
       copy: ``"batch"`` (one ``cuMemcpyBatchAsync`` a transfer where the driver has
         it, the default) or ``"loop"`` (``cuMemcpyAsync`` per copy).
-      self_check: before a process first moves pages with a copy engine that has
-        streams of its own (a GPU's), a small round trip of every program form with
+      self_check: when the first manager of a process is made over a copy engine
+        that has streams of its own (a GPU's), a small round trip of every program form with
         integrity off, bytes compared, and one injected callback failure
         (``kvxfer.manager.dma_self_check``); on a failure ``path="auto"`` takes the
         pinned route, saying why in ``mgr.paths``, and ``path="dma"`` raises.

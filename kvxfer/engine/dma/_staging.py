@@ -3,10 +3,12 @@
 Staging is device memory that copies write or read outside XLA's view, so it is held
 until they end, whatever becomes of the transfer: ``Transfer.finish`` waits for them
 and lets go; ``Transfer.discard`` (a prefetch released, a load that stages again)
-hands what it holds to its device's ``Staging``, which lets go once the copies end
-(``Staging.reap``, called by every entry point of the mover). Nothing is let go of by
-garbage collection. The staging held on a device at once is bounded
-(``DmaOptions.staging_bytes``, and half the device's free memory where it says).
+hands what it holds to its device's ``Staging``, which lets go once the programs and
+copies have ended (``Staging.reap``, at the mover's next offload, stage, load or
+discard). Every staging is held by a ``Transfer`` until one of the two: none is let
+go of by garbage collection. The staging held on a device at once is bounded
+(``DmaOptions.staging_bytes``, and half the device's free memory where it says; a
+transfer larger than the bound still runs beside on a device holding no other).
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class Transfer:
             except BaseException as e:  # noqa: BLE001 - the others are still waited for
                 first = first or e
         for job in self.jobs:
-            if not job.ran and job.error is None:
+            if not job.ran:  # its program ended: whatever it recorded, nothing takes it
                 TICKETS.withdraw(job)
         let_go([job for job in self.jobs if not job.beside])  # ended with their programs
         return first
