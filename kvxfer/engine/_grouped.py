@@ -166,6 +166,9 @@ class GroupedMover(Mover[GroupedOffload[OffloadT], list[StagedT], list[LoadT]]):
         for s in staged:
             self.inner.discard(s)
 
+    def staged_done(self, staged: Any) -> bool:
+        return all(self.inner.staged_done(s) for s in staged)
+
     def _split(self, batch: PageBatch) -> list[tuple[int, np.ndarray, PageBatch]]:
         """Per group holding pages of the batch: (group, request rows, its batch)."""
         out = self._splits.get(batch)

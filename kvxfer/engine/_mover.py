@@ -342,6 +342,11 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         """Lets what ``stage_load`` returned go unused (a prefetch released): caller's
         thread, never blocking (movers whose staging XLA keeps need do nothing)."""
 
+    def staged_done(self, staged: Any) -> bool:
+        """Whether discarded staging can no longer read the host slots it was staged
+        from (never blocks)."""
+        return True
+
     def fell_back(self) -> dict[str, int]:
         """Transfers that took a slower route than asked for, by why (the DMA mover's)."""
         return {}

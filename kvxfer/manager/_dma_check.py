@@ -67,7 +67,8 @@ def _round_trips(device: Any, options: DmaOptions, manager: type) -> str | None:
     mgr = manager(caches, num_host_blocks=4, path="dma", integrity="off", dma=options)
     try:
         pages = mgr.offload(caches, [5, 2], keys=[0, 1]).wait()
-        for dst, prefetched in (([0, 7], None), ([1, 3], mgr.prefetch(pages))):
+        for dst, prefetch in (([0, 7], False), ([1, 3], True)):
+            prefetched = mgr.prefetch(pages) if prefetch else None
             caches, load = mgr.load(caches, pages, dst, prefetched=prefetched)
             load.result()
             if not all(np.array_equal(np.asarray(c)[dst], b[[5, 2]])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -75,6 +76,9 @@ class Loads:
         self._abstract = abstract_layers
         # Pins of prefetch handles dropped unused (a finalizer files them; ``reap``).
         self._dropped: collections.deque[tuple[list[int], dict]] = collections.deque()
+        # Pins held until the discarded staging that reads their slots has ended.
+        self._unpins: list[tuple[list[tuple[int, Any]], list[int]]] = []
+        self._unpins_lock = threading.Lock()
         # Each class's layers as a slice of the caches, where they are consecutive
         # (a model of one kind of layer has one class of every layer).
         self._spans = [_span(c.layers) for c in plan.classes]
@@ -131,8 +135,10 @@ class Loads:
             pinned_slots = [p.slot for p, problem in zip(pages, problems) if problem is None]
         reasons = self._reasons(pages, problems, want, blocks)
         n = min(reasons) if reasons else len(pages)
+        discarded: list[tuple[int, Any]] = []  # staging the load does not use
         if prefetched is not None and staged_n != n:
             self._discard(staged)  # fewer pages pass the load's checks: stage them again
+            discarded += staged.items()
             staged = {}
         slots = np.array([p.slot for p in pages[:n]], dtype=np.int64)
         batches = page_batches({c: ids[:n] for c, ids in blocks.items()},
@@ -141,17 +147,18 @@ class Loads:
         new = caches
         states: dict[int, Any] = {}
         try:
-            new, states, jobs = self.start(caches, batches, slots, gate, staged, states)
+            new, states, jobs = self.start(caches, batches, slots, gate, staged, states,
+                                           discarded)
             self._checks.loaded(new, [i for c in states for i in self._plan.classes[c].layers],
                                 caches)
             handle._verify_once = self._verifier.once(
                 handle, states, jobs, slots, reasons, may_stop=not self._agreement.multiprocess)
             self._worker.submit(handle.run, self.finish, round_, handle, new,
                                 pages, slots, batches, states, jobs, reasons, pinned_slots,
-                                started)
+                                started, discarded)
         except BaseException as e:
             self._quiesce(states)  # the programs enqueued read the pinned slots
-            self._pool.release_readers(pinned_slots)
+            self._release_after(discarded, pinned_slots)
             if self._checks.closed and not isinstance(e, TransferError):
                 raise TransferError("the KVCacheManager was closed during the load",
                                     kv_caches=new) from e
@@ -204,25 +211,45 @@ class Loads:
                     layers = [self._abstract[i] for i in self._plan.classes[c].layers]
                     staged[c] = self._movers[c].stage_load(layers, request)
         except Exception as e:
-            self._pool.release_readers(pinned)
+            self._discard(staged, pinned)
             raise TransferError(f"prefetch of {len(pages)} pages failed: {e}") from e
         return PrefetchHandle(self, pages, reasons, pinned, staged, n,
                               self._pool.release_readers, self._dropped, self._discard)
 
-    def _discard(self, staged: dict[int, Any]) -> None:
-        """Lets a prefetch's staging go unused (a released or dropped handle)."""
+    def _discard(self, staged: dict[int, Any], pinned: list[int] | None = None) -> None:
+        """Lets staging go unused (a prefetch released or dropped, classes a load does
+        not move); with ``pinned``, releases those pins once that staging's copies,
+        which read their slots, have ended (``reap``)."""
         for c, s in staged.items():
             self._movers[c].discard(s)
+        if pinned is not None:
+            self._release_after(list(staged.items()), pinned)
+
+    def _release_after(self, staged: list[tuple[int, Any]], pinned: list[int]) -> None:
+        """Releases ``pinned`` once no discarded staging of ``staged`` (class, what its
+        mover staged) can still read their slots."""
+        with self._unpins_lock:
+            self._unpins.append((staged, pinned))
+        self._release_ready()
 
     def reap(self) -> None:
-        """Gives back the pins of prefetch handles dropped unused (every entry point
-        of the manager that takes or frees host slots calls it)."""
+        """Gives back what prefetch handles dropped unused hold, and the pins whose
+        discarded staging has ended (every entry point of the manager that takes or
+        frees host slots calls it)."""
         while self._dropped:
             try:
                 pinned, staged = self._dropped.popleft()
             except IndexError:
-                return
-            self._discard(staged)
+                break
+            self._discard(staged, pinned)
+        self._release_ready()
+
+    def _release_ready(self) -> None:
+        with self._unpins_lock:
+            ready = [e for e in self._unpins if all(
+                self._movers[c].staged_done(s) for c, s in e[0])]
+            self._unpins = [e for e in self._unpins if not any(e is r for r in ready)]
+        for _, pinned in ready:
             self._pool.release_readers(pinned)
 
     def _quiesce(self, states: dict[int, Any]) -> None:
@@ -232,7 +259,8 @@ class Loads:
 
     def start(self, caches: list[jax.Array], batches: dict[int, PageBatch],
               slots: np.ndarray, gate: Gate, prefetched: dict[int, Any],
-              states: dict[int, Any] | None = None
+              states: dict[int, Any] | None = None,
+              discarded: list[tuple[int, Any]] | None = None
               ) -> tuple[list[jax.Array], dict[int, Any],
                          dict[int, DigestJob] | list[DigestJob]]:
         """The caller's-thread half of a load: every device program enqueued.
@@ -251,8 +279,13 @@ class Loads:
         states = {} if states is None else states
         digests = DigestStarter(self._verifier, batches, gate)
         prefetched = dict(prefetched)  # what this load does not take is discarded
+        discarded = [] if discarded is None else discarded
+
+        def discard(unused: dict[int, Any]) -> None:
+            self._discard(unused)
+            discarded.extend(unused.items())
         if not n:
-            self._discard(prefetched)
+            discard(prefetched)
             return new, states, digests.finish(new)
         shared: frozenset[int] = frozenset()
         if any(self._movers[c].writes_buffers for c in batches) and \
@@ -268,10 +301,10 @@ class Loads:
                     self._movers[c].stage_load(
                         [layers[i] for i in self._plan.classes[c].layers], request)
         except Exception as e:
-            self._discard({**staged, **prefetched})
+            discard({**staged, **prefetched})
             raise TransferError(f"load of {n} pages failed while staging (the caches are "
                                 f"unchanged): {e}", kv_caches=new) from e
-        self._discard(prefetched)  # classes this load does not move
+        discard(prefetched)  # classes this load does not move
         hook = self._verifier.hook
         for c, request in requests.items():
             try:
@@ -279,7 +312,7 @@ class Loads:
                                   staged[c])
             except BaseException:
                 # A class that started owns its staging; the others' goes unused.
-                self._discard({d: s for d, s in staged.items() if d not in states})
+                discard({d: s for d, s in staged.items() if d not in states})
                 raise
         try:
             return new, states, digests.finish(new)
@@ -324,7 +357,8 @@ class Loads:
     def finish(self, round_: int, handle: LoadHandle, new: list[jax.Array],
                pages: list[PageRef], slots: np.ndarray, batches: dict[int, PageBatch],
                states: dict[int, Any], jobs: dict[int, DigestJob] | list[DigestJob],
-               reasons: dict[int, str], pinned_slots: list[int], started: float) -> None:
+               reasons: dict[int, str], pinned_slots: list[int], started: float,
+               discarded: Sequence[tuple[int, Any]] = ()) -> None:
         """The transfer thread's half of a load: wait, verify, agree, settle.
 
         A cancelled load still waits for every program that reads the pool; on one
@@ -369,8 +403,9 @@ class Loads:
                 self._count(result, len(slots), batches, started)
         finally:
             # Before the handle says done: a caller returning from result() finds the
-            # pages it read free to evict (and freed ones free) at once.
-            self._pool.release_readers(pinned_slots)
+            # pages it read free to evict (and freed ones free) at once; those that
+            # staging the load did not use still reads, once it has ended.
+            self._release_after(list(discarded), pinned_slots)
         # A failed load's arrays are the caches to continue with: its programs never
         # fail (a failure inside one is recorded, its outputs alias its inputs).
         handle._finish(result, error, cancelled, kv_caches=new)

@@ -289,6 +289,7 @@ class KVCacheManager:
         if not self._checks.closed:
             self._checks.closed = True
             self._worker.shutdown(wait=True)
+            self._loads.reap()  # prefetch handles dropped unused
             self._agreement.meet("close")
 
     def __enter__(self) -> KVCacheManager:

@@ -75,8 +75,9 @@ class PrefetchHandle:
             pinned, staged = self._pinned, self._staged
             self._pinned, self._staged = [], {}
         if self._discard is not None:
-            self._discard(staged)
-        self._unpin(pinned)
+            self._discard(staged, pinned)  # the pins go once the staging's copies end
+        else:
+            self._unpin(pinned)
         return True
 
     def take(self, owner: object, pages: list[PageRef]) -> tuple[dict[int, Any], int]:

@@ -189,10 +189,13 @@ def step_fault(step: str, job: Any = None) -> None:
 
 
 def let_go(jobs: Any) -> None:
-    """Says that no copy of ``jobs`` can run any more: the memory they touch (device
-    buffers, host slots) may be reused from now on (``HOOKS["released"]``)."""
+    """Says that no copy of ``jobs`` can run any more, so what they let go of may be
+    reused from now on (``HOOKS["released"]``): what a load's copies write (staging,
+    caches), an offload's copies' both sides (device rows, and the host slots, which
+    a failed offload gives back). The host slots a load reads go back with its pins."""
     for watch in list(HOOKS["released"]):
         for job in jobs:
             for copies in job.sets:
-                for side in (copies.dst, copies.src):
+                sides = (copies.dst, copies.src) if job.direction == "offload" else (copies.dst,)
+                for side in sides:
                     watch(side, side + copies.size)

@@ -293,6 +293,10 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
             staged.discard()
         Staging.reap()
 
+    def staged_done(self, staged: Transfer | None) -> bool:
+        Staging.reap()
+        return staged is None or staged.finished
+
     def start_load(self, arrays, layers, request: LoadRequest, staged: Transfer | None):
         Staging.reap()
         if staged is not None and (staged.k != request.batch.k or

@@ -122,6 +122,11 @@ class Transfer:
         self._over = False
         self._lock = threading.Lock()
 
+    @property
+    def finished(self) -> bool:
+        """Whether it let go of what it held (``finish``)."""
+        return self._over
+
     def quiesce(self) -> BaseException | None:
         """Waits until no program can still start a copy (never raising); a job whose
         program ended without running its callback is withdrawn. Returns the first
