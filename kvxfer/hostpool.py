@@ -354,7 +354,10 @@ class _Slot:
     # generation used: never handed out again)
     state: str = "free"
     key: int = 0
-    readers: int = 0
+    readers: int = 0  # pins of every kind, an edit's own included
+    brief: int = 0  # of those, host readers that copy bytes and let go (see acquire_readers)
+    edited: bool = False  # a block write is replacing bytes and digests (begin_edit)
+    waiting: int = 0  # readers waiting for an edit to end: the next edit waits for them
     classes: frozenset[int] = frozenset()  # the slice classes the page holds
     seal: int = 0  # the generation the page's digests are bound to
 
@@ -404,6 +407,8 @@ class HostPool:
         self._invalidated: dict[int, int] = {}  # slot -> generation found bad
         self._retired = 0
         self._lock = threading.Lock()
+        # Signalled when an edit ends or a brief reader lets go (begin_edit, acquire_readers).
+        self._edits = threading.Condition(self._lock)
 
     # -- accounting ---------------------------------------------------------
 
@@ -470,6 +475,9 @@ class HostPool:
                 if slot in seen:
                     raise PoolError(f"slots[{j}] = {slot} is named twice")
                 seen.add(slot)
+                if s.edited:
+                    raise PoolError(f"host slot {slot} cannot be overwritten: a block "
+                                    f"write is editing its page (generation {s.generation})")
                 if s.readers:
                     raise PoolError(f"host slot {slot} cannot be overwritten: a load is "
                                     f"reading its page (generation {s.generation})")
@@ -625,14 +633,35 @@ class HostPool:
                     for s, (_, generation) in zip([self._slot(slot) for slot, _ in refs],
                                                   refs)]
 
-    def acquire_readers(self, refs: Sequence[tuple[int, int]]) -> list[str | None]:
+    def acquire_readers(self, refs: Sequence[tuple[int, int]], *,
+                        brief: bool = False) -> list[str | None]:
         """Pins slots for a transfer that reads them; returns a problem per ref or None.
 
         A problem is ``"stale generation"`` or ``"freed"``; such refs are not pinned.
+        A slot a block write is editing (``begin_edit``) is pinned once the edit ends,
+        so a reader finds its bytes and digests both as they were or both as written.
+
+        Args:
+          refs: ``(slot, generation)`` per page.
+          brief: the reader only copies host bytes on this thread and lets go (a
+            block read, an export): an edit waits for it. A load or prefetch, which
+            holds its pins while device programs read the pages, is not brief: an
+            edit of a page it holds is refused.
         """
         out: list[str | None] = []
         with self._lock:
             records = [self._slot(slot) for slot, _ in refs]  # all checked before any pin
+            if any(s.edited for s in records):
+                # An edit only copies host memory: short, so wait it out. Counted, so
+                # that no next edit of the slot starts before this reader is in.
+                for s in records:
+                    s.waiting += 1
+                try:
+                    self._edits.wait_for(lambda: not any(s.edited for s in records))
+                finally:
+                    for s in records:
+                        s.waiting -= 1
+                    self._edits.notify_all()
             for s, (slot, generation) in zip(records, refs):
                 if s.generation != generation:
                     out.append("stale generation")
@@ -641,16 +670,61 @@ class HostPool:
                                "still being written")
                 else:
                     s.readers += 1
+                    s.brief += brief
                     out.append(None)
         return out
 
-    def release_readers(self, slots: Sequence[int]) -> None:
+    def release_readers(self, slots: Sequence[int], *, brief: bool = False) -> None:
+        """Unpins slots ``acquire_readers`` pinned (with the same ``brief``)."""
         with self._lock:
             for slot in slots:
                 s = self._slots[slot]
                 s.readers -= 1
+                if brief:
+                    s.brief -= 1
+                    self._edits.notify_all()
                 if s.readers == 0 and s.state == "released":
                     self._free_locked(slot, s)
+
+    def begin_edit(self, slot: int, generation: int) -> None:
+        """Takes a committed page for a block write: its bytes and digests change
+        together while no one else reads them.
+
+        Waits for another edit of the slot (and for the readers that came during it
+        to pin the page first) and for brief readers (block reads, exports) to
+        finish; readers that come meanwhile wait for ``end_edit``. The slot stays
+        pinned (no free or offload takes it) until ``end_edit``.
+
+        Raises:
+          PoolError: the ref is stale or its page freed, or a load or prefetch holds
+            the page (it has read, or may yet read, the bytes as they are); naming
+            the slot and what holds it. Nothing is taken then.
+        """
+        with self._lock:
+            s = self._slot(slot)
+            self._edits.wait_for(lambda: not s.edited and not s.waiting)
+            if s.generation != generation or s.state != "valid":
+                raise PoolError(f"host slot {slot} generation {generation} holds no page to "
+                                f"edit (the slot is at generation {s.generation}, "
+                                f"{s.state})")
+            held = s.readers - s.brief
+            if held:
+                raise PoolError(f"host slot {slot} generation {generation} cannot be "
+                                f"edited: {held} load or prefetch pin(s) hold its page; "
+                                "write once the load ends or the prefetch is released")
+            s.edited = True
+            s.readers += 1
+            self._edits.wait_for(lambda: not s.brief)
+
+    def end_edit(self, slot: int) -> None:
+        """Ends ``begin_edit``: readers waiting for the slot go ahead."""
+        with self._lock:  # one step: a writer woken here must not find this edit's pin
+            s = self._slots[slot]
+            s.edited = False
+            s.readers -= 1
+            if s.readers == 0 and s.state == "released":
+                self._free_locked(slot, s)
+            self._edits.notify_all()
 
     def key_of(self, slot: int) -> int:
         with self._lock:
