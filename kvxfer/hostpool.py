@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import logging
 import threading
@@ -36,10 +35,11 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer._hostalloc import allocate_bytes, host_view
+from kvxfer._hostalloc import has_pinned_host as has_pinned_host
+from kvxfer._hostalloc import word_bytes as word_bytes
 from kvxfer._hostmem import HostMemory
 from kvxfer._pagearrays import PageArrays
-from kvxfer._requires import require_jax
-from kvxfer.layout import dtype_of
 from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["HostPool", "PageRef", "PoolError", "PoolExhaustedError", "ClassPool",
@@ -105,78 +105,6 @@ may return None for the default allocation.
 """
 
 
-def _host_view(owner: Any, nbytes: int) -> np.ndarray:
-    """A writable ``uint8[nbytes]`` view of a host-memory JAX array's buffer."""
-    import ctypes
-
-    if owner.nbytes != nbytes:
-        raise PoolError(f"a host backing of {owner.nbytes} bytes ({owner.dtype}"
-                        f"{list(owner.shape)}) cannot hold a pool of {nbytes} bytes")
-    owner.block_until_ready()
-    return np.ctypeslib.as_array(
-        (ctypes.c_uint8 * nbytes).from_address(owner.unsafe_buffer_pointer()))
-
-
-def word_bytes(cls: SliceClass) -> int:
-    """The widest unsigned word (4, 2 or 1 bytes), no wider than an element of the
-    class, that every shard's bytes of a page split into.
-
-    A pinned pool is held as words of this size, so programs move whole words. A word
-    no wider than an element is the element's own raw bits (or a part of them): on
-    XLA:CPU, splitting a word into narrower elements inside a copy's loop made every
-    block copy of a bfloat16 cache about 2x slower (a 64-page x 32-layer load took
-    10 % longer with 4-byte words).
-
-    Example:
-        >>> from kvxfer.plan import LayerSpec, make_plan
-        >>> plan = make_plan([LayerSpec("L0", (8, 3, 2), "bfloat16"),
-        ...                   LayerSpec("L1", (8, 3, 2), "float32")], num_host_blocks=2)
-        >>> [word_bytes(c) for c in plan.classes]
-        [2, 4]
-    """
-    size = dtype_of(cls.dtype).itemsize
-    return next(w for w in (4, 2, 1) if w <= size and cls.shard_block_bytes % w == 0)
-
-
-def _allocate_bytes(nbytes: int, pinned: bool, device: Any, word: int = 1,
-                    rows: int = 1) -> tuple[np.ndarray, Any]:
-    """Zeroed host bytes; pinned through JAX's ``pinned_host`` memory when asked.
-
-    A pinned allocation is owned by a ``uint{8 * word}[rows, nbytes // word // rows]``
-    JAX array on ``device``'s ``pinned_host`` memory; the bytes returned view its
-    buffer.
-    """
-    if pinned and nbytes:
-        import jax
-        import jax.numpy as jnp
-
-        require_jax()  # XLA:CPU compiles pinned_host outputs from JAX_FLOOR on
-
-        if nbytes % (word * rows):
-            raise ValueError(f"{nbytes} bytes are not {rows} rows of {word}-byte words")
-        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        dtype = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[word]
-        owner = _zeros(sharding, dtype)((rows, nbytes // word // rows))
-        return _host_view(owner, nbytes), owner
-    return np.zeros(nbytes, dtype=np.uint8), None
-
-
-@functools.lru_cache(maxsize=32)
-def _zeros(sharding: Any, dtype: Any) -> Callable[[tuple[int, int]], Any]:
-    """One jitted allocator of zeros per sharding and dtype: pools of a shape made
-    before reuse its program (a new function each time compiled one per pool)."""
-    import jax
-    import jax.numpy as jnp
-
-    return jax.jit(lambda shape: jnp.zeros(shape, dtype), static_argnums=0,
-                   out_shardings=sharding)
-
-
-def has_pinned_host(device: Any) -> bool:
-    """Whether ``device`` offers a ``pinned_host`` memory kind."""
-    return any(m.kind == "pinned_host" for m in device.addressable_memories())
-
-
 class ClassPool:
     """The host buffer of one slice class: ``data[slot]`` is one page's bytes.
 
@@ -223,10 +151,13 @@ class ClassPool:
             flat, self._array, self.memory = owner.view(), None, owner
             self.pinned = owner.pinned
         elif owner is not None:  # a host-memory JAX array (see HostBacking)
-            flat, self._array = _host_view(owner, nbytes), owner
+            if owner.nbytes != nbytes:
+                raise PoolError(f"a host backing of {owner.nbytes} bytes ({owner.dtype}"
+                                f"{list(owner.shape)}) cannot hold a pool of {nbytes} bytes")
+            flat, self._array = host_view(owner, nbytes), owner
             self.pinned = getattr(owner.sharding, "memory_kind", None) == "pinned_host"
         else:
-            flat, self._array = _allocate_bytes(nbytes, pinned, device, self.word_bytes,
+            flat, self._array = allocate_bytes(nbytes, pinned, device, self.word_bytes,
                                                 num_slots)
             self.pinned = self._array is not None
         self.device = device if self.pinned or backing is not None else None
@@ -699,6 +630,22 @@ class HostPool:
           PoolError: the ref is stale or its page freed, or a load or prefetch holds
             the page (it has read, or may yet read, the bytes as they are); naming
             the slot and what holds it. Nothing is taken then.
+
+        Example:
+            >>> from kvxfer.plan import LayerSpec, make_plan
+            >>> pool = HostPool(make_plan([LayerSpec("L0", (8, 4), "float32")], 2))
+            >>> (s, g), = pool.allocate(1)
+            >>> pool.commit(s, g, key=7)
+            >>> pool.acquire_readers([(s, g)])  # a load holds the page
+            [None]
+            >>> try:
+            ...     pool.begin_edit(s, g)
+            ... except PoolError as e:
+            ...     print(str(e)[:55])
+            host slot 0 generation 1 cannot be edited: 1 load or pr
+            >>> pool.release_readers([s])  # the load ended
+            >>> pool.begin_edit(s, g)  # bytes and digests are replaced here
+            >>> pool.end_edit(s)
         """
         with self._lock:
             s = self._slot(slot)
