@@ -148,7 +148,7 @@ def test_a_write_to_a_prefetched_page_is_refused_and_the_load_verifies(route, mo
     mgr.close()
 
 
-@pytest.mark.parametrize("route", ["raw", "staged", "pinned"])
+@pytest.mark.parametrize("route", sorted(ROUTES))
 def test_a_write_to_a_page_a_load_is_reading_is_refused(route, monkeypatch):
     mgr, caches = _manager(route, monkeypatch)
     pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
