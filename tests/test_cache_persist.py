@@ -185,6 +185,38 @@ def test_close_gives_write_back_its_deadline_and_counts_what_it_dropped(tmp_path
     hung.close()
 
 
+class _Mute(testing.CountingStore):
+    """A real store that does not answer which keys it holds until ``go`` is set."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.go = threading.Event()
+
+    def contains_many(self, keys):
+        self.go.wait(60)
+        return super().contains_many(keys)
+
+
+def test_a_store_that_cannot_say_what_it_holds_gets_no_write_back_counted(tmp_path,
+                                                                          caplog):
+    caches = _caches()
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
+    mute = _Mute(store.DiskStore(tmp_path / "pages"))
+    cache = kvxfer.HostCache(mgr, mute, namespace=NAMESPACE)
+    cache.put(caches, SRC, KEYS, wait=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvxfer"):
+            cache.close(timeout=0.5)
+        assert cache.stats()["store_writes_dropped"] == 3
+        assert "close() wrote none of 3 host pages back to the disk store: " \
+               "TimeoutError: close() gave up after 0.5 s" in caplog.text
+    finally:
+        mute.go.set()
+    assert mute.calls.get("put", 0) == 0
+    mgr.close()
+    mute.close()
+
+
 # -- pins, hits, loads and frees (the table in docs/host-tier.md) ---------------------
 
 

@@ -88,7 +88,7 @@ class Ending:
                                "were dropped")
         return sum(1 for f in mine if f.exception() is None and f.result())
 
-    def _write_missing(self, store: StoreTier, deadline: Deadline
+    def _write_missing(self, store: StoreTier, deadline: Deadline, call: str = "flush()"
                        ) -> tuple[list[concurrent.futures.Future], list[int]]:
         """Starts writes of every valid host page the store lacks (that selective
         write-through lets through), asked in one ``contains_many``; the writes started,
@@ -102,7 +102,7 @@ class Ending:
         ask = [k for k in host.keys() if not store.writing(k) and store.wants(host.hits(k))]
         batch = store.has_many(ask, deadline)
         if ask and all(isinstance(batch.errors.get(k), TimeoutError) for k in ask):
-            raise TimeoutError(f"flush() gave up after {deadline}: the {store.name} store "
+            raise TimeoutError(f"{call} gave up after {deadline}: the {store.name} store "
                                f"did not say which of {len(ask)} host pages it holds")
         mine: list[concurrent.futures.Future] = []
         for j, key in enumerate(ask):
@@ -206,7 +206,7 @@ class Ending:
         store that cannot say which those are by ``deadline`` gets none (logged and
         counted)."""
         try:
-            _, unstarted = self._write_missing(store, deadline)
+            _, unstarted = self._write_missing(store, deadline, "close()")
             if unstarted:
                 log.warning("close() gave up after %s: %s not written back to the %s "
                             "store", deadline, describe_pages(unstarted), store.name)
@@ -214,6 +214,6 @@ class Ending:
         except Exception as e:  # a stalled store, a policy: closing goes on
             left = [k for k in self._host.keys()
                     if not store.writing(k) and store.wants(self._host.hits(k))]
-            log.warning("close() wrote none of %d host pages back to the %s store: %s",
-                        len(left), store.name, e)
+            log.warning("close() wrote none of %d host pages back to the %s store: %s: %s",
+                        len(left), store.name, type(e).__name__, e)
             self._stats.add(store_writes_dropped=len(left))
