@@ -67,7 +67,6 @@ def test_writes_racing_loads_prefetches_and_exports_never_fault_a_good_page(rout
     new_bytes = testing.random_bits((len(old),), "uint8", seed=11).tobytes()
     versions = {old, new_bytes}
     refused: list[str] = []
-    accepted = [0]
     stop = threading.Event()
 
     def writer():
@@ -75,7 +74,6 @@ def test_writes_racing_loads_prefetches_and_exports_never_fault_a_good_page(rout
             for data in (new_bytes, old):
                 try:
                     mgr.write_block_bytes(target, 0, data)
-                    accepted[0] += 1
                 except kvxfer.PoolError as e:
                     refused.append(str(e))
                 time.sleep(0)  # let the loads' Python run between writes
