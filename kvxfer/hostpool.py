@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import logging
 import threading
@@ -36,10 +35,11 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer._hostalloc import allocate_bytes, host_view
+from kvxfer._hostalloc import has_pinned_host as has_pinned_host
+from kvxfer._hostalloc import word_bytes as word_bytes
 from kvxfer._hostmem import HostMemory
 from kvxfer._pagearrays import PageArrays
-from kvxfer._requires import require_jax
-from kvxfer.layout import dtype_of
 from kvxfer.plan import Plan, SliceClass
 
 __all__ = ["HostPool", "PageRef", "PoolError", "PoolExhaustedError", "ClassPool",
@@ -105,78 +105,6 @@ may return None for the default allocation.
 """
 
 
-def _host_view(owner: Any, nbytes: int) -> np.ndarray:
-    """A writable ``uint8[nbytes]`` view of a host-memory JAX array's buffer."""
-    import ctypes
-
-    if owner.nbytes != nbytes:
-        raise PoolError(f"a host backing of {owner.nbytes} bytes ({owner.dtype}"
-                        f"{list(owner.shape)}) cannot hold a pool of {nbytes} bytes")
-    owner.block_until_ready()
-    return np.ctypeslib.as_array(
-        (ctypes.c_uint8 * nbytes).from_address(owner.unsafe_buffer_pointer()))
-
-
-def word_bytes(cls: SliceClass) -> int:
-    """The widest unsigned word (4, 2 or 1 bytes), no wider than an element of the
-    class, that every shard's bytes of a page split into.
-
-    A pinned pool is held as words of this size, so programs move whole words. A word
-    no wider than an element is the element's own raw bits (or a part of them): on
-    XLA:CPU, splitting a word into narrower elements inside a copy's loop made every
-    block copy of a bfloat16 cache about 2x slower (a 64-page x 32-layer load took
-    10 % longer with 4-byte words).
-
-    Example:
-        >>> from kvxfer.plan import LayerSpec, make_plan
-        >>> plan = make_plan([LayerSpec("L0", (8, 3, 2), "bfloat16"),
-        ...                   LayerSpec("L1", (8, 3, 2), "float32")], num_host_blocks=2)
-        >>> [word_bytes(c) for c in plan.classes]
-        [2, 4]
-    """
-    size = dtype_of(cls.dtype).itemsize
-    return next(w for w in (4, 2, 1) if w <= size and cls.shard_block_bytes % w == 0)
-
-
-def _allocate_bytes(nbytes: int, pinned: bool, device: Any, word: int = 1,
-                    rows: int = 1) -> tuple[np.ndarray, Any]:
-    """Zeroed host bytes; pinned through JAX's ``pinned_host`` memory when asked.
-
-    A pinned allocation is owned by a ``uint{8 * word}[rows, nbytes // word // rows]``
-    JAX array on ``device``'s ``pinned_host`` memory; the bytes returned view its
-    buffer.
-    """
-    if pinned and nbytes:
-        import jax
-        import jax.numpy as jnp
-
-        require_jax()  # XLA:CPU compiles pinned_host outputs from JAX_FLOOR on
-
-        if nbytes % (word * rows):
-            raise ValueError(f"{nbytes} bytes are not {rows} rows of {word}-byte words")
-        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        dtype = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[word]
-        owner = _zeros(sharding, dtype)((rows, nbytes // word // rows))
-        return _host_view(owner, nbytes), owner
-    return np.zeros(nbytes, dtype=np.uint8), None
-
-
-@functools.lru_cache(maxsize=32)
-def _zeros(sharding: Any, dtype: Any) -> Callable[[tuple[int, int]], Any]:
-    """One jitted allocator of zeros per sharding and dtype: pools of a shape made
-    before reuse its program (a new function each time compiled one per pool)."""
-    import jax
-    import jax.numpy as jnp
-
-    return jax.jit(lambda shape: jnp.zeros(shape, dtype), static_argnums=0,
-                   out_shardings=sharding)
-
-
-def has_pinned_host(device: Any) -> bool:
-    """Whether ``device`` offers a ``pinned_host`` memory kind."""
-    return any(m.kind == "pinned_host" for m in device.addressable_memories())
-
-
 class ClassPool:
     """The host buffer of one slice class: ``data[slot]`` is one page's bytes.
 
@@ -223,10 +151,13 @@ class ClassPool:
             flat, self._array, self.memory = owner.view(), None, owner
             self.pinned = owner.pinned
         elif owner is not None:  # a host-memory JAX array (see HostBacking)
-            flat, self._array = _host_view(owner, nbytes), owner
+            if owner.nbytes != nbytes:
+                raise PoolError(f"a host backing of {owner.nbytes} bytes ({owner.dtype}"
+                                f"{list(owner.shape)}) cannot hold a pool of {nbytes} bytes")
+            flat, self._array = host_view(owner, nbytes), owner
             self.pinned = getattr(owner.sharding, "memory_kind", None) == "pinned_host"
         else:
-            flat, self._array = _allocate_bytes(nbytes, pinned, device, self.word_bytes,
+            flat, self._array = allocate_bytes(nbytes, pinned, device, self.word_bytes,
                                                 num_slots)
             self.pinned = self._array is not None
         self.device = device if self.pinned or backing is not None else None
@@ -354,7 +285,10 @@ class _Slot:
     # generation used: never handed out again)
     state: str = "free"
     key: int = 0
-    readers: int = 0
+    readers: int = 0  # pins of every kind, an edit's own included
+    brief: int = 0  # of those, host readers that copy bytes and let go (see acquire_readers)
+    edited: bool = False  # a block write is replacing bytes and digests (begin_edit)
+    waiting: int = 0  # readers waiting for an edit to end: the next edit waits for them
     classes: frozenset[int] = frozenset()  # the slice classes the page holds
     seal: int = 0  # the generation the page's digests are bound to
 
@@ -404,6 +338,8 @@ class HostPool:
         self._invalidated: dict[int, int] = {}  # slot -> generation found bad
         self._retired = 0
         self._lock = threading.Lock()
+        # Signalled when an edit ends or a brief reader lets go (begin_edit, acquire_readers).
+        self._edits = threading.Condition(self._lock)
 
     # -- accounting ---------------------------------------------------------
 
@@ -470,6 +406,9 @@ class HostPool:
                 if slot in seen:
                     raise PoolError(f"slots[{j}] = {slot} is named twice")
                 seen.add(slot)
+                if s.edited:
+                    raise PoolError(f"host slot {slot} cannot be overwritten: a block "
+                                    f"write is editing its page (generation {s.generation})")
                 if s.readers:
                     raise PoolError(f"host slot {slot} cannot be overwritten: a load is "
                                     f"reading its page (generation {s.generation})")
@@ -625,14 +564,35 @@ class HostPool:
                     for s, (_, generation) in zip([self._slot(slot) for slot, _ in refs],
                                                   refs)]
 
-    def acquire_readers(self, refs: Sequence[tuple[int, int]]) -> list[str | None]:
+    def acquire_readers(self, refs: Sequence[tuple[int, int]], *,
+                        brief: bool = False) -> list[str | None]:
         """Pins slots for a transfer that reads them; returns a problem per ref or None.
 
         A problem is ``"stale generation"`` or ``"freed"``; such refs are not pinned.
+        A slot a block write is editing (``begin_edit``) is pinned once the edit ends,
+        so a reader finds its bytes and digests both as they were or both as written.
+
+        Args:
+          refs: ``(slot, generation)`` per page.
+          brief: the reader only copies host bytes on this thread and lets go (a
+            block read, an export): an edit waits for it. A load or prefetch, which
+            holds its pins while device programs read the pages, is not brief: an
+            edit of a page it holds is refused.
         """
         out: list[str | None] = []
         with self._lock:
             records = [self._slot(slot) for slot, _ in refs]  # all checked before any pin
+            if any(s.edited for s in records):
+                # An edit only copies host memory: short, so wait it out. Counted, so
+                # that no next edit of the slot starts before this reader is in.
+                for s in records:
+                    s.waiting += 1
+                try:
+                    self._edits.wait_for(lambda: not any(s.edited for s in records))
+                finally:
+                    for s in records:
+                        s.waiting -= 1
+                    self._edits.notify_all()
             for s, (slot, generation) in zip(records, refs):
                 if s.generation != generation:
                     out.append("stale generation")
@@ -641,16 +601,77 @@ class HostPool:
                                "still being written")
                 else:
                     s.readers += 1
+                    s.brief += brief
                     out.append(None)
         return out
 
-    def release_readers(self, slots: Sequence[int]) -> None:
+    def release_readers(self, slots: Sequence[int], *, brief: bool = False) -> None:
+        """Unpins slots ``acquire_readers`` pinned (with the same ``brief``)."""
         with self._lock:
             for slot in slots:
                 s = self._slots[slot]
                 s.readers -= 1
+                if brief:
+                    s.brief -= 1
+                    self._edits.notify_all()
                 if s.readers == 0 and s.state == "released":
                     self._free_locked(slot, s)
+
+    def begin_edit(self, slot: int, generation: int) -> None:
+        """Takes a committed page for a block write: its bytes and digests change
+        together while no one else reads them.
+
+        Waits for another edit of the slot (and for the readers that came during it
+        to pin the page first) and for brief readers (block reads, exports) to
+        finish; readers that come meanwhile wait for ``end_edit``. The slot stays
+        pinned (no free or offload takes it) until ``end_edit``.
+
+        Raises:
+          PoolError: the ref is stale or its page freed, or a load or prefetch holds
+            the page (it has read, or may yet read, the bytes as they are); naming
+            the slot and what holds it. Nothing is taken then.
+
+        Example:
+            >>> from kvxfer.plan import LayerSpec, make_plan
+            >>> pool = HostPool(make_plan([LayerSpec("L0", (8, 4), "float32")], 2))
+            >>> (s, g), = pool.allocate(1)
+            >>> pool.commit(s, g, key=7)
+            >>> pool.acquire_readers([(s, g)])  # a load holds the page
+            [None]
+            >>> try:
+            ...     pool.begin_edit(s, g)
+            ... except PoolError as e:
+            ...     print(str(e)[:55])
+            host slot 0 generation 1 cannot be edited: 1 load or pr
+            >>> pool.release_readers([s])  # the load ended
+            >>> pool.begin_edit(s, g)  # bytes and digests are replaced here
+            >>> pool.end_edit(s)
+        """
+        with self._lock:
+            s = self._slot(slot)
+            self._edits.wait_for(lambda: not s.edited and not s.waiting)
+            if s.generation != generation or s.state != "valid":
+                raise PoolError(f"host slot {slot} generation {generation} holds no page to "
+                                f"edit (the slot is at generation {s.generation}, "
+                                f"{s.state})")
+            held = s.readers - s.brief
+            if held:
+                raise PoolError(f"host slot {slot} generation {generation} cannot be "
+                                f"edited: {held} load or prefetch pin(s) hold its page; "
+                                "write once the load ends or the prefetch is released")
+            s.edited = True
+            s.readers += 1
+            self._edits.wait_for(lambda: not s.brief)
+
+    def end_edit(self, slot: int) -> None:
+        """Ends ``begin_edit``: readers waiting for the slot go ahead."""
+        with self._lock:  # one step: a writer woken here must not find this edit's pin
+            s = self._slots[slot]
+            s.edited = False
+            s.readers -= 1
+            if s.readers == 0 and s.state == "released":
+                self._free_locked(slot, s)
+            self._edits.notify_all()
 
     def key_of(self, slot: int) -> int:
         with self._lock:

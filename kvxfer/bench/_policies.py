@@ -131,7 +131,9 @@ def _replay(requests: list[list[int]], host_pages: int, policy: str,
                 if missing:
                     cache.put(caches, list(range(len(missing))), missing, wait=True)
         finally:
-            cache.close()  # waits for every store write: the counts are final
+            # Waits for every store write, so the counts are final; without the
+            # write-back of the last host pages, which is no policy's traffic.
+            cache.close(write_back=False)
             disk.close()
         st = cache.stats()
     counts.update({k: st[k] for k in ("evictions", "store_pages_written",

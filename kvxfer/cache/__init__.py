@@ -6,8 +6,8 @@ policy picks (``CachePolicy``: ``LRUPolicy``, the default, ``S3FIFOPolicy``,
 ``ARCPolicy``), finds the longest cached prefix of a request, pins what a load reads
 so eviction never takes it, and drops pages a load proves bad. Below host memory an optional
 ``kvxfer.store.Store`` (local disk, Redis) receives evicted pages (or every page,
-``write_through=True``) as blobs carrying the digests made on the device at the
-first offload; a page promoted back goes store -> host -> device and is checked on
+``write_through=True``), and at ``close()`` the host pages it lacks, as blobs
+carrying the digests made on the device at the first offload; a page promoted back goes store -> host -> device and is checked on
 the device against those digests. Store keys carry the manager's geometry
 fingerprint, so two models or two dtypes never share a page.
 

@@ -34,7 +34,7 @@ _COUNTERS = ("lookups", "pages_requested", "host_hits", "store_hits", "misses",
              "unused_pages", "pages_put", "duplicates", "dropped", "evictions",
              "store_pages_written", "store_bytes_written", "store_writes_gated",
              "store_write_errors", "store_read_errors", "bad_pages", "transfer_faults",
-             "store_auth_failures", "events_dropped")
+             "store_auth_failures", "events_dropped", "store_writes_dropped")
 
 
 class HostCache(IndexViews, Ending):
@@ -60,8 +60,8 @@ class HostCache(IndexViews, Ending):
         ``"arc"`` (adapts between recency and frequency), or a ``CachePolicy`` of
         the caller's (one per cache). It orders the host tier only.
       write_through: when host pages reach the store: ``"never"`` (the default:
-        write-back, a page is written when it is evicted from host, and by
-        ``flush()``), ``"always"`` (once it is on host, and again when evicted if
+        write-back, a page is written when it is evicted from host, by ``flush()``
+        and by ``close()``), ``"always"`` (once it is on host, and again when evicted if
         the store lost it), or N (selective write-through: once lookups found it N
         times; a page evicted with fewer hits is not written, so one-off prefixes
         cost no store bandwidth). ``True``/``False`` mean ``"always"``/``"never"``.
@@ -78,6 +78,10 @@ class HostCache(IndexViews, Ending):
         tenants.
       allow_empty_namespace: with a store, take a missing or empty ``namespace``
         (pages shared by every cache of the same geometry, whatever its weights).
+      write_back_on_close: with a store, ``close()`` writes the host pages the store
+        lacks before it returns (True, the default: what was put survives a restart,
+        whatever ``write_through`` says), or drops them (False). ``close(write_back=)``
+        decides for one call.
 
     Thread-safe. Store writes run on one background thread (``flush()`` waits),
     prefetches on another. ``subscribe(callback)`` reports where pages arrive and leave.
@@ -101,9 +105,14 @@ class HostCache(IndexViews, Ending):
                  namespace: str | None = None, policy: PolicyName | CachePolicy = "lru",
                  write_through: WriteThrough | bool = "never",
                  auth_key: bytes | Sealer | None = None, encrypt: bool = False,
-                 allow_empty_namespace: bool = False):
+                 allow_empty_namespace: bool = False, write_back_on_close: bool = True):
         sealer = check_options(mgr, store, namespace, write_through, auth_key, encrypt,
                                allow_empty_namespace)
+        if not isinstance(write_back_on_close, bool):
+            raise TypeError(f"write_back_on_close must be a bool. Got "
+                            f"{write_back_on_close!r} of type "
+                            f"{type(write_back_on_close).__name__}")
+        self._write_back_on_close = write_back_on_close
         namespace = namespace or ""
         self.policy = make_policy(policy, mgr.plan.num_host_blocks)
         self.mgr = mgr

@@ -395,6 +395,7 @@ class StoreTier:
         try:
             left = None if deadline is None else max(deadline - time.monotonic(), 0)
             _, late = concurrent.futures.wait(writes, left)
+            self._stats.add(store_writes_dropped=len(late))
             if late:
                 log.warning("%d store writes did not finish within %g s of close(); "
                             "dropped: %s", len(late), timeout,

@@ -24,9 +24,11 @@ __all__ = ["HostPages", "host_copy_intact"]
 
 
 def _shard_digest(pool: HostPool, cls: SliceClass, slot: int, pos: int, shard: int,
-                  key: int) -> np.ndarray:
-    """The digest of one shard of one layer of a slot, made from its host bytes."""
-    block = pool.pools[cls.index].shard_view(slot, pos, shard)
+                  key: int, block: np.ndarray | None = None) -> np.ndarray:
+    """The digest of one shard of one layer of a slot, made from its host bytes (or
+    from ``block``, bytes about to replace them)."""
+    if block is None:
+        block = pool.pools[cls.index].shard_view(slot, pos, shard)
     words = _integrity.as_words_np(block[None], batch_dims=1)
     ident = _integrity.identity_words(key, cls.layers[pos], pool.seal_of(slot), shard)
     return _integrity.digest_np(words, ident)[0]
@@ -84,13 +86,8 @@ class HostPages:
         gen, state, key = self._pool.state(page.slot)
         return gen == page.generation and state == "valid" and key == page.key
 
-    def _held(self, page: PageRef, layer: int) -> tuple[SliceClass, int]:
-        """Checks ``page`` and ``layer`` and pins the page's slot as a reader.
-
-        While pinned, ``free`` of the page is deferred and no offload claims its slot,
-        so the bytes a block read or write touches stay the page's own. The caller
-        releases the pin (``release_readers``). Returns the layer's class and position.
-        """
+    def _layer(self, page: PageRef, layer: int) -> tuple[SliceClass, int]:
+        """Checks ``page`` and ``layer``; returns the layer's class and position."""
         num_layers = len(self._layer_class)
         if not isinstance(page, PageRef):
             raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
@@ -98,67 +95,77 @@ class HostPages:
             raise TypeError(f"layer must be an int. Got {layer!r} of type {type(layer)}")
         if not 0 <= layer < num_layers:
             raise IndexError(f"layer {layer} out of range [0, {num_layers})")
-        problem, = self._pool.acquire_readers([(page.slot, page.generation)])
+        return self._layer_class[layer]
+
+    def _check_holds(self, page: PageRef, layer: int, cls: SliceClass) -> None:
+        """Checks that the pinned slot holds ``page``'s key and ``layer``'s class."""
+        if cls.index not in self._pool.classes_of(page.slot):
+            raise PoolError(f"{page} does not hold layer {layer} (it holds slice "
+                            f"classes {sorted(self._pool.classes_of(page.slot))}; layer "
+                            f"{layer} is in class {cls.index})")
+        if self._pool.key_of(page.slot) != page.key:
+            raise PoolError(f"{page}: slot {page.slot} holds key "
+                            f"{self._pool.key_of(page.slot):#x}")
+
+    def read_block_bytes(self, page: PageRef, layer: int) -> bytes:
+        cls, pos = self._layer(page, layer)
+        # A brief pin: no free or offload takes the slot, and a block write waits.
+        problem, = self._pool.acquire_readers([(page.slot, page.generation)], brief=True)
         if problem is not None:
             gen, state, _ = self._pool.state(page.slot)
             raise PoolError(f"{page} is not a valid page ({problem}: slot generation "
                             f"{gen}, {state})")
         try:
-            cls, pos = self._layer_class[layer]
-            if cls.index not in self._pool.classes_of(page.slot):
-                raise PoolError(f"{page} does not hold layer {layer} (it holds slice "
-                                f"classes {sorted(self._pool.classes_of(page.slot))}; layer "
-                                f"{layer} is in class {cls.index})")
-            if self._pool.key_of(page.slot) != page.key:
-                raise PoolError(f"{page}: slot {page.slot} holds key "
-                                f"{self._pool.key_of(page.slot):#x}")
-        except BaseException:
-            self._pool.release_readers([page.slot])
-            raise
-        return cls, pos
-
-    def read_block_bytes(self, page: PageRef, layer: int) -> bytes:
-        cls, pos = self._held(page, layer)
-        try:
+            self._check_holds(page, layer, cls)
             pool = self._pool.pools[cls.index]
             return b"".join(pool.shard_view(page.slot, pos, s).tobytes()
                             for s in range(cls.num_shards))
         finally:
-            self._pool.release_readers([page.slot])
+            self._pool.release_readers([page.slot], brief=True)
 
     def write_block_bytes(self, page: PageRef, layer: int,
                           data: bytes | bytearray | memoryview) -> None:
+        """Replaces one layer of a page and its digests as one edit.
+
+        Readers (loads, prefetches, exports, block reads) find the page as it was or
+        as written, never bytes and digests of two versions. A page a load or a
+        prefetch holds is refused: that transfer read, or may yet read, the bytes as
+        they are, and would find them disagreeing with new digests.
+        """
+        cls, pos = self._layer(page, layer)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, bytearray or memoryview. Got {type(data)}")
         buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        cls, pos = self._held(page, layer)
+        size = cls.bytes_per_block
+        if buf.size != size:
+            raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {size}")
         try:
+            self._pool.begin_edit(page.slot, page.generation)
+        except PoolError as e:
+            raise PoolError(f"{page}: layer {layer} not written: {e}") from e
+        try:
+            self._check_holds(page, layer, cls)
             pool = self._pool.pools[cls.index]
-            size = cls.bytes_per_block
-            if buf.size != size:
-                raise ValueError(f"layer {layer}: {buf.size} bytes given, a block is {size}")
-            with pool.lock:
-                at = 0
-                for s in range(cls.num_shards):
-                    v = pool.shard_view(page.slot, pos, s)
-                    v[:] = buf[at:at + v.size]
-                    at += v.size
-            if self._with_digest:
-                self._digest_on_host(page, layer)
+            parts, at = [], 0
+            for s in range(cls.num_shards):
+                n = pool.shard_view(page.slot, pos, s).size
+                parts.append(buf[at:at + n])
+                at += n
+            # Digests made from the new bytes before either lands, so both land at once.
+            digests = [_shard_digest(self._pool, cls, page.slot, pos, s, page.key, part)
+                       for s, part in enumerate(parts)] if self._with_digest else None
+            with pool.lock:  # no program copies the pool in and out meanwhile
+                for s, part in enumerate(parts):
+                    pool.shard_view(page.slot, pos, s)[:] = part
+                    if digests is not None:
+                        pool.digests[page.slot, pos, s, :_integrity.DIGEST_WORDS] = digests[s]
         finally:
-            self._pool.release_readers([page.slot])
-
-    def _digest_on_host(self, page: PageRef, layer: int) -> None:
-        """Re-digests one layer of a page from its host bytes (every shard)."""
-        cls, pos = self._layer_class[layer]
-        for s in range(cls.num_shards):
-            self._pool.pools[cls.index].digests[page.slot, pos, s, :_integrity.DIGEST_WORDS] \
-                = _shard_digest(self._pool, cls, page.slot, pos, s, page.key)
+            self._pool.end_edit(page.slot)
 
     def export_page(self, page: PageRef) -> bytes:
         if not isinstance(page, PageRef):
             raise TypeError(f"expected a PageRef. Got {page!r} of type {type(page)}")
-        problem, = self._pool.acquire_readers([(page.slot, page.generation)])
+        problem, = self._pool.acquire_readers([(page.slot, page.generation)], brief=True)
         if problem is not None:
             raise PoolError(f"{page} cannot be exported: {problem}")
         try:
@@ -171,7 +178,7 @@ class HostPages:
             blob = encode(self._plan, self._fingerprint, page.key,
                           self._pool.seal_of(page.slot), self._with_digest, parts)
         finally:
-            self._pool.release_readers([page.slot])
+            self._pool.release_readers([page.slot], brief=True)
         self._stats.add(pages_exported=1)
         return blob
 

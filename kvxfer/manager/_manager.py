@@ -586,6 +586,9 @@ class KVCacheManager:
         back a page from a tier below host memory use ``import_page``, which keeps
         the device-made digests.
 
+        The bytes and their digests change as one step: a load, prefetch or export
+        racing the write finds the page as it was or as written, never a mix.
+
         Args:
           page: a valid page.
           layer: the layer.
@@ -594,6 +597,9 @@ class KVCacheManager:
 
         Raises:
           TypeError: ``data`` is not bytes-like. ValueError: wrong length.
+          PoolError: the page is stale or freed, or a load in flight or a prefetch
+            holds it (naming the page; write once the load ends or the prefetch
+            is released). Nothing is written then.
         """
         self._host.write_block_bytes(page, layer, data)
 
