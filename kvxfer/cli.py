@@ -230,7 +230,9 @@ def _register_plan(sub: Any) -> None:
                    "copy moves (whole granularity groups when not addressable); auto: "
                    "device bytes where addressable, else dense blocks")
     p.add_argument("--budget", type=byte_size, help="host-memory budget: bytes or a size "
-                   "with a unit, e.g. 64GiB (default: half of the available host memory)")
+                   "with a unit: 64GiB or 64G (binary, as -Xmx and docker read 64g), 64GB "
+                   "(decimal); the plan prints it in bytes (default: half of the "
+                   "available host memory)")
     p.add_argument("--devices", type=bounded_int(1, 4096), default=1,
                    help="shard KV heads over N devices (at most 4096)")
     p.add_argument("--no-tpu-layouts", action="store_true",
