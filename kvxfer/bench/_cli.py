@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvxfer import _resources
 from kvxfer._check import out_dir
 from kvxfer._text import fit_width
-from kvxfer.bench._config import Only
+from kvxfer.bench._config import Only, check_run_arguments
 from kvxfer.store import SPEC_FORMS, spec_argument
 
 if TYPE_CHECKING:
@@ -33,6 +33,9 @@ def _progress(line: str) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int:
+    # Argument errors first, before JAX is imported (a second or more): a typo is one
+    # line at once, never a line after the run.
+    check_run_arguments(args.store or (), args.only, args.model or ())
     from kvxfer.bench import report as _report
     from kvxfer.bench._config import BenchConfig
     from kvxfer.bench._run import run_bench

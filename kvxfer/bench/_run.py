@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import subprocess
-import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from kvxfer.bench import report as _report
 from kvxfer.bench._caller import cases_not_timed, first_call_section, queued_section
 from kvxfer.bench._fit import fit_section, warmups_not_timed
 from kvxfer.bench._hostrss import peak_bytes, start
-from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._config import BenchConfig, check_run_arguments
 from kvxfer.bench._config import Only as Only
 from kvxfer.bench._copysizes import copy_size_section
 from kvxfer.bench._model import model_section
@@ -28,7 +27,6 @@ from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells,
 from kvxfer.bench._store import DEFAULT_STORE, lookup_section, store_section, store_steps
 from kvxfer.bench.limits import make_limit
 from kvxfer.bench.timing import Progress, frozen_heap, now
-from kvxfer.store import parse_spec
 
 __all__ = ["run_bench", "SCHEMA", "Only"]
 
@@ -109,24 +107,10 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         ('smoke', True)
     """
     cfg = config or (BenchConfig.quick() if quick else BenchConfig.full())
-    if only is not None and only not in typing.get_args(Only):
-        raise ValueError(f"Expected only in {typing.get_args(Only)} or None. Got {only!r} "
-                         f"of type {type(only).__name__}")
     stores = list(stores)
     models = list(models)
-    if only == "model" and not models:
-        raise ValueError("only='model' needs a config in models= (kvxfer bench --only model "
-                         "--model CONFIG); got none")
-    if models and only not in (None, "model"):
-        raise ValueError(f"models={models!r} are measured by the models section, which "
-                         f"only={only!r} leaves out; use only='model' (--only model) or "
-                         "run every section")
-    from kvxfer import config as _config
-
-    for name in models:  # a typo must not cost a whole run either
-        _config.load(name)
-    for spec in stores:  # before any section runs: a typo must not cost a whole run
-        parse_spec(spec)
+    # Before any section runs: a typo must not cost a whole run.
+    check_run_arguments(stores, only, models)
     model_steps = ["model"] * len(models)
     policy_plan = ["policy"] * policy_steps()
     planned = {None: plan(cfg) + model_steps + ["store"] * store_steps(cfg, stores) +

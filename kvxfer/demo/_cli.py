@@ -18,9 +18,23 @@ __all__ = ["register_cli", "build_parser", "main"]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvxfer.demo.command import format_summary, run_demo
+    import time
 
-    summary = run_demo(args)
+    from kvxfer.demo import _preflight
+
+    # Every check that needs no JAX (options, sizes, the store) before JAX is imported:
+    # a bad option is one line at once.
+    t_start = time.perf_counter()
+    opts = _preflight.options_of(args, {})
+    prepared = _preflight.preflight(opts)
+    store = _preflight.open_demo_store(opts.store)
+    try:
+        from kvxfer.demo.command import format_summary, run_prepared
+
+        summary = run_prepared(opts, prepared, store, t_start)
+    finally:
+        if store is not None:
+            store.close()
     print(json.dumps(summary) if args.json else format_summary(summary))
     return 0 if summary["tokens_match"] else 1
 
