@@ -151,6 +151,11 @@ def _layer_list(members: list[int]) -> str:
     return ",".join(out)
 
 
+def _builtins(kind: _resources.Kind) -> str:
+    """The built-in names of ``kind``, for an option's help."""
+    return ", ".join(_resources.builtin_names(kind))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvxfer`` argument parser, every command registered."""
     parser = _Parser(
@@ -170,11 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-dim", type=bounded_int(0, 63), default=0,
                    help="the block dim (default 0)")
     p.add_argument("--catalog", type=_resources.argument("layouts"),
-                   help="a built-in catalogue name (seeds, tpu_kv_derived, ...) or a JSON "
-                   "file: check every entry's verdict")
+                   help="a built-in catalogue name or a JSON file: check every entry's "
+                   f"verdict (built in: {_builtins('layouts')})")
     p.add_argument("--config", type=_resources.argument("configs"),
-                   help="a built-in config name (llama3-8b, ...) or a TOML file: "
-                   "inspect every layer's cache, one row per slice class")
+                   help="a built-in config name or a TOML file: inspect every layer's "
+                   f"cache, one row per slice class (built in: {_builtins('configs')})")
     _cli_target.add_target_arguments(p, inspect=True)
     p.add_argument("--json", action="store_true", help="one JSON object per array")
     p.set_defaults(func=_cmd_inspect)
@@ -219,7 +224,8 @@ def _register_plan(sub: Any) -> None:
                        "class's host pool on its own and checks the total against the "
                        "host-memory budget, before anything is allocated.")
     p.add_argument("--config", required=True, type=_resources.argument("configs"),
-                   help="a built-in config name or a TOML file")
+                   help=f"a built-in config name or a TOML file (built in: "
+                   f"{_builtins('configs')})")
     p.add_argument("--num-host-blocks", type=positive_int,
                    help="host pages (default: the config's)")
     p.add_argument("--num-blocks", type=positive_int,
@@ -260,10 +266,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status.
 
     Bad input (a usage error, a bad value, an unreadable or unknown file) is one line
-    on stderr and status 2; anything else is a bug and raises.
+    on stderr and status 2; anything else is a bug and raises. No arguments at all
+    print the help (status 0), as ``--help`` does.
     """
     try:
         parser = build_parser()
+        if not (sys.argv[1:] if argv is None else list(argv)):
+            # A bare ``kvxfer`` asks what there is, as ``kvxfer --help`` does: the help
+            # on stdout and exit 0. Nothing was asked that could fail, and bad input
+            # keeps its one line on stderr and exit 2.
+            print(parser.format_help(), end="")
+            return 0
         args = parser.parse_args(argv)
     except UsageError as e:
         command = next((a for a in (argv if argv is not None else sys.argv[1:])

@@ -19,7 +19,7 @@ from kvxfer.store import SPEC_FORMS, spec_argument
 if TYPE_CHECKING:
     from kvxfer.bench import report as _report
 
-__all__ = ["register_cli"]
+__all__ = ["register_cli", "say_misses"]
 
 
 #: Columns the bench's terminal output fits: the report (``--wide`` lifts it for the
@@ -53,17 +53,21 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int
     if args.json:
         print(json.dumps(report))
     else:
-        print(_report.format_report(report, width=None if args.wide else WIDTH))
+        print(_report.format_report(report, width=None if args.wide else WIDTH,
+                                    judge=True if args.check else None))
         if "files" in report:
             print("wrote " + ", ".join(report["files"].values()))
-    _say_misses(report, args.check)
+    say_misses(report, args.check)
     return _report.exit_status(report, args.check)
 
 
-def _say_misses(report: dict[str, Any], check: bool) -> None:
-    """Names each missed target on stderr; says whether the misses set the exit status."""
+def say_misses(report: dict[str, Any], check: bool) -> None:
+    """Names each missed target on stderr; says whether the misses set the exit status.
+    A smoke run's figures are judged only when ``--check`` asks: without it, nothing."""
     from kvxfer.bench import report as _report
 
+    if not check and not _report.judged(report):
+        return
     misses = _report.missed(report)
     if not misses:
         if check:
@@ -139,8 +143,8 @@ def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
                    "prefix of its own, and removes what it wrote")
     p.add_argument("--model", action="append", metavar="CONFIG",
                    type=_resources.argument("configs"),
-                   help="also measure a model config's own caches (a configs/ name such as "
-                   "sglang-llama3-8b-p1, or a TOML file): offload and load of whole pages, "
+                   help="also measure a model config's own caches (a built-in config: "
+                   f"{', '.join(_resources.builtin_names('configs'))}; or a TOML file): offload and load of whole pages, "
                    "256 MiB per call (--smoke: 256 KiB), integrity off and page, against "
                    "the limit in the same run, "
                    "and the host time per page; repeat for several")
