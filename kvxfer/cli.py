@@ -7,14 +7,16 @@ array that is not addressable is a verdict, not an error (exit 0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvxfer import _cli_target
+from kvxfer import _cli_target, _interrupt
 from kvxfer import _resources
 from kvxfer._check import bounded_int, byte_size, path_name, positive_int
 from kvxfer._requires import JaxVersionError
@@ -289,10 +291,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     devices = getattr(args, "devices", None)
     if isinstance(devices, int) and devices > 1:
         _ask_for_cpu_devices(devices)
+    # A long command (one that names its Ctrl-C line) stops at its next safe point on
+    # the first Ctrl-C, never inside a compile; a second exits at once (_interrupt).
+    on_interrupt = getattr(args, "on_interrupt", None)
+    with _interrupt.deferred(on_interrupt(args)) if on_interrupt else contextlib.nullcontext():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Runs the parsed command; returns its exit status (bad input: one line, 2)."""
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()
-        return status
+        # A Ctrl-C after the last safe point: the command finished, and says it was
+        # asked to stop as a stopped one does.
+        return _interrupt.EXIT_STATUS if _interrupt.interrupted() else status
+    except _interrupt.Interrupted:
+        sys.stdout.flush()
+        return _interrupt.EXIT_STATUS
     except BrokenPipeError:
         # The reader went away (``| head``): stop quietly; further output goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -364,8 +380,18 @@ def _ask_for_cpu_devices(devices: int) -> None:
 
 
 def main_entry() -> None:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point.
+
+    Outside a long command's safe points (a quick command, the start, the shutdown
+    after a command stopped), Ctrl-C exits at once with status 130, never with a
+    KeyboardInterrupt traceback or one raised inside a compile."""
+    signal.signal(signal.SIGINT, lambda signum, frame: _interrupt.exit_now())
+    status = main()
+    # The command is over: a Ctrl-C while the interpreter shuts down would meet the
+    # default handler Python restores late in its shutdown and kill the process by
+    # SIGINT instead of exiting with the status (130 after a stop). Ignored, then.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

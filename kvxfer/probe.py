@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvxfer import _interrupt
 from kvxfer import config as _config
 from kvxfer._check import check_int
 from kvxfer._text import format_bytes, table
@@ -268,6 +269,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
                     not args.no_tpu_layouts, integrity, args.inject)
     reports = []
     for name in configs:
+        _interrupt.check()  # between configs: where the command line's Ctrl-C stops it
         report = run_probe(name, num_pages=args.pages, num_blocks=args.num_blocks,
                            devices=args.devices, path=args.path, integrity=integrity,
                            emulate_tpu=not args.no_tpu_layouts, gate=args.gate, seed=args.seed,

@@ -10,7 +10,7 @@ import sys
 import typing
 from typing import TYPE_CHECKING, Any
 
-from kvxfer import _resources
+from kvxfer import _interrupt, _resources
 from kvxfer._check import out_dir
 from kvxfer._text import fit_width
 from kvxfer.bench._config import Only, check_run_arguments
@@ -52,13 +52,28 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int
                        models=args.model or ())
     if args.json:
         print(json.dumps(report))
+    elif report["meta"].get("interrupted"):
+        # What a Ctrl-C left: the sections it finished (the stderr line said so).
+        print(_report.format_report(report, width=None if args.wide else WIDTH))
+        if "files" in report:
+            print("wrote " + ", ".join(report["files"].values()))
     else:
         print(_report.format_report(report, width=None if args.wide else WIDTH,
                                     judge=True if args.check else None))
         if "files" in report:
             print("wrote " + ", ".join(report["files"].values()))
+    if report["meta"].get("interrupted"):
+        return _interrupt.EXIT_STATUS
     say_misses(report, args.check)
     return _report.exit_status(report, args.check)
+
+
+def _on_interrupt(args: argparse.Namespace) -> str:
+    """The line the first Ctrl-C prints: where the run stops and what it keeps."""
+    kept = ("the sections measured so far are printed" + (" as JSON" if args.json else "")
+            + (f" and written to {args.out}/bench.json" if args.out else ""))
+    return (f"kvxfer bench: interrupted: stopping at the next step; {kept} (Ctrl-C again "
+            "stops at once)")
 
 
 def say_misses(report: dict[str, Any], check: bool) -> None:
@@ -164,5 +179,6 @@ def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
     p.add_argument("--targets", action="store_true",
                    help="print the targets (hardware, threshold, reason) and exit, "
                    "measuring nothing (with --json: as JSON)")
-    p.set_defaults(func=functools.partial(_cmd_bench, targets=targets))
+    p.set_defaults(func=functools.partial(_cmd_bench, targets=targets),
+                   on_interrupt=_on_interrupt)
     return p

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from kvxfer import _interrupt
 from kvxfer.bench import report as _report
 from kvxfer.bench._caller import cases_not_timed, first_call_section, queued_section
 from kvxfer.bench._fit import fit_section, warmups_not_timed
@@ -94,7 +95,9 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
       ``files``); with ``only="fit"`` or ``"policy"``: ``schema``, ``meta``, that
       section, ``targets``, ``not_measured`` (and ``files``). With ``models``, also
       ``models`` (one row per config); with ``only="model"``: ``schema``, ``meta``,
-      ``models``, ``targets``, ``not_measured`` (and ``files``).
+      ``models``, ``targets``, ``not_measured`` (and ``files``). A run the command
+      line's Ctrl-C stopped (``kvxfer._interrupt``) returns the sections it finished,
+      ``meta["interrupted"]`` saying where it stopped and no targets judged.
 
     Raises:
       ValueError: a bad ``only``, ``only="model"`` without ``models`` or ``models``
@@ -134,22 +137,20 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
                               "variants interleaved repeat by repeat"}}
     # What exists before the run (JAX's objects among them) is left out of the
     # collections the sections make before each timed region.
-    with frozen_heap():
-        if only is None:
-            _transfer_sections(cfg, report, steps)
-        else:
-            report["not_measured"] = []
-        if models and only in (None, "model"):
-            report["models"] = model_section(cfg, models, steps)
-        if only == "fit":
-            report["fit"] = fit_section(cfg, steps)
-            report["not_measured"] += warmups_not_timed(cfg)
-        elif only in (None, "store"):
-            report["store"] = store_section(cfg, stores, steps)
-            report["store_lookup"] = lookup_section(cfg, stores, steps)
-        if only in (None, "policy"):
-            report["policy"] = policy_section(steps, requests=cfg.policy_requests)
-    report["targets"] = _report.evaluate_targets(report, targets)
+    try:
+        with frozen_heap():
+            _sections(cfg, report, steps, only, stores, models)
+    except _interrupt.Interrupted:
+        # Ctrl-C under the command line: the sections measured so far are kept (and
+        # written to out_dir); those after, and a section cut short, are not.
+        done = len(steps.done)
+        report["meta"]["interrupted"] = f"by Ctrl-C in step {done + 1} of {len(steps.plan)}"
+        report.setdefault("not_measured", []).append(
+            f"interrupted by Ctrl-C in step {done + 1} of {len(steps.plan)}: the steps "
+            "from there on were not run")
+        report["targets"] = []  # a run cut short is not judged
+    else:
+        report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
     report["meta"]["peak_rss_bytes"] = peak_bytes()
     report["meta"]["load_average"] = _load_average()
@@ -157,17 +158,36 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         os.makedirs(out_dir, exist_ok=True)
         files = {"json": os.path.join(out_dir, "bench.json")}
         # The plot draws the prefix sweep: only in a run of every section.
-        png = _report.plot(report, os.path.join(out_dir, "bench.png")) if only is None \
-            else None
+        whole = only is None and "interrupted" not in report["meta"]
+        png = _report.plot(report, os.path.join(out_dir, "bench.png")) if whole else None
         if png:
             files["plot"] = png
-        elif only is None:
+        elif whole:
             report["not_measured"].append("plot: matplotlib is not importable "
                                           "(pip install 'kvxfer[plot]')")
         report["files"] = files
         with open(files["json"], "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
     return report
+
+
+def _sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress, only: Only | None,
+              stores: list[str], models: list[str]) -> None:
+    """Every section ``only`` asks for, into ``report``, each once it is whole."""
+    if only is None:
+        _transfer_sections(cfg, report, steps)
+    else:
+        report["not_measured"] = []
+    if models and only in (None, "model"):
+        report["models"] = model_section(cfg, models, steps)
+    if only == "fit":
+        report["fit"] = fit_section(cfg, steps)
+        report["not_measured"] += warmups_not_timed(cfg)
+    elif only in (None, "store"):
+        report["store"] = store_section(cfg, stores, steps)
+        report["store_lookup"] = lookup_section(cfg, stores, steps)
+    if only in (None, "policy"):
+        report["policy"] = policy_section(steps, requests=cfg.policy_requests)
 
 
 def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress) -> None:

@@ -66,7 +66,9 @@ def _format_report(report: dict[str, Any], judge: bool) -> str:
     only = f", --only {meta['only']}" if meta.get("only") else ""
     lines = [f"kvxfer bench — {meta['date']}, {meta['platform']} ({meta['device']}), "
              f"jax {meta['jax_version']}, {meta['cpu_count']} CPUs{preset}{only}"]
-    if "throughput" in report:
+    # The transfer sections print whole or not at all: Ctrl-C may have cut them short
+    # (the engine-fit section is their last).
+    if "throughput" in report and "fit" in report:
         lines += [f"source: {meta['source']}; limit: {meta['limit_method']}",
                   "GB/s = 1e9 bytes/s from the best repeat; (x) = fraction of the limit "
                   "measured in the same case; times in ms.",
@@ -79,6 +81,9 @@ def _format_report(report: dict[str, Any], judge: bool) -> str:
             lines.append(f"  not measured: {note}")
     else:
         lines.append(f"source: {meta['source']}")
+        if "throughput" in report:
+            lines.append("The transfer sections were cut short: what they measured is in "
+                         "--json and --out's bench.json.")
     if "fit" in report:
         lines += _fit_lines(report["fit"])
         if "throughput" not in report and report.get("not_measured"):
@@ -92,7 +97,10 @@ def _format_report(report: dict[str, Any], judge: bool) -> str:
     if "policy" in report:
         lines += policy_lines(report["policy"])
 
-    if not judge:
+    if meta.get("interrupted"):
+        lines += ["", f"Interrupted {meta['interrupted']}: the steps from there on were "
+                  "not run, and no target is judged."]
+    elif not judge:
         lines += ["", NOT_JUDGED]
     else:
         lines += ["", "Targets (each one's hardware and reason: kvxfer bench --targets; "

@@ -60,8 +60,15 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("demo", help="serving loop with a verified host-tier prefix cache",
                               description=_DESCRIPTION)
     add_arguments(p)
-    p.set_defaults(func=_cmd_demo)
+    p.set_defaults(func=_cmd_demo, on_interrupt=_on_interrupt)
     return p
+
+
+def _on_interrupt(args: argparse.Namespace) -> str:
+    """The line the first Ctrl-C prints: the demo stops between requests."""
+    store = ", writing its host pages to the store" if args.store else ""
+    return (f"kvxfer demo: interrupted: stopping after this request{store} (Ctrl-C again "
+            "stops at once)")
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvxfer import _interrupt
 from kvxfer._version import __version__ as kvxfer_version
 from kvxfer._text import format_bytes, table
 from kvxfer.demo import model as _model
@@ -43,7 +44,8 @@ _REQUEST_KINDS: tuple[str, ...] = get_args(RequestKind)
 
 
 class _Progress:
-    """Progress lines on stderr, only once a run has taken a few seconds."""
+    """Progress lines on stderr, only once a run has taken a few seconds; a call is a
+    safe point for Ctrl-C (``kvxfer._interrupt``)."""
 
     def __init__(self, enabled: bool, after_s: float = 3.0, every_s: float = 2.0):
         self.enabled = enabled
@@ -52,6 +54,9 @@ class _Progress:
         self.last = -1e9
 
     def __call__(self, text: str, force: bool = False) -> None:
+        # Called between requests: a safe point where the command line's Ctrl-C stops
+        # the run (never inside a compile).
+        _interrupt.check()
         now = time.perf_counter()
         if not self.enabled or now - self.start < self.after_s:
             return
