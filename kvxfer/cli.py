@@ -1,4 +1,4 @@
-"""The ``kvxfer`` command line: inspect | plan | probe | bench | demo.
+"""The ``kvxfer`` command line: inspect | plan | probe | bench | demo | aot.
 
 Every command has ``--json``. Bad input exits 2 with one line on stderr; a valid
 array that is not addressable is a verdict, not an error (exit 0).

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -282,12 +283,18 @@ def test_demo_help_says_which_gate_is_the_default():
 
 def test_bench_help_states_the_run_times():
     text = _help("bench")
+    # One figure per fact, with its load and CPU time: README's first-run table's.
     assert "32 MiB a call (the full run: 256 MiB, about 10 minutes on an idle 2-core CPU): " \
-        "about 2.5 minutes on a 2-core CPU, its peak host memory under 2 GB" in text
-    assert "checks that every section runs, in about 30 seconds on a shared 2-core CPU (one " \
-        "case " \
-        "of the sections where each case compiles programs of its own or starts " \
-        "processes; the report lists the others as not measured" in text
+        "2 min 4 s at load average 1.1-1.7 on a 2-core CPU (3 min of CPU time), its peak " \
+        "host memory 1.79 GB" in text
+    assert "checks that every section runs, in 25 s of CPU time (52 s at load average 6-7 " \
+        "on a 2-core CPU; one case of the sections where each case compiles programs of " \
+        "its own or starts processes; the report lists the others as not measured). Its " \
+        "figures mean little: no target is judged, unless --check asks" in text
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "| `kvxfer bench --quick` | 2 min 4 s | 1.1-1.7 | 3 min | peak 1.79 GB;" in readme
+    assert "| `kvxfer bench --smoke` | 52 s | 5.9-7.4 | 25 s |" in readme
+    assert "2.5 minutes" not in text and "1.62 GB" not in readme
     assert "a minute or so" not in text
     assert "last line says its wall time, peak memory and the load average" in text
 

@@ -142,15 +142,16 @@ def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="every section, fewer cases and repeats, 32 MiB a call (the full "
-                      "run: 256 MiB, about 10 minutes on an idle 2-core CPU): about 2.5 "
-                      "minutes on a 2-core CPU, its peak host memory under 2 GB. Each run's last line says its wall time, "
+                      "run: 256 MiB, about 10 minutes on an idle 2-core CPU): 2 min 4 s at "
+                      "load average 1.1-1.7 on a 2-core CPU (3 min of CPU time), its peak "
+                      "host memory 1.79 GB. Each run's last line says its wall time, "
                       "peak memory and the load average it ran under")
     size.add_argument("--smoke", action="store_true",
-                      help="tiny sizes: checks that every section runs, in about 30 seconds "
-                      "on a shared 2-core CPU (one case of the sections where each case compiles "
-                      "programs of its own or starts processes; the report lists the "
-                      "others as not measured; its figures, and so its targets, mean "
-                      "little)")
+                      help="tiny sizes: checks that every section runs, in 25 s of CPU time "
+                      "(52 s at load average 6-7 on a 2-core CPU; one case of the sections "
+                      "where each case compiles programs of its own or starts processes; "
+                      "the report lists the others as not measured). Its figures mean "
+                      "little: no target is judged, unless --check asks")
     p.add_argument("--store", action="append", metavar="SPEC", type=spec_argument,
                    help=f"a store the store section measures ({SPEC_FORMS}); repeat for "
                    "several. Default: a disk store in a temporary directory. The bench "
