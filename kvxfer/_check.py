@@ -147,11 +147,15 @@ def bounded_int(minimum: int, maximum: int, what: str = "") -> Callable[[str], i
 
 def byte_size(text: str) -> int:
     """An argparse type: a size in bytes, with or without a unit (``64GiB``, ``512 MiB``,
-    ``1.5GB``, ``4096``); binary units are powers of 1024, decimal ones of 1000.
+    ``1.5GB``, ``64G``, ``4096``), parsed exactly by ``parse_bytes``: ``KiB`` .. ``PiB``
+    and a bare ``K`` / ``M`` / ``G`` (as ``-Xmx`` and docker read it) are powers of
+    1024, ``KB`` .. ``PB`` powers of 1000.
 
     Example:
         >>> byte_size("64GiB"), byte_size("1.5 KiB"), byte_size("2GB"), byte_size("4096")
         (68719476736, 1536, 2000000000, 4096)
+        >>> byte_size("64G") == byte_size("64GiB"), byte_size("2.01KB")
+        (True, 2010)
     """
     try:
         return parse_bytes(text)

@@ -50,4 +50,6 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--seed", type=bounded_int(0, 2**32 - 1), default=0,
                    help="the random bits' and block ids' seed (default 0)")
     p.add_argument("--json", action="store_true", help="one JSON object per config")
-    p.set_defaults(func=_cmd_probe)
+    p.set_defaults(func=_cmd_probe, on_interrupt=lambda args: (
+        "kvxfer probe: interrupted: stopping before the next config (Ctrl-C again stops "
+        "at once)"))

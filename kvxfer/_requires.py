@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["JAX_FLOOR", "JaxVersionError", "version_tuple", "jax_refusal", "require_jax"]
+__all__ = ["JAX_FLOOR", "JaxVersionError", "version_tuple", "version_key", "jax_refusal",
+           "require_jax"]
 
 JAX_FLOOR = "0.10.2"
 """The oldest jax and jaxlib kvxfer runs on (jax pins its jaxlib to its own version).
@@ -47,6 +48,35 @@ def version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in m.group().split("."))
 
 
+_PRE = re.compile(r"[-_.]?(a|alpha|b|beta|c|rc|pre|preview)[-_.]?\d*")
+_DEV = re.compile(r"[-_.]?dev")
+_POST = re.compile(r"[-_.]?(post|rev|r)[-_.]?\d*|-\d")
+
+
+def version_key(text: str) -> tuple[tuple[int, ...], int]:
+    """A key that orders versions as PEP 440 does where it matters for a floor: a
+    pre-release (``0.10.2rc1``, ``0.10.2b1``) and a development release
+    (``0.10.2.dev1``) come before their release, a post-release after it, a local
+    version (``+cuda12``) with it; ``0.10`` equals ``0.10.0``.
+
+    Raises:
+      ValueError: ``text`` does not start with a number (``version_tuple``).
+
+    Example:
+        >>> [version_key(v) < version_key("0.10.2") for v in
+        ...  ("0.10.2rc1", "0.10.2.dev1", "0.10.2", "0.10.2.post1", "0.11.0.dev20260101")]
+        [True, True, False, False, False]
+    """
+    release = version_tuple(text)
+    rest = str(text).strip()[len(".".join(map(str, release))):].lower().split("+")[0]
+    while release and release[-1] == 0:
+        release = release[:-1]  # 0.10 == 0.10.0
+    # Within one release: dev < pre-release < the release < post-release.
+    stage = 0 if _DEV.match(rest) else 1 if _PRE.match(rest) else \
+        3 if _POST.match(rest) else 2
+    return release, stage
+
+
 def jax_refusal(versions: Mapping[str, str]) -> str | None:
     """Why kvxfer cannot run on these versions (None: it can).
 
@@ -60,9 +90,11 @@ def jax_refusal(versions: Mapping[str, str]) -> str | None:
         >>> why = jax_refusal({"jax": "0.9.2", "jaxlib": "0.9.2"})
         >>> "jax and jaxlib 0.10.2 or newer" in why and "has jax 0.9.2, jaxlib 0.9.2" in why
         True
+        >>> jax_refusal({"jax": "0.10.2rc1", "jaxlib": "0.10.2"}) is None  # before 0.10.2
+        False
     """
-    floor = version_tuple(JAX_FLOOR)
-    if all(version_tuple(v) >= floor for v in versions.values()):
+    floor = version_key(JAX_FLOOR)
+    if all(version_key(v) >= floor for v in versions.values()):
         return None
     have = ", ".join(f"{name} {v}" for name, v in versions.items())
     return (f"kvxfer needs jax and jaxlib {JAX_FLOOR} or newer (XLA:CPU programs with "

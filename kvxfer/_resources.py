@@ -9,6 +9,7 @@ to an existing file is read as given.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import stat
 from collections.abc import Callable
@@ -83,11 +84,17 @@ def find(kind: Kind, name: str | os.PathLike[str]) -> Path:
     from any directory.
 
     Raises:
-      UnknownNameError: one message for every unknown name, listing the built-ins.
+      UnknownNameError: one message for every unknown name, listing the built-ins,
+        with the nearest built-in name first where one is close (difflib).
 
     Example:
         >>> find("layouts", "seeds").name
         'seeds.json'
+        >>> try:
+        ...     find("configs", "llama3-8")
+        ... except UnknownNameError as e:
+        ...     print(str(e).split(" (")[0])
+        llama3-8: no such file and no built-in config of that name; did you mean 'llama3-8b'?
     """
     text = os.fspath(name)
     shown = _shown(text)
@@ -105,8 +112,10 @@ def find(kind: Kind, name: str | os.PathLike[str]) -> Path:
     names = builtin_names(kind)
     if bare and stem in names:
         return data_dir(kind) / f"{stem}{_SUFFIX[kind]}"
+    close = difflib.get_close_matches(stem, names, n=1, cutoff=0.6) if bare else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
     raise UnknownNameError(
-        f"{shown}: no such file and no built-in {_WHAT[kind]} of that name (built-in "
+        f"{shown}: no such file and no built-in {_WHAT[kind]} of that name{hint} (built-in "
         f"{_WHAT[kind]}s: {', '.join(names) or 'none found in ' + str(data_dir(kind))})")
 
 

@@ -2,21 +2,44 @@
 
 from __future__ import annotations
 
-import math
 import re
 import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_bytes", "parse_bytes", "table", "fit_width", "MAX_BYTES"]
+__all__ = ["format_bytes", "parse_bytes", "unit_bytes", "table", "fit_width", "MAX_BYTES"]
 
 MAX_BYTES = 1 << 60
 """The largest size ``parse_bytes`` takes (1 EiB): anything above is a typo."""
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-          "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50}
+_BINARY = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+_DECIMAL = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "p": 1000**5}
+# A number (digits, a point, digits) then a unit: B, KiB.., KB.., K.. or kb.. (see
+# ``unit_bytes``). Exponents, signs and separators are not sizes.
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
+
+
+def unit_bytes(unit: str) -> int | None:
+    """The bytes of one ``unit``, None if it is not one.
+
+    ``KiB`` .. ``PiB`` (any case) are powers of 1024; ``KB`` .. ``PB`` (a capital B,
+    SI's ``kB`` too) powers of 1000; a bare ``K``, ``M``, ``G``, ``T``, ``P`` (either
+    case) is binary, as ``java -Xmx64g`` and ``docker --memory 64g`` read it; so is an
+    all-lowercase ``kb`` .. ``pb`` (or ``Gb``), which ``docker --memory 64gb`` reads as
+    64 GiB: only a capital B after the prefix makes a unit decimal.
+
+    Example:
+        >>> [unit_bytes(u) for u in ("", "B", "KiB", "KB", "kB", "K", "g", "gb", "GB", "x")]
+        [1, 1, 1024, 1000, 1000, 1024, 1073741824, 1073741824, 1000000000, None]
+    """
+    if unit in ("", "b", "B"):
+        return 1
+    prefix, rest = unit[0].lower(), unit[1:]
+    if prefix not in _BINARY:
+        return None
+    if rest.lower() == "ib" or rest in ("", "b"):
+        return _BINARY[prefix]
+    return _DECIMAL[prefix] if rest == "B" else None
 
 
 def format_bytes(n: int | None) -> str:
@@ -30,8 +53,11 @@ def format_bytes(n: int | None) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """``'64GiB'`` -> ``68719476736``: a size in bytes with an optional unit (B, KiB,
-    MiB, GiB, TiB, PiB in powers of 1024; KB, MB, GB, TB in powers of 1000; any case).
+    """``'64GiB'`` -> ``68719476736``: a size in bytes with an optional unit, parsed
+    exactly (no floating point): ``2.01KB`` is 2010 bytes, and a size that is not a
+    whole number of bytes is refused. Units as ``unit_bytes`` reads them: ``KiB`` ..
+    ``PiB`` binary, ``KB`` .. ``PB`` decimal, a bare ``K`` / ``M`` / ``G`` / ``T`` /
+    ``P`` (and docker's lowercase ``gb``) binary.
 
     Raises:
       ValueError: not a size, a fraction of a byte, or above ``MAX_BYTES``; naming the text.
@@ -39,20 +65,31 @@ def parse_bytes(text: str) -> int:
     Example:
         >>> parse_bytes("64GiB"), parse_bytes("512 mib"), parse_bytes("1.5GB")
         (68719476736, 536870912, 1500000000)
+        >>> parse_bytes("2.01KB"), parse_bytes("64G"), parse_bytes("64g") == 64 << 30
+        (2010, 68719476736, True)
+        >>> parse_bytes("2.0001KB")
+        Traceback (most recent call last):
+        ...
+        ValueError: '2.0001KB' is 2000.1 bytes, not a whole number of bytes
     """
     m = _SIZE.fullmatch(text) if isinstance(text, str) and len(text) <= 64 else None
-    unit = _UNITS.get(m.group(2).lower()) if m else None
+    unit = unit_bytes(m.group(2)) if m else None
     if m is None or unit is None:
         raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit "
-                         "such as 64GiB, 512MiB or 2GB")
-    digits = m.group(1)
-    value = int(digits) * unit if "." not in digits else float(digits) * unit
-    if not math.isfinite(value) or value > MAX_BYTES:
+                         "such as 64GiB, 512MiB or 2GB (KiB/MiB/GiB binary, KB/MB/GB "
+                         "decimal, a bare K/M/G binary)")
+    whole, _, fraction = m.group(1).partition(".")
+    # Exact: the digits as a ratio of integers, so 2.01KB is 2010 bytes, not 2009.99...
+    scale = 10 ** len(fraction)
+    numerator = (int(whole or "0") * scale + int(fraction or "0")) * unit
+    value, remainder = divmod(numerator, scale)
+    if value > MAX_BYTES or value == MAX_BYTES and remainder:
         raise ValueError(f"{text!r} is above {format_bytes(MAX_BYTES)}, the largest size "
                          "taken")
-    if value != int(value):
-        raise ValueError(f"{text!r} is not a whole number of bytes")
-    return int(value)
+    if remainder:
+        shown = f"{value}.{str(remainder * 10**64 // scale).zfill(64).rstrip('0')}"
+        raise ValueError(f"{text!r} is {shown} bytes, not a whole number of bytes")
+    return value
 
 
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:

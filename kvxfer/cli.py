@@ -1,4 +1,4 @@
-"""The ``kvxfer`` command line: inspect | plan | probe | bench | demo.
+"""The ``kvxfer`` command line: inspect | plan | probe | bench | demo | aot.
 
 Every command has ``--json``. Bad input exits 2 with one line on stderr; a valid
 array that is not addressable is a verdict, not an error (exit 0).
@@ -7,14 +7,16 @@ array that is not addressable is a verdict, not an error (exit 0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvxfer import _cli_target
+from kvxfer import _cli_target, _interrupt
 from kvxfer import _resources
 from kvxfer._check import bounded_int, byte_size, path_name, positive_int
 from kvxfer._requires import JaxVersionError
@@ -151,6 +153,11 @@ def _layer_list(members: list[int]) -> str:
     return ",".join(out)
 
 
+def _builtins(kind: _resources.Kind) -> str:
+    """The built-in names of ``kind``, for an option's help."""
+    return ", ".join(_resources.builtin_names(kind))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvxfer`` argument parser, every command registered."""
     parser = _Parser(
@@ -170,11 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-dim", type=bounded_int(0, 63), default=0,
                    help="the block dim (default 0)")
     p.add_argument("--catalog", type=_resources.argument("layouts"),
-                   help="a built-in catalogue name (seeds, tpu_kv_derived, ...) or a JSON "
-                   "file: check every entry's verdict")
+                   help="a built-in catalogue name or a JSON file: check every entry's "
+                   f"verdict (built in: {_builtins('layouts')})")
     p.add_argument("--config", type=_resources.argument("configs"),
-                   help="a built-in config name (llama3-8b, ...) or a TOML file: "
-                   "inspect every layer's cache, one row per slice class")
+                   help="a built-in config name or a TOML file: inspect every layer's "
+                   f"cache, one row per slice class (built in: {_builtins('configs')})")
     _cli_target.add_target_arguments(p, inspect=True)
     p.add_argument("--json", action="store_true", help="one JSON object per array")
     p.set_defaults(func=_cmd_inspect)
@@ -219,7 +226,8 @@ def _register_plan(sub: Any) -> None:
                        "class's host pool on its own and checks the total against the "
                        "host-memory budget, before anything is allocated.")
     p.add_argument("--config", required=True, type=_resources.argument("configs"),
-                   help="a built-in config name or a TOML file")
+                   help=f"a built-in config name or a TOML file (built in: "
+                   f"{_builtins('configs')})")
     p.add_argument("--num-host-blocks", type=positive_int,
                    help="host pages (default: the config's)")
     p.add_argument("--num-blocks", type=positive_int,
@@ -230,7 +238,9 @@ def _register_plan(sub: Any) -> None:
                    "copy moves (whole granularity groups when not addressable); auto: "
                    "device bytes where addressable, else dense blocks")
     p.add_argument("--budget", type=byte_size, help="host-memory budget: bytes or a size "
-                   "with a unit, e.g. 64GiB (default: half of the available host memory)")
+                   "with a unit: 64GiB or 64G (binary, as -Xmx and docker read 64g), 64GB "
+                   "(decimal); the plan prints it in bytes (default: half of the "
+                   "available host memory)")
     p.add_argument("--devices", type=bounded_int(1, 4096), default=1,
                    help="shard KV heads over N devices (at most 4096)")
     p.add_argument("--no-tpu-layouts", action="store_true",
@@ -258,10 +268,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status.
 
     Bad input (a usage error, a bad value, an unreadable or unknown file) is one line
-    on stderr and status 2; anything else is a bug and raises.
+    on stderr and status 2; anything else is a bug and raises. No arguments at all
+    print the help (status 0), as ``--help`` does.
     """
     try:
         parser = build_parser()
+        if not (sys.argv[1:] if argv is None else list(argv)):
+            # A bare ``kvxfer`` asks what there is, as ``kvxfer --help`` does: the help
+            # on stdout and exit 0. Nothing was asked that could fail, and bad input
+            # keeps its one line on stderr and exit 2.
+            print(parser.format_help(), end="")
+            return 0
         args = parser.parse_args(argv)
     except UsageError as e:
         command = next((a for a in (argv if argv is not None else sys.argv[1:])
@@ -274,10 +291,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     devices = getattr(args, "devices", None)
     if isinstance(devices, int) and devices > 1:
         _ask_for_cpu_devices(devices)
+    # A long command (one that names its Ctrl-C line) stops at its next safe point on
+    # the first Ctrl-C, never inside a compile; a second exits at once (_interrupt).
+    on_interrupt = getattr(args, "on_interrupt", None)
+    with _interrupt.deferred(on_interrupt(args)) if on_interrupt else contextlib.nullcontext():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Runs the parsed command; returns its exit status (bad input: one line, 2)."""
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()
-        return status
+        # A Ctrl-C after the last safe point: the command finished, and says it was
+        # asked to stop as a stopped one does.
+        return _interrupt.EXIT_STATUS if _interrupt.interrupted() else status
+    except _interrupt.Interrupted:
+        sys.stdout.flush()
+        return _interrupt.EXIT_STATUS
     except BrokenPipeError:
         # The reader went away (``| head``): stop quietly; further output goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -349,8 +380,18 @@ def _ask_for_cpu_devices(devices: int) -> None:
 
 
 def main_entry() -> None:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point.
+
+    Outside a long command's safe points (a quick command, the start, the shutdown
+    after a command stopped), Ctrl-C exits at once with status 130, never with a
+    KeyboardInterrupt traceback or one raised inside a compile."""
+    signal.signal(signal.SIGINT, lambda signum, frame: _interrupt.exit_now())
+    status = main()
+    # The command is over: a Ctrl-C while the interpreter shuts down would meet the
+    # default handler Python restores late in its shutdown and kill the process by
+    # SIGINT instead of exiting with the status (130 after a stop). Ignored, then.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -315,7 +315,8 @@ class Plan:
         return out
 
     def __str__(self) -> str:
-        """A table of the classes, then the total; the mover column only once a
+        """A table of the classes, then the total and the budget (in bytes too, as
+        given: ``--budget 64G`` shows 68719476736); the mover column only once a
         manager chose the movers (a plan alone says how it sizes host blocks)."""
         rows = []
         for i, c in enumerate(self.classes):
@@ -329,7 +330,8 @@ class Plan:
                             "padding", "addressable"] + (["mover"] if self.movers else []))
         return (f"{text}\ntotal: {format_bytes(self.total_host_bytes)} of host memory for "
                 f"{self.num_host_blocks} host blocks x {self.num_layers} layers "
-                f"({_HOST_FORMAT[self.path]}; budget {format_bytes(self.budget)})")
+                f"({_HOST_FORMAT[self.path]})\nbudget: {format_bytes(self.budget)} "
+                f"({self.budget} bytes)")
 
 
 def _ranges_text(items: Sequence[int]) -> str:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvxfer import _interrupt
 from kvxfer import config as _config
 from kvxfer._check import check_int
 from kvxfer._text import format_bytes, table
@@ -131,14 +132,20 @@ def round_trip(mgr: KVCacheManager, caches: list[jax.Array], num_pages: int, *,
 
 
 def _check_size(spec: _config.ModelSpec, num_pages: int, num_blocks: int | None,
-                devices: int, emulate_tpu: bool) -> None:
-    """Refuses, before anything is allocated, pages above the device blocks and a probe
-    whose caches (held about five times: the caches, their clobbered copies, the
+                devices: int, emulate_tpu: bool, integrity: str = "off",
+                inject: str | None = None) -> None:
+    """Refuses, before JAX is imported and anything is allocated: a fault without page
+    digests, ``one-shard`` with no sharded layer, pages above the device blocks and a
+    probe whose caches (held about five times: the caches, their clobbered copies, the
     expected and loaded bits, the result), host pool and per-device runtime exceed the
     host memory available now (``BudgetError``, naming the sizes)."""
     from kvxfer.plan import RUNTIME_BYTES_PER_DEVICE, BudgetError, available_host_memory
 
+    if inject is not None and integrity != "page":
+        raise ValueError(f"--inject {inject} needs --integrity page")
     layers = spec.layer_specs(num_blocks, num_devices=devices, emulate_tpu=emulate_tpu)
+    if inject == "one-shard" and not any(s.num_shards > 1 for s in layers):
+        raise ValueError("--inject one-shard needs a sharded layer (use --devices 2+)")
     n = layers[0].num_blocks if layers else 0
     if num_pages > n:
         raise ValueError(f"--pages {num_pages} is more than the {n} device blocks per layer "
@@ -166,14 +173,14 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
     are refused by the manager (a ``LayoutError`` naming the layout); the probe then
     records the refusal and checks the same caches round-trip on the staged path.
     """
+    spec = _config.load_builtin(config)
+    devices = check_int(devices, "devices", minimum=1)
+    num_pages = check_int(num_pages, "num_pages", minimum=1)
+    _check_size(spec, num_pages, num_blocks, devices, emulate_tpu, integrity, inject)
     import jax
 
     from kvxfer.manager import KVCacheManager
 
-    spec = _config.load_builtin(config)
-    devices = check_int(devices, "devices", minimum=1)
-    num_pages = check_int(num_pages, "num_pages", minimum=1)
-    _check_size(spec, num_pages, num_blocks, devices, emulate_tpu)
     devs = jax.devices()[:devices] if devices > 1 else None
     if devices > len(jax.devices()):
         raise ValueError(f"--devices {devices}: only {len(jax.devices())} devices present")
@@ -192,8 +199,6 @@ def run_probe(config: str, *, num_pages: int = 16, num_blocks: int | None = None
         mgr = KVCacheManager(caches, num_host_blocks=num_pages, layouts=layouts,
                              integrity=integrity, path="staged")
     with mgr:
-        if inject is not None and integrity != "page":
-            raise ValueError(f"--inject {inject} needs --integrity page")
         _, rows, summary = round_trip(mgr, caches, num_pages, seed=seed, gate=gate,
                                       inject=inject)
         paths = mgr.paths
@@ -257,9 +262,14 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     configs = args.config or ["tiny"]
     if args.seeds:
         configs = ["seed-good", "seed-interleaved"]
+    integrity = args.integrity or ("page" if args.inject else "off")
+    # Every config's argument errors before the first one's run (and before JAX).
+    for name in configs:
+        _check_size(_config.load_builtin(name), args.pages, args.num_blocks, args.devices,
+                    not args.no_tpu_layouts, integrity, args.inject)
     reports = []
     for name in configs:
-        integrity = args.integrity or ("page" if args.inject else "off")
+        _interrupt.check()  # between configs: where the command line's Ctrl-C stops it
         report = run_probe(name, num_pages=args.pages, num_blocks=args.num_blocks,
                            devices=args.devices, path=args.path, integrity=integrity,
                            emulate_tpu=not args.no_tpu_layouts, gate=args.gate, seed=args.seed,

@@ -1,13 +1,20 @@
 """Walks every option of one ``kvxfer`` subcommand with hostile values, in this process.
 
 ``python cli_walker.py COMMAND WORKDIR`` prints one JSON object per case: the argv, the
-exit status, stderr, and the traceback when ``kvxfer.cli.main`` raised. Options are
-enumerated from ``kvxfer.cli.build_parser()``, so an option added later is walked too.
-The test (tests/test_cli_hostile.py) runs it under a timeout and judges the cases.
+exit status, stderr, the traceback when ``kvxfer.cli.main`` raised, and whether the case
+needed JAX. Options are enumerated from ``kvxfer.cli.build_parser()``, so an option
+added later is walked too. The test (tests/test_cli_hostile.py) runs it under a timeout
+and judges the cases.
+
+Whether a case needs JAX is found in two passes: first every case runs with JAX's
+import refused (an import hook raises ``NeedsJax``, a BaseException no error handler
+catches, where ``import jax`` would start it); a case that ends there never imported
+JAX. The cases that reached the hook run again, JAX allowed.
 """
 
 import argparse
 import contextlib
+import importlib.abc
 import io
 import json
 import os
@@ -85,17 +92,39 @@ def cases(command, subparser, workdir):
             yield option, value, argv + [option, value]
 
 
+class NeedsJax(BaseException):
+    """Raised where a case would import JAX while the first pass refuses it."""
+
+
+class _RefuseJax(importlib.abc.MetaPathFinder):
+    """While ``refusing``, ``import jax`` (or jaxlib) raises ``NeedsJax``."""
+
+    refusing = False
+
+    def find_spec(self, name, path=None, target=None):
+        if self.refusing and name.partition(".")[0] in ("jax", "jaxlib"):
+            raise NeedsJax(name)
+        return None
+
+
+REFUSE_JAX = _RefuseJax()
+sys.meta_path.insert(0, REFUSE_JAX)
+
+
 def run(argv):
+    """``(status, stderr, traceback or None, needs_jax)`` of ``kvxfer ARGV``."""
     out, err = io.StringIO(), io.StringIO()
-    status, raised = None, None
+    status, raised, needs_jax = None, None, False
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             status = cli.main(argv)
         except SystemExit as e:  # --version
             status = e.code
+        except NeedsJax:
+            needs_jax = True
         except BaseException:  # noqa: BLE001  (a traceback is what the walk looks for)
             raised = traceback.format_exc()
-    return status, err.getvalue(), raised
+    return status, err.getvalue(), raised, needs_jax
 
 
 def peak_rss():
@@ -120,11 +149,26 @@ def main():
         print(json.dumps(sorted(commands)))
         return
     os.chdir(workdir)
-    for option, value, argv in cases(command, commands[command], workdir):
-        status, err, raised = run(argv)
-        peak = peak_rss()
-        print(json.dumps({"option": option, "value": value, "argv": argv, "status": status,
-                          "stderr": err, "raised": raised, "peak_rss": peak}), flush=True)
+    assert "jax" not in sys.modules, "the walk starts without JAX"
+    later = []
+    REFUSE_JAX.refusing = True
+    for case in cases(command, commands[command], workdir):
+        status, err, raised, needs_jax = run(case[2])
+        if needs_jax:
+            later.append(case)
+        else:
+            report(case, status, err, raised, jax=False)
+    REFUSE_JAX.refusing = False
+    for case in later:
+        status, err, raised, _ = run(case[2])
+        report(case, status, err, raised, jax=True)
+
+
+def report(case, status, err, raised, *, jax):
+    option, value, argv = case
+    print(json.dumps({"option": option, "value": value, "argv": argv, "status": status,
+                      "stderr": err, "raised": raised, "jax": jax,
+                      "peak_rss": peak_rss()}), flush=True)
 
 
 if __name__ == "__main__":

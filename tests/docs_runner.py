@@ -7,7 +7,8 @@ compiled program, no thread of JAX's), then forks a child per job, so every bloc
 starts as a fresh process would after its imports: it may still choose its devices
 (``jax.config.update("jax_num_cpu_devices", N)``) and XLA flags. A child runs the
 block (``kind="python"``: the code as ``__main__``; ``"cli"``: ``kvxfer.cli.main``
-with the argv), with stdout and stderr in files, and exits with the block's status.
+with the argv), with stdout and stderr in files and its temporary files in a directory
+of its own (removed when it ends), and exits with the block's status.
 Results: ``{id: {"status", "stdout", "stderr", "seconds"}}``.
 """
 
@@ -15,16 +16,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
 TIMEOUT_S = 300
 
 
-def _child(job: dict, out: str, err: str) -> None:
+def _child(job: dict, out: str, err: str, tmp: str) -> None:
     os.chdir(job["cwd"])
+    # The block's temporary files (a docs example's ``tempfile.mkdtemp()``, "a
+    # directory of yours") go where the runner removes them once the block ends.
+    tempfile.tempdir = os.environ["TMPDIR"] = tmp
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
@@ -50,10 +56,11 @@ def _child(job: dict, out: str, err: str) -> None:
 
 def _run(job: dict) -> dict:
     out, err = (os.path.join(job["cwd"], f".docs-runner.{n}") for n in ("out", "err"))
+    tmp = tempfile.mkdtemp(prefix="kvxfer-docs-block-")
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(job, out, err)
+        _child(job, out, err, tmp)
     while True:
         done, wstatus = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -64,6 +71,7 @@ def _run(job: dict) -> dict:
             break
         time.sleep(0.02)
     status = os.waitstatus_to_exitcode(wstatus)
+    shutil.rmtree(tmp, ignore_errors=True)
     texts = []
     for path in (out, err):
         with open(path, errors="replace") as f:

@@ -1,5 +1,6 @@
 """A real redis-server for tests: started on a free loopback port in a temporary
-directory, answering PING before it is handed out, stopped afterwards.
+directory, answering PING before it is handed out, stopped afterwards; a watchdog
+stops it and removes its directory if the test process dies first (``watched``).
 
 The ``redis_server`` fixture (conftest.py) skips when redis-server or redis-py is
 missing, and fails instead when ``KVXFER_REQUIRE_REDIS=1`` (CI sets it). The
@@ -28,6 +29,47 @@ from collections.abc import Iterator
 import pytest
 
 REQUIRE = "KVXFER_REQUIRE_REDIS"
+
+
+# The watchdog of a test's redis-servers: once the test process is gone, however it
+# went (killed, SIGKILL included), it kills every process whose working directory is in
+# the servers' directory (redis-server changes to its --dir and rewrites its command
+# line, so the directory is what names it) and removes that directory.
+_WATCHDOG = """
+import os, shutil, signal, sys, time
+parent, work = int(sys.argv[1]), os.path.realpath(sys.argv[2])
+while os.getppid() == parent:
+    time.sleep(0.2)
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        continue
+    if cwd == work or cwd.startswith(work + os.sep):
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+time.sleep(0.2)
+shutil.rmtree(work, ignore_errors=True)
+"""
+
+
+@contextlib.contextmanager
+def watched(work: str) -> Iterator[None]:
+    """While the block runs, the redis-servers working in ``work`` and ``work`` itself
+    do not outlive this process: a watchdog (a session of its own, so a Ctrl-C to the
+    tests does not reach it) removes them if it dies. Stopped when the block ends."""
+    import sys
+
+    dog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), work],
+                           start_new_session=True, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        dog.kill()
+        dog.wait()
 
 
 def free_port() -> int:
@@ -65,7 +107,7 @@ def redis_server(timeout_s: float = 20.0) -> Iterator[str]:
     exe = shutil.which("redis-server")
     if exe is None:
         raise FileNotFoundError("redis-server is not on PATH")
-    with tempfile.TemporaryDirectory(prefix="kvxfer-redis-") as work:
+    with tempfile.TemporaryDirectory(prefix="kvxfer-redis-") as work, watched(work):
         for _ in range(3):  # another process may take the free port before the server
             port = free_port()
             log = os.path.join(work, f"redis-{port}.log")
@@ -372,7 +414,7 @@ def redis_cluster(nodes: int = 3, timeout_s: float = 30.0,
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if exe is None or cli is None:
         raise FileNotFoundError("redis-server or redis-cli is not on PATH")
-    with tempfile.TemporaryDirectory(prefix="kvxfer-redis-cluster-") as work:
+    with tempfile.TemporaryDirectory(prefix="kvxfer-redis-cluster-") as work, watched(work):
         for _ in range(3):  # another socket may take a chosen port first: again
             cluster, log = _start_cluster(exe, cli, work, nodes, timeout_s, proxied)
             if cluster is not None:

@@ -17,6 +17,7 @@ import pytest
 
 from kvxfer import bench
 from kvxfer._text import format_bytes
+from kvxfer.bench import _cli as bench_cli
 from kvxfer.bench import report as bench_report
 from kvxfer.store import DiskStore, StoreError
 
@@ -398,7 +399,8 @@ def test_only_store_runs_the_store_section_on_the_stores_given(tmp_path, redis_s
         assert not list(raw.scan_iter(match="kvxfer-bench-*"))
     text = bench.format_report(report)
     assert "--only store" in text and "Offload throughput" not in text
-    assert "0 of 0 targets that apply to cpu met" in text
+    assert "0 of 0 targets that apply to cpu met" in bench.format_report(report, judge=True)
+    assert "targets that apply" not in text  # a smoke run judges nothing unless asked
     r = report["store_lookup"][0]
     row = next(line for line in text.split("\nPrefix lookup from a Redis store", 1)[1]
                .splitlines() if line.startswith("redis "))
@@ -519,7 +521,7 @@ def test_targets_are_pass_miss_or_not_applicable_lines(run):
         assert t["hardware"] == spec.hardware_label
         assert (t["status"] == "N/A") == (not spec.applies("cpu")) == (t["value"] is None)
     assert report["targets"] == bench.evaluate_targets(report, UNMEETABLE)
-    text = bench.format_report(report)
+    text = bench.format_report(report, judge=True)  # as --smoke --check prints it
     for t in report["targets"]:
         assert f"{t['status']:<4}  {t['name']}" in text
         # Every line names its hardware, the run's or "any", as --targets does.
@@ -590,10 +592,29 @@ def test_words_page_and_staged_keep_one_meaning(run):
         [line for line in text.splitlines() if "path=staged" in line]
 
 
-def test_a_complete_run_reports_its_misses_and_exits_0(cli_run):
+def test_a_smoke_run_is_printed_without_verdicts(run):
+    """Smoke figures are too small to mean anything: the report shows them, judges
+    none (no PASS or MISS line, no count of targets met) and says so."""
+    report, _, _ = run
+    text = bench.format_report(report, width=100)
+    assert bench_report.NOT_JUDGED.split(".")[0] in text
+    assert "targets that apply" not in text and bench_report.MISS_MEANING not in text
+    assert not [line for line in text.splitlines()
+                if line.startswith(("PASS  ", "MISS  ", "N/A  "))]
+    assert "Prefix sweep" in text and "Host overhead" in text  # the figures are there
+
+
+def test_a_complete_run_reports_its_misses_and_exits_0(cli_run, capsys):
     report, _, lines, rc = cli_run
     misses = bench.missed(report)
     assert rc == 0 and any(t["target"] == "call_idle_ms_cpu" for t in misses)
+    # A smoke run without --check names no miss: its figures are not judged.
+    assert not [line for line in lines if "targets" in line or "MISS" in line]
+    assert not [t for t in misses if any(t["name"] in line for line in lines)]
+    # A run of another preset names each miss, and says --check would exit 1 on it.
+    quick = {**report, "meta": {**report["meta"], "preset": "quick"}}
+    bench_cli.say_misses(quick, check=False)
+    lines = capsys.readouterr().err.splitlines()
     assert any("reported, not judged: --check exits 1 on a miss" in line for line in lines)
     for t in misses:
         assert any(t["name"] in line for line in lines)
@@ -747,5 +768,5 @@ def test_gpu_targets_and_report_from_the_same_figures(run):
     assert over["value"] == min(r["methods"]["offload_page"]["gbps"]
                                 / r["methods"]["jax_gather_pinned"]["gbps"]
                                 for r in big["throughput"] + big["sweep"])
-    text = bench.format_report({**gpu, "targets": targets})
+    text = bench.format_report({**gpu, "targets": targets}, judge=True)
     assert "pinned d2h" in text and "pinned h2d" in text and "100x" in text

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -103,11 +104,47 @@ def test_built_in_names_work_from_any_directory(tmp_path):
 
 def test_unknown_names_get_one_message_listing_the_built_ins(tmp_path):
     for command in (["plan"], ["probe"], ["inspect"]):
-        r = kvxfer(*command, "--config", "llama9", cwd=tmp_path)
+        r = kvxfer(*command, "--config", "zzzz", cwd=tmp_path)
         assert r.returncode == 2
         assert r.stderr.count("\n") == 1, r.stderr
-        assert "llama9: no such file and no built-in config of that name (built-in " \
+        assert "zzzz: no such file and no built-in config of that name (built-in " \
                "configs: deepseek-mla, gemma-mixed," in r.stderr
+
+
+@pytest.mark.parametrize("args, typed, meant", [
+    (["plan", "--config"], "lama3-8b", "llama3-8b"),
+    (["probe", "--config"], "tinny", "tiny"),
+    (["inspect", "--config"], "gemma_mixed", "gemma-mixed"),
+    (["bench", "--model"], "sglang-llama3-8b-p46", "sglang-llama3-8b-p64"),
+    (["inspect", "--catalog"], "seed", "seeds"),
+])
+def test_a_mistyped_name_gets_a_did_you_mean(args, typed, meant):
+    r = kvxfer(*args, typed)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"{typed}: no such file and no built-in " in r.stderr
+    assert f"of that name; did you mean {meant!r}? (built-in " in r.stderr
+
+
+@pytest.mark.parametrize("command, option", [("plan", "--config"), ("inspect", "--config"),
+                                             ("probe", "--config"), ("bench", "--model")])
+def test_help_lists_the_built_in_configs(command, option):
+    from kvxfer import config
+
+    text = _help(command)
+    names = config.builtin_names()
+    assert len(names) >= 10
+    listed = text.split(option, 2)[2]  # the option's help, after the usage line
+    for name in names:
+        assert name in listed.replace("- ", "-"), (command, name)
+
+
+def test_bare_kvxfer_prints_its_help_and_exits_0():
+    """A bare ``kvxfer`` asks what there is: the help, as ``kvxfer --help`` prints it
+    (nothing was asked that could fail; bad input keeps exit 2 and one line)."""
+    r = kvxfer()
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout == kvxfer("--help").stdout
+    assert r.stdout.startswith("usage: kvxfer") and "{inspect,plan,probe,bench,demo" in r.stdout
 
 
 def test_version():
@@ -120,7 +157,6 @@ def test_version():
     (["probe", "--devices", "0"], "--devices: 0 must be >= 1"),
     (["probe", "--pages", "-3"], "--pages: -3 must be >= 1"),
     (["nosuch"], "invalid choice: 'nosuch'"),
-    ([], "the following arguments are required: command"),
     (["plan"], "the following arguments are required: --config"),
     (["plan", "--config", "two\nlines"], "'two\\nlines': no such file"),
     (["aot", "--target", "v6e", "--config", "nosuch"], "--config: nosuch: no such file"),
@@ -247,12 +283,18 @@ def test_demo_help_says_which_gate_is_the_default():
 
 def test_bench_help_states_the_run_times():
     text = _help("bench")
+    # One figure per fact, with its load and CPU time: README's first-run table's.
     assert "32 MiB a call (the full run: 256 MiB, about 10 minutes on an idle 2-core CPU): " \
-        "about 2.5 minutes on a 2-core CPU, its peak host memory under 2 GB" in text
-    assert "checks that every section runs, in about 30 seconds on a shared 2-core CPU (one " \
-        "case " \
-        "of the sections where each case compiles programs of its own or starts " \
-        "processes; the report lists the others as not measured" in text
+        "2 min 4 s at load average 1.1-1.7 on a 2-core CPU (3 min of CPU time), its peak " \
+        "host memory 1.79 GB" in text
+    assert "checks that every section runs, in 25 s of CPU time (52 s at load average 6-7 " \
+        "on a 2-core CPU; one case of the sections where each case compiles programs of " \
+        "its own or starts processes; the report lists the others as not measured). Its " \
+        "figures mean little: no target is judged, unless --check asks" in text
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "| `kvxfer bench --quick` | 2 min 4 s | 1.1-1.7 | 3 min | peak 1.79 GB;" in readme
+    assert "| `kvxfer bench --smoke` | 52 s | 5.9-7.4 | 25 s |" in readme
+    assert "2.5 minutes" not in text and "1.62 GB" not in readme
     assert "a minute or so" not in text
     assert "last line says its wall time, peak memory and the load average" in text
 

@@ -216,3 +216,21 @@ def test_cli_page_documents_every_option():
                    if o.startswith("--") and o != "--help"}
         missing = sorted(o for o in options if not re.search(re.escape(o) + r"\b", sections[name]))
         assert not missing, f"docs/cli.md, kvxfer {name}: options not described: {missing}"
+
+
+def test_the_blocks_leave_no_temporary_directories(tmp_path):
+    """A block's ``tempfile.mkdtemp()`` (the docs' "a directory of yours") is removed
+    once the block ends, as is everything the runner made for it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = ("import os, tempfile\n"
+            "d = tempfile.mkdtemp()\n"
+            "open(os.path.join(d, 'x'), 'w').write('x')\n"
+            "print(os.path.isdir(d))\n")
+    jobs = [{"id": "mkdtemp", "kind": "python", "code": code, "cwd": str(tmp_path)}]
+    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name(
+        "docs_runner.py"))], input=json.dumps(jobs), capture_output=True, text=True,
+        env={**_env(), "TMPDIR": str(tmp)}, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["mkdtemp"]["stdout"] == "True\n"
+    assert list(tmp.iterdir()) == []

@@ -175,6 +175,13 @@ def test_an_older_jax_is_refused_naming_the_floor():
     assert f"jax and jaxlib {JAX_FLOOR} or newer" in why
     assert "this environment has jax 0.10.1, jaxlib 0.10.1" in why
     assert jax_refusal({"jax": JAX_FLOOR, "jaxlib": "0.9.2"}) is not None
+    # Pre-releases and development releases of the floor come before it (PEP 440).
+    for before in (f"{JAX_FLOOR}rc1", f"{JAX_FLOOR}b2", f"{JAX_FLOOR}.dev20260101",
+                   f"{JAX_FLOOR}a1"):
+        why = jax_refusal({"jax": before, "jaxlib": JAX_FLOOR})
+        assert why is not None and f"has jax {before}, jaxlib {JAX_FLOOR}" in why, before
+    for after in (f"{JAX_FLOOR}.post1", f"{JAX_FLOOR}+cuda12", f"{JAX_FLOOR}.0", "1.0rc1"):
+        assert jax_refusal({"jax": after, "jaxlib": JAX_FLOOR}) is None, after
     with pytest.raises(ValueError, match="'nightly' \\(str\\) does not start"):
         jax_refusal({"jax": "nightly"})
 

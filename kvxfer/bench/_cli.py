@@ -10,16 +10,16 @@ import sys
 import typing
 from typing import TYPE_CHECKING, Any
 
-from kvxfer import _resources
+from kvxfer import _interrupt, _resources
 from kvxfer._check import out_dir
 from kvxfer._text import fit_width
-from kvxfer.bench._config import Only
+from kvxfer.bench._config import Only, check_run_arguments
 from kvxfer.store import SPEC_FORMS, spec_argument
 
 if TYPE_CHECKING:
     from kvxfer.bench import report as _report
 
-__all__ = ["register_cli"]
+__all__ = ["register_cli", "say_misses"]
 
 
 #: Columns the bench's terminal output fits: the report (``--wide`` lifts it for the
@@ -33,6 +33,9 @@ def _progress(line: str) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int:
+    # Argument errors first, before JAX is imported (a second or more): a typo is one
+    # line at once, never a line after the run.
+    check_run_arguments(args.store or (), args.only, args.model or ())
     from kvxfer.bench import report as _report
     from kvxfer.bench._config import BenchConfig
     from kvxfer.bench._run import run_bench
@@ -49,18 +52,37 @@ def _cmd_bench(args: argparse.Namespace, targets: _report.Targets | None) -> int
                        models=args.model or ())
     if args.json:
         print(json.dumps(report))
-    else:
+    elif report["meta"].get("interrupted"):
+        # What a Ctrl-C left: the sections it finished (the stderr line said so).
         print(_report.format_report(report, width=None if args.wide else WIDTH))
         if "files" in report:
             print("wrote " + ", ".join(report["files"].values()))
-    _say_misses(report, args.check)
+    else:
+        print(_report.format_report(report, width=None if args.wide else WIDTH,
+                                    judge=True if args.check else None))
+        if "files" in report:
+            print("wrote " + ", ".join(report["files"].values()))
+    if report["meta"].get("interrupted"):
+        return _interrupt.EXIT_STATUS
+    say_misses(report, args.check)
     return _report.exit_status(report, args.check)
 
 
-def _say_misses(report: dict[str, Any], check: bool) -> None:
-    """Names each missed target on stderr; says whether the misses set the exit status."""
+def _on_interrupt(args: argparse.Namespace) -> str:
+    """The line the first Ctrl-C prints: where the run stops and what it keeps."""
+    kept = ("the sections measured so far are printed" + (" as JSON" if args.json else "")
+            + (f" and written to {args.out}/bench.json" if args.out else ""))
+    return (f"kvxfer bench: interrupted: stopping at the next step; {kept} (Ctrl-C again "
+            "stops at once)")
+
+
+def say_misses(report: dict[str, Any], check: bool) -> None:
+    """Names each missed target on stderr; says whether the misses set the exit status.
+    A smoke run's figures are judged only when ``--check`` asks: without it, nothing."""
     from kvxfer.bench import report as _report
 
+    if not check and not _report.judged(report):
+        return
     misses = _report.missed(report)
     if not misses:
         if check:
@@ -120,15 +142,16 @@ def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="every section, fewer cases and repeats, 32 MiB a call (the full "
-                      "run: 256 MiB, about 10 minutes on an idle 2-core CPU): about 2.5 "
-                      "minutes on a 2-core CPU, its peak host memory under 2 GB. Each run's last line says its wall time, "
+                      "run: 256 MiB, about 10 minutes on an idle 2-core CPU): 2 min 4 s at "
+                      "load average 1.1-1.7 on a 2-core CPU (3 min of CPU time), its peak "
+                      "host memory 1.79 GB. Each run's last line says its wall time, "
                       "peak memory and the load average it ran under")
     size.add_argument("--smoke", action="store_true",
-                      help="tiny sizes: checks that every section runs, in about 30 seconds "
-                      "on a shared 2-core CPU (one case of the sections where each case compiles "
-                      "programs of its own or starts processes; the report lists the "
-                      "others as not measured; its figures, and so its targets, mean "
-                      "little)")
+                      help="tiny sizes: checks that every section runs, in 25 s of CPU time "
+                      "(52 s at load average 6-7 on a 2-core CPU; one case of the sections "
+                      "where each case compiles programs of its own or starts processes; "
+                      "the report lists the others as not measured). Its figures mean "
+                      "little: no target is judged, unless --check asks")
     p.add_argument("--store", action="append", metavar="SPEC", type=spec_argument,
                    help=f"a store the store section measures ({SPEC_FORMS}); repeat for "
                    "several. Default: a disk store in a temporary directory. The bench "
@@ -136,8 +159,8 @@ def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
                    "prefix of its own, and removes what it wrote")
     p.add_argument("--model", action="append", metavar="CONFIG",
                    type=_resources.argument("configs"),
-                   help="also measure a model config's own caches (a configs/ name such as "
-                   "sglang-llama3-8b-p1, or a TOML file): offload and load of whole pages, "
+                   help="also measure a model config's own caches (a built-in config: "
+                   f"{', '.join(_resources.builtin_names('configs'))}; or a TOML file): offload and load of whole pages, "
                    "256 MiB per call (--smoke: 256 KiB), integrity off and page, against "
                    "the limit in the same run, "
                    "and the host time per page; repeat for several")
@@ -157,5 +180,6 @@ def register_cli(subparsers: Any, *, targets: _report.Targets | None = None
     p.add_argument("--targets", action="store_true",
                    help="print the targets (hardware, threshold, reason) and exit, "
                    "measuring nothing (with --json: as JSON)")
-    p.set_defaults(func=functools.partial(_cmd_bench, targets=targets))
+    p.set_defaults(func=functools.partial(_cmd_bench, targets=targets),
+                   on_interrupt=_on_interrupt)
     return p

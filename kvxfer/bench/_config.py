@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
+from collections.abc import Sequence
 from typing import Any, Literal
 
-__all__ = ["BenchConfig", "BatchedBaseline", "Only", "KiB", "MiB", "GiB"]
+__all__ = ["BenchConfig", "BatchedBaseline", "Only", "KiB", "MiB", "GiB",
+           "check_run_arguments"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -308,3 +311,49 @@ class BenchConfig:
                   "copy_sizes", "call_cases", "warmup_paths"):
             d[k] = list(d[k])
         return d
+
+
+def check_run_arguments(stores: Sequence[str], only: str | None,
+                        models: Sequence[str]) -> None:
+    """Refuses ``run_bench``'s arguments that would fail a run midway, before JAX is
+    imported and anything is measured: a bad ``only``, ``only="model"`` without
+    ``models`` (or ``models`` with another ``only``), a model config that does not
+    load, a store spec that does not parse or a disk store's directory that is not
+    one.
+
+    Raises:
+      ValueError: naming the bad value (``ConfigError`` for a config).
+      StoreError: an OSError naming a store directory that is not one.
+
+    Example:
+        >>> check_run_arguments(["/nonexistent/dir"], None, [])
+        Traceback (most recent call last):
+        ...
+        kvxfer.store._base.StoreError: bench: store directory '/nonexistent/dir' does not exist
+    """
+    from kvxfer import config as _config
+    from kvxfer.store import StoreError, parse_spec
+
+    if only is not None and only not in typing.get_args(Only):
+        raise ValueError(f"Expected only in {typing.get_args(Only)} or None. Got {only!r} "
+                         f"of type {type(only).__name__}")
+    if only == "model" and not models:
+        raise ValueError("only='model' needs a config in models= (kvxfer bench --only model "
+                         "--model CONFIG); got none")
+    if models and only not in (None, "model"):
+        raise ValueError(f"models={list(models)!r} are measured by the models section, "
+                         f"which only={only!r} leaves out; use only='model' (--only model) "
+                         "or run every section")
+    for name in models:  # a typo must not cost a whole run
+        _config.load(name)
+    for spec in stores:
+        kind, where = parse_spec(spec)
+        if kind != "disk":
+            continue
+        # The bench writes in a new temporary directory inside this one.
+        if not os.path.isdir(where):
+            raise StoreError(f"bench: store directory {where!r} "
+                             + ("is not a directory" if os.path.exists(where)
+                                else "does not exist"))
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise StoreError(f"bench: store directory {where!r} is not writable")

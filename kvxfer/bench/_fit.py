@@ -178,8 +178,11 @@ def _warmup(cfg: BenchConfig, path: str, cache_dir: str) -> dict[str, Any]:
     args = [sys.executable, "-c", WARMUP_SCRIPT, str(cfg.layers), str(2 * cfg.fit_pages),
             str(cfg.fit_block_bytes), str(cfg.fit_pages), path, cache_dir]
     names = ("cold", "persistent_cache")
+    # A session of their own: a terminal's Ctrl-C reaches this process alone, which
+    # stops at its next step and ends them on the way out (kvxfer._interrupt).
     procs = {name: subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env)
+                                    stderr=subprocess.PIPE, text=True, env=env,
+                                    start_new_session=True)
              for name in names}
     # Neither may hang the run: both are killed once the limit passes.
     watchdog = threading.Timer(_WARMUP_TIMEOUT_S, lambda: [p.kill() for p in procs.values()])

@@ -331,6 +331,23 @@ def summary(report: dict[str, Any]) -> str:
     return line
 
 
+#: What a run of the smoke preset says in place of its target lines.
+NOT_JUDGED = ("Targets: not judged. --smoke runs tiny sizes to check that every section "
+              "runs; figures that small mean little (kvxfer bench --quick, or the full "
+              "run, judges them; --check judges these anyway).")
+
+
+def judged(report: dict[str, Any]) -> bool:
+    """Whether a run's figures are judged against the targets when it is printed: every
+    preset's but the smoke preset's, whose tiny sizes only show that each section runs.
+
+    Example:
+        >>> judged({"meta": {"preset": "smoke"}}), judged({"meta": {"preset": "quick"}})
+        (False, True)
+    """
+    return report["meta"].get("preset") != "smoke"
+
+
 def exit_status(report: dict[str, Any], check: bool) -> int:
     """What ``kvxfer bench`` exits with after a complete run: 0, or 1 when ``check``
     and a target that applies to the run's hardware missed."""

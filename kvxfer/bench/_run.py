@@ -8,17 +8,17 @@ import json
 import os
 import platform
 import subprocess
-import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
+from kvxfer import _interrupt
 from kvxfer.bench import report as _report
 from kvxfer.bench._caller import cases_not_timed, first_call_section, queued_section
 from kvxfer.bench._fit import fit_section, warmups_not_timed
 from kvxfer.bench._hostrss import peak_bytes, start
-from kvxfer.bench._config import BenchConfig
+from kvxfer.bench._config import BenchConfig, check_run_arguments
 from kvxfer.bench._config import Only as Only
 from kvxfer.bench._copysizes import copy_size_section
 from kvxfer.bench._model import model_section
@@ -28,7 +28,6 @@ from kvxfer.bench._sections import (cache_size_section, fit_plan, ordered_cells,
 from kvxfer.bench._store import DEFAULT_STORE, lookup_section, store_section, store_steps
 from kvxfer.bench.limits import make_limit
 from kvxfer.bench.timing import Progress, frozen_heap, now
-from kvxfer.store import parse_spec
 
 __all__ = ["run_bench", "SCHEMA", "Only"]
 
@@ -96,7 +95,9 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
       ``files``); with ``only="fit"`` or ``"policy"``: ``schema``, ``meta``, that
       section, ``targets``, ``not_measured`` (and ``files``). With ``models``, also
       ``models`` (one row per config); with ``only="model"``: ``schema``, ``meta``,
-      ``models``, ``targets``, ``not_measured`` (and ``files``).
+      ``models``, ``targets``, ``not_measured`` (and ``files``). A run the command
+      line's Ctrl-C stopped (``kvxfer._interrupt``) returns the sections it finished,
+      ``meta["interrupted"]`` saying where it stopped and no targets judged.
 
     Raises:
       ValueError: a bad ``only``, ``only="model"`` without ``models`` or ``models``
@@ -109,24 +110,10 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         ('smoke', True)
     """
     cfg = config or (BenchConfig.quick() if quick else BenchConfig.full())
-    if only is not None and only not in typing.get_args(Only):
-        raise ValueError(f"Expected only in {typing.get_args(Only)} or None. Got {only!r} "
-                         f"of type {type(only).__name__}")
     stores = list(stores)
     models = list(models)
-    if only == "model" and not models:
-        raise ValueError("only='model' needs a config in models= (kvxfer bench --only model "
-                         "--model CONFIG); got none")
-    if models and only not in (None, "model"):
-        raise ValueError(f"models={models!r} are measured by the models section, which "
-                         f"only={only!r} leaves out; use only='model' (--only model) or "
-                         "run every section")
-    from kvxfer import config as _config
-
-    for name in models:  # a typo must not cost a whole run either
-        _config.load(name)
-    for spec in stores:  # before any section runs: a typo must not cost a whole run
-        parse_spec(spec)
+    # Before any section runs: a typo must not cost a whole run.
+    check_run_arguments(stores, only, models)
     model_steps = ["model"] * len(models)
     policy_plan = ["policy"] * policy_steps()
     planned = {None: plan(cfg) + model_steps + ["store"] * store_steps(cfg, stores) +
@@ -150,22 +137,20 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
                               "variants interleaved repeat by repeat"}}
     # What exists before the run (JAX's objects among them) is left out of the
     # collections the sections make before each timed region.
-    with frozen_heap():
-        if only is None:
-            _transfer_sections(cfg, report, steps)
-        else:
-            report["not_measured"] = []
-        if models and only in (None, "model"):
-            report["models"] = model_section(cfg, models, steps)
-        if only == "fit":
-            report["fit"] = fit_section(cfg, steps)
-            report["not_measured"] += warmups_not_timed(cfg)
-        elif only in (None, "store"):
-            report["store"] = store_section(cfg, stores, steps)
-            report["store_lookup"] = lookup_section(cfg, stores, steps)
-        if only in (None, "policy"):
-            report["policy"] = policy_section(steps, requests=cfg.policy_requests)
-    report["targets"] = _report.evaluate_targets(report, targets)
+    try:
+        with frozen_heap():
+            _sections(cfg, report, steps, only, stores, models)
+    except _interrupt.Interrupted:
+        # Ctrl-C under the command line: the sections measured so far are kept (and
+        # written to out_dir); those after, and a section cut short, are not.
+        done = len(steps.done)
+        report["meta"]["interrupted"] = f"by Ctrl-C in step {done + 1} of {len(steps.plan)}"
+        report.setdefault("not_measured", []).append(
+            f"interrupted by Ctrl-C in step {done + 1} of {len(steps.plan)}: the steps "
+            "from there on were not run")
+        report["targets"] = []  # a run cut short is not judged
+    else:
+        report["targets"] = _report.evaluate_targets(report, targets)
     report["meta"]["wall_s"] = now() - started
     report["meta"]["peak_rss_bytes"] = peak_bytes()
     report["meta"]["load_average"] = _load_average()
@@ -173,17 +158,36 @@ def run_bench(quick: bool = False, out_dir: str | None = None, *,
         os.makedirs(out_dir, exist_ok=True)
         files = {"json": os.path.join(out_dir, "bench.json")}
         # The plot draws the prefix sweep: only in a run of every section.
-        png = _report.plot(report, os.path.join(out_dir, "bench.png")) if only is None \
-            else None
+        whole = only is None and "interrupted" not in report["meta"]
+        png = _report.plot(report, os.path.join(out_dir, "bench.png")) if whole else None
         if png:
             files["plot"] = png
-        elif only is None:
+        elif whole:
             report["not_measured"].append("plot: matplotlib is not importable "
                                           "(pip install 'kvxfer[plot]')")
         report["files"] = files
         with open(files["json"], "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
     return report
+
+
+def _sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress, only: Only | None,
+              stores: list[str], models: list[str]) -> None:
+    """Every section ``only`` asks for, into ``report``, each once it is whole."""
+    if only is None:
+        _transfer_sections(cfg, report, steps)
+    else:
+        report["not_measured"] = []
+    if models and only in (None, "model"):
+        report["models"] = model_section(cfg, models, steps)
+    if only == "fit":
+        report["fit"] = fit_section(cfg, steps)
+        report["not_measured"] += warmups_not_timed(cfg)
+    elif only in (None, "store"):
+        report["store"] = store_section(cfg, stores, steps)
+        report["store_lookup"] = lookup_section(cfg, stores, steps)
+    if only in (None, "policy"):
+        report["policy"] = policy_section(steps, requests=cfg.policy_requests)
 
 
 def _transfer_sections(cfg: BenchConfig, report: dict[str, Any], steps: Progress) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvxfer._text import fit_width, format_bytes, table
 from kvxfer.bench._figures import pinned_figures
-from kvxfer.bench._judge import MISS_MEANING, summary
+from kvxfer.bench._judge import MISS_MEANING, NOT_JUDGED, judged, summary
 from kvxfer.bench._policies import policy_lines
 
 __all__ = ["format_report", "target_line"]
@@ -38,9 +38,11 @@ _CACHE_SIZE_LABELS = {"off_auto": "kvxfer integrity=off, path=auto",
                       "user_scatter": "user device_put + donated scatter"}
 
 
-def format_report(report: dict[str, Any], *, width: int | None = None) -> str:
+def format_report(report: dict[str, Any], *, width: int | None = None,
+                  judge: bool | None = None) -> str:
     """The human-readable report: tables, then the PASS/MISS target lines (a report of
-    the store section alone has its table only).
+    the store section alone has its table only); a smoke run's says instead that its
+    figures are not judged (``NOT_JUDGED``), unless ``judge`` asks.
 
     A *block* is one layer's block; a *page* is one block index across every
     layer (what one host slot holds). ``integrity`` and ``gate`` name
@@ -51,18 +53,22 @@ def format_report(report: dict[str, Any], *, width: int | None = None) -> str:
       width: when given, no line is wider: wider tables are cut into parts of whole
         columns, each repeating the columns that name a row, and prose is wrapped
         (``kvxfer bench`` prints 100 columns). None: every table whole (``--wide``).
+      judge: print the target lines and their summary (None: ``judged(report)``,
+        every run but a smoke one; ``kvxfer bench --smoke --check`` passes True).
     """
-    text = _format_report(report)
+    text = _format_report(report, judged(report) if judge is None else judge)
     return text if width is None else fit_width(text, width)
 
 
-def _format_report(report: dict[str, Any]) -> str:
+def _format_report(report: dict[str, Any], judge: bool) -> str:
     meta = report["meta"]
     preset = f", {meta['preset']}" if meta.get("preset") not in (None, "full") else ""
     only = f", --only {meta['only']}" if meta.get("only") else ""
     lines = [f"kvxfer bench — {meta['date']}, {meta['platform']} ({meta['device']}), "
              f"jax {meta['jax_version']}, {meta['cpu_count']} CPUs{preset}{only}"]
-    if "throughput" in report:
+    # The transfer sections print whole or not at all: Ctrl-C may have cut them short
+    # (the engine-fit section is their last).
+    if "throughput" in report and "fit" in report:
         lines += [f"source: {meta['source']}; limit: {meta['limit_method']}",
                   "GB/s = 1e9 bytes/s from the best repeat; (x) = fraction of the limit "
                   "measured in the same case; times in ms.",
@@ -75,6 +81,9 @@ def _format_report(report: dict[str, Any]) -> str:
             lines.append(f"  not measured: {note}")
     else:
         lines.append(f"source: {meta['source']}")
+        if "throughput" in report:
+            lines.append("The transfer sections were cut short: what they measured is in "
+                         "--json and --out's bench.json.")
     if "fit" in report:
         lines += _fit_lines(report["fit"])
         if "throughput" not in report and report.get("not_measured"):
@@ -88,12 +97,18 @@ def _format_report(report: dict[str, Any]) -> str:
     if "policy" in report:
         lines += policy_lines(report["policy"])
 
-    lines += ["", "Targets (each one's hardware and reason: kvxfer bench --targets; "
-              "kvxfer bench --check exits 1 on a MISS)"]
-    lines += [target_line(t) for t in report["targets"]]
-    lines.append(summary(report))
-    if any(t["status"] != "N/A" for t in report["targets"]):
-        lines.append(MISS_MEANING)
+    if meta.get("interrupted"):
+        lines += ["", f"Interrupted {meta['interrupted']}: the steps from there on were "
+                  "not run, and no target is judged."]
+    elif not judge:
+        lines += ["", NOT_JUDGED]
+    else:
+        lines += ["", "Targets (each one's hardware and reason: kvxfer bench --targets; "
+                  "kvxfer bench --check exits 1 on a MISS)"]
+        lines += [target_line(t) for t in report["targets"]]
+        lines.append(summary(report))
+        if any(t["status"] != "N/A" for t in report["targets"]):
+            lines.append(MISS_MEANING)
     peak, load = meta.get("peak_rss_bytes"), meta.get("load_average")
     lines.append(f"\n(wall time {meta['wall_s']:.0f} s"
                  + (f", peak host memory {peak / 1e9:.2f} GB" if peak else "")

@@ -21,6 +21,8 @@ from kvxfer.bench._judge import Verdict as Verdict
 from kvxfer.bench._judge import evaluate_targets as evaluate_targets
 from kvxfer.bench._judge import exit_status as exit_status
 from kvxfer.bench._judge import MISS_MEANING as MISS_MEANING
+from kvxfer.bench._judge import NOT_JUDGED as NOT_JUDGED
+from kvxfer.bench._judge import judged as judged
 from kvxfer.bench._judge import missed as missed
 from kvxfer.bench._judge import summary as summary
 from kvxfer.bench._judge import verdict as verdict
@@ -40,4 +42,5 @@ from kvxfer.bench._targets import targets_table as targets_table
 __all__ = ["Targets", "evaluate_targets", "missed", "ZERO_OK", "iter_figures",
            "format_report", "pinned_figures", "Variant", "VARIANTS", "PANELS", "figure",
            "plot", "Target", "TARGET_TABLE", "TARGET_BY_FIELD", "targets_table", "Verdict",
-           "verdict", "summary", "exit_status", "target_line", "MISS_MEANING"]
+           "verdict", "summary", "exit_status", "target_line", "MISS_MEANING",
+           "NOT_JUDGED", "judged"]

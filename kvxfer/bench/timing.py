@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer import _interrupt
+
 __all__ = ["now", "no_gc", "frozen_heap", "gbps", "stats", "sample", "interleaved",
            "per_page_loop", "Progress", "format_duration"]
 
@@ -291,7 +293,9 @@ class Progress:
         return len(self.done) >= max(2, len(self.plan) / 4)
 
     def step(self, kind: str, line: str) -> None:
-        """Starts the next step (of ``kind``) and says ``line`` with the times."""
+        """Starts the next step (of ``kind``) and says ``line`` with the times. A safe
+        point: under the command line, a Ctrl-C stops the run here."""
+        _interrupt.check()
         t = self.clock()
         self._finish_current(t)
         self._current = (kind, t)
@@ -305,7 +309,9 @@ class Progress:
                               else "") + f"] {line}")
 
     def note(self, line: str) -> None:
-        """Says ``line`` with the current step's number and the elapsed time."""
+        """Says ``line`` with the current step's number and the elapsed time (a safe
+        point too)."""
+        _interrupt.check()
         number = len(self.done) + (1 if self._current is not None else 0)
         self.say(f"[{max(number, 1)}/{len(self.plan)} "
                  f"{format_duration(self.clock() - self.started)} elapsed] {line}")

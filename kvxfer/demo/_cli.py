@@ -18,9 +18,23 @@ __all__ = ["register_cli", "build_parser", "main"]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvxfer.demo.command import format_summary, run_demo
+    import time
 
-    summary = run_demo(args)
+    from kvxfer.demo import _preflight
+
+    # Every check that needs no JAX (options, sizes, the store) before JAX is imported:
+    # a bad option is one line at once.
+    t_start = time.perf_counter()
+    opts = _preflight.options_of(args, {})
+    prepared = _preflight.preflight(opts)
+    store = _preflight.open_demo_store(opts.store)
+    try:
+        from kvxfer.demo.command import format_summary, run_prepared
+
+        summary = run_prepared(opts, prepared, store, t_start)
+    finally:
+        if store is not None:
+            store.close()
     print(json.dumps(summary) if args.json else format_summary(summary))
     return 0 if summary["tokens_match"] else 1
 
@@ -46,8 +60,15 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("demo", help="serving loop with a verified host-tier prefix cache",
                               description=_DESCRIPTION)
     add_arguments(p)
-    p.set_defaults(func=_cmd_demo)
+    p.set_defaults(func=_cmd_demo, on_interrupt=_on_interrupt)
     return p
+
+
+def _on_interrupt(args: argparse.Namespace) -> str:
+    """The line the first Ctrl-C prints: the demo stops between requests."""
+    store = ", writing its host pages to the store" if args.store else ""
+    return (f"kvxfer demo: interrupted: stopping after this request{store} (Ctrl-C again "
+            "stops at once)")
 
 
 class _OneLineParser(argparse.ArgumentParser):

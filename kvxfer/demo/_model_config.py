@@ -17,10 +17,9 @@ import dataclasses
 import math
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LayerKV", "ModelConfig", "tiny_llama", "mixed_layers", "scaled"]
+__all__ = ["LayerKV", "ModelConfig", "tiny_llama", "mixed_layers", "scaled", "blocks_needed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +39,7 @@ class LayerKV:
         """Shape of one cache block of this layer: ``[block_size, 2, kv_heads, head_dim]``."""
         return (block_size, 2, self.num_kv_heads, self.head_dim)
 
-    def bytes_per_block(self, block_size: int, dtype: Any = jnp.float32) -> int:
+    def bytes_per_block(self, block_size: int, dtype: Any = np.float32) -> int:
         """Bytes of one cache block of this layer (K and V together) in ``dtype``."""
         return math.prod(self.block_shape(block_size)) * np.dtype(dtype).itemsize
 
@@ -105,7 +104,7 @@ class ModelConfig:
         """Longest sequence (prompt + generated) a block table can describe."""
         return self.block_size * self.max_blocks_per_seq
 
-    def kv_block_bytes(self, dtype: Any = jnp.float32) -> tuple[int, ...]:
+    def kv_block_bytes(self, dtype: Any = np.float32) -> tuple[int, ...]:
         """Bytes of one block, per layer, for caches of ``dtype``."""
         return tuple(lkv.bytes_per_block(self.block_size, dtype) for lkv in self.layers)
 
@@ -182,3 +181,13 @@ def scaled(
         max_blocks_per_seq=(cfg.max_blocks_per_seq if max_blocks_per_seq is None
                             else max_blocks_per_seq),
     )
+
+
+def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int = 16) -> int:
+    """Blocks a request must own for :meth:`Model.generate`.
+
+    The last generated token is returned but never fed back, so its KV is not
+    written: positions ``[0, prompt_len + max_new_tokens - 1)`` are.
+    """
+    written = prompt_len + max(max_new_tokens - 1, 0)
+    return -(-written // block_size)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import hashlib
 import json
 import sys
@@ -27,22 +26,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvxfer import _interrupt
 from kvxfer._version import __version__ as kvxfer_version
 from kvxfer._text import format_bytes, table
 from kvxfer.demo import model as _model
 from kvxfer.demo._options import DemoOptions
+from kvxfer.demo._preflight import Prepared, footprint, open_demo_store, options_of, preflight
 from kvxfer.demo.inject import FaultInjector
 from kvxfer.demo.server import PrefixCacheServer, RequestKind, RequestOutcome
 from kvxfer.demo.workload import make_workload, reference_tokens, shard_caches
-from kvxfer.store import Store, StoreError, open_store
+from kvxfer.store import Store
 
-__all__ = ["DemoOptions", "demo_namespace", "run_demo", "format_summary", "footprint"]
+__all__ = ["DemoOptions", "demo_namespace", "run_demo", "run_prepared", "format_summary",
+           "footprint"]
 
 _REQUEST_KINDS: tuple[str, ...] = get_args(RequestKind)
 
 
 class _Progress:
-    """Progress lines on stderr, only once a run has taken a few seconds."""
+    """Progress lines on stderr, only once a run has taken a few seconds; a call is a
+    safe point for Ctrl-C (``kvxfer._interrupt``)."""
 
     def __init__(self, enabled: bool, after_s: float = 3.0, every_s: float = 2.0):
         self.enabled = enabled
@@ -51,6 +54,9 @@ class _Progress:
         self.last = -1e9
 
     def __call__(self, text: str, force: bool = False) -> None:
+        # Called between requests: a safe point where the command line's Ctrl-C stops
+        # the run (never inside a compile).
+        _interrupt.check()
         now = time.perf_counter()
         if not self.enabled or now - self.start < self.after_s:
             return
@@ -76,12 +82,6 @@ def _ensure_devices(n: int) -> list[Any]:
 
 def _median_ms(values: Sequence[float]) -> float | None:
     return round(float(np.median(values)) * 1e3, 3) if values else None
-
-
-def _model_config(options: DemoOptions, requests_need: int) -> _model.ModelConfig:
-    base = _model.tiny_llama() if options.model == "tiny" else _model.mixed_layers()
-    return _model.scaled(base, options.scale, num_layers=options.layers,
-                         max_blocks_per_seq=max(base.max_blocks_per_seq, requests_need))
 
 
 def demo_namespace(preset: str, cfg: _model.ModelConfig, seed: int, dtype: str) -> str:
@@ -139,90 +139,29 @@ def run_demo(options: DemoOptions | argparse.Namespace | None = None, **override
         >>> s["corruptions_detected"], s["tokens_match"]
         (1, True)
     """
-    opts = _options(options, overrides)
+    opts = options_of(options, overrides)
     t_start = time.perf_counter()
-    # The store first: one that cannot be opened or reached fails the run before the
-    # reference run and the warm-up (seconds of work) start.
-    store = _open_demo_store(opts.store)
+    # The sizes and the store first: a bad one fails the run before the reference run
+    # and the warm-up (seconds of work) start.
+    prepared = preflight(opts)
+    store = open_demo_store(opts.store)
     try:
-        return _run(opts, store, t_start)
+        return run_prepared(opts, prepared, store, t_start)
     finally:
         if store is not None:
             store.close()
 
 
-def _open_demo_store(spec: str | None) -> Store | None:
-    """The ``--store`` tier, opened and reached (a Redis server answers a ping)."""
-    if spec is None:
-        return None
-    try:
-        return open_store(spec)
-    except StoreError as e:  # its message names the store, its password redacted
-        raise StoreError(f"--store: {e}") from e
-
-
-def footprint(cfg: _model.ModelConfig, opts: DemoOptions) -> dict[str, int]:
-    """Bytes a demo run holds at once, by part, before any of it is allocated: the
-    weights (float32), three sets of device caches (the reference run's, the server's
-    and a donated step's), the host pool and the store's copy of it in memory, and
-    what the JAX runtime holds per device (``RUNTIME_BYTES_PER_DEVICE``).
-
-    Example:
-        >>> footprint(_model.tiny_llama(), DemoOptions())["host pool"]  # 2 x 64 x 32 KiB
-        4194304
-    """
-    from kvxfer.plan import RUNTIME_BYTES_PER_DEVICE
-
-    d, v, q = cfg.d_model, cfg.vocab_size, cfg.num_q_heads
-    weights = 2 * v * d + sum(d * q * lkv.head_dim * 2 + 2 * d * lkv.num_kv_heads * lkv.head_dim
-                              + 3 * d * cfg.ffn_dim + 2 * d for lkv in cfg.layers)
-    block = sum(cfg.kv_block_bytes(np.dtype(opts.dtype)))
-    devices = max(opts.devices, 2 if opts.inject == "one-shard" else 1)
-    return {"weights": 4 * weights, "device caches": 3 * opts.device_blocks * block,
-            "host pool": 2 * opts.host_blocks * block,
-            "runtime": devices * RUNTIME_BYTES_PER_DEVICE}
-
-
-def _check_footprint(cfg: _model.ModelConfig, opts: DemoOptions) -> None:
-    """Refuses (``BudgetError``) a demo whose ``footprint`` exceeds the host memory
-    available now, naming each part, before anything is allocated."""
-    from kvxfer.plan import BudgetError, available_host_memory
-
-    parts = footprint(cfg, opts)
-    budget = available_host_memory()
-    if sum(parts.values()) > budget:
-        named = ", ".join(f"{k} {format_bytes(n)}" for k, n in parts.items())
-        raise BudgetError(f"this demo needs {format_bytes(sum(parts.values()))} ({named}; "
-                          f"--scale {opts.scale}, {cfg.num_layers} layers, --device-blocks "
-                          f"{opts.device_blocks}, --host-blocks {opts.host_blocks}, "
-                          f"--devices {opts.devices}) but "
-                          f"{format_bytes(budget)} of host memory is available")
-
-
-def _run(opts: DemoOptions, store: Store | None, t_start: float) -> dict:
-    """``run_demo`` once its options are checked and its store is open."""
-    devices_n = opts.devices
-    if opts.inject == "one-shard" and devices_n < 2:
-        devices_n = 2  # corruption on one shard needs at least two shards
-    devices = _ensure_devices(devices_n)
+def run_prepared(opts: DemoOptions, prepared: Prepared, store: Store | None,
+                 t_start: float) -> dict:
+    """``run_demo`` once its options are checked (``options_of``), its sizes too
+    (``preflight``) and its store is open (``open_demo_store``); the command line
+    does those before it imports JAX."""
+    devices = _ensure_devices(prepared.devices)
     progress = _Progress(opts.progress)
-
-    bs = _model.tiny_llama().block_size
-    # The longest prompt: the longest system prompt and a suffix of bs - 1 tokens.
-    max_need = _model.blocks_needed(max(opts.system_pages) * bs + bs - 1, opts.new_tokens, bs)
-    cfg = _model_config(opts, max_need)
+    cfg = prepared.cfg
     requests = make_workload(cfg, opts.requests, opts.seed, system_pages=opts.system_pages,
                              new_tokens=opts.new_tokens)
-    if opts.device_blocks < max_need:
-        raise ValueError(f"--device-blocks {opts.device_blocks} is too few: a request needs "
-                         f"up to {max_need} blocks")
-    if opts.inject == "one-shard" and not any(
-            lkv.num_kv_heads % len(devices) == 0 for lkv in cfg.layers):
-        raise ValueError(f"--inject one-shard needs a layer whose KV heads split over "
-                         f"{len(devices)} devices; the layers have "
-                         f"{sorted({lkv.num_kv_heads for lkv in cfg.layers})} KV heads "
-                         "(use --devices 2 or raise --scale)")
-    _check_footprint(cfg, opts)
     model = _model.Model(cfg, seed=opts.seed)
     dtype = jnp.dtype(opts.dtype)
 
@@ -317,25 +256,6 @@ def _run(opts: DemoOptions, store: Store | None, t_start: float) -> dict:
         "serve_s": round(serve_s, 3),
         "time_s": round(time.perf_counter() - t_start, 3),
     }
-
-
-def _options(options: DemoOptions | argparse.Namespace | None,
-             overrides: dict[str, Any]) -> DemoOptions:
-    if options is None:
-        opts = DemoOptions()
-    elif isinstance(options, DemoOptions):
-        opts = options
-    elif isinstance(options, argparse.Namespace):
-        opts = DemoOptions.from_namespace(options)
-    else:
-        raise TypeError(f"options: expected DemoOptions or argparse.Namespace. Got "
-                        f"{options!r} of type {type(options)}")
-    if overrides:
-        opts = dataclasses.replace(opts, **overrides)
-    if isinstance(opts.system_pages, list):
-        opts = dataclasses.replace(opts, system_pages=tuple(opts.system_pages))
-    opts.check()
-    return opts
 
 
 def _ms(v: float | None) -> str:

@@ -67,7 +67,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvxfer.demo._model_config import LayerKV, ModelConfig, mixed_layers, scaled, tiny_llama
+from kvxfer.demo._model_config import (LayerKV, ModelConfig, blocks_needed, mixed_layers,
+                                       scaled, tiny_llama)
 from kvxfer.demo._model_layers import (LayerParams, compiled_layer_programs,
                                        decode_layer_step, embed, greedy_token, layer_step,
                                        logits, rms_norm, rope)
@@ -198,16 +199,6 @@ def pad_block_table(block_ids: Sequence[int] | np.ndarray | jax.Array,
     out = np.zeros((max_blocks_per_seq,), np.int32)
     out[: ids.size] = ids
     return jnp.asarray(out)
-
-
-def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int = 16) -> int:
-    """Blocks a request must own for :meth:`Model.generate`.
-
-    The last generated token is returned but never fed back, so its KV is not
-    written: positions ``[0, prompt_len + max_new_tokens - 1)`` are.
-    """
-    written = prompt_len + max(max_new_tokens - 1, 0)
-    return -(-written // block_size)
 
 
 def _check_table(block_table: jax.Array | np.ndarray | Sequence[int], max_blocks: int) -> jax.Array:
