@@ -8,9 +8,11 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax.experimental.buffer_callback import buffer_callback
 
-from kvxfer.bench import first_check
+from kvxfer.bench import _hazards, first_check
 
 
 def records(path):
@@ -45,6 +47,25 @@ def test_every_step_runs_and_reports(tmp_path):
     assert loads["last_layer_ms"] > 0 and loads["copy_ms"] > 0 and loads["layers"] == 2
     assert loads["prefetch_ratio"] == loads["matmul_after_prefetch_ms"] / \
         loads["matmul_alone_ms"]
+    # What broke in the DMA mover before: on XLA:CPU its host copy engine.
+    groups = by["several_groups"]
+    assert {k for k in groups if "integrity" in k} == {
+        "8x16KiB-integrity-off", "8x16KiB-integrity-page", "32x4KiB-integrity-off",
+        "32x4KiB-integrity-page"}
+    for case in (v for k, v in groups.items() if "integrity" in k):
+        assert case["exact"] and case["verified"] and len(case["rounds"]) == 2
+        assert [r["prefetched"] for r in case["rounds"]] == [False, True]
+    assert by["partial_enqueue"]["skipped"].startswith("no CUDA driver")
+    reuse = by["allocator_reuse"]
+    assert reuse["fresh_intact"] and reuse["loads_exact"] == reuse["cycles"] == 4
+    assert reuse["fresh_arrays"] == 6 * reuse["cycles"]
+    behind = by["load_behind_offload"]
+    assert behind["exact"] and behind["offload_bytes"] == 512 << 10
+    assert behind["behind_over_alone"] == behind["load_behind_offload_ms"] / \
+        behind["load_alone_ms"]
+    busy = by["busy_thread"]
+    assert busy["spins"] > 0 and busy["wrong_loads"] == {"alone": 0, "busy": 0}
+    assert busy["busy_over_alone_done"] == busy["busy_done_ms"] / busy["alone_done_ms"]
 
 
 def test_each_record_is_on_disk_when_its_step_ends(tmp_path):
@@ -87,3 +108,31 @@ def test_the_copy_check_finds_a_program_that_copies_a_cache():
     in_place = jax.jit(update, donate_argnums=0).lower(cache).compile()
     found = first_check.cache_copies(in_place, [jnp.zeros(cache.shape, cache.dtype)])
     assert found["cache_copies"] == 0 and found["alias_bytes"] == found["cache_bytes"]
+
+
+def test_the_command_line_runs_some_steps_or_all_but_some(tmp_path, capsys):
+    """The device check runs what broke before under a limit of its own, then the rest."""
+    assert first_check.main([str(tmp_path), "--small", "--steps", "versions"]) == 0
+    assert first_check.main([str(tmp_path), "--small", "--skip",
+                             ",".join(name for name, _ in first_check.STEPS[1:])]) == 0
+    assert [r["step"] for r in records(tmp_path)] == ["versions", "versions"]
+    with pytest.raises(SystemExit):
+        first_check.main([str(tmp_path), "--steps", "versions,no_such_step"])
+    assert "unknown steps ['no_such_step']" in capsys.readouterr().err
+
+
+def test_the_byte_checks_find_what_they_look_for():
+    """Wrong layers, blocks holding neither their old nor their new bytes, and a fresh
+    array overwritten are each found."""
+    old = [np.zeros((4, 8), np.uint16) for _ in range(2)]
+    new = [np.full((4, 8), 7, np.uint16) for _ in range(2)]
+    got = [new[0].copy(), old[1].copy()]
+    got[1][2] = new[1][2]
+    assert _hazards.wrong_layers(got, new) == [1]
+    assert _hazards.foreign_blocks(got, old, new) == []
+    got[0][3, 5] = 1  # one element of a block: neither old nor new
+    assert _hazards.foreign_blocks(got, old, new) == [(0, 3)]
+    fresh = _hazards.fill(1 << 14)
+    assert _hazards.intact(fresh) and len({v for _, v in fresh}) == 3
+    array, value = fresh[1]
+    assert not _hazards.intact(fresh[:1] + [(array.at[0].set(value + 1), value)])

@@ -10,6 +10,14 @@ the next one runs. The steps, each on the DMA mover (``path="dma"``):
   version and ``cuMemcpyBatchAsync`` ABI on CUDA), or why the DMA mover is refused;
 * ``callback_spy``: what the programs' callbacks saw: on a GPU the caller's thread at
   dispatch, ``ctx.stream`` an int, the ticket's job found;
+* what broke in the mover before (``kvxfer.bench._hazards``): ``several_groups``
+  (loads whose layer groups hold several layers, integrity off and on, byte for byte),
+  ``partial_enqueue`` (a driver call failing after some copies were enqueued: the
+  error, the caches, the next transfer, and fresh device arrays left as written),
+  ``allocator_reuse`` (prefetch/release and load cycles with fresh arrays allocated
+  between them), ``load_behind_offload`` (a load's last layer while a 1 GiB offload
+  is in flight, against the load alone and the link) and ``busy_thread`` (loads while
+  a thread spins in Python);
 * ``round_trips``: exact round trips of bfloat16 and float8_e4m3fn blocks in a random
   order, relayout never and always, and in place (a load's arrays keep their
   buffers);
@@ -27,7 +35,9 @@ the next one runs. The steps, each on the DMA mover (``path="dma"``):
 On XLA:CPU every step runs with ``CheckConfig.small()`` (the tests run it there); the
 figures mean something on an accelerator only.
 
-Usage:  python -m kvxfer.bench.first_check OUTDIR [--small]
+Usage:  python -m kvxfer.bench.first_check OUTDIR [--small] [--steps A,B | --skip A,B]
+(``--steps`` runs those steps only, ``--skip`` all others: a device check runs the
+first steps under a time limit of their own, so a hang there costs nothing after.)
 """
 
 from __future__ import annotations
@@ -51,10 +61,11 @@ import kvxfer
 from kvxfer import testing
 from kvxfer.bench._config import BenchConfig
 from kvxfer.bench._copysizes import copy_size_section
+from kvxfer.bench._hazards import HAZARD_STEPS, fails
 from kvxfer.bench.limits import make_limit
 from kvxfer.bench.timing import Progress, now, stats
-from kvxfer.engine import CALLBACK_STEPS, DmaMover, copy_engine, dma_refusal, layers_of
-from kvxfer.testing import callback_fault, spy_callbacks
+from kvxfer.engine import DmaMover, copy_engine, dma_refusal, layers_of
+from kvxfer.testing import CALLBACK_STEPS, callback_fault, spy_callbacks
 from kvxfer.layout import short_dtype_name
 
 __all__ = ["CheckConfig", "STEPS", "run", "main", "cache_copies"]
@@ -77,6 +88,13 @@ class CheckConfig:
       matmul: the side of the square bfloat16 matmul of the overlap step.
       copy_sizes: bytes per copy of the copy-size step; copy_bytes: bytes per call there.
       repeats: timed repeats of each measured step.
+      group_shapes: ``(layers, block bytes)`` of the classes whose layer groups hold
+        several layers (blocks under 64 KiB), for the several-group, partial-enqueue
+        (the first) and allocator-reuse (the first) steps.
+      group_rounds: loads of new pages per class of the several-group step.
+      reuse_cycles: prefetch/release and load cycles of the allocator-reuse step.
+      behind_bytes: bytes of the offload a load is dispatched behind.
+      busy_loads: timed loads, alone and beside a busy Python thread.
     """
 
     layers: int = 32
@@ -87,13 +105,19 @@ class CheckConfig:
     copy_sizes: tuple[int, ...] = (16 * KiB, 64 * KiB, 2 * MiB)
     copy_bytes: int = 64 * MiB
     repeats: int = 5
+    group_shapes: tuple[tuple[int, int], ...] = ((8, 16 * KiB), (32, 4 * KiB))
+    group_rounds: int = 4
+    reuse_cycles: int = 40
+    behind_bytes: int = 1 << 30
+    busy_loads: int = 10
 
     @classmethod
     def small(cls) -> CheckConfig:
         """Tiny sizes: every step in seconds on XLA:CPU (figures mean little)."""
         return cls(layers=2, block_bytes=4 * KiB, pages=4, offload_bytes=256 * KiB,
                    matmul=128, copy_sizes=(4 * KiB, 16 * KiB), copy_bytes=64 * KiB,
-                   repeats=2)
+                   repeats=2, group_rounds=2, reuse_cycles=4, behind_bytes=512 * KiB,
+                   busy_loads=3)
 
 
 def _caches(cfg: CheckConfig, blocks: int, dtype: str = "bfloat16",
@@ -202,9 +226,9 @@ def _callback_faults(cfg: CheckConfig) -> tuple[bool, Figures]:
         for step in CALLBACK_STEPS:
             before = [_bits(c) for c in caches]
             with callback_fault(step):
-                offload_failed = _fails(mgr.offload(caches, [n], keys=[100]).wait)
+                offload_failed = fails(mgr.offload(caches, [n], keys=[100]).wait)
                 caches, load = mgr.load(caches, pages, dst)
-                load_failed = _fails(load.result)
+                load_failed = fails(load.result)
             alive = not any(c.is_deleted() for c in caches) and all(
                 np.array_equal(_bits(c), b) for c, b in zip(caches, before))
             caches, load = mgr.load(caches, pages, dst)
@@ -214,14 +238,6 @@ def _callback_faults(cfg: CheckConfig) -> tuple[bool, Figures]:
     finally:
         mgr.close()
     return all(all(v.values()) for v in out.values()), out
-
-
-def _fails(wait: Callable[[], Any]) -> bool:
-    try:
-        wait()
-    except kvxfer.TransferError:
-        return True
-    return False
 
 
 def _no_cache_copy(cfg: CheckConfig) -> tuple[bool, Figures]:
@@ -401,6 +417,7 @@ def _load_overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
                 last.append(t1 - t0)
                 alone.append(by_itself)
                 after.append(behind)
+        fallbacks = mgr.stats()["dma_fallbacks"]
     finally:
         mgr.close()
     bound = copy * (1 + 1 / cfg.layers)
@@ -408,7 +425,7 @@ def _load_overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
                     "last_layer_ms": stats(last)["p50_s"] * 1e3, "copy_ms": copy * 1e3,
                     "matmul_alone_ms": stats(alone)["p50_s"] * 1e3,
                     "matmul_after_prefetch_ms": stats(after)["p50_s"] * 1e3,
-                    "beside": mgr._movers[0]._beside()}
+                    "dma_fallbacks": fallbacks}
     out.update(ratio=out["last_layer_ms"] / (bound * 1e3),
                prefetch_ratio=out["matmul_after_prefetch_ms"] / out["matmul_alone_ms"],
                target_ratio=1.1)
@@ -417,11 +434,13 @@ def _load_overlap(cfg: CheckConfig) -> tuple[bool, Figures]:
 
 
 STEPS: tuple[tuple[str, Step], ...] = (
-    ("versions", _versions), ("callback_spy", _callback_spy),
+    ("versions", _versions), ("callback_spy", _callback_spy), *HAZARD_STEPS,
     ("round_trips", _round_trips), ("callback_faults", _callback_faults),
     ("no_cache_copy", _no_cache_copy), ("copy_sizes", _copy_sizes),
     ("caller_time", _caller_time), ("overlap", _overlap), ("load_overlap", _load_overlap))
-"""The steps, in the order they run: what is cheapest and says the most comes first."""
+"""The steps, in the order they run: the versions and what the callbacks see, then what
+broke in the DMA mover before (``kvxfer.bench._hazards``), then the rest, what is
+cheapest and says the most first."""
 
 
 def run(out_dir: str | os.PathLike, cfg: CheckConfig,
@@ -465,9 +484,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="folder for first.jsonl")
     parser.add_argument("--small", action="store_true", help="tiny sizes (CPU dry run)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--steps", type=_names, help="run these steps only (A,B,...)")
+    which.add_argument("--skip", type=_names, help="run every step but these (A,B,...)")
     args = parser.parse_args(argv)
     cfg = CheckConfig.small() if args.small else CheckConfig()
-    return 0 if run(args.out, cfg) else 1
+    steps = [(name, step) for name, step in STEPS
+             if (args.steps is None or name in args.steps)
+             and (args.skip is None or name not in args.skip)]
+    return 0 if run(args.out, cfg, steps) else 1
+
+
+def _names(text: str) -> list[str]:
+    """Step names, comma-separated, each one of ``STEPS``."""
+    names = [n for n in text.split(",") if n]
+    known = [name for name, _ in STEPS]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown steps {unknown}: expected some of {known}")
+    return names
 
 
 if __name__ == "__main__":
