@@ -43,8 +43,7 @@ class HostCache(IndexViews, Ending):
     Args:
       mgr: the manager whose host pool holds the pages; the cache's capacity is the
         pool's (pages the caller holds outside the cache are never evicted by it).
-      store: a tier below host memory (``kvxfer.store.DiskStore``, ``RedisStore``),
-        or None.
+      store: a tier below host memory (``kvxfer.store.DiskStore``, ...), or None.
       namespace: prefixes every store key: two caches share store pages only with
         equal namespaces and equal ``mgr.fingerprint``. The fingerprint covers the
         KV's geometry only, and a store outlives the process, so with a store the
@@ -53,8 +52,7 @@ class HostCache(IndexViews, Ending):
         quantization, the tokenizer (page keys hash token ids), and any other
         setting that changes what the model computes (a RoPE scaling, a LoRA
         adapter). With a store, a missing or empty namespace is refused, unless
-        ``allow_empty_namespace=True`` says that every model of this geometry may
-        share pages on purpose. Without a store it is not used.
+        ``allow_empty_namespace=True`` (every model of this geometry shares pages).
       policy: which host pages eviction takes: ``"lru"`` (least recently used,
         the default), ``"s3fifo"`` (scan-resistant: one-off pages leave first),
         ``"arc"`` (adapts between recency and frequency), or a ``CachePolicy`` of
@@ -78,10 +76,8 @@ class HostCache(IndexViews, Ending):
         tenants.
       allow_empty_namespace: with a store, take a missing or empty ``namespace``
         (pages shared by every cache of the same geometry, whatever its weights).
-      write_back_on_close: with a store, ``close()`` writes the host pages the store
-        lacks before it returns (True, the default: what was put survives a restart,
-        whatever ``write_through`` says), or drops them (False). ``close(write_back=)``
-        decides for one call.
+      write_back_on_close: ``close()`` writes the host pages the store lacks (True,
+        the default: what was put survives a restart), or not; ``close(write_back=)``.
 
     Thread-safe. Store writes run on one background thread (``flush()`` waits),
     prefetches on another. ``subscribe(callback)`` reports where pages arrive and leave.
@@ -107,11 +103,7 @@ class HostCache(IndexViews, Ending):
                  auth_key: bytes | Sealer | None = None, encrypt: bool = False,
                  allow_empty_namespace: bool = False, write_back_on_close: bool = True):
         sealer = check_options(mgr, store, namespace, write_through, auth_key, encrypt,
-                               allow_empty_namespace)
-        if not isinstance(write_back_on_close, bool):
-            raise TypeError(f"write_back_on_close must be a bool. Got "
-                            f"{write_back_on_close!r} of type "
-                            f"{type(write_back_on_close).__name__}")
+                               allow_empty_namespace, write_back_on_close)
         self._write_back_on_close = write_back_on_close
         namespace = namespace or ""
         self.policy = make_policy(policy, mgr.plan.num_host_blocks)

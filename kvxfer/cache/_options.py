@@ -44,8 +44,8 @@ def make_policy(policy: PolicyName | CachePolicy, capacity: int) -> CachePolicy:
 
 
 def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
-                  auth_key: Any, encrypt: Any, allow_empty_namespace: Any = False
-                  ) -> Sealer | None:
+                  auth_key: Any, encrypt: Any, allow_empty_namespace: Any = False,
+                  write_back_on_close: Any = True) -> Sealer | None:
     """Refuses bad arguments, naming them; the sealer ``auth_key`` asks for, or None.
 
     Example:
@@ -62,10 +62,11 @@ def check_options(mgr: Any, store: Any, namespace: Any, write_through: Any,
     if namespace is not None and not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str or None. Got {namespace!r} of type "
                         f"{type(namespace).__name__}")
-    if not isinstance(allow_empty_namespace, bool):
-        raise TypeError(f"allow_empty_namespace must be a bool. Got "
-                        f"{allow_empty_namespace!r} of type "
-                        f"{type(allow_empty_namespace).__name__}")
+    for name, flag in (("allow_empty_namespace", allow_empty_namespace),
+                       ("write_back_on_close", write_back_on_close)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool. Got {flag!r} of type "
+                            f"{type(flag).__name__}")
     check_namespace(namespace, store, allow_empty_namespace)
     namespace = namespace or ""
     try:

@@ -389,8 +389,7 @@ class StoreTier:
 
     def close(self, writes: list[concurrent.futures.Future], timeout: float | None,
               deadline: float | None) -> None:
-        """Gives ``writes`` until ``deadline`` (``time.monotonic()``; None: forever), then
-        stops the writer; late writes are dropped (logged)."""
+        """Gives ``writes`` until ``deadline`` (None: forever); drops the late ones."""
         late: set[concurrent.futures.Future] = set(writes)
         try:
             left = None if deadline is None else max(deadline - time.monotonic(), 0)
