@@ -58,11 +58,11 @@ class HostCache(IndexViews, Ending):
         ``"arc"`` (adapts between recency and frequency), or a ``CachePolicy`` of
         the caller's (one per cache). It orders the host tier only.
       write_through: when host pages reach the store: ``"never"`` (the default:
-        write-back, a page is written when it is evicted from host, by ``flush()``
-        and by ``close()``), ``"always"`` (once it is on host, and again when evicted if
-        the store lost it), or N (selective write-through: once lookups found it N
-        times; a page evicted with fewer hits is not written, so one-off prefixes
-        cost no store bandwidth). ``True``/``False`` mean ``"always"``/``"never"``.
+        write-back: when evicted from host, by ``flush()`` and by ``close()``),
+        ``"always"`` (once on host, again when evicted if the store lost it), or N
+        (selective write-through: once lookups found it N times; a page evicted
+        with fewer hits is not written, so one-off prefixes cost no store
+        bandwidth). ``True``/``False`` mean ``"always"``/``"never"``.
       auth_key: secret bytes (at least 16; 32 random bytes is right): every store
         blob carries an HMAC-SHA-256 over it and its store key, checked before a
         page is imported; a blob that fails is a miss, counted
@@ -76,8 +76,7 @@ class HostCache(IndexViews, Ending):
         tenants.
       allow_empty_namespace: with a store, take a missing or empty ``namespace``
         (pages shared by every cache of the same geometry, whatever its weights).
-      write_back_on_close: ``close()`` writes the host pages the store lacks (True,
-        the default: what was put survives a restart), or not; ``close(write_back=)``.
+      write_back_on_close: ``close()`` writes the host pages the store lacks (True).
 
     Thread-safe. Store writes run on one background thread (``flush()`` waits),
     prefetches on another. ``subscribe(callback)`` reports where pages arrive and leave.
