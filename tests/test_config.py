@@ -352,7 +352,8 @@ def test_load_accepts_builtin_names_and_paths(tmp_path, monkeypatch):
 
 def test_unknown_config_names_list_the_built_ins():
     with pytest.raises(ConfigError, match="llama9: no such file and no built-in config of "
-                       "that name \\(built-in configs: deepseek-mla, gemma-mixed"):
+                       "that name; did you mean 'llama3-8b'\\? \\(built-in configs: "
+                       "deepseek-mla, gemma-mixed"):
         config.load("llama9")
 
 

@@ -377,12 +377,14 @@ def test_plan_table_names_the_mover_of_each_class(path):
     with kvxfer.KVCacheManager(caches, num_host_blocks=2, path=path) as mgr:
         lines = str(mgr.plan).splitlines()
         assert lines[0].split()[-1] == "mover"
+        total = next(i for i, line in enumerate(lines) if line.startswith("total:"))
         movers = [mgr.paths[c.layers[0]] for c in mgr.plan.classes]
-        assert [line.split()[-1] for line in lines[2:-1]] == movers
+        assert [line.split()[-1] for line in lines[2:total]] == movers
         assert mgr.plan.movers == tuple(movers)
         assert [c["mover"] for c in mgr.plan.as_dict()["classes"]] == movers
         # The plan sizes host blocks; it no longer claims a path for every mover.
-        assert "path" not in lines[-1] and "dense logical bytes" in lines[-1]
+        assert "path" not in lines[total] and "dense logical bytes" in lines[total]
+        assert lines[-1].startswith("budget: ") and lines[-1].endswith(" bytes)")
     alone = kvxfer.make_plan([kvxfer.LayerSpec("L0", (8, 4, 128), "float32")], 2,
                              path="raw")
     assert "mover" not in str(alone) and "host blocks hold device bytes" in str(alone)
