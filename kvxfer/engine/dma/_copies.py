@@ -23,7 +23,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 __all__ = ["Copies", "Direction", "HostCopyEngine", "buffer_address", "CALLBACK_STEPS",
-           "HOOKS", "step_fault", "let_go"]
+           "HOOKS", "step_fault", "let_go", "wait_all"]
 
 Direction = Literal["offload", "load"]
 """``"offload"``: device blocks to host slots; ``"load"``: host slots to device blocks."""
@@ -186,6 +186,18 @@ def step_fault(step: str, job: Any = None) -> None:
     error = HOOKS["faults"].get(step)
     if error is not None:
         raise error
+
+
+def wait_all(waits: Any) -> BaseException | None:
+    """Calls every wait of ``waits``, whatever one raises (never raising): the first
+    error."""
+    first = None
+    for wait in waits:
+        try:
+            wait()
+        except BaseException as e:  # noqa: BLE001 - every one is waited for first
+            first = first or e
+    return first
 
 
 def let_go(jobs: Any) -> None:

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage
 
-from kvxfer.engine.dma._copies import HOOKS, Copies, buffer_address, step_fault
+from kvxfer.engine.dma._copies import HOOKS, Copies, buffer_address, step_fault, wait_all
 
 __all__ = ["CopyJob", "Tickets", "TICKETS", "callback"]
 
@@ -126,13 +126,7 @@ class CopyJob:
 
     def wait(self) -> BaseException | None:
         """Waits for every copy beside XLA's stream (never raising); the first error."""
-        first = None
-        for completion in self.completions:
-            try:
-                completion.wait()
-            except BaseException as e:  # noqa: BLE001 - every copy is waited for first
-                first = first or e
-        return first
+        return wait_all(c.wait for c in self.completions)
 
     def done(self) -> bool:
         """Whether every copy beside XLA's stream has ended (never blocks; a failed

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from kvxfer.engine._mover import TransferError
-from kvxfer.engine.dma._copies import let_go
+from kvxfer.engine.dma._copies import let_go, wait_all
 from kvxfer.engine.dma._jobs import TICKETS, CopyJob
 
 __all__ = ["Staging", "Transfer"]
@@ -131,12 +131,7 @@ class Transfer:
         """Waits until no program can still start a copy (never raising); a job whose
         program ended without running its callback is withdrawn. Returns the first
         error a program raised."""
-        first = None
-        for d in self.done:
-            try:
-                d.block_until_ready()
-            except BaseException as e:  # noqa: BLE001 - the others are still waited for
-                first = first or e
+        first = wait_all(d.block_until_ready for d in self.done)
         for job in self.jobs:
             if not job.ran:  # its program ended: whatever it recorded, nothing takes it
                 TICKETS.withdraw(job)
