@@ -90,6 +90,8 @@ from kvxfer.engine._pallas import pallas_refusal as pallas_refusal
 from kvxfer.engine._pinned import PinnedMover as PinnedMover
 from kvxfer.engine._pinned import pinned_capable as pinned_capable
 from kvxfer.engine._pinned import pinned_mover as pinned_mover
+from kvxfer.engine._pinned import in_place_refusal as in_place_refusal
+from kvxfer.engine._pinned import pinned_mode as pinned_mode
 from kvxfer.engine._pinned_pages import PinnedPagesMover as PinnedPagesMover
 from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
 from kvxfer.engine._programs import deferred_compiles as deferred_compiles

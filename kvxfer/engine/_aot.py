@@ -108,7 +108,7 @@ def _program_name(key: Hashable) -> str:
 
 def transfer_programs(mover: type[Mover], cls: SliceClass, layers: Sequence[ShardedLayer],
                       buckets: Sequence[int], with_digest: bool = True,
-                      per_device: bool = False) -> list[ProgramJob]:
+                      per_device: bool = False, num_slots: int = 1) -> list[ProgramJob]:
     """Every program ``mover`` runs for transfers of ``buckets`` pages of class ``cls``.
 
     ``layers`` are the class's layers, abstract (``abstract_layer``). The programs
@@ -116,13 +116,14 @@ def transfer_programs(mover: type[Mover], cls: SliceClass, layers: Sequence[Shar
     each once (a program serving several buckets is listed for the first). Unless
     ``per_device``, programs that differ only in their device (``device_free``: the
     same program on each shard's or replica's device) are listed once; their keys
-    are then ``device_free`` keys.
+    are then ``device_free`` keys. ``num_slots``: the host pool's pages (programs that
+    take the pool itself are compiled for a pool of that size).
 
     Raises:
       TypeError: a mover that cannot name its programs without a host pool.
     """
     try:
-        m = mover(cls, None)  # type: ignore[arg-type]  # naming programs needs no pool
+        m = mover.naming(cls, num_slots)  # naming programs needs no pool
     except (AttributeError, TypeError) as e:
         raise TypeError(f"the {mover.name} mover needs a host pool to name its programs "
                         f"({e})") from None

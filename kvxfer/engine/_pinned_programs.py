@@ -1,10 +1,14 @@
-"""The programs between the caches and a ``pinned_host`` pool in place (XLA:CPU).
+"""The programs between the caches and a ``pinned_host`` pool in place (XLA:CPU, TPU).
 
 The pinned mover's in-place route writes pages into its pool array (donated) and reads
-them from there into the donated caches; the staged mover's loads on XLA:CPU read its
-pool the same way. Blocks move by a loop of dynamic-update-slices whose page count is
-a runtime value (on XLA:CPU 4-5x as fast as a scatter from gathered pages), so one
-program serves every transfer of up to ``_batch.loop_pages`` pages.
+them from there into the donated caches. A page moves by one dynamic-update-slice
+(offload) or one dynamic slice (load) of the pool, in a loop whose page count is a
+runtime value, so one program serves every transfer of up to ``_batch.loop_pages``
+pages on XLA:CPU, and every transfer of a bucket on TPU. On TPU each compiles to one
+DMA a page (``dynamic-update-slice-start/done`` on ``S(5)``) into a slot-major pool
+(``_slot_pool.SlotPool``); nothing computes on host memory. The same programs run on
+XLA:CPU, with the caches' side read and written a page at a time there, and per layer
+(gathered, scattered) on TPU.
 """
 
 from __future__ import annotations
@@ -14,31 +18,91 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvxfer.engine import _programs
 from kvxfer.engine._programs import (_UINT, _digest_impl, _from_units, _on_blocks, _units,
-                                     _write_blocks, page_rows, register_kind, unit_count)
+                                     _write_blocks, page_loops, page_rows, register_kind,
+                                     scatter_rows, unit_count)
 
-__all__ = ["pinned_write", "pinned_gather", "pinned_load"]
+__all__ = ["pinned_write", "pinned_gather", "pinned_load", "where_of"]
 
 
-def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool,
-                offsets: tuple[int, ...]):
-    # The pool is donated: each block of the first ``count`` pages is written into its
-    # slot's words in place, so the pages reach the pinned pool with no copy beside
-    # this one. (Raw bits are read a block at a time, see ``_on_blocks``: a gather of
-    # every page first would tie the program to the padded page count.)
-    unit = pool.dtype.itemsize
+def _pool_words(words: jax.Array, dtype) -> jax.Array:
+    """``uint{8 * unit}[b, n]`` -> ``dtype[b, m]``: the same bytes as the pool's words
+    (zero-padded to whole words)."""
+    unit, size = words.dtype.itemsize, jnp.dtype(dtype).itemsize
+    if unit == size:
+        return words
+    per = size // unit
+    pad = -words.shape[1] % per
+    if pad:
+        words = jnp.pad(words, ((0, 0), (0, pad)))
+    return jax.lax.bitcast_convert_type(words.reshape(words.shape[0], -1, per), dtype)
 
-    def body(j, carry):
-        p, n = carry
 
-        def write(blocks, p):
-            for block, off in zip(blocks, offsets):
-                p = jax.lax.dynamic_update_slice(p, _units(block, unit), (slots[j], off))
-            return p
+def _unit_words(words: jax.Array, unit: int, n: int) -> jax.Array:
+    """The inverse of ``_pool_words``: the first ``n`` words of ``unit`` bytes."""
+    if words.dtype.itemsize != unit:
+        words = jax.lax.bitcast_convert_type(words, _UINT[unit]).reshape(words.shape[0], -1)
+    return words[:, :n]
 
-        return _on_blocks(write, lambda p: p, arrays, ids[j], raw, p), n + 1
+
+def _slot_width(pool_shape: tuple[int, ...], start: int, n_words: int) -> int:
+    """Pool words a page's part starting at word ``start`` of its slot is read as."""
+    if len(pool_shape) == 2:
+        return n_words
+    if start:
+        raise ValueError(f"a slot-major pool {list(pool_shape)} holds whole pages; a part "
+                         f"at word {start} cannot be read alone")
+    return pool_shape[1] * pool_shape[2]
+
+
+def _put_page(pool, words: jax.Array, slot, start: int) -> jax.Array:
+    """``pool`` with ``words`` (``[m]`` of its dtype) at word ``start`` of ``slot``: one
+    dynamic-update-slice, whose size and offset are the whole slot on a slot-major
+    pool (``[slots, rows, 128]``: padding fills the rest of the slot)."""
+    if pool.ndim == 2:
+        return jax.lax.dynamic_update_slice(pool, words[None], (slot, start))
+    _slot_width(pool.shape, start, words.shape[0])
+    rows, lanes = pool.shape[1:]
+    words = jnp.pad(words, (0, rows * lanes - words.shape[0]))
+    return jax.lax.dynamic_update_slice(pool, words.reshape(1, rows, lanes), (slot, 0, 0))
+
+
+def _get_page(src, row, start: int, m: int) -> jax.Array:
+    """``[1, m]`` words of ``src`` at word ``start`` of ``row``: one dynamic slice (the
+    whole slot on a slot-major pool)."""
+    if src.ndim == 2:
+        return jax.lax.dynamic_slice(src, (row, start), (1, m))
+    return jax.lax.dynamic_slice(src, (row, 0, 0), (1, *src.shape[1:])).reshape(1, -1)
+
+
+def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int, unit: int,
+                gathered: bool, loop: bool, platform: str):
+    # The pool is donated: the first ``count`` pages are written into their slots in
+    # place, each page (this shard's blocks of every layer, side by side) by one
+    # dynamic-update-slice: on TPU one DMA a page, into host memory that no program
+    # computes on. ``gathered``: the pages are gathered on the device per layer first
+    # (a relayout-free gather of the bucket's blocks, where a page-by-page slice of a
+    # cache the compiler laid out with its block dim inside made XLA:TPU relayout the
+    # whole cache); else each page's blocks are read in the loop (XLA:CPU, see
+    # ``_on_blocks``: no gather tied to the padded page count).
+    if gathered:
+        rows = _pool_words(page_rows(arrays, ids, raw, unit), pool.dtype)
+
+        def body(j, carry):
+            p, n = carry
+            return _put_page(p, rows[j], slots[j], start), n + 1
+    else:
+        def body(j, carry):
+            p, n = carry
+
+            def write(blocks, p):
+                words = jnp.concatenate([_units(b, unit) for b in blocks], axis=1)
+                return _put_page(p, _pool_words(words, pool.dtype)[0], slots[j], start)
+
+            return _on_blocks(write, lambda p: p, arrays, ids[j], raw, p), n + 1
 
     # The second output is what a waiter waits for: the pool array itself may be
     # donated by the next program before anyone waits.
@@ -46,44 +110,64 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool,
     if not digest:
         return pool, done
     # The digests of the blocks read, in the same program (as ``digest_blocks`` would
-    # compute them): an offload then dispatches one program.
+    # compute them; on the device copies, never on host memory).
     base, nums = digest
-    return pool, done, _digest_impl(arrays, ids, base, nums, count, raw=raw, loop=True)
+    return pool, done, _digest_impl(arrays, ids, base, nums, count, raw=raw, loop=loop,
+                                     platform=platform)
 
 
 def _gather_impl(arrays, ids, *, raw: bool, unit: int):
     return page_rows(arrays, ids, raw, unit)
 
 
-def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, offsets: tuple[int, ...]):
-    # ``src`` is pinned host memory: the pool itself, or the request's pages. Each
-    # block is read from its row and written into the donated cache in place, by a
-    # loop over the first ``count`` pages (see ``_write_blocks``: no copy of the caches
-    # for raw bits).
-    unit = src.dtype.itemsize
+def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, unit: int,
+               gathered: bool, loop: bool, platform: str):
+    # ``src`` is pinned host memory: the pool itself, or the request's pages. Each page
+    # is read from its row by one dynamic slice (on TPU one DMA a page) and written
+    # into the donated caches in place. ``gathered``: the pages are collected on the
+    # device and scattered once per layer (TPU); else each page's blocks are written in
+    # the loop (XLA:CPU, see ``_write_blocks``: no copy of the caches for raw bits).
     sizes = [unit_count(a.shape, a.dtype, unit) for a in arrays]
-    dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
+    n = sum(sizes)
+    m = _slot_width(src.shape, start, -(-n * unit // src.dtype.itemsize))
+    if gathered:
+        def body(j, carry):
+            buf, read = carry
+            return jax.lax.dynamic_update_slice(buf, _get_page(src, rows[j], start, m),
+                                                (j, 0)), read + 1
 
-    def body(j, carry):
-        caches, written = carry
-        blocks = [_from_units(jax.lax.dynamic_slice(src, (rows[j], off), (1, n)), dtype,
-                              a.shape[1:])
-                  for a, dtype, off, n in zip(arrays, dtypes, offsets, sizes)]
-        return _write_blocks(caches, ids[j], blocks, raw), written + 1
+        buf = jnp.zeros((ids.shape[0], m), src.dtype)
+        buf, _ = jax.lax.fori_loop(0, count, body, (buf, jnp.int32(0)))
+        out = scatter_rows(arrays, _unit_words(buf, unit, n), ids, count, raw, unit)
+        out, done = jax.lax.optimization_barrier((tuple(out), buf[0, 0]))
+        done = done.astype(jnp.int32)
+    else:
+        dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
+        ends = np.cumsum([0] + sizes)
 
-    out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
+        def body(j, carry):
+            caches, written = carry
+            words = _unit_words(_get_page(src, rows[j], start, m), unit, n)
+            blocks = [_from_units(words[:, lo:hi], dtype, a.shape[1:])
+                      for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
+            return _write_blocks(caches, ids[j], blocks, raw), written + 1
+
+        out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
     # ``done`` is the load's own output: ready once ``src`` was read, and never handed
     # to the caller (who may donate the caches right away).
     if not digest:
         return tuple(out), done
     # The digests of the blocks written, read back from the caches it returns.
     base, nums = digest
-    return tuple(out), done, _digest_impl(out, ids, base, nums, count, raw=raw, loop=True)
+    return tuple(out), done, _digest_impl(out, ids, base, nums, count, raw=raw, loop=loop,
+                                          platform=platform)
 
 
 def _write_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
-    pool, offsets = options
-    return (functools.partial(_write_impl, raw=raw, offsets=offsets),
+    pool, start, unit, gathered = options
+    device = _programs._device(formats)
+    return (functools.partial(_write_impl, raw=raw, start=start, unit=unit, gathered=gathered,
+                              loop=page_loops(device), platform=device.platform),
             dict(donate_argnums=(1,),
                  in_shardings=(formats, pool, None, None, None) + (None, None) * with_digest,
                  out_shardings=(pool, None) + (None,) * with_digest))
@@ -96,8 +180,10 @@ def _gather_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
 
 
 def _load_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
-    src, offsets = options
-    return (functools.partial(_load_impl, raw=raw, offsets=offsets),
+    src, start, unit, gathered = options
+    device = _programs._device(formats)
+    return (functools.partial(_load_impl, raw=raw, start=start, unit=unit, gathered=gathered,
+                              loop=page_loops(device), platform=device.platform),
             dict(donate_argnums=(0,),
                  in_shardings=(formats, src, None, None, None) + (None, None) * with_digest,
                  out_shardings=(formats, None) + (None,) * with_digest))
@@ -108,14 +194,26 @@ register_kind("pinned_gather", _gather_parts, ballast=True)
 register_kind("pinned_load", _load_parts, same_formats=0, ballast=True)
 
 
-def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...],
+def where_of(a: Any) -> Any:
+    """What a program takes ``a`` (a pool or a buffer of pages) as: its ``Format`` where
+    its layout is pinned (a slot-major pool), else its sharding."""
+    fmt = getattr(a, "format", None)
+    if fmt is not None and getattr(fmt, "layout", None) is not None and a.ndim == 3:
+        return fmt
+    return a.sharding
+
+
+def pinned_write(arrays, pool, ids, slots, count, start: int, unit: int, gathered: bool,
                  digest: tuple[Any, jax.Array] | None = None):
-    """Writes blocks ``ids[j]`` of every layer into row ``slots[j]`` of ``pool`` in place.
+    """Writes blocks ``ids[j]`` of every layer into slot ``slots[j]`` of ``pool`` in place.
 
     For ``j < count`` (an ``int32`` scalar: the arrays may be padded further).
-    ``pool`` (pinned host words, donated) gets layer ``l``'s block at word
-    ``offsets[l]`` of the row. ``digest``: ``(identities, layer numbers)`` as
-    ``digest_blocks`` takes them: the program also digests the blocks it reads.
+    ``pool`` (pinned host words, donated: ``[slots, words]``, or a slot-major
+    ``SlotPool`` array ``[slots, rows, 128]``) gets the page's blocks side by side, as
+    words of ``unit`` bytes, from word ``start`` of the slot (0 on a slot-major pool),
+    by one dynamic-update-slice a page. ``gathered``: gather the pages per layer first
+    (TPU). ``digest``: ``(identities, layer numbers)`` as ``digest_blocks`` takes them:
+    the program also digests the blocks it reads.
 
     Returns:
       ``(new pool, done)``: ``done`` (a scalar) is ready once the pages are written;
@@ -123,7 +221,8 @@ def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...],
     """
     extra = () if digest is None else tuple(digest)
     return _programs.run("pinned_write", arrays, pool, ids, slots, count, *extra,
-               with_digest=digest is not None, options=(pool.sharding, tuple(offsets)))
+                         with_digest=digest is not None,
+                         options=(where_of(pool), int(start), int(unit), bool(gathered)))
 
 
 def pinned_gather(arrays, ids, out, unit: int):
@@ -131,15 +230,17 @@ def pinned_gather(arrays, ids, out, unit: int):
     return _programs.run("pinned_gather", arrays, ids, options=(out, unit))
 
 
-def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...],
+def pinned_load(arrays, src, ids, rows, count, start: int, unit: int, gathered: bool,
                 digest: tuple[jax.Array, jax.Array] | None = None):
     """Writes row ``rows[j]`` of ``src`` (pinned host words) into block ``ids[j]``, for
     ``j < count`` (an ``int32`` scalar).
 
-    Layer ``l``'s block is read at word ``offsets[l]`` of the row; the caches are
-    donated and written in place. ``digest``: ``(identities, layer numbers)`` as
-    ``digest_blocks`` takes them: the program also digests the blocks it wrote (``ids``
-    sized as the digests take them).
+    The page's blocks are read side by side from word ``start`` of the row (words of
+    ``unit`` bytes, as ``pinned_write`` wrote them) by one dynamic slice a page; the
+    caches are donated and written in place. ``gathered``: collect the pages on the
+    device and scatter them per layer (TPU). ``digest``: ``(identities, layer
+    numbers)`` as ``digest_blocks`` takes them: the program also digests the blocks it
+    wrote (``ids`` sized as the digests take them).
 
     Returns:
       ``(new arrays, done)``, and the digests ``uint32[L, len(ids), D]`` as a third
@@ -147,4 +248,5 @@ def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...],
     """
     extra = () if digest is None else tuple(digest)
     return _programs.run("pinned_load", arrays, src, ids, rows, count, *extra,
-               with_digest=digest is not None, options=(src.sharding, tuple(offsets)))
+                         with_digest=digest is not None,
+                         options=(where_of(src), int(start), int(unit), bool(gathered)))
