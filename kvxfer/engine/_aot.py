@@ -146,7 +146,15 @@ def transfer_programs(mover: type[Mover], cls: SliceClass, layers: Sequence[Shar
 #: on it: movement (``copy-start``/``copy-done``, the Pallas kernels' DMAs, in
 #: ``tpu_custom_call``), and the plumbing that names or forwards a buffer.
 HOST_MEMORY_OPS = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast",
-                             "copy-start", "copy-done", "custom-call", "opt-barrier"})
+                             "copy-start", "copy-done", "custom-call", "opt-barrier",
+                             "while", "dynamic-update-slice-start",
+                             "dynamic-update-slice-done", "dynamic-slice-start",
+                             "dynamic-slice-done"})
+
+#: The operations among them that start a DMA to or from host memory (one a page for
+#: the pinned mover's in-place programs; ``custom-call``: a Pallas kernel).
+DMA_OPS = frozenset({"copy-start", "custom-call", "dynamic-update-slice-start",
+                     "dynamic-slice-start"})
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 
@@ -212,7 +220,7 @@ def check_program(compiled: Any) -> ProgramCheck:
         if opcode not in HOST_MEMORY_OPS or (
                 opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' not in rest):
             host_compute.append(f"{name} = {opcode}")
-        elif opcode in ("copy-start", "custom-call"):
+        elif opcode in DMA_OPS:
             transfers[opcode] = transfers.get(opcode, 0) + 1
     memory = compiled.memory_analysis()
     return ProgramCheck(tuple(host_compute), transfers,

@@ -371,11 +371,11 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
         # What the transfers run: where both directions digest inside their own
         # programs, no digest program of its own is compiled (a transfer hook's load
         # compiles one when it first runs).
+        self._pool_device = device_of(layers[0].primary[0])
         fused = with_digest and self._digests_in_load(layers)
         fused_offload = with_digest and self._digests_in_offload(layers)
         if with_digest and not (fused and fused_offload):
             super().warmup(arrays, layers, b, with_digest)
-        self._pool_device = device_of(layers[0].primary[0])
         for s in range(self.cls.num_shards):
             primary = tuple(layer.primary[s] for layer in layers)
             device = device_of(primary[0])

@@ -70,12 +70,16 @@ def _put_page(pool, words: jax.Array, slot, start: int) -> jax.Array:
     return jax.lax.dynamic_update_slice(pool, words.reshape(1, rows, lanes), (slot, 0, 0))
 
 
-def _get_page(src, row, start: int, m: int) -> jax.Array:
+def _get_page(src, row, start: int, m: int, to_device: Any) -> jax.Array:
     """``[1, m]`` words of ``src`` at word ``start`` of ``row``: one dynamic slice (the
-    whole slot on a slot-major pool)."""
+    whole slot on a slot-major pool), moved to device memory (``to_device``) before
+    anything else reads it: XLA's host offloader takes a slice of host memory feeding
+    a move to the device, and would compute a reshape of it on the host."""
     if src.ndim == 2:
-        return jax.lax.dynamic_slice(src, (row, start), (1, m))
-    return jax.lax.dynamic_slice(src, (row, 0, 0), (1, *src.shape[1:])).reshape(1, -1)
+        page = jax.lax.dynamic_slice(src, (row, start), (1, m))
+    else:
+        page = jax.lax.dynamic_slice(src, (row, 0, 0), (1, *src.shape[1:]))
+    return jax.device_put(page, to_device).reshape(1, -1)
 
 
 def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int, unit: int,
@@ -121,7 +125,7 @@ def _gather_impl(arrays, ids, *, raw: bool, unit: int):
 
 
 def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, unit: int,
-               gathered: bool, loop: bool, platform: str):
+               gathered: bool, loop: bool, platform: str, to_device: Any):
     # ``src`` is pinned host memory: the pool itself, or the request's pages. Each page
     # is read from its row by one dynamic slice (on TPU one DMA a page) and written
     # into the donated caches in place. ``gathered``: the pages are collected on the
@@ -133,7 +137,7 @@ def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, un
     if gathered:
         def body(j, carry):
             buf, read = carry
-            return jax.lax.dynamic_update_slice(buf, _get_page(src, rows[j], start, m),
+            return jax.lax.dynamic_update_slice(buf, _get_page(src, rows[j], start, m, to_device),
                                                 (j, 0)), read + 1
 
         buf = jnp.zeros((ids.shape[0], m), src.dtype)
@@ -147,7 +151,7 @@ def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, un
 
         def body(j, carry):
             caches, written = carry
-            words = _unit_words(_get_page(src, rows[j], start, m), unit, n)
+            words = _unit_words(_get_page(src, rows[j], start, m, to_device), unit, n)
             blocks = [_from_units(words[:, lo:hi], dtype, a.shape[1:])
                       for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
             return _write_blocks(caches, ids[j], blocks, raw), written + 1
@@ -183,7 +187,9 @@ def _load_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
     src, start, unit, gathered = options
     device = _programs._device(formats)
     return (functools.partial(_load_impl, raw=raw, start=start, unit=unit, gathered=gathered,
-                              loop=page_loops(device), platform=device.platform),
+                              loop=page_loops(device), platform=device.platform,
+                              to_device=jax.sharding.SingleDeviceSharding(
+                                  device, memory_kind="device")),
             dict(donate_argnums=(0,),
                  in_shardings=(formats, src, None, None, None) + (None, None) * with_digest,
                  out_shardings=(formats, None) + (None,) * with_digest))
