@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvxfer import integrity
 from kvxfer.engine import _programs
-from kvxfer.engine._programs import (_UINT, _digest_impl, _from_units, _on_blocks, _units,
+from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _on_blocks, _units,
                                      _write_blocks, page_loops, page_rows, register_kind,
-                                     scatter_rows, unit_count)
+                                     unit_count)
 
 __all__ = ["pinned_write", "pinned_gather", "pinned_load", "where_of"]
 
@@ -82,18 +83,48 @@ def _get_page(src, row, start: int, m: int, to_device: Any) -> jax.Array:
     return jax.device_put(page, to_device).reshape(1, -1)
 
 
+def _blocks_at(arrays, ids, raw: bool) -> list[jax.Array]:
+    """Blocks ``ids`` of each array (``[len(ids), *block]``, raw bits where ``raw``), one
+    dynamic slice a page and layer.
+
+    Not a gather: where the compiler lays a cache out with its block dim inside
+    (vLLM's MLA cache at engine sizes, ``{0,2,1:T(8,128)(2,1)}``), XLA:TPU gathers
+    (and loops of slices) by relaying out the whole cache: 483 MiB of a 24753-block
+    ``[16, 576]`` bf16 cache for 2 pages, against 95 KiB for slices unrolled per
+    page; addressable caches stage about as little either way (deviceless, libtpu
+    0.0.42.1).
+    """
+    return [jnp.concatenate([jax.lax.dynamic_slice_in_dim(_bits(a, raw), ids[j], 1)
+                             for j in range(ids.shape[0])]) for a in arrays]
+
+
+#: Pages digested at once in the TPU route's programs: the digest of 64 pages of an
+#: MLA block at once staged 57 MiB of device memory, 16 at a time under 1 MiB.
+_DIGEST_PAGES = 16
+
+
+def _digest_of(blocks, base, nums) -> jax.Array:
+    """``digest_layers`` of ``blocks`` (per layer ``[b, *block]``), ``_DIGEST_PAGES`` pages
+    at a time."""
+    b = blocks[0].shape[0]
+    parts = [integrity.digest_layers([integrity.as_words(x[i:i + _DIGEST_PAGES], batch_dims=1)
+                                      for x in blocks], base[i:i + _DIGEST_PAGES], nums)
+             for i in range(0, b, _DIGEST_PAGES)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
 def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int, unit: int,
                 gathered: bool, loop: bool, platform: str):
     # The pool is donated: the first ``count`` pages are written into their slots in
     # place, each page (this shard's blocks of every layer, side by side) by one
     # dynamic-update-slice: on TPU one DMA a page, into host memory that no program
-    # computes on. ``gathered``: the pages are gathered on the device per layer first
-    # (a relayout-free gather of the bucket's blocks, where a page-by-page slice of a
-    # cache the compiler laid out with its block dim inside made XLA:TPU relayout the
-    # whole cache); else each page's blocks are read in the loop (XLA:CPU, see
-    # ``_on_blocks``: no gather tied to the padded page count).
+    # computes on. ``gathered`` (TPU): the bucket's pages are first read on the device,
+    # per layer (``_blocks_at``), and digested there; else each page's blocks are read
+    # in the loop (XLA:CPU, see ``_on_blocks``: nothing tied to the padded page count).
     if gathered:
-        rows = _pool_words(page_rows(arrays, ids, raw, unit), pool.dtype)
+        blocks = _blocks_at(arrays, ids, raw)
+        rows = _pool_words(jnp.concatenate([_units(x, unit) for x in blocks], axis=1),
+                           pool.dtype)
 
         def body(j, carry):
             p, n = carry
@@ -116,8 +147,10 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int,
     # The digests of the blocks read, in the same program (as ``digest_blocks`` would
     # compute them; on the device copies, never on host memory).
     base, nums = digest
+    if gathered:
+        return pool, done, _digest_of(blocks, base, nums)
     return pool, done, _digest_impl(arrays, ids, base, nums, count, raw=raw, loop=loop,
-                                     platform=platform)
+                                    platform=platform)
 
 
 def _gather_impl(arrays, ids, *, raw: bool, unit: int):
@@ -134,27 +167,46 @@ def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, un
     sizes = [unit_count(a.shape, a.dtype, unit) for a in arrays]
     n = sum(sizes)
     m = _slot_width(src.shape, start, -(-n * unit // src.dtype.itemsize))
+    dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
+    ends = np.cumsum([0] + sizes)
+
+    def split(words):
+        return [_from_units(words[:, lo:hi], dtype, a.shape[1:])
+                for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
+
     if gathered:
         def body(j, carry):
             buf, read = carry
-            return jax.lax.dynamic_update_slice(buf, _get_page(src, rows[j], start, m, to_device),
-                                                (j, 0)), read + 1
+            return jax.lax.dynamic_update_slice(buf, _get_page(src, rows[j], start, m,
+                                                               to_device), (j, 0)), read + 1
 
-        buf = jnp.zeros((ids.shape[0], m), src.dtype)
+        b = ids.shape[0]
+        buf = jnp.zeros((b, m), src.dtype)
         buf, _ = jax.lax.fori_loop(0, count, body, (buf, jnp.int32(0)))
-        out = scatter_rows(arrays, _unit_words(buf, unit, n), ids, count, raw, unit)
+        # One dynamic-update-slice a page and layer (see ``_blocks_at``: a scatter
+        # relays out a cache whose block dim is inside); entries past ``count`` write
+        # the first page again, where its block already holds it.
+        out, landed = list(arrays), []
+        for j in range(b):
+            r = jnp.where(j < count, j, 0)
+            blocks = split(_unit_words(jax.lax.dynamic_slice_in_dim(buf, r, 1), unit, n))
+            out = _write_blocks(out, jnp.where(j < count, ids[j], ids[0]), blocks, raw)
+            landed.append(blocks)
         out, done = jax.lax.optimization_barrier((tuple(out), buf[0, 0]))
         done = done.astype(jnp.int32)
+        if digest:
+            # The digests of the pages as they arrived in device memory (the blocks
+            # just written): reading them back from the caches made XLA:TPU copy a
+            # cache whose block dim is inside (483 MiB for vLLM's MLA cache).
+            base, nums = digest
+            blocks = [jnp.concatenate([page[pos] for page in landed])
+                      for pos in range(len(arrays))]
+            return tuple(out), done, _digest_of(blocks, base, nums)
     else:
-        dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
-        ends = np.cumsum([0] + sizes)
-
         def body(j, carry):
             caches, written = carry
             words = _unit_words(_get_page(src, rows[j], start, m, to_device), unit, n)
-            blocks = [_from_units(words[:, lo:hi], dtype, a.shape[1:])
-                      for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
-            return _write_blocks(caches, ids[j], blocks, raw), written + 1
+            return _write_blocks(caches, ids[j], split(words), raw), written + 1
 
         out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
     # ``done`` is the load's own output: ready once ``src`` was read, and never handed
