@@ -122,9 +122,11 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int,
     # per layer (``_blocks_at``), and digested there; else each page's blocks are read
     # in the loop (XLA:CPU, see ``_on_blocks``: nothing tied to the padded page count).
     if gathered:
-        blocks = _blocks_at(arrays, ids, raw)
-        rows = _pool_words(jnp.concatenate([_units(x, unit) for x in blocks], axis=1),
-                           pool.dtype)
+        # The digests read the blocks' words as the page holds them (the same bytes,
+        # so the same digests): digesting the blocks themselves made XLA:TPU relayout
+        # a v4 cache whose block dim is inside (3.6 GiB of tiny's at 117964 blocks).
+        units = [_units(x, unit) for x in _blocks_at(arrays, ids, raw)]
+        rows = _pool_words(jnp.concatenate(units, axis=1), pool.dtype)
 
         def body(j, carry):
             p, n = carry
@@ -148,7 +150,7 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int,
     # compute them; on the device copies, never on host memory).
     base, nums = digest
     if gathered:
-        return pool, done, _digest_of(blocks, base, nums)
+        return pool, done, _digest_of(units, base, nums)
     return pool, done, _digest_impl(arrays, ids, base, nums, count, raw=raw, loop=loop,
                                     platform=platform)
 
@@ -189,18 +191,19 @@ def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, un
         out, landed = list(arrays), []
         for j in range(b):
             r = jnp.where(j < count, j, 0)
-            blocks = split(_unit_words(jax.lax.dynamic_slice_in_dim(buf, r, 1), unit, n))
-            out = _write_blocks(out, jnp.where(j < count, ids[j], ids[0]), blocks, raw)
-            landed.append(blocks)
+            words = _unit_words(jax.lax.dynamic_slice_in_dim(buf, r, 1), unit, n)
+            out = _write_blocks(out, jnp.where(j < count, ids[j], ids[0]), split(words), raw)
+            landed.append(words)
         out, done = jax.lax.optimization_barrier((tuple(out), buf[0, 0]))
         done = done.astype(jnp.int32)
         if digest:
-            # The digests of the pages as they arrived in device memory (the blocks
-            # just written): reading them back from the caches made XLA:TPU copy a
-            # cache whose block dim is inside (483 MiB for vLLM's MLA cache).
+            # The digests of the pages as they arrived in device memory (the words of
+            # the blocks just written: the same bytes, the same digests): reading them
+            # back from the caches made XLA:TPU copy a cache whose block dim is inside
+            # (483 MiB for vLLM's MLA cache).
             base, nums = digest
-            blocks = [jnp.concatenate([page[pos] for page in landed])
-                      for pos in range(len(arrays))]
+            stacked = jnp.concatenate(landed)
+            blocks = [stacked[:, lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
             return tuple(out), done, _digest_of(blocks, base, nums)
     else:
         def body(j, carry):
