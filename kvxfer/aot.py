@@ -17,8 +17,9 @@ pool updates it in place (``host_pool == "aliased"``: a pool that is not aliased
 be copied whole through device memory), and device memory staged beside its arguments
 within ``staging_bound``.
 
-The compiles run in this process: libtpu is loaded here (the command line runs it in
-a process of its own, ``kvxfer aot``).
+``compile_config`` compiles in the calling process (libtpu is loaded there); the
+command line runs it in a worker process (``kvxfer._worker.Worker``), so ``kvxfer aot``
+never loads libtpu itself, and a compile that aborts ends only the worker.
 
 Example:
     >>> from kvxfer import aot
@@ -48,6 +49,7 @@ from kvxfer import config as _config
 from kvxfer import tpu
 from kvxfer._check import check_int
 from kvxfer._text import format_bytes
+from kvxfer._worker import Worker, WorkerDied
 from kvxfer.engine import (ProgramCheck, abstract_layer, bucket, check_program,
                            transfer_programs)
 from kvxfer.layout import dtype_of, short_dtype_name
@@ -372,23 +374,36 @@ def _cmd_aot(args: argparse.Namespace) -> int:
         return 2
     configs = args.config or _config.builtin_names()
     rows: list[AotResult] = []
-    for name in configs:
-        try:
-            got = compile_config(name, args.target, args.devices, num_blocks=args.num_blocks,
-                                 pages=args.pages, max_layers=args.max_layers)
-        except ValueError as e:
-            print(f"kvxfer aot: {name}: {e}", file=sys.stderr)
-            return 2
-        heading = None
-        for r in got:
-            if args.json:
-                print(json.dumps(r.as_dict()), flush=True)
+    failed = False
+    # libtpu loads in the worker, never here; a compile that aborts ends the worker.
+    with Worker() as worker:
+        for name in configs:
+            try:
+                got = worker.call(compile_config, name, args.target, args.devices,
+                                  num_blocks=args.num_blocks, pages=args.pages,
+                                  max_layers=args.max_layers)
+            except ValueError as e:
+                print(f"kvxfer aot: {name}: {e}", file=sys.stderr)
+                return 2
+            except WorkerDied as e:
+                print(f"FAIL {name} on {args.target}: the compiler ended its process ({e})",
+                      flush=True)
+                failed = True
                 continue
-            if (r.config, r.slice_class) != heading:
-                heading = (r.config, r.slice_class)
-                print(r.header(), flush=True)
-            print(r.line(), flush=True)
-        rows += got
+            _print_rows(got, args.json)
+            rows += got
     if not args.json:
         print(summary(rows), flush=True)
-    return 1 if any(not r.ok for r in rows) else 0
+    return 1 if failed or any(not r.ok for r in rows) else 0
+
+
+def _print_rows(got: list[AotResult], as_json: bool) -> None:
+    heading = None
+    for r in got:
+        if as_json:
+            print(json.dumps(r.as_dict()), flush=True)
+            continue
+        if (r.config, r.slice_class) != heading:
+            heading = (r.config, r.slice_class)
+            print(r.header(), flush=True)
+        print(r.line(), flush=True)

@@ -177,6 +177,23 @@ def test_the_command_fits_100_columns_names_programs_apart_and_sums_up(libtpu):
                                 "0 failed; host compute 0; dma/page 1"), lines[-1]
 
 
+def test_the_command_compiles_in_a_worker_and_leaves_the_environment_alone(libtpu):
+    """libtpu loads in the worker process only; nothing is left in the environment."""
+    keys = sorted(tpu.LIBTPU_ENVIRONMENT)
+    r = _kvxfer("aot", "--target", "v5e", "--config", "tiny", "--pages", "1",
+                prelude="import atexit, os\n"
+                "atexit.register(lambda: print('AFTER', 'libtpu' in sys.modules, "
+                f"[k for k in {keys!r} if k in os.environ], file=sys.stderr))")
+    assert r.returncode == 0, r.stderr
+    assert "AFTER False []" in r.stderr, r.stderr[-2000:]
+
+
+def test_libtpu_environment_is_set_for_the_call_only(libtpu):
+    before = {k: os.environ.get(k) for k in tpu.LIBTPU_ENVIRONMENT}
+    tpu.compiled_layout((64, 16, 2048), "bf16", "v5p")
+    assert {k: os.environ.get(k) for k in tpu.LIBTPU_ENVIRONMENT} == before
+
+
 def test_without_libtpu_the_command_is_one_line_and_exit_2():
     r = _kvxfer("aot", "--target", "v6e", prelude="sys.modules['libtpu'] = None")
     assert r.returncode == 2
