@@ -131,6 +131,22 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int,
         def body(j, carry):
             p, n = carry
             return _put_page(p, rows[j], slots[j], start), n + 1
+    elif pool.ndim == 2 and pool.dtype.itemsize == unit:
+        # A pool of the blocks' own words (XLA:CPU): each layer's block straight into
+        # its range of the slot, with no page put together first (that copy made a
+        # 64-page offload of 16 layers 1.5-2x as slow on XLA:CPU).
+        offsets = np.cumsum([0] + [unit_count(a.shape, a.dtype, unit) for a in arrays])
+
+        def body(j, carry):
+            p, n = carry
+
+            def write(blocks, p):
+                for block, off in zip(blocks, offsets):
+                    p = jax.lax.dynamic_update_slice(p, _units(block, unit),
+                                                     (slots[j], start + int(off)))
+                return p
+
+            return _on_blocks(write, lambda p: p, arrays, ids[j], raw, p), n + 1
     else:
         def body(j, carry):
             p, n = carry
@@ -205,12 +221,22 @@ def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, un
             stacked = jnp.concatenate(landed)
             blocks = [stacked[:, lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
             return tuple(out), done, _digest_of(blocks, base, nums)
+    elif src.ndim == 2 and src.dtype.itemsize == unit and platform == "cpu":
+        # XLA:CPU reads each block straight from its range of the slot (a page read
+        # whole and moved first cost loads about 15 % there).
+        def body(j, carry):
+            caches, written = carry
+            blocks = [_from_units(jax.lax.dynamic_slice(src, (rows[j], start + int(lo)),
+                                                        (1, int(hi - lo))), dtype, a.shape[1:])
+                      for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
+            return _write_blocks(caches, ids[j], blocks, raw), written + 1
     else:
         def body(j, carry):
             caches, written = carry
             words = _unit_words(_get_page(src, rows[j], start, m, to_device), unit, n)
             return _write_blocks(caches, ids[j], split(words), raw), written + 1
 
+    if not gathered:
         out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
     # ``done`` is the load's own output: ready once ``src`` was read, and never handed
     # to the caller (who may donate the caches right away).
