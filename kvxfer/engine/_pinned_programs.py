@@ -22,7 +22,9 @@ import numpy as np
 
 from kvxfer import integrity
 from kvxfer.engine import _programs
-from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _on_blocks, _units,
+from kvxfer.layout import natural_bits
+from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _gathers_whole,
+                                     _on_blocks, _units,
                                      _write_blocks, page_loops, page_rows, register_kind,
                                      unit_count)
 
@@ -47,6 +49,52 @@ def _unit_words(words: jax.Array, unit: int, n: int) -> jax.Array:
     if words.dtype.itemsize != unit:
         words = jax.lax.bitcast_convert_type(words, _UINT[unit]).reshape(words.shape[0], -1)
     return words[:, :n]
+
+
+def _word_pairs(dtype, block: tuple[int, ...]) -> int | None:
+    """Elements of ``dtype`` a 32-bit word holds, where a block of ``block`` turns into
+    words along its last dim alone (whole-byte types, a last dim they divide); None
+    where it does not."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_ or natural_bits(dtype) < 8 or dtype.itemsize > 4:
+        return None
+    per = 4 // dtype.itemsize
+    return per if block and block[-1] % per == 0 else None
+
+
+def _words32(x: jax.Array) -> jax.Array:
+    """``[b, *block]`` -> ``uint32[b, n]``, the block's bytes as little-endian words,
+    paired along the last dim (``_word_pairs``): pairing a flattened bf16 block into
+    words made XLA:TPU copy the whole cache it was sliced from (160 MiB for 2 of vLLM's
+    1.25 MiB MLA blocks); along the last dim, nothing."""
+    per = 4 // x.dtype.itemsize
+    x = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+    if per > 1:
+        x = jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // per, per),
+                                         jnp.uint32)
+    return x.reshape(x.shape[0], -1)
+
+
+def _from_words32(w: jax.Array, dtype, block: tuple[int, ...]) -> jax.Array:
+    """The inverse of ``_words32``: ``uint32[b, n]`` -> ``dtype[b, *block]``."""
+    dtype = jnp.dtype(dtype)
+    per = 4 // dtype.itemsize
+    w = w.reshape(w.shape[0], *block[:-1], block[-1] // per)
+    x = jax.lax.bitcast_convert_type(w, _UINT[dtype.itemsize]) if per > 1 else w
+    x = x.reshape(w.shape[0], *block)
+    return x if dtype == x.dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _codec(arrays, unit: int, pool_dtype) -> tuple[Any, Any, list[int], int]:
+    """How a program turns blocks into a page's words and back: ``(to_words(x),
+    from_words(w, dtype, block), words of each layer's block, bytes a word)``; 32-bit
+    words paired along the last dim for a pool of them where every layer allows it
+    (``_words32``), else words of ``unit`` bytes (``_units``)."""
+    if jnp.dtype(pool_dtype).itemsize == 4 and \
+            all(_word_pairs(a.dtype, tuple(a.shape[1:])) for a in arrays):
+        return _words32, _from_words32, [unit_count(a.shape, a.dtype, 4) for a in arrays], 4
+    return (lambda x: _units(x, unit)), _from_units, \
+        [unit_count(a.shape, a.dtype, unit) for a in arrays], unit
 
 
 def _slot_width(pool_shape: tuple[int, ...], start: int, n_words: int) -> int:
@@ -120,12 +168,16 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int,
     # dynamic-update-slice: on TPU one DMA a page, into host memory that no program
     # computes on. ``gathered`` (TPU): the bucket's pages are first read on the device,
     # per layer (``_blocks_at``), and digested there; else each page's blocks are read
-    # in the loop (XLA:CPU, see ``_on_blocks``: nothing tied to the padded page count).
+    # in the loop (XLA:CPU, see ``_on_blocks``: nothing tied to the padded page count;
+    # and TPU for blocks over 1 MiB, which XLA:TPU slices out of a copy of the whole
+    # cache when it reads them outside a loop: ``_programs._gathers_whole``).
+    gathered = gathered and not _gathers_whole(arrays, platform)
+    to_words, _, _, _ = _codec(arrays, unit, pool.dtype)
     if gathered:
         # The digests read the blocks' words as the page holds them (the same bytes,
         # so the same digests): digesting the blocks themselves made XLA:TPU relayout
         # a v4 cache whose block dim is inside (3.6 GiB of tiny's at 117964 blocks).
-        units = [_units(x, unit) for x in _blocks_at(arrays, ids, raw)]
+        units = [to_words(x) for x in _blocks_at(arrays, ids, raw)]
         rows = _pool_words(jnp.concatenate(units, axis=1), pool.dtype)
 
         def body(j, carry):
@@ -152,7 +204,7 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int,
             p, n = carry
 
             def write(blocks, p):
-                words = jnp.concatenate([_units(b, unit) for b in blocks], axis=1)
+                words = jnp.concatenate([to_words(b) for b in blocks], axis=1)
                 return _put_page(p, _pool_words(words, pool.dtype)[0], slots[j], start)
 
             return _on_blocks(write, lambda p: p, arrays, ids[j], raw, p), n + 1
@@ -182,14 +234,15 @@ def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, un
     # into the donated caches in place. ``gathered``: the pages are collected on the
     # device and scattered once per layer (TPU); else each page's blocks are written in
     # the loop (XLA:CPU, see ``_write_blocks``: no copy of the caches for raw bits).
-    sizes = [unit_count(a.shape, a.dtype, unit) for a in arrays]
+    gathered = gathered and not _gathers_whole(arrays, platform)  # as ``_write_impl``
+    dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
+    _, from_words, sizes, unit = _codec(arrays, unit, src.dtype)
     n = sum(sizes)
     m = _slot_width(src.shape, start, -(-n * unit // src.dtype.itemsize))
-    dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
     ends = np.cumsum([0] + sizes)
 
     def split(words):
-        return [_from_units(words[:, lo:hi], dtype, a.shape[1:])
+        return [from_words(words[:, lo:hi], dtype, tuple(a.shape[1:]))
                 for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
 
     if gathered:
