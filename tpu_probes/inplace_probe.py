@@ -7,8 +7,9 @@ On every local device (``--devices``, default all) it builds the caches of
 * **in place** (``path="pinned"``, the route auto takes on TPU): the class's pool is
   one slot-major ``pinned_host`` array that each transfer donates; the probe checks
   that the pool's buffer is the same after every transfer (the runtime aliased it:
-  no whole-pool copy), that nothing was copied on the host (``host_copy_bytes``), and
-  that the first round trip is bit-exact;
+  no whole-pool copy), that nothing was copied on the host (``host_copy_bytes``), that
+  the host reads an offloaded page's bytes where the DMA wrote them
+  (``read_block_bytes``), and that the first round trip is bit-exact;
 * **pages** (each page an array of pinned memory of its own, what auto takes where
   the in-place route is refused): the same round trips;
 * **device_put**: the same bytes (``--pages`` pages of every layer) moved to the
@@ -51,6 +52,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvxfer  # noqa: E402
+from kvxfer import testing  # noqa: E402
 from kvxfer.bench import timing  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -96,6 +98,24 @@ def _pool_buffers(mgr: kvxfer.KVCacheManager) -> list[int | None]:
     return out
 
 
+def host_view_checked(mgr: kvxfer.KVCacheManager, caches: list[jax.Array]) -> None:
+    """One page offloaded and read back on the host through the pool's own bytes
+    (``read_block_bytes``: what stores and exports read) must be the device's block.
+
+    Raises:
+      RuntimeError: a layer's host bytes differ (the host does not see what the DMA
+        wrote where it looks).
+    """
+    refs = mgr.offload(caches, [0], keys=[0]).wait()
+    try:
+        for i, c in enumerate(caches):
+            if mgr.read_block_bytes(refs[0], i) != testing.bits(c)[0].tobytes():
+                raise RuntimeError(f"layer {i}: the host's view of the pool differs from "
+                                   "the device block offloaded into it")
+    finally:
+        mgr.free(refs)
+
+
 def manager_run(route: str, caches: dict[Any, list[jax.Array]], device: Any, pages: int,
                 iters: int, warmup: int, seed: int) -> dict[str, Any]:
     """One route on ``device``'s caches (``caches[device]``, replaced by the loaded ones):
@@ -109,6 +129,7 @@ def manager_run(route: str, caches: dict[Any, list[jax.Array]], device: Any, pag
         nbytes = pages * sum(c.page_bytes for c in mgr.plan.classes)
         mgr.warmup(pages)
         before = _pool_buffers(mgr)
+        host_view_checked(mgr, caches[device])
         caches[device], times = common.round_trips(mgr, caches[device], pages, iters,
                                                    warmup, np.random.default_rng(seed),
                                                    check=True)
