@@ -367,10 +367,10 @@ register_kind("pinned_load", _load_parts, same_formats=0, ballast=True)
 def where_of(a: Any) -> Any:
     """What a program takes ``a`` (a pool or a buffer of pages) as: its ``Format`` where
     its layout is pinned (a slot-major pool), else its sharding."""
+    if a.ndim != 3:  # (``Array.format`` builds a new object on every call)
+        return a.sharding
     fmt = getattr(a, "format", None)
-    if fmt is not None and getattr(fmt, "layout", None) is not None and a.ndim == 3:
-        return fmt
-    return a.sharding
+    return fmt if fmt is not None and getattr(fmt, "layout", None) is not None else a.sharding
 
 
 def pinned_write(arrays, pool, ids, slots, count, start: int, unit: int, gathered: bool,
