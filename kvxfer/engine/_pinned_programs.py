@@ -73,11 +73,12 @@ def _words32(x: jax.Array) -> jax.Array:
     paired along the last dim (``_word_pairs``): pairing a flattened bf16 block into
     words made XLA:TPU copy the whole cache it was sliced from (160 MiB for 2 of vLLM's
     1.25 MiB MLA blocks); along the last dim, nothing."""
-    per = 4 // x.dtype.itemsize
-    x = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
-    if per > 1:
-        x = jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // per, per),
-                                         jnp.uint32)
+    size = x.dtype.itemsize
+    per = 4 // size
+    x = jax.lax.bitcast_convert_type(x, _UINT[size])
+    if per > 1:  # strided slices and shifts (see ``_pool_words``), not a trailing dim
+        x = functools.reduce(jnp.bitwise_or, [x[..., k::per].astype(jnp.uint32) << (8 * size * k)
+                                              for k in range(per)])
     return x.reshape(x.shape[0], -1)
 
 
