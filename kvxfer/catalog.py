@@ -18,7 +18,7 @@ conventions, ``captured on <backend>`` for ``tpu_probes/capture_layouts.py``.
 ``expected`` may hold any subset of ``addressable``, ``granularity``,
 ``bytes_per_block``, ``physical_bytes`` and ``padding_factor``. ``tpu_default`` (optional)
 says whether the real TPU compiler picks this layout for this shape by itself
-(``python -m kvxfer.tpu_catalog`` sets it); an entry it does not pick is a layout chosen
+(``python tools/tpu_catalog.py`` sets it); an entry it does not pick is a layout chosen
 on purpose, and ``tpu_default_note`` must say why it is kept.
 
 Example:

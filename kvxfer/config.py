@@ -28,7 +28,7 @@ Format (TOML, read with ``tomllib``)::
       { shards = 1, blocks = [1, 65536], layout = "{4,3,2,1,0:T(8,128)(2,1)}" },
       { shards = 4, blocks = [1, 65536], layout = "{4,3,2,1,0:T(2,128)(2,1)}" },
     ]                           # by shard count and block count (inclusive ranges);
-                                # `python -m kvxfer.tpu_catalog` writes it
+                                # `python tools/tpu_catalog.py` writes it
     tpu_layout_note = "..."     # required when tpu_layout is not the compiler's choice
                                 # for one device at engine sizes: why it is kept
 
@@ -262,7 +262,7 @@ class LayerGroup:
       shard_dim: dim of the full array split across devices (1..rank-1), or None
         when the layer is replicated under tensor parallelism.
       tpu_compiled: the TPU compiler's layout of one shard, as ``(shards, first
-        block count, last block count, layout text)`` ranges (``kvxfer.tpu_catalog``).
+        block count, last block count, layout text)`` ranges (``tools/tpu_catalog.py``).
       tpu_layout_note: why ``tpu_layout`` is kept though the compiler chooses
         another (None: it is the compiler's choice).
     """

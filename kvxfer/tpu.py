@@ -26,6 +26,7 @@ Example (with the ``tpu`` extra installed, as CI has it):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -33,7 +34,7 @@ import importlib.util
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvxfer._check import check_int
@@ -43,7 +44,8 @@ from kvxfer.layout import Layout, SliceGeometry, dtype_name, dtype_of, inspect, 
 __all__ = ["GENERATIONS", "CompilerUnavailableError", "CompiledLayout", "available",
            "libtpu_version", "require_compiler", "topology", "target_devices",
            "compiled_layout", "compiled_geometry", "addressable_alternatives",
-           "compiler_layer_specs", "INSTALL_HINT"]
+           "compiler_layer_specs", "INSTALL_HINT", "LIBTPU_ENVIRONMENT",
+           "libtpu_environment"]
 
 
 # Topologies one host's bounds allow, smallest first, with their device counts (v4
@@ -136,19 +138,48 @@ def topology(target: str, num_devices: int = 1) -> str:
 _DEVICES_LOCK = threading.Lock()
 
 
+#: What libtpu reads while it starts for a deviceless compile, set only for that call
+#: (``libtpu_environment``): where to find its hosts (it needs none, and without them
+#: it prints start-up errors), and leave to share its machine-wide lock file (compiling
+#: for a TPU claims no chip, so several processes may compile at once).
+LIBTPU_ENVIRONMENT = {"TPU_ACCELERATOR_TYPE": "v6e-4", "TPU_WORKER_HOSTNAMES": "localhost",
+                      "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def libtpu_environment() -> Iterator[None]:
+    """Sets ``LIBTPU_ENVIRONMENT``'s variables the caller has not set, for the duration
+    of the block only: kvxfer leaves nothing in the caller's environment.
+
+    Example:
+        >>> import os
+        >>> before = os.environ.get("TPU_WORKER_HOSTNAMES")
+        >>> with libtpu_environment():
+        ...     inside = os.environ["TPU_WORKER_HOSTNAMES"]
+        >>> inside == (before or "localhost"), os.environ.get("TPU_WORKER_HOSTNAMES") == before
+        (True, True)
+    """
+    with _ENV_LOCK:
+        added = [k for k in LIBTPU_ENVIRONMENT if k not in os.environ]
+        for k in added:
+            os.environ[k] = LIBTPU_ENVIRONMENT[k]
+    try:
+        yield
+    finally:
+        with _ENV_LOCK:
+            for k in added:
+                os.environ.pop(k, None)
+
+
 @functools.lru_cache(maxsize=16)
 def _topology_devices(name: str) -> tuple[Any, ...]:
     from jax.experimental import topologies
 
-    # libtpu reads these to find its own hosts; deviceless compiles need none, and
-    # setting them keeps its start-up warnings off the terminal.
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-4")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    # libtpu takes a machine-wide lock file so that one process owns the TPU; compiling
-    # for one claims no device, so several processes may compile at once.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        return tuple(topologies.get_topology_desc(name, "tpu").devices)
+        with libtpu_environment():  # libtpu reads it as it starts, here
+            return tuple(topologies.get_topology_desc(name, "tpu").devices)
     except Exception as e:  # noqa: BLE001 - libtpu's own errors carry no common type
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"target topology {name!r}: libtpu refused it ({text})") from None

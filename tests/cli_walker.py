@@ -44,7 +44,7 @@ BASES = {
     "plan": {"--config": "tiny"},
     "probe": {"--config": "tiny", "--pages": "2", "--num-blocks": "4"},
     "bench": {"--targets": None},
-    "aot": {"--target": "v6e", "--config": "tiny", "--max-layers": "1"},
+    "aot": {"--target": "v6e", "--config": "tiny", "--max-layers": "1", "--pages": "1"},
     "demo": {"--requests": "1", "--system-pages": "1", "--new-tokens": "1",
              "--device-blocks": "4", "--host-blocks": "4", "--quiet": None},
 }

@@ -33,12 +33,12 @@ def test_page_loops_touch_no_whole_cache(kind, dtype):
     ids, count = _sds((n,), np.int32, device), _sds((), np.int32, device)
     words = unit_count((1, *BLOCK), dtype, 4)
     pool = _sds((8, LAYERS * words), np.uint32, device)
-    offsets = tuple(pos * words for pos in range(LAYERS))
     args = {
         "digest": ((ids, _sds((n, 5), np.uint32, device), _sds((LAYERS,), np.uint32, device),
                     count), ()),
-        "pinned_write": ((pool, ids, ids, count), (pool.sharding, offsets)),
-        "pinned_load": ((pool, ids, ids, count), (pool.sharding, offsets)),
+        # (the pool's sharding, the page's first word, 4-byte words, not gathered)
+        "pinned_write": ((pool, ids, ids, count), (pool.sharding, 0, 4, False)),
+        "pinned_load": ((pool, ids, ids, count), (pool.sharding, 0, 4, False)),
         "staged_load": ((ids, _sds((n, LAYERS, *BLOCK), caches[0].dtype if dtype == "float32"
                                    else f"uint{8 * np.dtype(caches[0].dtype).itemsize}",
                                    device), count), ()),

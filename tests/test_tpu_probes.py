@@ -427,3 +427,32 @@ def test_compiled_layouts_on_cpu_allocate_every_array_and_claim_nothing():
     assert any("from 116 blocks" in s for s in report["skipped"])
     # XLA:CPU lays every array out row-major.
     assert all(":" not in r["runtime"] for r in rows)
+
+
+# ---------------------------------------------------------------------------
+# inplace_probe.py
+# ---------------------------------------------------------------------------
+
+
+def test_inplace_probe_checks_the_route_and_writes_which_one_auto_should_take(tmp_path):
+    out = tmp_path / "inplace.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "tpu_probes/inplace_probe.py", "--platform", "cpu",
+                        "--config", "tiny", "--pages", "2", "--iters", "1", "--warmup", "0",
+                        "--out", str(out), "--json"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json_out(r)
+    assert json.loads(out.read_text()) == report  # what it printed is what it wrote
+    assert report["ok"] and report["failures"] == [] and report["backend"] == "cpu"
+    chip = report["per_chip"]["in-place"]["cpu:0"]
+    assert chip["status"] == "measured" and chip["reason"].endswith("in place")
+    assert chip["aliased"] is True and chip["host_copy_bytes"] == 0 and chip["exact"]
+    pages = report["per_chip"]["pages"]["cpu:0"]
+    assert pages["status"] == "measured" and "pages route" in pages["reason"]
+    assert pages["host_copy_bytes"] == 0
+    for scope in ("per_chip", "per_host"):
+        put = report[scope]["device_put"]
+        put = put["cpu:0"] if scope == "per_chip" else put
+        assert put["offload_gbps"] > 0 and put["load_gbps"] > 0
+    assert report["verdict"]["auto"] in ("in-place", "pages") and report["verdict"]["why"]

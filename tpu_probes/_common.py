@@ -15,7 +15,9 @@ import logging as _py_logging
 import platform
 import re
 import shlex
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -270,3 +272,57 @@ def show(report: dict[str, Any], as_json: bool, print_table: Any) -> None:
         print(dumps(report, indent=None))
     else:
         print_table(report)
+
+
+# ---------------------------------------------------------------------------
+# Timing a manager
+# ---------------------------------------------------------------------------
+
+
+def round_trips(mgr: Any, caches: list[jax.Array], pages: int,
+                iters: int, warmup: int, rng: np.random.Generator, check: bool
+                ) -> tuple[list[jax.Array], dict[str, Any]]:
+    """Median offload / load / per-layer ready seconds of ``pages`` random blocks.
+
+    With ``check``, the first round trip is compared bit for bit with the blocks as
+    they were before it.
+
+    Raises:
+      RuntimeError: a load verified fewer pages than it moved, or moved wrong bytes.
+    """
+    n = caches[0].shape[0]
+    offload, load, ready = [], [], []
+    for it in range(warmup + iters):
+        src = rng.permutation(n)[:pages]
+        dst = rng.permutation(n)[:pages]
+        keys = [int(k) for k in rng.integers(0, 2**63, pages)]
+        before = [testing.bits(c) for c in caches] if check and it == 0 else None
+        jax.block_until_ready(caches)
+        t0 = time.perf_counter()
+        refs = mgr.offload(caches, src, keys).wait()
+        t1 = time.perf_counter()
+        caches, handle = mgr.load(caches, refs, dst, gate="layer")
+        when = []
+        for i in range(len(caches)):
+            handle.layer_ready(i)
+            when.append(time.perf_counter() - t1)
+        result = handle.result()
+        jax.block_until_ready(caches)
+        t2 = time.perf_counter()
+        if result.verified_prefix != pages:
+            raise RuntimeError(f"load verified {result.verified_prefix} of {pages} pages: "
+                               f"{result.reasons}")
+        if before is not None:
+            for i, (c, b) in enumerate(zip(caches, before)):
+                if not np.array_equal(testing.bits(c)[dst], b[src]):
+                    raise RuntimeError(f"layer {i}: the loaded blocks differ from the "
+                                       "offloaded ones")
+        mgr.free(refs)
+        if it >= warmup:
+            offload.append(t1 - t0)
+            load.append(t2 - t1)
+            ready.append(when)
+    return caches, {"offload_s": statistics.median(offload),
+                    "load_s": statistics.median(load),
+                    "ready_s": [statistics.median(r[i] for r in ready)
+                                for i in range(len(caches))]}

@@ -1,7 +1,7 @@
 r"""Compares the layouts a TPU really gives KV caches with the deviceless compile.
 
 ``layouts/tpu_compiled.json`` records what the real XLA:TPU compiler chooses, compiled
-without a TPU (``python -m kvxfer.tpu_catalog``), for every layer group of the
+without a TPU (``python tools/tpu_catalog.py``), for every layer group of the
 built-in configs (one shard each: replicated, and split over 2, 4, 8 devices) over
 ranges of block counts, and for every array of the derived catalogues. On a TPU VM
 this probe allocates the same arrays the way an engine does (a jitted ``jnp.zeros``

@@ -30,9 +30,7 @@ ran), 1 otherwise, 2 on bad flags or arguments.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +43,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvxfer  # noqa: E402
-from kvxfer import testing  # noqa: E402
 from kvxfer.bench import timing  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -66,55 +63,6 @@ flags.DEFINE_integer("seed", 0, "random seed")
 flags.DEFINE_bool("json", False, "print one JSON object instead of the tables")
 
 
-def round_trips(mgr: kvxfer.KVCacheManager, caches: list[jax.Array], pages: int,
-                iters: int, warmup: int, rng: np.random.Generator, check: bool
-                ) -> tuple[list[jax.Array], dict[str, Any]]:
-    """Median offload / load / per-layer ready seconds of ``pages`` random blocks.
-
-    With ``check``, the first round trip is compared bit for bit with the blocks as
-    they were before it.
-
-    Raises:
-      RuntimeError: a load verified fewer pages than it moved, or moved wrong bytes.
-    """
-    n = caches[0].shape[0]
-    offload, load, ready = [], [], []
-    for it in range(warmup + iters):
-        src = rng.permutation(n)[:pages]
-        dst = rng.permutation(n)[:pages]
-        keys = [int(k) for k in rng.integers(0, 2**63, pages)]
-        before = [testing.bits(c) for c in caches] if check and it == 0 else None
-        jax.block_until_ready(caches)
-        t0 = time.perf_counter()
-        refs = mgr.offload(caches, src, keys).wait()
-        t1 = time.perf_counter()
-        caches, handle = mgr.load(caches, refs, dst, gate="layer")
-        when = []
-        for i in range(len(caches)):
-            handle.layer_ready(i)
-            when.append(time.perf_counter() - t1)
-        result = handle.result()
-        jax.block_until_ready(caches)
-        t2 = time.perf_counter()
-        if result.verified_prefix != pages:
-            raise RuntimeError(f"load verified {result.verified_prefix} of {pages} pages: "
-                               f"{result.reasons}")
-        if before is not None:
-            for i, (c, b) in enumerate(zip(caches, before)):
-                if not np.array_equal(testing.bits(c)[dst], b[src]):
-                    raise RuntimeError(f"layer {i}: the loaded blocks differ from the "
-                                       "offloaded ones")
-        mgr.free(refs)
-        if it >= warmup:
-            offload.append(t1 - t0)
-            load.append(t2 - t1)
-            ready.append(when)
-    return caches, {"offload_s": statistics.median(offload),
-                    "load_s": statistics.median(load),
-                    "ready_s": [statistics.median(r[i] for r in ready)
-                                for i in range(len(caches))]}
-
-
 def measure_path(path: str, caches: list[jax.Array], *, pages: int, iters: int, warmup: int,
                  integrity: str, rng: np.random.Generator
                  ) -> tuple[list[jax.Array], dict[str, Any]]:
@@ -130,7 +78,7 @@ def measure_path(path: str, caches: list[jax.Array], *, pages: int, iters: int, 
         layer_bytes = [mgr.plan.class_of_layer(i)[0].bytes_per_block * pages
                        for i in range(len(caches))]
         mgr.warmup(pages)
-        caches, total = round_trips(mgr, caches, pages, iters, warmup, rng, check=True)
+        caches, total = common.round_trips(mgr, caches, pages, iters, warmup, rng, check=True)
     nbytes = sum(layer_bytes)
     total.update(bytes=nbytes, offload_gbps=timing.gbps(nbytes, total["offload_s"]),
                  load_gbps=timing.gbps(nbytes, total["load_s"]))
@@ -142,7 +90,7 @@ def measure_path(path: str, caches: list[jax.Array], *, pages: int, iters: int, 
         with kvxfer.KVCacheManager([caches[i]], num_host_blocks=pages, integrity=integrity,
                                    path=path) as one:
             one.warmup(pages)
-            (caches[i],), alone = round_trips(one, [caches[i]], pages, iters, warmup, rng,
+            (caches[i],), alone = common.round_trips(one, [caches[i]], pages, iters, warmup, rng,
                                               check=False)
         ready = total["ready_s"][i]
         step = ready - (total["ready_s"][i - 1] if i else 0.0)

@@ -6,9 +6,10 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
   programs with the page digests in the same program; the portable fallback.
 * ``RawMover`` (XLA:CPU, row-major whole-byte layouts): raw byte-range copies between
   the device buffers and the host pool.
-* ``PinnedMover`` (XLA:CPU, ``_pinned.IN_PLACE_PLATFORMS``): compiled programs that
-  write pages, with their digests, into a pinned host pool in place and read them from
-  there into the donated caches.
+* ``PinnedMover`` (XLA:CPU and TPU, ``_pinned.IN_PLACE_PLATFORMS``): compiled programs
+  that write pages, with their digests, into a pinned host pool in place (one
+  dynamic-update-slice a page: on TPU one DMA into a slot-major pool) and read them
+  from there into the donated caches.
 * ``PinnedPagesMover`` (the pinned mover's route elsewhere, ``pinned_mover``): compiled
   programs that gather a transfer's pages on the device, digest them there and hand
   each page out as an array of pinned host memory, its storage from then on; loads
@@ -20,8 +21,8 @@ Movers, chosen per slice class (one module each), all behind one ``Mover`` inter
   ``buffer_callback`` enqueuing batched copy-engine copies, beside XLA's stream where
   the engine has streams of its own (ordered by events), between the caches' blocks
   and a page-major pool allocated and pinned outside XLA.
-* ``PallasMover`` (TPU; Pallas interpret mode on CPU): per-block DMA kernels between
-  the caches and the host pool, for layouts the inspector has proven addressable.
+* ``PallasMover`` (TPU; Pallas interpret mode on CPU; only when asked for): per-block
+  DMA kernels between the caches and page buffers the host copies into the pool.
 * ``GroupedMover`` (a block dim sharded over data parallelism): runs another mover
   group by group, each group's pages on the devices that hold its blocks.
 
@@ -46,8 +47,7 @@ side by side (``deferred_compiles``), an array's format handed to the programs
 compiling for devices not at hand (``kvxfer aot``), a layer of abstract caches split
 into shards (``abstract_layer``), a mover's programs (``transfer_programs``,
 ``ProgramJob``), what a compiled program does with host memory (``check_program``,
-``ProgramCheck``) and whether the Pallas kernels of a class compile
-(``pallas_compile_refusal``). They are
+``ProgramCheck``). They are
 imported from here, so nothing outside the package imports its private modules.
 """
 
@@ -86,11 +86,12 @@ from kvxfer.engine._mover import Mover as Mover
 from kvxfer.engine._mover import Pending as Pending
 from kvxfer.engine._mover import TransferError as TransferError
 from kvxfer.engine._pallas import PallasMover as PallasMover
-from kvxfer.engine._pallas import pallas_compile_refusal as pallas_compile_refusal
 from kvxfer.engine._pallas import pallas_refusal as pallas_refusal
 from kvxfer.engine._pinned import PinnedMover as PinnedMover
 from kvxfer.engine._pinned import pinned_capable as pinned_capable
 from kvxfer.engine._pinned import pinned_mover as pinned_mover
+from kvxfer.engine._pinned import in_place_refusal as in_place_refusal
+from kvxfer.engine._pinned import pinned_mode as pinned_mode
 from kvxfer.engine._pinned_pages import PinnedPagesMover as PinnedPagesMover
 from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
 from kvxfer.engine._programs import deferred_compiles as deferred_compiles

@@ -217,6 +217,12 @@ class Mover(abc.ABC, Generic[OffloadT, StagedT, LoadT]):
         self._counted = threading.Lock()
 
     @classmethod
+    def naming(cls, slice_class: SliceClass, num_slots: int) -> Mover[Any, Any, Any]:
+        """A mover that names its programs (``warmup`` under ``collected_compiles``)
+        without a host pool, as for a pool of ``num_slots`` pages."""
+        return cls(slice_class, None)  # type: ignore[arg-type]
+
+    @classmethod
     def host_backing(cls, slice_class: SliceClass,
                      layers: Sequence[ShardedLayer]) -> HostBacking | None:
         """How this mover wants the class's host pool allocated (None: as ``HostPool`` does).

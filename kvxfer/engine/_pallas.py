@@ -18,7 +18,10 @@ The host side of every DMA sits at a static row of a page buffer: the TPU compil
 (libtpu 0.0.42.1) refuses DMAs to or from host memory at a runtime offset (see
 ``kvxfer.engine._pallas_kernels``), so the kernels cannot write a page into its slot of
 the pool itself, and on TPU they are made per bucket with their pages unrolled, one
-layer an offload kernel (compile time grows with pages x layers).
+layer an offload kernel (compile time grows with pages x layers). The host then copies
+every page twice, so ``path="auto"`` never takes this mover: on TPU it takes the pinned
+mover in place (one DMA a page into the pool's slot, no host copy); ``path="pallas"``
+asks for it.
 
 Pages hold each block's logical bytes, row-major, as every other mover stores them,
 so the page digests are the existing digest program's (on the caller's thread, over
@@ -50,14 +53,13 @@ import jax
 import numpy as np
 
 from kvxfer.engine import _pallas_kernels as _kernels
-from kvxfer.engine._aot import device_free
 from kvxfer.engine._batch import ShardedLayer, assemble, bucket, device_of, loop_pages
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError
-from kvxfer.engine._programs import collected_compiles, compile_job
+from kvxfer.engine._programs import compile_job
 from kvxfer.layout import natural_bits, shape_text
 from kvxfer.plan import LayerSpec, SliceClass
 
-__all__ = ["PallasMover", "pallas_refusal", "pallas_compile_refusal"]
+__all__ = ["PallasMover", "pallas_refusal"]
 
 # Platforms whose devices run the kernels: compiled on TPU, interpreted on CPU.
 _PLATFORMS = ("tpu", "cpu")
@@ -196,51 +198,6 @@ def compile_kernels(layers: Sequence[ShardedLayer], b: int,
             args = (*_scalars(device, size), local, _load_shape(size, local))
             job(("pallas", "load", local, local.format, device, size),
                 lambda program=program, args=args: program.lower(*args).compile())
-
-
-# What compiling a class's kernels said, by kernel and chip kind
-# (``pallas_compile_refusal``), for up to this many kernels.
-_COMPILED: dict[tuple, str | None] = {}
-_COMPILED_SIZE = 1024
-_COMPILED_LOCK = threading.Lock()
-
-
-def pallas_compile_refusal(layers: Sequence[ShardedLayer]) -> str | None:
-    """Why the Pallas kernels of a class (``layers``, abstract) do not compile for its
-    devices, or None when every kernel of a 2-page transfer compiles.
-
-    Off TPU (interpret mode) there is nothing to ask: None. On TPU the kernels are
-    compiled once per process, kernel and chip kind (the answer is kept), so
-    ``path="auto"`` picks the Pallas mover only where the TPU compiler takes its DMAs.
-    Two pages, since the host side of a DMA must also start at a multiple of 4 KiB
-    (``LLO_CHECK ... offset_in_bytes % word_size == 0``): page 0 always does, page 1
-    only where a block's bytes are a multiple of 4 KiB (so every page does).
-    """
-    if not _kernels.compiled(device_of(layers[0].shards[0][0])):
-        return None
-    with collected_compiles() as jobs:
-        compile_kernels(layers, 2)
-    # Each shard's and replica's kernel compiles alike on chips of one kind: one each.
-    kernels = {device_free(key): (key, job) for key, job in reversed(jobs)}
-    for kind_key, (key, job) in kernels.items():
-        with _COMPILED_LOCK:
-            known = kind_key in _COMPILED
-            why = _COMPILED.get(kind_key)
-        if not known:
-            try:
-                job()
-                why = None
-            except Exception as e:  # noqa: BLE001 - XLA's errors carry no common type
-                text = str(e).strip().splitlines()
-                why = (f"the Pallas {key[1]} kernel does not compile for "
-                       f"{key[4].device_kind}: {text[0] if text else type(e).__name__}")
-            with _COMPILED_LOCK:
-                if len(_COMPILED) >= _COMPILED_SIZE:
-                    _COMPILED.clear()
-                _COMPILED[kind_key] = why
-        if why is not None:
-            return why
-    return None
 
 
 class PallasMover(Mover[PallasOffload, list[PallasInputs], PallasLoad]):

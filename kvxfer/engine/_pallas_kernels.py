@@ -19,8 +19,8 @@ but int8's ``(32,128)``: ``LLO_CHECK ... multiplier_in_bytes % word_size == 0``,
 v4, v5e, v5p, v6e and tpu7x alike; device-side offsets may be dynamic. A static host
 offset must still be a multiple of 4 KiB (``offset_in_bytes % word_size == 0``), so
 blocks whose bytes are not a multiple of 4 KiB do not compile past their first page
-(``_pallas.pallas_compile_refusal`` finds them; ``path="auto"`` then takes the pinned
-mover). So on TPU the
+(``path="auto"`` never takes these kernels: it takes the pinned mover in place). So on
+TPU the
 kernels unroll their pages (``pages``, the bucket; each DMA guarded by ``j < n``) and
 the device-side block id stays a runtime value, while in Pallas interpret mode
 (``pages=None``) they loop over the ``n`` pages with the same row for each.

@@ -41,27 +41,32 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
+from kvxfer.engine._batch import assemble, bucket, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadDone, LoadRequest, Mover, Pending, TransferError, \
     WaitsOnce, _args_abstract, _pool_load_abstract, _sds
-from kvxfer.engine._pinned_programs import pinned_gather, pinned_load, pinned_write
-from kvxfer.engine._programs import compile_ahead, compile_zeros, zeros
+from kvxfer.engine._pinned_programs import pinned_gather, pinned_load, pinned_write, where_of
+from kvxfer.engine._programs import compile_ahead, compile_zeros, page_loops, zeros
 from kvxfer.engine._pinned_pages import PinnedPagesMover
+from kvxfer.engine._slot_pool import (SlotPool, aliasing_refusal, tiled_pool,
+                                      slot_format, slot_geometry)
 from kvxfer.engine._raw import RowCopy
-from kvxfer.hostpool import ClassPool, PoolError, has_pinned_host
+from kvxfer.hostpool import ClassPool, PoolError, has_pinned_host, word_bytes
 from kvxfer.plan import SliceClass
 
 __all__ = ["PinnedMover", "IN_PLACE_PLATFORMS", "pinned_capable", "pinned_mode",
-           "pinned_mover"]
+           "pinned_mover", "in_place_refusal"]
 
 #: Backends whose programs update the pinned pool in place and read it directly
-#: (XLA:CPU, measured with jax 0.10.2: the donated pool keeps its buffer).
-IN_PLACE_PLATFORMS = frozenset({"cpu"})
+#: (XLA:CPU, measured with jax 0.10.2: the donated pool keeps its buffer; TPU, its
+#: programs compiled deviceless to one DMA a page into the donated ``S(5)`` pool, the
+#: pool a ``SlotPool``, whose aliasing is checked before it is used).
+IN_PLACE_PLATFORMS = frozenset({"cpu", "tpu"})
 
 _MODES = ("in-place", "pages")
 
@@ -139,22 +144,54 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
     name = "pinned"
     pinned_pool = True
 
-    def __init__(self, cls: SliceClass, pool: ClassPool):
+    def __init__(self, cls: SliceClass, pool: ClassPool | None, *,
+                 num_slots: int | None = None):
         super().__init__(cls, pool)
-        if not pool.pinned:
+        if pool is not None and not pool.pinned:
             raise ValueError(f"the pinned mover needs a pinned host pool for {cls.name}; "
                              "the pool was allocated in pageable memory")
-        self._unit = pool.word_bytes
+        self._unit = word_bytes(cls)
         self._words = cls.shard_block_bytes // self._unit  # words of one shard block
+        self._pool_device: Any = None  # where the pool is, naming programs without one
+        #: Slots of the pool (what programs are compiled for without one: ``naming``).
+        self.num_slots = num_slots if pool is None else pool.data.shape[0] \
+            if pool.data is not None else pool.pages.num_slots
+
+    @classmethod
+    def naming(cls, slice_class: SliceClass, num_slots: int) -> PinnedMover:
+        return cls(slice_class, None, num_slots=num_slots)
+
+    @classmethod
+    def host_backing(cls, slice_class, layers):
+        device = device_of(layers[0].shards[0][0])
+        if not tiled_pool(device.platform):
+            return None
+        return lambda num_slots: SlotPool(slice_class, num_slots, device)
 
     # -- geometry -----------------------------------------------------------------
 
-    def _packed_offsets(self) -> tuple[int, ...]:
-        """Word offset of each layer inside a row of one shard's pages."""
-        return tuple(pos * self._words for pos in range(len(self.cls.layers)))
+    @property
+    def _store(self) -> Any:
+        """What holds the pool's array and takes the arrays programs return (``swap``):
+        the ``SlotPool`` where the pool is slot-major, else the ``ClassPool``."""
+        return self.pool.pages if isinstance(self.pool.pages, SlotPool) else self.pool
+
+    def _start(self, shard: int) -> int:
+        """Where shard ``shard``'s part of a page starts in its slot, in words."""
+        if self.pool is None or isinstance(self.pool.pages, SlotPool):
+            return 0
+        return self.pool.word_offsets(shard)[0]
+
+    @staticmethod
+    def _gathered(device: Any) -> bool:
+        """Whether programs on ``device`` gather pages per layer first: with a slot-major
+        pool (TPU), and wherever they do not loop over pages (not XLA:CPU)."""
+        return tiled_pool(device.platform) or not page_loops(device)
 
     def _direct(self, device: Any) -> bool:
         """Whether programs on ``device`` reach the pool itself."""
+        if self.pool is None:  # naming programs: the pool is on the first shard's device
+            return device == self._pool_device
         return device == self.pool.device
 
     @staticmethod
@@ -162,14 +199,24 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
         """Entries of the index arrays of the programs that reach the pool itself, for
         ``k`` pages of ``array``'s blocks.
 
-        They loop over the pages (the count a runtime value), so one program serves
-        every transfer up to ``loop_pages``, not one per bucket.
+        On XLA:CPU they loop over the pages (the count a runtime value, the blocks read
+        in the loop), so one program serves every transfer up to ``loop_pages``, not one
+        per bucket; elsewhere they gather the bucket's pages first, so the bucket.
         """
+        if PinnedMover._gathered(device_of(array)):
+            return bucket(k)
         return loop_pages(k, array.shape[0])
 
     def _pool_abstract(self) -> jax.ShapeDtypeStruct:
-        a = self.pool.array
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        if self.pool is not None:
+            a = self._store.array
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where_of(a))
+        device = self._pool_device
+        if tiled_pool(device.platform):
+            g = slot_geometry(self.cls, self.num_slots)
+            return jax.ShapeDtypeStruct(g.shape, np.uint32, sharding=slot_format(g, device))
+        return jax.ShapeDtypeStruct((self.num_slots, self.cls.page_bytes // self._unit),
+                                    np.dtype(f"u{self._unit}"), sharding=_pinned(device))
 
     def _packed_shape(self, b: int) -> tuple[int, int]:
         return (b, len(self.cls.layers) * self._words)
@@ -203,8 +250,9 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
                 digest = (base, layer_nums(device, tuple(self.cls.layers))) if fused else None
                 with self.pool.lock:
                     new, done, *d = pinned_write(
-                        arrays, self.pool.array, ids, self._padded(np.asarray(slots), size),
-                        count, self.pool.word_offsets(s), digest=digest)
+                        arrays, self._store.array, ids, self._padded(np.asarray(slots), size),
+                        count, self._start(s), self._unit, self._gathered(device),
+                        digest=digest)
                     self._swap(new)
                 written.append(done)
                 parts.append(d)
@@ -222,7 +270,7 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
 
     def _swap(self, new: jax.Array) -> None:
         try:
-            self.pool.swap(new)
+            self._store.swap(new)
         except PoolError as e:
             raise TransferError(f"pinned offload of {self.cls.name} failed: {e}") from e
 
@@ -295,12 +343,14 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
             if src is None:
                 digest = (base_d, layer_nums(device, tuple(self.cls.layers))) if fused else None
                 with self.pool.lock:  # the pool array of the moment, before any donation
-                    out, d, *digests = pinned_load(local, self.pool.array, ids_d, rows, count,
-                                                   self.pool.word_offsets(shard), digest=digest)
+                    out, d, *digests = pinned_load(local, self._store.array, ids_d, rows, count,
+                                                   self._start(shard), self._unit,
+                                                   self._gathered(device), digest=digest)
                 if fused:
                     request.on_digested(shard, replica, digests[0])
             else:
-                out, d = pinned_load(local, src, ids_d, rows, count, self._packed_offsets())
+                out, d = pinned_load(local, src, ids_d, rows, count, 0, self._unit,
+                                     self._gathered(device))
             done.append(d)
             if single:
                 return list(out), PinnedLoad(done)
@@ -321,6 +371,7 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
         # What the transfers run: where both directions digest inside their own
         # programs, no digest program of its own is compiled (a transfer hook's load
         # compiles one when it first runs).
+        self._pool_device = device_of(layers[0].primary[0])
         fused = with_digest and self._digests_in_load(layers)
         fused_offload = with_digest and self._digests_in_offload(layers)
         if with_digest and not (fused and fused_offload):
@@ -330,10 +381,12 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
             device = device_of(primary[0])
             if self._direct(device):
                 n = self._direct_pages(b, primary[0])
-                compile_ahead("pinned_write", primary, self._pool_abstract(),
+                pool = self._pool_abstract()
+                compile_ahead("pinned_write", primary, pool,
                               *_pool_load_abstract(n, len(layers), device, fused_offload),
                               with_digest=fused_offload,
-                              options=(self.pool.array.sharding, self.pool.word_offsets(s)))
+                              options=(where_of(pool), self._start(s), self._unit,
+                                       self._gathered(device)))
             else:
                 compile_ahead("pinned_gather", primary, _args_abstract(b, device)[0],
                               options=(_pinned(device), self._unit))
@@ -346,7 +399,8 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
                     compile_ahead("pinned_load", local, pool,
                                   *_pool_load_abstract(n, len(layers), device, fused),
                                   with_digest=fused,
-                                  options=(pool.sharding, self.pool.word_offsets(s)))
+                                  options=(where_of(pool), self._start(s), self._unit,
+                                           self._gathered(device)))
                     continue
                 rows = _sds((b,), np.int32, device)
                 shape, dtype = self._packed_shape(b), self.pool.array.dtype
@@ -354,12 +408,34 @@ class PinnedMover(WaitsOnce, Mover[PinnedOffload, list[PinnedInputs], PinnedLoad
                 src = jax.ShapeDtypeStruct(shape, dtype, sharding=_pinned(device))
                 ids, _, count = _args_abstract(b, device)
                 compile_ahead("pinned_load", local, src, ids, rows, count,
-                              options=(src.sharding, self._packed_offsets()))
+                              options=(src.sharding, 0, self._unit, self._gathered(device)))
 
 
-def pinned_mover(platform: str) -> type[Mover]:
+def in_place_refusal(platform: str, shards: Sequence[Sequence[Any]],
+                     live: bool = True) -> str | None:
+    """Why the in-place route cannot move a class whose first layer has ``shards``
+    (per shard, its replicas' arrays) on ``platform``, or None where it can.
+
+    Off XLA:CPU every program must reach the pool itself (a page copied between two
+    devices' pinned memories would be a host copy): one shard, one replica; and, with
+    ``live`` devices (not deviceless ones, compiling ahead), the runtime must alias
+    the donated pool (``_slot_pool.aliasing_refusal``).
+    """
+    if not tiled_pool(platform):
+        return None
+    devices = {device_of(a) for reps in shards for a in reps}
+    if len(devices) > 1:
+        return (f"its shards live on {len(devices)} devices; an in-place pool is one "
+                "device's pinned memory, and a copy between two would be a host copy")
+    return aliasing_refusal(next(iter(devices))) if live else None
+
+
+def pinned_mover(platform: str, shards: Sequence[Sequence[Any]] | None = None,
+                 live: bool = True) -> type[Mover]:
     """The pinned mover's class on ``platform``: ``PinnedMover`` in place, else the
-    pages route's ``PinnedPagesMover`` (``pinned_mode``)."""
-    if pinned_mode(platform) == "in-place":
+    pages route's ``PinnedPagesMover`` (``pinned_mode``; on TPU also where
+    ``in_place_refusal`` refuses the class's ``shards``)."""
+    if pinned_mode(platform) == "in-place" and (
+            shards is None or in_place_refusal(platform, shards, live) is None):
         return PinnedMover
     return PinnedPagesMover

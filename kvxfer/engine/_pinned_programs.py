@@ -1,10 +1,14 @@
-"""The programs between the caches and a ``pinned_host`` pool in place (XLA:CPU).
+"""The programs between the caches and a ``pinned_host`` pool in place (XLA:CPU, TPU).
 
 The pinned mover's in-place route writes pages into its pool array (donated) and reads
-them from there into the donated caches; the staged mover's loads on XLA:CPU read its
-pool the same way. Blocks move by a loop of dynamic-update-slices whose page count is
-a runtime value (on XLA:CPU 4-5x as fast as a scatter from gathered pages), so one
-program serves every transfer of up to ``_batch.loop_pages`` pages.
+them from there into the donated caches. A page moves by one dynamic-update-slice
+(offload) or one dynamic slice (load) of the pool, in a loop whose page count is a
+runtime value, so one program serves every transfer of up to ``_batch.loop_pages``
+pages on XLA:CPU, and every transfer of a bucket on TPU. On TPU each compiles to one
+DMA a page (``dynamic-update-slice-start/done`` on ``S(5)``) into a slot-major pool
+(``_slot_pool.SlotPool``); nothing computes on host memory. The same programs run on
+XLA:CPU, with the caches' side read and written a page at a time there, and per layer
+(gathered, scattered) on TPU.
 """
 
 from __future__ import annotations
@@ -14,31 +18,227 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from kvxfer import integrity
 from kvxfer.engine import _programs
-from kvxfer.engine._programs import (_UINT, _digest_impl, _from_units, _on_blocks, _units,
-                                     _write_blocks, page_rows, register_kind, unit_count)
+from kvxfer.layout import natural_bits
+from kvxfer.engine._programs import (_UINT, _bits, _digest_impl, _from_units, _gathers_whole,
+                                     _on_blocks, _units,
+                                     _write_blocks, page_loops, page_rows, register_kind,
+                                     unit_count)
 
-__all__ = ["pinned_write", "pinned_gather", "pinned_load"]
+__all__ = ["pinned_write", "pinned_gather", "pinned_load", "where_of"]
 
 
-def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool,
-                offsets: tuple[int, ...]):
-    # The pool is donated: each block of the first ``count`` pages is written into its
-    # slot's words in place, so the pages reach the pinned pool with no copy beside
-    # this one. (Raw bits are read a block at a time, see ``_on_blocks``: a gather of
-    # every page first would tie the program to the padded page count.)
-    unit = pool.dtype.itemsize
+def _pool_words(words: jax.Array, dtype) -> jax.Array:
+    """``uint{8 * unit}[b, n]`` -> ``dtype[b, m]``: the same bytes as the pool's words
+    (zero-padded to whole words), little-endian.
 
-    def body(j, carry):
-        p, n = carry
+    Made of strided slices and shifts, not a bitcast of ``[b, m, per]``: XLA:TPU lays
+    that trailing dim of 2 or 4 out padded to 128 lanes (a 512 KiB page staged 32 MiB
+    on v5p).
+    """
+    unit, size = words.dtype.itemsize, jnp.dtype(dtype).itemsize
+    if unit == size:
+        return words
+    per = size // unit
+    pad = -words.shape[1] % per
+    if pad:
+        words = jnp.pad(words, ((0, 0), (0, pad)))
+    parts = [words[:, k::per].astype(dtype) << (8 * unit * k) for k in range(per)]
+    return functools.reduce(jnp.bitwise_or, parts)
 
-        def write(blocks, p):
-            for block, off in zip(blocks, offsets):
-                p = jax.lax.dynamic_update_slice(p, _units(block, unit), (slots[j], off))
-            return p
 
-        return _on_blocks(write, lambda p: p, arrays, ids[j], raw, p), n + 1
+def _unit_words(words: jax.Array, unit: int, n: int) -> jax.Array:
+    """The inverse of ``_pool_words``: the first ``n`` words of ``unit`` bytes."""
+    if words.dtype.itemsize != unit:
+        words = jax.lax.bitcast_convert_type(words, _UINT[unit]).reshape(words.shape[0], -1)
+    return words[:, :n]
+
+
+def _word_pairs(dtype, block: tuple[int, ...]) -> int | None:
+    """Elements of ``dtype`` a 32-bit word holds, where a block of ``block`` turns into
+    words along its last dim alone (whole-byte types, a last dim they divide); None
+    where it does not."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_ or natural_bits(dtype) < 8 or dtype.itemsize > 4:
+        return None
+    per = 4 // dtype.itemsize
+    return per if block and block[-1] % per == 0 else None
+
+
+def _words32(x: jax.Array) -> jax.Array:
+    """``[b, *block]`` -> ``uint32[b, n]``, the block's bytes as little-endian words,
+    paired along the last dim (``_word_pairs``): pairing a flattened bf16 block into
+    words made XLA:TPU copy the whole cache it was sliced from (160 MiB for 2 of vLLM's
+    1.25 MiB MLA blocks); along the last dim, nothing."""
+    size = x.dtype.itemsize
+    per = 4 // size
+    x = jax.lax.bitcast_convert_type(x, _UINT[size])
+    if per > 1:  # strided slices and shifts (see ``_pool_words``), not a trailing dim
+        x = functools.reduce(jnp.bitwise_or, [x[..., k::per].astype(jnp.uint32) << (8 * size * k)
+                                              for k in range(per)])
+    return x.reshape(x.shape[0], -1)
+
+
+def _from_words32(w: jax.Array, dtype, block: tuple[int, ...]) -> jax.Array:
+    """The inverse of ``_words32``: ``uint32[b, n]`` -> ``dtype[b, *block]``."""
+    dtype = jnp.dtype(dtype)
+    size = dtype.itemsize
+    per = 4 // size
+    w = w.reshape(w.shape[0], *block[:-1], block[-1] // per)
+    if per > 1:
+        # Shifted out and interleaved with the pair dim before the last: a bitcast to
+        # ``[..., n, per]`` puts a dim of 2 or 4 minor-most, which XLA:TPU pads to 128
+        # lanes (24 MiB staged for 4 pages of 256 KiB on v5p, 8 MiB this way).
+        parts = [((w >> (8 * size * k)) & ((1 << (8 * size)) - 1)).astype(_UINT[size])
+                 for k in range(per)]
+        x = jnp.swapaxes(jnp.stack(parts, axis=-2), -1, -2)
+    else:
+        x = w
+    x = x.reshape(w.shape[0], *block)
+    return x if dtype == x.dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _codec(arrays, unit: int, pool_dtype) -> tuple[Any, Any, list[int], int]:
+    """How a program turns blocks into a page's words and back: ``(to_words(x),
+    from_words(w, dtype, block), words of each layer's block, bytes a word)``; 32-bit
+    words paired along the last dim for a pool of them where every layer allows it
+    (``_words32``), else words of ``unit`` bytes (``_units``)."""
+    if jnp.dtype(pool_dtype).itemsize == 4 and \
+            all(_word_pairs(a.dtype, tuple(a.shape[1:])) for a in arrays):
+        return _words32, _from_words32, [unit_count(a.shape, a.dtype, 4) for a in arrays], 4
+    return (lambda x: _units(x, unit)), _from_units, \
+        [unit_count(a.shape, a.dtype, unit) for a in arrays], unit
+
+
+def _element_unit(dtype, unit: int, to_words: Any) -> int:
+    """The words a page's blocks are read as before they are stacked: each element's
+    own bits where they are paired into 32-bit words after (``_words32``), else
+    ``unit``."""
+    if to_words is _words32:
+        return jnp.dtype(dtype).itemsize
+    return unit
+
+
+def _slot_width(pool_shape: tuple[int, ...], start: int, n_words: int) -> int:
+    """Pool words a page's part starting at word ``start`` of its slot is read as."""
+    if len(pool_shape) == 2:
+        return n_words
+    if start:
+        raise ValueError(f"a slot-major pool {list(pool_shape)} holds whole pages; a part "
+                         f"at word {start} cannot be read alone")
+    return pool_shape[1] * pool_shape[2]
+
+
+def _put_page(pool, words: jax.Array, slot, start: int) -> jax.Array:
+    """``pool`` with ``words`` (``[m]`` of its dtype) at word ``start`` of ``slot``: one
+    dynamic-update-slice, whose size and offset are the whole slot on a slot-major
+    pool (``[slots, rows, 128]``: padding fills the rest of the slot)."""
+    if pool.ndim == 2:
+        return jax.lax.dynamic_update_slice(pool, words[None], (slot, start))
+    _slot_width(pool.shape, start, words.shape[0])
+    rows, lanes = pool.shape[1:]
+    words = jnp.pad(words, (0, rows * lanes - words.shape[0]))
+    return jax.lax.dynamic_update_slice(pool, words.reshape(1, rows, lanes), (slot, 0, 0))
+
+
+def _get_page(src, row, start: int, m: int, to_device: Any) -> jax.Array:
+    """``[1, m]`` words of ``src`` at word ``start`` of ``row``: one dynamic slice (the
+    whole slot on a slot-major pool), moved to device memory (``to_device``) before
+    anything else reads it: XLA's host offloader takes a slice of host memory feeding
+    a move to the device, and would compute a reshape of it on the host."""
+    if src.ndim == 2:
+        page = jax.lax.dynamic_slice(src, (row, start), (1, m))
+    else:
+        page = jax.lax.dynamic_slice(src, (row, 0, 0), (1, *src.shape[1:]))
+    return jax.device_put(page, to_device).reshape(1, -1)
+
+
+def _blocks_at(arrays, ids, raw: bool) -> list[jax.Array]:
+    """Blocks ``ids`` of each array (``[len(ids), *block]``, raw bits where ``raw``), one
+    dynamic slice a page and layer.
+
+    Not a gather: where the compiler lays a cache out with its block dim inside
+    (vLLM's MLA cache at engine sizes, ``{0,2,1:T(8,128)(2,1)}``), XLA:TPU gathers
+    (and loops of slices) by relaying out the whole cache: 483 MiB of a 24753-block
+    ``[16, 576]`` bf16 cache for 2 pages, against 95 KiB for slices unrolled per
+    page; addressable caches stage about as little either way (deviceless, libtpu
+    0.0.42.1).
+    """
+    return [jnp.concatenate([jax.lax.dynamic_slice_in_dim(_bits(a, raw), ids[j], 1)
+                             for j in range(ids.shape[0])]) for a in arrays]
+
+
+#: Pages digested at once in the TPU route's programs: the digest of 64 pages of an
+#: MLA block at once staged 57 MiB of device memory, 16 at a time under 1 MiB.
+_DIGEST_PAGES = 16
+
+
+def _digest_of(blocks, base, nums) -> jax.Array:
+    """``digest_layers`` of ``blocks`` (per layer ``[b, *block]``), ``_DIGEST_PAGES`` pages
+    at a time."""
+    b = blocks[0].shape[0]
+    parts = [integrity.digest_layers([integrity.as_words(x[i:i + _DIGEST_PAGES], batch_dims=1)
+                                      for x in blocks], base[i:i + _DIGEST_PAGES], nums)
+             for i in range(0, b, _DIGEST_PAGES)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int, unit: int,
+                gathered: bool, loop: bool, platform: str):
+    # The pool is donated: the first ``count`` pages are written into their slots in
+    # place, each page (this shard's blocks of every layer, side by side) by one
+    # dynamic-update-slice: on TPU one DMA a page, into host memory that no program
+    # computes on. ``gathered`` (TPU): the bucket's pages are first read on the device,
+    # per layer (``_blocks_at``), and digested there; else each page's blocks are read
+    # in the loop (XLA:CPU, see ``_on_blocks``: nothing tied to the padded page count;
+    # and TPU for blocks over 1 MiB, which XLA:TPU slices out of a copy of the whole
+    # cache when it reads them outside a loop: ``_programs._gathers_whole``).
+    gathered = gathered and not _gathers_whole(arrays, platform)
+    to_words, _, _, _ = _codec(arrays, unit, pool.dtype)
+    if gathered:
+        # The digests read the blocks' words as the page holds them (the same bytes,
+        # so the same digests): digesting the blocks themselves made XLA:TPU relayout
+        # a v4 cache whose block dim is inside (3.6 GiB of tiny's at 117964 blocks).
+        # Each page's blocks as flat element bits, stacked, then paired into words:
+        # pairing before stacking made XLA:TPU copy v4 caches tiled T(2,128) (922 MiB
+        # of sglang's p64 cache, 3.6 GiB of an int8 one, for 2 pages); after, nothing.
+        elem = [jnp.concatenate([_units(jax.lax.dynamic_slice_in_dim(_bits(a, raw), ids[j], 1),
+                                        _element_unit(a.dtype, unit, to_words))
+                                 for j in range(ids.shape[0])]) for a in arrays]
+        units = [_pool_words(e, jnp.uint32) if to_words is _words32 else e for e in elem]
+        rows = _pool_words(jnp.concatenate(units, axis=1), pool.dtype)
+
+        def body(j, carry):
+            p, n = carry
+            return _put_page(p, rows[j], slots[j], start), n + 1
+    elif pool.ndim == 2 and pool.dtype.itemsize == unit:
+        # A pool of the blocks' own words (XLA:CPU): each layer's block straight into
+        # its range of the slot, with no page put together first (that copy made a
+        # 64-page offload of 16 layers 1.5-2x as slow on XLA:CPU).
+        offsets = np.cumsum([0] + [unit_count(a.shape, a.dtype, unit) for a in arrays])
+
+        def body(j, carry):
+            p, n = carry
+
+            def write(blocks, p):
+                for block, off in zip(blocks, offsets):
+                    p = jax.lax.dynamic_update_slice(p, _units(block, unit),
+                                                     (slots[j], start + int(off)))
+                return p
+
+            return _on_blocks(write, lambda p: p, arrays, ids[j], raw, p), n + 1
+    else:
+        def body(j, carry):
+            p, n = carry
+
+            def write(blocks, p):
+                words = jnp.concatenate([to_words(b) for b in blocks], axis=1)
+                return _put_page(p, _pool_words(words, pool.dtype)[0], slots[j], start)
+
+            return _on_blocks(write, lambda p: p, arrays, ids[j], raw, p), n + 1
 
     # The second output is what a waiter waits for: the pool array itself may be
     # donated by the next program before anyone waits.
@@ -46,44 +246,97 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool,
     if not digest:
         return pool, done
     # The digests of the blocks read, in the same program (as ``digest_blocks`` would
-    # compute them): an offload then dispatches one program.
+    # compute them; on the device copies, never on host memory).
     base, nums = digest
-    return pool, done, _digest_impl(arrays, ids, base, nums, count, raw=raw, loop=True)
+    if gathered:
+        return pool, done, _digest_of(units, base, nums)
+    return pool, done, _digest_impl(arrays, ids, base, nums, count, raw=raw, loop=loop,
+                                    platform=platform)
 
 
 def _gather_impl(arrays, ids, *, raw: bool, unit: int):
     return page_rows(arrays, ids, raw, unit)
 
 
-def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, offsets: tuple[int, ...]):
-    # ``src`` is pinned host memory: the pool itself, or the request's pages. Each
-    # block is read from its row and written into the donated cache in place, by a
-    # loop over the first ``count`` pages (see ``_write_blocks``: no copy of the caches
-    # for raw bits).
-    unit = src.dtype.itemsize
-    sizes = [unit_count(a.shape, a.dtype, unit) for a in arrays]
+def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, unit: int,
+               gathered: bool, loop: bool, platform: str, to_device: Any):
+    # ``src`` is pinned host memory: the pool itself, or the request's pages. Each page
+    # is read from its row by one dynamic slice (on TPU one DMA a page) and written
+    # into the donated caches in place. ``gathered``: the pages are collected on the
+    # device and scattered once per layer (TPU); else each page's blocks are written in
+    # the loop (XLA:CPU, see ``_write_blocks``: no copy of the caches for raw bits).
+    gathered = gathered and not _gathers_whole(arrays, platform)  # as ``_write_impl``
     dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
+    _, from_words, sizes, unit = _codec(arrays, unit, src.dtype)
+    n = sum(sizes)
+    m = _slot_width(src.shape, start, -(-n * unit // src.dtype.itemsize))
+    ends = np.cumsum([0] + sizes)
 
-    def body(j, carry):
-        caches, written = carry
-        blocks = [_from_units(jax.lax.dynamic_slice(src, (rows[j], off), (1, n)), dtype,
-                              a.shape[1:])
-                  for a, dtype, off, n in zip(arrays, dtypes, offsets, sizes)]
-        return _write_blocks(caches, ids[j], blocks, raw), written + 1
+    def split(words):
+        return [from_words(words[:, lo:hi], dtype, tuple(a.shape[1:]))
+                for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
 
-    out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
+    if gathered:
+        def body(j, carry):
+            buf, read = carry
+            return jax.lax.dynamic_update_slice(buf, _get_page(src, rows[j], start, m,
+                                                               to_device), (j, 0)), read + 1
+
+        b = ids.shape[0]
+        buf = jnp.zeros((b, m), src.dtype)
+        buf, _ = jax.lax.fori_loop(0, count, body, (buf, jnp.int32(0)))
+        # One dynamic-update-slice a page and layer (see ``_blocks_at``: a scatter
+        # relays out a cache whose block dim is inside); entries past ``count`` write
+        # the first page again, where its block already holds it.
+        out, landed = list(arrays), []
+        for j in range(b):
+            r = jnp.where(j < count, j, 0)
+            words = _unit_words(jax.lax.dynamic_slice_in_dim(buf, r, 1), unit, n)
+            out = _write_blocks(out, jnp.where(j < count, ids[j], ids[0]), split(words), raw)
+            landed.append(words)
+        out, done = jax.lax.optimization_barrier((tuple(out), buf[0, 0]))
+        done = done.astype(jnp.int32)
+        if digest:
+            # The digests of the pages as they arrived in device memory (the words of
+            # the blocks just written: the same bytes, the same digests): reading them
+            # back from the caches made XLA:TPU copy a cache whose block dim is inside
+            # (483 MiB for vLLM's MLA cache).
+            base, nums = digest
+            stacked = jnp.concatenate(landed)
+            blocks = [stacked[:, lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
+            return tuple(out), done, _digest_of(blocks, base, nums)
+    elif src.ndim == 2 and src.dtype.itemsize == unit and platform == "cpu":
+        # XLA:CPU reads each block straight from its range of the slot (a page read
+        # whole and moved first cost loads about 15 % there).
+        def body(j, carry):
+            caches, written = carry
+            blocks = [_from_units(jax.lax.dynamic_slice(src, (rows[j], start + int(lo)),
+                                                        (1, int(hi - lo))), dtype, a.shape[1:])
+                      for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
+            return _write_blocks(caches, ids[j], blocks, raw), written + 1
+    else:
+        def body(j, carry):
+            caches, written = carry
+            words = _unit_words(_get_page(src, rows[j], start, m, to_device), unit, n)
+            return _write_blocks(caches, ids[j], split(words), raw), written + 1
+
+    if not gathered:
+        out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
     # ``done`` is the load's own output: ready once ``src`` was read, and never handed
     # to the caller (who may donate the caches right away).
     if not digest:
         return tuple(out), done
     # The digests of the blocks written, read back from the caches it returns.
     base, nums = digest
-    return tuple(out), done, _digest_impl(out, ids, base, nums, count, raw=raw, loop=True)
+    return tuple(out), done, _digest_impl(out, ids, base, nums, count, raw=raw, loop=loop,
+                                          platform=platform)
 
 
 def _write_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
-    pool, offsets = options
-    return (functools.partial(_write_impl, raw=raw, offsets=offsets),
+    pool, start, unit, gathered = options
+    device = _programs._device(formats)
+    return (functools.partial(_write_impl, raw=raw, start=start, unit=unit, gathered=gathered,
+                              loop=page_loops(device), platform=device.platform),
             dict(donate_argnums=(1,),
                  in_shardings=(formats, pool, None, None, None) + (None, None) * with_digest,
                  out_shardings=(pool, None) + (None,) * with_digest))
@@ -96,8 +349,12 @@ def _gather_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
 
 
 def _load_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
-    src, offsets = options
-    return (functools.partial(_load_impl, raw=raw, offsets=offsets),
+    src, start, unit, gathered = options
+    device = _programs._device(formats)
+    return (functools.partial(_load_impl, raw=raw, start=start, unit=unit, gathered=gathered,
+                              loop=page_loops(device), platform=device.platform,
+                              to_device=jax.sharding.SingleDeviceSharding(
+                                  device, memory_kind="device")),
             dict(donate_argnums=(0,),
                  in_shardings=(formats, src, None, None, None) + (None, None) * with_digest,
                  out_shardings=(formats, None) + (None,) * with_digest))
@@ -108,14 +365,26 @@ register_kind("pinned_gather", _gather_parts, ballast=True)
 register_kind("pinned_load", _load_parts, same_formats=0, ballast=True)
 
 
-def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...],
+def where_of(a: Any) -> Any:
+    """What a program takes ``a`` (a pool or a buffer of pages) as: its ``Format`` where
+    its layout is pinned (a slot-major pool), else its sharding."""
+    if a.ndim != 3:  # (``Array.format`` builds a new object on every call)
+        return a.sharding
+    fmt = getattr(a, "format", None)
+    return fmt if fmt is not None and getattr(fmt, "layout", None) is not None else a.sharding
+
+
+def pinned_write(arrays, pool, ids, slots, count, start: int, unit: int, gathered: bool,
                  digest: tuple[Any, jax.Array] | None = None):
-    """Writes blocks ``ids[j]`` of every layer into row ``slots[j]`` of ``pool`` in place.
+    """Writes blocks ``ids[j]`` of every layer into slot ``slots[j]`` of ``pool`` in place.
 
     For ``j < count`` (an ``int32`` scalar: the arrays may be padded further).
-    ``pool`` (pinned host words, donated) gets layer ``l``'s block at word
-    ``offsets[l]`` of the row. ``digest``: ``(identities, layer numbers)`` as
-    ``digest_blocks`` takes them: the program also digests the blocks it reads.
+    ``pool`` (pinned host words, donated: ``[slots, words]``, or a slot-major
+    ``SlotPool`` array ``[slots, rows, 128]``) gets the page's blocks side by side, as
+    words of ``unit`` bytes, from word ``start`` of the slot (0 on a slot-major pool),
+    by one dynamic-update-slice a page. ``gathered``: gather the pages per layer first
+    (TPU). ``digest``: ``(identities, layer numbers)`` as ``digest_blocks`` takes them:
+    the program also digests the blocks it reads.
 
     Returns:
       ``(new pool, done)``: ``done`` (a scalar) is ready once the pages are written;
@@ -123,7 +392,8 @@ def pinned_write(arrays, pool, ids, slots, count, offsets: tuple[int, ...],
     """
     extra = () if digest is None else tuple(digest)
     return _programs.run("pinned_write", arrays, pool, ids, slots, count, *extra,
-               with_digest=digest is not None, options=(pool.sharding, tuple(offsets)))
+                         with_digest=digest is not None,
+                         options=(where_of(pool), int(start), int(unit), bool(gathered)))
 
 
 def pinned_gather(arrays, ids, out, unit: int):
@@ -131,15 +401,17 @@ def pinned_gather(arrays, ids, out, unit: int):
     return _programs.run("pinned_gather", arrays, ids, options=(out, unit))
 
 
-def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...],
+def pinned_load(arrays, src, ids, rows, count, start: int, unit: int, gathered: bool,
                 digest: tuple[jax.Array, jax.Array] | None = None):
     """Writes row ``rows[j]`` of ``src`` (pinned host words) into block ``ids[j]``, for
     ``j < count`` (an ``int32`` scalar).
 
-    Layer ``l``'s block is read at word ``offsets[l]`` of the row; the caches are
-    donated and written in place. ``digest``: ``(identities, layer numbers)`` as
-    ``digest_blocks`` takes them: the program also digests the blocks it wrote (``ids``
-    sized as the digests take them).
+    The page's blocks are read side by side from word ``start`` of the row (words of
+    ``unit`` bytes, as ``pinned_write`` wrote them) by one dynamic slice a page; the
+    caches are donated and written in place. ``gathered``: collect the pages on the
+    device and scatter them per layer (TPU). ``digest``: ``(identities, layer
+    numbers)`` as ``digest_blocks`` takes them: the program also digests the blocks it
+    wrote (``ids`` sized as the digests take them).
 
     Returns:
       ``(new arrays, done)``, and the digests ``uint32[L, len(ids), D]`` as a third
@@ -147,4 +419,5 @@ def pinned_load(arrays, src, ids, rows, count, offsets: tuple[int, ...],
     """
     extra = () if digest is None else tuple(digest)
     return _programs.run("pinned_load", arrays, src, ids, rows, count, *extra,
-               with_digest=digest is not None, options=(src.sharding, tuple(offsets)))
+                         with_digest=digest is not None,
+                         options=(where_of(src), int(start), int(unit), bool(gathered)))

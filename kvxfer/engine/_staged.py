@@ -266,7 +266,8 @@ class StagedMover(WaitsOnce, Mover[StagedOffload, list[StagedInputs], StagedLoad
                                                        sharding=pool.sharding),
                                   *_pool_load_abstract(n, len(layers), device, fused),
                                   with_digest=fused,
-                                  options=(pool.sharding, self.pool.word_offsets(s)))
+                                  options=(pool.sharding, self.pool.word_offsets(s)[0],
+                                           self._unit, False))
                 elif page_loops(device):
                     n = loop_pages(b, local[0].shape[0])
                     if r == 0:
@@ -344,7 +345,8 @@ class StagedMover(WaitsOnce, Mover[StagedOffload, list[StagedInputs], StagedLoad
                 ids, base, count = batch.host(shard, rows.shape[0])
                 digest = (base, layer_nums(device, tuple(self.cls.layers))) if fused else None
                 out, done, *digests = pinned_load(local, pages_d, ids, rows, count,
-                                                  self.pool.word_offsets(shard), digest=digest)
+                                                  self.pool.word_offsets(shard)[0], self._unit,
+                                                  False, digest=digest)
                 in_place.append(done)
                 if fused:
                     request.on_digested(shard, replica, digests[0])

@@ -11,8 +11,8 @@ from kvxfer._names import PATHS as PATHS
 from kvxfer._names import PathMode as PathMode
 from kvxfer.engine import (DmaMover, EmulatedMover, Mover, PallasMover, RawMover,
                            RawOrPinnedMover, StagedMover, abstract_layer, dma_refusal,
-                           pallas_compile_refusal, pallas_refusal, pinned_capable,
-                           pinned_mover, raw_capable)
+                           in_place_refusal, pallas_refusal, pinned_capable,
+                           pinned_mode, pinned_mover, raw_capable)
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
@@ -46,7 +46,9 @@ def check_path(path: object) -> None:
 AUTO_RULES: dict[str, tuple[str, ...]] = {
     "cpu": ("raw", "pinned", "staged"),
     "gpu": ("dma", "pinned", "staged"),
-    "tpu": ("pallas", "pinned", "staged"),
+    # Only routes that copy no payload byte on the host: the pinned mover in place,
+    # else its pages route (``pinned_mover``); staged only with ``pinned=False``.
+    "tpu": ("pinned", "staged"),
 }
 _OTHER_BACKENDS = ("pinned", "staged")
 
@@ -95,10 +97,7 @@ def _applies(caches: Sequence[jax.Array], pinned: bool | None, specs: Sequence[L
     these)."""
     def pallas(cls: SliceClass) -> str | None:
         refused = pallas_refusal(cls, specs, caches, emulated)
-        if refused is not None:
-            return f"layer {refused[0]}: {refused[1]}"
-        # On TPU, only kernels the compiler takes (asked once per kernel and process).
-        return pallas_compile_refusal([abstract_layer(caches[i]) for i in cls.layers])
+        return None if refused is None else f"layer {refused[0]}: {refused[1]}"
 
     def dma(cls: SliceClass) -> str | None:
         refused = next((f"layer {i}: {why}" for i in cls.layers
@@ -241,7 +240,7 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
         return PallasMover, asked
     if path == "pinned":
         _check_pinned(caches, cls, pinned)
-        return pinned_mover(_backend(caches, cls)), asked
+        return _pinned_choice(caches, cls, asked)
     if path == "dma":
         if emulated:
             raise ValueError("path='dma' copies the arrays' own buffers; it cannot move "
@@ -270,7 +269,9 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
                 break
             skipped.append(f"not {name}: {why}")
         reason = f"auto on {backend}" + "".join(f"; {s}" for s in skipped)
-        mover = pinned_mover(backend) if name == "pinned" else _MOVERS[name]
+        if name == "pinned":
+            return _pinned_choice(caches, cls, reason)
+        mover = _MOVERS[name]
         # Raw copies wait for the caches' writers: a call whose caches are still
         # being written takes the pinned programs instead, where there are some.
         if mover is RawMover and applies["pinned"](cls) is None:
@@ -278,6 +279,21 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
         return mover, reason
     _check_raw(cls, specs, caches)  # path == "raw"
     return RawMover, asked
+
+
+def _pinned_choice(caches: Sequence[jax.Array], cls: SliceClass, reason: str
+                   ) -> tuple[type[Mover], str]:
+    """The pinned mover's route for a class (in place, else pages), and why."""
+    backend = _backend(caches, cls)
+    first = caches[cls.layers[0]]
+    shards = abstract_layer(first).shards
+    live = isinstance(first, jax.Array)  # abstract caches: compiling ahead, deviceless
+    mover = pinned_mover(backend, shards, live)
+    if mover.pinned_pool:
+        return mover, f"{reason}; in place"
+    why = in_place_refusal(backend, shards, live) if pinned_mode(backend) == "in-place" \
+        else f"pinned mode {pinned_mode(backend)!r}"
+    return mover, f"{reason}; pages route: not in place: {why}"
 
 
 def _check_raw(cls: SliceClass, specs: Sequence[LayerSpec],

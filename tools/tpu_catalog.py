@@ -1,9 +1,10 @@
 """The compiled TPU catalogue: what the real compiler chooses for every shipped cache.
 
-``python -m kvxfer.tpu_catalog`` compiles (deviceless, ``kvxfer.tpu``) the cache of
-every layer group of every built-in config, replicated and split over 2, 4 and 8
-devices where its shard dim divides, at every block count from 1 to 65536 (or the
-most the generation's HBM holds), and every array of the derived catalogues at its
+A maintainer's tool, outside the wheel: ``python tools/tpu_catalog.py`` compiles
+(deviceless, ``kvxfer.tpu``, in this script's own process) the cache of every layer
+group of every built-in config, replicated and split over 2, 4 and 8 devices where its
+shard dim divides, at every block count from 1 to 65536 (or the most the generation's
+HBM holds), and every array of the derived catalogues at its
 own shape, on v4, v5e, v5p, v6e and tpu7x. It writes:
 
 * ``layouts/tpu_compiled.json``: a catalogue (``kvxfer.catalog`` format) with one
@@ -31,11 +32,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvxfer import _resources
-from kvxfer import catalog as _catalog
-from kvxfer import config as _config
-from kvxfer import tpu
-from kvxfer.layout import inspect
+try:  # an installed kvxfer comes first; a plain checkout uses the package beside tools/
+    import kvxfer  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvxfer import _resources  # noqa: E402
+from kvxfer import catalog as _catalog  # noqa: E402
+from kvxfer import config as _config  # noqa: E402
+from kvxfer import tpu  # noqa: E402
+from kvxfer.layout import inspect  # noqa: E402
 
 __all__ = ["Choice", "block_count_choices", "group_choices", "build", "main",
            "MAX_BLOCKS"]
@@ -224,7 +230,7 @@ def build(targets: Sequence[str] = tpu.GENERATIONS, configs: Sequence[str] | Non
             "counts in 'blocks' (ends exact: probed at powers of two and bisected where "
             "the choice changes), and for every array of the derived catalogues at its "
             "own shape. The same on every generation listed. Regenerate with "
-            "`python -m kvxfer.tpu_catalog`."),
+            "`python tools/tpu_catalog.py`."),
         "provenance": {"backend": "tpu (deviceless compile)", "jax": jax.__version__,
                        "libtpu": version,
                        "topologies": {t: tpu.topology(t, 8) for t in targets},
@@ -261,7 +267,7 @@ def config_text(text: str, choices: dict[str, list[Choice]], version: str,
                 else targets[0]
             body += (f"# The compiler's choice per shard (libtpu {version}, the same on "
                      f"{same}),\n# by block count: "
-                     "`python -m kvxfer.tpu_catalog` writes it.\n"
+                     "`python tools/tpu_catalog.py` writes it.\n"
                      f"tpu_compiled = [\n{lines}]\n")
         out.append(body)
     return "\n".join([out[0].rstrip("\n") + "\n"] + out[1:]) if len(out) > 1 else out[0]
@@ -282,8 +288,8 @@ def _derived_text(name: str, layouts: dict[str, str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvxfer.tpu_catalog [--check] [--targets v6e,...]``."""
-    p = argparse.ArgumentParser(prog="python -m kvxfer.tpu_catalog",
+    """``python tools/tpu_catalog.py [--check] [--targets v6e,...]``."""
+    p = argparse.ArgumentParser(prog="python tools/tpu_catalog.py",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true",
                    help="compare with the shipped files instead of writing them")
@@ -294,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = build(targets, log=lambda s: print(s, file=sys.stderr, flush=True))
     except tpu.CompilerUnavailableError as e:
-        print(f"kvxfer.tpu_catalog: error: {e}", file=sys.stderr)
+        print(f"tpu_catalog: error: {e}", file=sys.stderr)
         return 2
     version = result["catalogue"]["provenance"]["libtpu"]
     files: dict[Path, str] = {}
@@ -317,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.write_text(text, encoding="utf-8")
             print(f"wrote {path}", file=sys.stderr)
     if stale:
-        print(f"kvxfer.tpu_catalog: out of date with the compiler: {', '.join(stale)}",
+        print(f"tpu_catalog: out of date with the compiler: {', '.join(stale)}",
               file=sys.stderr)
         return 1
     return 0
