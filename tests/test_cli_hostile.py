@@ -40,9 +40,8 @@ def test_the_walk_reaches_every_command():
 # Refusals that need JAX to decide (the devices it has, a mover's verdict on the
 # arrays it built): every other exit 2 of the walk must come before JAX is imported.
 NEEDS_JAX_TO_REFUSE = ("RESOURCE_EXHAUSTED", "device(s)", "devices present")
-# Commands whose argument checks still wait for JAX: aot's are being moved before its
-# import by the change that owns it (drop it from here with that change).
-JAX_FIRST = {"aot"}
+# Commands whose argument checks still wait for JAX (none: aot's come first too).
+JAX_FIRST: set[str] = set()
 
 
 def _named(value, line):
