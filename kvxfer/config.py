@@ -652,3 +652,21 @@ def load(path: str | os.PathLike[str]) -> ModelSpec:
 
 load_builtin = load
 """The same as ``load`` (a built-in name or a path)."""
+
+
+def device_blocks(path: str | os.PathLike[str]) -> int | None:
+    """A config's ``num_device_blocks`` read from its TOML alone, parsing no dtype (so
+    an argument check needs neither ml_dtypes nor JAX); None where it cannot be read
+    (``load`` then says why).
+
+    Example:
+        >>> device_blocks("tiny")
+        32
+    """
+    try:
+        data = tomllib.loads(_resources.read("configs", os.fspath(path))[1].decode("utf-8"))
+    except (_resources.UnknownNameError, OSError, UnicodeDecodeError, tomllib.TOMLDecodeError,
+            RecursionError):
+        return None
+    blocks = data.get("num_device_blocks")
+    return blocks if isinstance(blocks, int) and not isinstance(blocks, bool) else None

@@ -263,6 +263,13 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     if args.seeds:
         configs = ["seed-good", "seed-interleaved"]
     integrity = args.integrity or ("page" if args.inject else "off")
+    # Pages above a config's device blocks are refused from its TOML alone: no dtype is
+    # parsed for it, so neither ml_dtypes nor JAX starts.
+    for name in configs:
+        blocks = args.num_blocks or _config.device_blocks(name)
+        if blocks is not None and args.pages > blocks:
+            raise ValueError(f"--pages {args.pages} is more than the {blocks} device blocks "
+                             f"per layer of {name} (raise --num-blocks or lower --pages)")
     # Every config's argument errors before the first one's run (and before JAX).
     for name in configs:
         _check_size(_config.load_builtin(name), args.pages, args.num_blocks, args.devices,
