@@ -70,8 +70,8 @@ class SlotGeometry:
 
     Example:
         >>> g = SlotGeometry(num_slots=4, page_bytes=192, rows=8)
-        >>> g.shape, g.slot_bytes, g.layout
-        ((4, 8, 128), 4096, Layout(minor_to_major=(2, 1, 0), tiles=((8, 128),)))
+        >>> g.shape, g.slot_bytes, str(g.layout)
+        ((4, 8, 128), 4096, '{2,1,0:T(8,128)}')
     """
 
     num_slots: int
