@@ -220,11 +220,17 @@ def test_a_store_that_cannot_say_what_it_holds_gets_no_write_back_counted(tmp_pa
 # -- pins, hits, loads and frees (the table in docs/host-tier.md) ---------------------
 
 
-def test_a_load_releases_its_lookups_pins_and_release_after_it_is_a_no_op():
+def _cached():
+    """Caches, a manager of 4 host blocks, and a storeless cache holding pages KEYS."""
     caches = _caches()
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
     cache = kvxfer.HostCache(mgr)
     cache.put(caches, SRC, KEYS, wait=True)
+    return caches, mgr, cache
+
+
+def test_a_load_releases_its_lookups_pins_and_release_after_it_is_a_no_op():
+    caches, mgr, cache = _cached()
     hit = cache.lookup(KEYS)
     assert cache.stats()["pinned_pages"] == 3
     caches, load = cache.load(caches, hit, DST)
@@ -240,10 +246,7 @@ def test_a_load_releases_its_lookups_pins_and_release_after_it_is_a_no_op():
 
 
 def test_a_load_that_raises_leaves_the_hit_pinned_until_released():
-    caches = _caches()
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-    cache = kvxfer.HostCache(mgr)
-    cache.put(caches, SRC, KEYS, wait=True)
+    caches, mgr, cache = _cached()
     hit = cache.lookup(KEYS[:2])
     with pytest.raises(ValueError, match="3 device_blocks for 2 pages"):
         cache.load(caches, hit, DST)
@@ -274,10 +277,7 @@ def test_a_used_manager_keeps_the_pages_its_caller_holds():
 
 
 def test_freeing_a_caches_page_behind_its_back_makes_it_a_miss():
-    caches = _caches()
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4)
-    cache = kvxfer.HostCache(mgr)
-    cache.put(caches, SRC, KEYS, wait=True)
+    caches, mgr, cache = _cached()
     hit = cache.lookup(KEYS)
     caches, load = cache.load(caches, hit, DST)
     load.result()
