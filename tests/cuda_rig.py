@@ -1,4 +1,4 @@
-"""A stand-in CUDA driver for CPU tests of ``kvxfer.engine.dma._cuda``.
+"""A stand-in CUDA driver for CPU tests of ``kvxfer.engine.dma._engines``.
 
 ``FakeDriver.get_proc`` hands out C function pointers (ctypes callbacks) with the
 driver's own prototypes, written here from the CUDA headers independently of the
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer import DmaOptions
-from kvxfer.engine.dma._cuda import CudaCopyEngine, Driver
+from kvxfer.engine.dma._engines import CudaCopyEngine, Driver
 
 #: Options for tests that check one thing over the stand-in engine: its self-check
 #: (tested on its own) would add its calls to theirs.

@@ -17,9 +17,9 @@ import kvxfer
 from kvxfer import testing
 from kvxfer._hostmem import HostMemory
 from kvxfer.engine import COPY_ENGINES, TransferError, dma_refusal
-from kvxfer.engine.dma._copies import Copies, HostCopyEngine
+from kvxfer.engine.dma._engines import Copies, HostCopyEngine
 from kvxfer.engine.dma._jobs import TICKETS
-from kvxfer.engine.dma._cuda import CudaCopyEngine, DriverError
+from kvxfer.engine.dma._engines import CudaCopyEngine, DriverError
 
 from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, NO_CHECK, FakeDriver, HostStreamEngine
 

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import kvxfer
 from kvxfer import testing
 from kvxfer.engine import TransferError
-from kvxfer.engine.dma._copies import CALLBACK_STEPS, buffer_address
+from kvxfer.engine.dma._engines import CALLBACK_STEPS, buffer_address
 from kvxfer.engine.dma._jobs import TICKETS
 from kvxfer.testing import callback_fault
 

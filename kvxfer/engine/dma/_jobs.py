@@ -1,21 +1,19 @@
-"""The copies of one program (``CopyJob``), the tickets its callback finds it by, and
-the callback.
+"""A program's copies (``CopyJob``), the tickets its callback finds them by, and the
+callback.
 
-A program finds its copies through a *ticket*: a one-word device array per call whose
-buffer address identifies the call while the program runs (``Tickets``). The caller's
-thread files a job under a ticket before it enqueues the program; the callback finds
-it by the address of the buffer it is handed. No device value is read on the host, and
-programs may run in any order. A ticket serves another call only once its program has
-taken its job or can no longer run, so an old program never takes a new call's job;
-a job holds the pool's memory, so no copy reaches memory unmapped under it.
-
-Nothing in a callback raises into XLA (a load's program would fail after XLA
-confirmed the donation of the caches): failures are kept on the job, and the program
-ends normally, its aliased outputs still holding the caches.
+A *ticket* is a one-word device array per call, whose buffer address names the call
+while its program runs: the caller's thread files a job under it before enqueueing the
+program, and the callback finds the job by the address of the buffer it is handed. No
+device value is read on the host and programs may run in any order. A ticket serves
+again only once its program took its job or can no longer run. Nothing in a callback
+raises into XLA (a load would fail after XLA confirmed the donation of the caches):
+failures stay on the job and the program ends normally, its aliased outputs holding
+the caches.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import types
 from collections.abc import Sequence
@@ -25,29 +23,28 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage
 
-from kvxfer.engine.dma._copies import HOOKS, Copies, buffer_address, step_fault, wait_all
+from kvxfer.engine.dma._engines import (HOOKS, Copies, buffer_address, step_fault,
+                                        wait_all)
 
 __all__ = ["CopyJob", "Tickets", "TICKETS", "callback"]
 
 
 class CopyJob:
     """The copies of one program between one shard replica's blocks and host slots
-    (``direction`` ``"offload"``: device to host; ``"load"``); or (``stage``) a load's
-    waits, one a layer group, for the copies a staging job put under way.
+    (``direction``: ``"offload"``, device to host, or ``"load"``), or (``stage``) a
+    load's waits, one a layer group, for the copies a staging job put under way.
 
-    Made on the caller's thread with everything but the device addresses, which the
-    program's callback reads from the buffers XLA hands it (``run``). ``pool``,
-    ``page_bytes``, ``slots`` and ``offsets`` place each page's blocks (of this shard)
-    in the host pool; ``ids`` are the device blocks, None where the device side is one
-    page-major buffer (a row a page); ``memory`` keeps the pool mapped while copies
-    may run; ``beside`` puts them on the engine's own stream, ``groups`` (spans of
-    layers) in sets with a completion each.
+    Made on the caller's thread but for the device addresses, which the callback reads
+    from the buffers XLA hands it. ``pool``, ``page_bytes``, ``slots`` and ``offsets``
+    place each page's blocks of this shard in the host pool; ``ids`` are the device
+    blocks, None for one page-major buffer (a row a page); ``memory`` keeps the pool
+    mapped; ``beside`` puts the copies on the engine's own stream, in ``groups`` (spans
+    of layers) with a completion each.
 
     Attributes:
-      ran: whether the callback did its work (every group's, for waits); error: what
-        failed instead. sets: the copies enqueued (or tried). completions: their ends
-        beside XLA's stream (after a failure, the last covers every copy enqueued).
-        addresses: the device buffers' addresses the callback read.
+      ran: the callback did its work (every group's, for waits); error: what failed.
+      sets: the copies enqueued (or tried); completions: their ends beside XLA's stream
+        (the last covers every copy enqueued); addresses: the buffers' addresses.
     """
 
     def __init__(self, engine: Any, direction: str, pool: int = 0, page_bytes: int = 0,
@@ -60,25 +57,24 @@ class CopyJob:
         self.offsets = np.asarray(offsets, dtype=np.uint64)
         self.ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
         self.groups, self.stage = groups, stage
-        self.ran, self.error = False, None
+        self.ran, self.error, self.ticket = False, None, None
         self.sets: list[Copies] = []
         self.completions: list[Any] = []
         self.addresses: list[int] = []
-        self.ticket: Any = None
         self.fault: str | None = None  # a step made to fail (a self-check's)
 
     def describe(self, device: Sequence[int], span: tuple[int, int] | None = None) -> Copies:
-        """The copies, given the device buffers' addresses: each layer's cache (blocks at
-        ``ids``), or the page-major buffer; with ``span``, of layers ``[first, stop)``."""
+        """The copies given the device buffers' addresses (each layer's cache, or the
+        page-major buffer); with ``span``, of layers ``[first, stop)`` only."""
         bb = np.uint64(self.block_bytes)
-        first, stop = span if span is not None else (0, len(self.offsets))
+        first, stop = span or (0, len(self.offsets))
         host = (np.uint64(self.pool) + self.slots[:, None] * np.uint64(self.page_bytes)
                 + self.offsets[None, first:stop])                           # [k, L]
         if self.ids is None:  # row j holds page j: a page is one copy
             row = np.uint64(len(self.offsets)) * bb
             dev = (np.uint64(device[0]) + np.arange(len(self.slots), dtype=np.uint64)[:, None]
                    * row + np.arange(first, stop, dtype=np.uint64)[None, :] * bb)
-        else:  # layer-major: consecutive blocks of one layer merge where their slots do
+        else:  # layer-major: a layer's consecutive blocks merge where their slots do
             dev = np.asarray(device, dtype=np.uint64)[:, None] + self.ids[None, :] * bb
             host = host.T
         src, dst = (dev, host) if self.direction == "offload" else (host, dev)
@@ -86,8 +82,8 @@ class CopyJob:
                       np.full(dst.size, self.block_bytes, dtype=np.uint64)).merged()
 
     def run(self, buffers: Sequence[Any], stream: int | None) -> None:
-        """Enqueues the copies between ``buffers`` (what XLA handed the callback) and the
-        host slots. Never raises: a failure is kept in ``error``."""
+        """Enqueues the copies between ``buffers`` and the host slots; a failure is
+        kept in ``error``."""
         try:
             step_fault("address", self)
             device = self.addresses = [buffer_address(b) for b in buffers]
@@ -104,10 +100,9 @@ class CopyJob:
             self.error = e
 
     def hold(self, group: int, ok: Any, staging: Any, stream: int | None) -> None:
-        """A load's wait for group ``group``: makes ``stream`` wait for that group's
-        copies, then writes 1 in the ``ok`` word in its order (the group's scatter then
-        writes its blocks). Writes nothing unless ``staging`` is the buffer those copies
-        write."""
+        """A load's wait for group ``group``: ``stream`` waits for its copies, then 1 is
+        written in the ``ok`` word (the group's scatter follows). Nothing is written
+        unless ``staging`` is the buffer those copies write."""
         stage = self.stage
         if stage.error is not None:
             raise RuntimeError(f"the staging failed: {type(stage.error).__name__}: "
@@ -115,8 +110,7 @@ class CopyJob:
         if not stage.ran:
             raise RuntimeError("the staging program ended without enqueueing its copies")
         step_fault("address")
-        handed = buffer_address(staging)
-        if handed != stage.addresses[0]:
+        if (handed := buffer_address(staging)) != stage.addresses[0]:
             raise RuntimeError(f"the load was handed staging at {handed:#x}, not the "
                                f"buffer its copies write ({stage.addresses[0]:#x})")
         address = buffer_address(ok)
@@ -125,12 +119,12 @@ class CopyJob:
         self.engine.set_word(address, 1, stream)
 
     def wait(self) -> BaseException | None:
-        """Waits for every copy beside XLA's stream (never raising); the first error."""
+        """Waits for every copy beside XLA's stream; the first error (never raises)."""
         return wait_all(c.wait for c in self.completions)
 
     def done(self) -> bool:
         """Whether every copy beside XLA's stream has ended (never blocks; a failed
-        query says the stream runs nothing more)."""
+        query means the stream runs nothing more)."""
         try:
             return all(c.done() for c in self.completions)
         except BaseException:  # noqa: BLE001 - see above
@@ -138,17 +132,14 @@ class CopyJob:
 
 
 class Tickets:
-    """Per-call identities for programs (see the module): a one-word device array, made
-    per device as needed and kept, whose buffer address names the job filed under it.
-
-    A callback that fails before it finds its job records the failure here (``lost``).
-    """
+    """Tickets by device, and the jobs filed under them (see the module). ``lost``: the
+    latest failures of callbacks that never found their job."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[Any, list[tuple[int, jax.Array, Any]]] = {}
         self._jobs: dict[int, CopyJob] = {}
-        self._lost: list[str] = []
+        self.lost: collections.deque[str] = collections.deque(maxlen=8)
 
     def issue(self, device: Any, job: CopyJob) -> jax.Array:
         """A ticket on ``device`` with ``job`` filed under it."""
@@ -164,35 +155,21 @@ class Tickets:
         return ticket[1]
 
     def find(self, address: int, take: bool) -> CopyJob | None:
-        """The job filed under the ticket at ``address`` (with ``take``, its ticket then
-        serves again), or None where none is (recorded in ``lost``). Never raises."""
+        """The job under the ticket at ``address`` (``take``: its ticket serves again),
+        else None, recorded in ``lost``."""
         with self._lock:
             job = self._jobs.pop(address, None) if take else self._jobs.get(address)
             if job is None:
-                self._lost.append(f"no job is filed under ticket {address:#x}")
+                self.lost.append(f"no job is filed under ticket {address:#x}")
             elif take:
                 self._free.setdefault(job.ticket[2], []).append(job.ticket)
-            del self._lost[:-8]  # the latest few: what a failed transfer's message quotes
         return job
 
-    def lose(self, error: BaseException) -> None:
-        """Records a callback's failure that came before it found its job."""
-        with self._lock:
-            self._lost.append(f"{type(error).__name__}: {error}")
-            del self._lost[:-8]
-
-    def lost(self) -> list[str]:
-        """The latest failures of callbacks that never found their job."""
-        with self._lock:
-            return list(self._lost)
-
     def withdraw(self, job: CopyJob) -> None:
-        """Takes back a job whose program can no longer run its callback (it failed to
-        enqueue, or ended without running it), so its ticket serves again."""
+        """Takes back a job whose program can no longer run its callback."""
         with self._lock:
-            address = job.ticket[0]
-            if self._jobs.get(address) is job:
-                del self._jobs[address]
+            if self._jobs.get(job.ticket[0]) is job:
+                del self._jobs[job.ticket[0]]
                 self._free.setdefault(job.ticket[2], []).append(job.ticket)
 
     def pending(self) -> int:
@@ -201,28 +178,26 @@ class Tickets:
             return len(self._jobs)
 
 
-#: The tickets every DMA program's callback looks its job up in (per device).
+#: The tickets every DMA program's callback looks its job up in.
 TICKETS = Tickets()
 
 
 def callback(ctx: Any, out: Any, token: Any, *operands: Any, group: int | None = None,
              last: bool = True) -> None:
-    """Runs the job filed under ``token`` on the buffers XLA hands over: its copies,
-    or (``group``) a load's wait for that group, the last group taking the job.
-
-    The buffers copied are the staging (an operand for an offload, the output for a
-    staging program) for a page-major job, else the caches (read for an offload,
-    written in place for a load: aliased outputs). Never raises (see the module).
-    """
+    """Runs the job filed under ``token`` on the buffers XLA hands over: its copies, or
+    (``group``) a load's wait for that group, the last group taking the job. The
+    buffers copied are the page-major rows (an offload's operand or aliased output, a
+    staging program's output), else the caches (read by an offload, written in place
+    by a load). Never raises (see the module)."""
     try:
         if ctx.stage != ExecutionStage.EXECUTE:
-            return  # a handler may also be called to prepare: the copies belong to execution
+            return  # a handler may also be called to prepare
         step_fault("ticket")
         address = buffer_address(token)
         step_fault("lookup")
         job = TICKETS.find(address, take=last)
     except BaseException as e:  # noqa: BLE001 - see above
-        TICKETS.lose(e)
+        TICKETS.lost.append(f"{type(e).__name__}: {e}")
         return
     for seen in list(HOOKS["spies"]):
         try:
@@ -243,8 +218,7 @@ def callback(ctx: Any, out: Any, token: Any, *operands: Any, group: int | None =
         if job.direction == "offload":
             if job.beside and buffer_address(operands[0]) != buffer_address(out[0]):
                 raise RuntimeError("the offload's rows were not handed back in place")
-            buffers = [out[0]] if job.beside else ([operands[0]] if job.ids is None
-                                                   else operands)
+            buffers = [out[0]] if job.beside else [operands[0]] if job.ids is None else operands
         else:
             buffers = [out[0]] if job.ids is None else out[:-1]
     except BaseException as e:  # noqa: BLE001 - see above

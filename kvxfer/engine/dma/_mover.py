@@ -1,19 +1,16 @@
 """``DmaMover``: a slice class's transfers as the DMA programs (``_programs``), their
 jobs (``_jobs``) and their staging (``_staging``).
 
-One program per shard replica and transfer (one per bucket of page counts; on XLA:CPU
-one for every transfer of up to ``loop_pages`` pages). Offloads copy beside XLA's
-stream where the copy engine has streams of its own (``DmaOptions.stream``) and the
-staging fits the budget; loads there start their copies at ``prefetch`` (else at
-``load``) into staging, and the load's program scatters each layer group once its
-copies are in. Past the budget, or where the staging finds no device memory, a
-transfer copies on XLA's stream (``fell_back``). Where shard blocks are small
-(``RELAYOUT_BELOW``) pages are gathered on the device first, so each is one copy.
-
-The host pool is allocated outside XLA (``kvxfer._hostmem.HostMemory``), page-major,
-page-locked by the copy engine and placed on the device's NUMA node. No payload byte
-passes through a CPU copy and no arithmetic reads host memory: the digests read device
-buffers only.
+One program per shard replica and transfer (a bucket of page counts; on XLA:CPU one
+for every transfer of up to ``loop_pages`` pages). Where the copy engine has streams of
+its own (``DmaOptions.stream``) and the staging fits, offloads copy beside XLA's
+stream, and loads start their copies at ``prefetch`` (else at ``load``) into staging
+that the load's program scatters a layer group at a time as its copies land; else
+(counted in ``fell_back``) a transfer copies on XLA's stream. Small shard blocks
+(``RELAYOUT_BELOW``) are gathered on the device first, so a page is one copy. The host
+pool is allocated outside XLA (``kvxfer._hostmem.HostMemory``), page-locked and on the
+device's NUMA node; no payload byte passes through a CPU copy, and the digests read
+device buffers only.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _ar
 from kvxfer.engine._programs import compile_ahead, page_loops
 from kvxfer.engine._raw import private_layers
 from kvxfer.engine.dma import _programs as _kinds  # noqa: F401 # registers the kinds
-from kvxfer.engine.dma._copies import HostCopyEngine
-from kvxfer.engine.dma._cuda import cuda_engine, cuda_unavailable
+from kvxfer.engine.dma._engines import HostCopyEngine, cuda_engine, cuda_unavailable
 from kvxfer.engine.dma._jobs import TICKETS, CopyJob
 from kvxfer.engine.dma._options import DmaOptions
 from kvxfer.engine.dma._staging import Staging, Transfer
@@ -42,10 +38,10 @@ from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 __all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "RELAYOUT_BELOW",
            "GROUP_BYTES", "layer_groups"]
 
-#: Shard blocks smaller than this are gathered on the device first (one copy a page
-#: of a shard): batched copies of scattered 64 KiB blocks ran at about 0.94x the link
-#: on an H100 and at 5-7 GB/s (about 0.1x) below 28 KiB (vllm#42212), while the
-#: gather costs the device a read and a write at HBM rates about 50x the link.
+#: Shard blocks under this are gathered on the device first (a copy a page of a
+#: shard): batched copies of scattered 64 KiB blocks ran at about 0.94x the link on an
+#: H100, and at 5-7 GB/s (about 0.1x) below 28 KiB (vllm#42212), while the gather
+#: costs a read and a write at HBM rates about 50x the link.
 RELAYOUT_BELOW = 64 << 10
 
 #: A load beside XLA's stream waits for its copies in groups of layers holding at
@@ -54,28 +50,24 @@ GROUP_BYTES = 64 << 10
 
 _HOST_ENGINE = HostCopyEngine()
 
-#: The copy engine of each platform, made as ``make(device, copy)`` for a
-#: ``DmaOptions.copy`` mode: tests may put another here (CUDA's over their own driver).
+#: Each platform's copy engine, ``make(device, copy)`` for a ``DmaOptions.copy`` mode
+#: (tests may put CUDA's over their own driver here).
 COPY_ENGINES: dict[str, Any] = {"cpu": lambda device, copy="batch": _HOST_ENGINE,
                                 "gpu": cuda_engine, "cuda": cuda_engine}
 
 
 def copy_engine(device: Any, copy: str = "batch") -> Any:
-    """The engine that executes the DMA mover's copies for ``device``.
-
-    Raises:
-      ValueError: the platform has none.
-    """
-    make = COPY_ENGINES.get(device.platform)
-    if make is None:
+    """The engine that runs the DMA mover's copies for ``device``; ``ValueError`` where
+    its platform has none."""
+    if (make := COPY_ENGINES.get(device.platform)) is None:
         raise ValueError(f"no copy engine for the {device.platform} backend ({device})")
     return make(device, copy)
 
 
 def dma_refusal(array: jax.Array) -> str | None:
     """Why the DMA mover cannot move ``array``'s blocks (None: it can): it needs a copy
-    engine on every device holding the array (XLA:CPU, or an NVIDIA GPU with
-    ``cuda-bindings``) and blocks of whole-byte elements in a row-major layout, proven
+    engine on every device holding it (XLA:CPU, or an NVIDIA GPU with
+    ``cuda-bindings``), and blocks of whole-byte elements, row-major, proven
     addressable by the inspector.
 
     Example:
@@ -84,8 +76,7 @@ def dma_refusal(array: jax.Array) -> str | None:
         True
     """
     for device in array.sharding.device_set:
-        make = COPY_ENGINES.get(device.platform)
-        if make is None:
+        if (make := COPY_ENGINES.get(device.platform)) is None:
             return f"no copy engine for the {device.platform} backend"
         if make is cuda_engine and (why := cuda_unavailable(device)) is not None:
             return why
@@ -121,9 +112,8 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
     """Copy-engine copies between the caches and a pinned pool, ordered by XLA.
 
     Attributes:
-      options: the ``DmaOptions`` it runs with. fallbacks: transfers that copied on
-        XLA's stream though asked to copy beside it, by why (``budget``,
-        ``out_of_memory``).
+      options: its ``DmaOptions``. fallbacks: transfers asked to copy beside XLA's
+        stream that copied on it, by why (``budget``, ``out_of_memory``).
     """
 
     name = "dma"
@@ -138,9 +128,8 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         self.fallbacks = {"budget": 0, "out_of_memory": 0}
         self.fault: str | None = None  # a callback step its jobs fail at (a self-check)
         self._unit = word_bytes(cls)
-        # An engine that loops pays a driver call a copy: one copy a page is worth a
-        # device gather at any block size, and one group a load. A page holds each
-        # shard's layers side by side, so a shard's gathered page is one copy.
+        # An engine that loops pays a driver call a copy: a device gather is worth it at
+        # any block size, and one group a load. A shard's gathered page is one copy.
         looped = getattr(self._engine(pool.device), "mode", "batch") == "loop"
         self.relayout = options.relayout == "always" or options.relayout == "auto" and (
             looped or cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device))
@@ -166,20 +155,29 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         return self.options.stream == "side" and self._engine(self.pool.device).side_stream
 
     def _size(self, k: int, array: Any) -> int | None:
-        """Entries of a program's index arrays: ``loop_pages`` where the digests loop
+        """Entries of a program's index arrays: ``loop_pages`` where digests loop
         (XLA:CPU: one program for every transfer up to it), else the bucket (None)."""
         return None if self.relayout or not page_loops(device_of(array)) else \
             loop_pages(k, array.shape[0])
 
+    def _options(self, kind: str, device: Any, side: bool = False, rows: int = 0) -> tuple:
+        """Program ``kind``'s options on ``device`` (``dma_stage``: for ``rows`` pages)."""
+        if kind == "dma_stage":
+            return rows, len(self.cls.layers) * self._words, f"uint{8 * self._unit}"
+        if kind == "dma_load_side":
+            return (self._groups, page_loops(device), self._unit,
+                    (self._words,) * len(self.cls.layers))
+        return (self.relayout, page_loops(device), self._unit) + (
+            (side,) if kind == "dma_offload" else ())
+
     def _take(self, devices: list[Any], rows: int) -> list | None:
-        """Budget for ``rows`` page rows of staging on each of ``devices`` (None,
-        counted, where it does not fit)."""
+        """Budget for ``rows`` page rows of staging on each of ``devices`` (None, counted,
+        where it does not fit)."""
         wanted: dict[Any, int] = {}
         for device in devices:
             wanted[device] = wanted.get(device, 0) + rows * self.cls.page_bytes // \
                 self.cls.num_shards
-        taken = Staging.take(wanted, int(self.options.staging_bytes))
-        if taken is None:
+        if (taken := Staging.take(wanted, int(self.options.staging_bytes))) is None:
             self.fallbacks["budget"] += 1
         return taken
 
@@ -224,9 +222,8 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
                 job = self._job(device, "offload", s, slots,
                                 None if self.relayout or side else batch.ids, beside=side)
                 out = self._run("dma_offload", job, device, arrays, ids, count,
-                                *self._digest(device, base, with_digest),
-                                with_digest=with_digest,
-                                options=(self.relayout, page_loops(device), self._unit, side))
+                                *self._digest(device, base, with_digest), with_digest=with_digest,
+                                options=self._options("dma_offload", device, side))
                 state.jobs.append(job)
                 state.done.append(out[0])
                 if side:
@@ -251,9 +248,9 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
                 self._store_digests(slots, s, d[:, s])
 
     def quiesce(self, state: Transfer) -> None:
-        state.finish(strict=False)
-        if state.staged is not None:
-            state.staged.finish(strict=False)
+        for transfer in (state, state.staged):
+            if transfer is not None:
+                transfer.finish(strict=False)
 
     # -- load ---------------------------------------------------------------------
 
@@ -267,16 +264,16 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         replicas = [(s, r, device_of(layers[0].shards[s][r]))
                     for s in range(self.cls.num_shards) for r in range(len(layers[0].shards[s]))]
         rows = len(request.batch.padded)
-        taken = self._take([device for _, _, device in replicas], rows + 1)
-        if taken is None:
+        if (taken := self._take([device for _, _, device in replicas], rows + 1)) is None:
             return None
         staged = Transfer(taken, request.batch.k, rows)
-        options = (rows, len(self.cls.layers) * self._words, f"uint{8 * self._unit}")
         try:
             for s, r, device in replicas:
                 job = self._job(device, "load", s, request.slots, beside=True,
                                 groups=self._groups)
-                staged.buffers[s, r] = self._run("dma_stage", job, device, None, options=options)
+                staged.buffers[s, r] = self._run("dma_stage", job, device, None,
+                                                 options=self._options("dma_stage", device,
+                                                                       rows=rows))
                 staged.stage_jobs[s, r] = job
                 staged.jobs.append(job)
                 staged.done.append(staged.buffers[s, r])  # ready once its callback ran
@@ -317,24 +314,20 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
                 for r in range(len(layers[0].shards[s])):
                     local = tuple(arrays) if single else tuple(x[s][r] for x in shards)
                     device = device_of(local[0])
-                    loop = page_loops(device)
                     if staged is not None:
+                        kind, job = "dma_load_side", CopyJob(
+                            self._engine(device), "load", stage=staged.stage_jobs[s, r])
                         ids, base, count = batch.args(device, s, staged.rows)
-                        job = CopyJob(self._engine(device), "load",
-                                      stage=staged.stage_jobs[s, r])
-                        out, done, *digests = self._run(
-                            "dma_load_side", job, device, local, staged.buffers[s, r], ids,
-                            count, *self._digest(device, base, fused), with_digest=fused,
-                            options=(self._groups, loop, self._unit,
-                                     (self._words,) * len(self.cls.layers)))
+                        args: tuple = (staged.buffers[s, r], ids, count)
                     else:
-                        ids, base, count = batch.args(device, s, self._size(batch.k, local[0]))
+                        kind = "dma_load"
                         job = self._job(device, "load", s, request.slots,
                                         None if self.relayout else batch.ids)
-                        out, done, *digests = self._run(
-                            "dma_load", job, device, local, ids, count,
-                            *self._digest(device, base, fused), with_digest=fused,
-                            options=(self.relayout, loop, self._unit))
+                        ids, base, count = batch.args(device, s, self._size(batch.k, local[0]))
+                        args = (ids, count)
+                    out, done, *digests = self._run(
+                        kind, job, device, local, *args, *self._digest(device, base, fused),
+                        with_digest=fused, options=self._options(kind, device))
                     state.jobs.append(job)
                     state.done.append(done)
                     for pos, a in enumerate(out):
@@ -373,18 +366,25 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         if state.staged is not None:
             state.staged.finish(strict=True)
 
+    # -- compiling ahead ----------------------------------------------------------
+
+    def _abstract(self, local: tuple, b: int, with_digest: bool, kind: str) -> tuple:
+        """Program ``kind``'s arguments after the arrays, abstract, for ``b`` pages."""
+        device = device_of(local[0])
+        ids, base, count = _args_abstract(b if kind == "dma_load_side" else
+                                          self._size(b, local[0]) or b, device)
+        digest = (base, _sds((len(local),), np.uint32, device)) if with_digest else ()
+        staging = (_sds((b + 1, len(local) * self._words), np.dtype(
+            self._options("dma_stage", device)[2]), device),) if kind == "dma_load_side" else ()
+        return (_sds((1,), np.uint32, device), *staging, ids, count, *digest)
+
     def compiled_load(self, layers, b: int, with_digest: bool) -> jax.stages.Compiled:
         """The load program of ``b`` pages into shard 0's first replica, compiled on
         XLA's stream (for checks: its HLO and ``memory_analysis()``)."""
         local = tuple(layer.shards[0][0] for layer in layers)
-        device = device_of(local[0])
-        ids, base, count = _args_abstract(self._size(b, local[0]) or b, device)
-        digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
-        return _programs.compiled("dma_load", local, _sds((1,), np.uint32, device), ids,
-                                  count, *digest, with_digest=with_digest,
-                                  options=(self.relayout, page_loops(device), self._unit))
-
-    # -- warm-up ------------------------------------------------------------------
+        return _programs.compiled("dma_load", local, *self._abstract(
+            local, b, with_digest, "dma_load"), with_digest=with_digest,
+            options=self._options("dma_load", device_of(local[0])))
 
     def warmup(self, arrays, layers, b, with_digest):
         # Every program a transfer of ``b`` pages may run, the fallbacks to XLA's
@@ -393,22 +393,13 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
             for r in range(len(layers[0].shards[s])):
                 local = tuple(layer.shards[s][r] for layer in layers)
                 device = device_of(local[0])
-                loop, token = page_loops(device), _sds((1,), np.uint32, device)
-                ids, base, count = _args_abstract(self._size(b, local[0]) or b, device)
-                digest = (base, _sds((len(layers),), np.uint32, device)) if with_digest else ()
+                calls = [("dma_load", False)] + [("dma_offload", side) for side in (
+                    {self._beside(), False} if r == 0 else ())]
                 if self._beside():
-                    words, dtype = len(self.cls.layers) * self._words, f"uint{8 * self._unit}"
-                    compile_ahead("dma_stage", (token,), options=(b, words, dtype))
-                    ids_b, base_b, count_b = _args_abstract(b, device)
-                    compile_ahead("dma_load_side", local, token,
-                                  _sds((b + 1, words), np.dtype(dtype), device), ids_b,
-                                  count_b, *((base_b,) + digest[1:] if with_digest else ()),
+                    calls.append(("dma_load_side", False))
+                    compile_ahead("dma_stage", (_sds((1,), np.uint32, device),),
+                                  options=self._options("dma_stage", device, rows=b))
+                for kind, side in calls:
+                    compile_ahead(kind, local, *self._abstract(local, b, with_digest, kind),
                                   with_digest=with_digest,
-                                  options=(self._groups, loop, self._unit,
-                                           (self._words,) * len(self.cls.layers)))
-                for side in ({self._beside(), False} if r == 0 else ()):
-                    compile_ahead("dma_offload", local, token, ids, count, *digest,
-                                  with_digest=with_digest,
-                                  options=(self.relayout, loop, self._unit, side))
-                compile_ahead("dma_load", local, token, ids, count, *digest,
-                              with_digest=with_digest, options=(self.relayout, loop, self._unit))
+                                  options=self._options(kind, device, side))

@@ -18,29 +18,25 @@ class DmaOptions:
     """Options of the DMA mover (``KVCacheManager(..., dma=DmaOptions(...))``).
 
     Attributes:
-      stream: ``"side"`` (the default): copies run on the copy engine's own streams,
-        one per direction, ordered by events, where it has them (CUDA), so the
-        engine's steps on XLA's stream do not wait for them; ``"xla"``: on XLA's
-        stream, in the programs' order.
-      relayout: ``"auto"`` (the default) gathers a transfer's pages on the device
-        first where shard blocks are under 64 KiB (one copy a page), ``"always"`` or
-        ``"never"`` (to measure both).
-      staging_bytes: device staging that transfers beside XLA's stream may hold at
-        once on one device: bytes, or a size such as ``"1GiB"`` (the default); it is
-        also kept under half the device's free memory where the device reports it.
-        A transfer past it copies on XLA's stream (counted in ``stats()``), but for
-        one alone on its device, which still runs beside where it fits that half.
-      copy: ``"batch"`` (one ``cuMemcpyBatchAsync`` a transfer where the driver has
-        it, the default) or ``"loop"`` (``cuMemcpyAsync`` per copy).
-      self_check: when the first manager of a process is made over a copy engine
-        that has streams of its own (a GPU's), a small round trip of every program form with
-        integrity off, bytes compared, and one injected callback failure
-        (``kvxfer.manager.dma_self_check``); on a failure ``path="auto"`` takes the
-        pinned route, saying why in ``mgr.paths``, and ``path="dma"`` raises.
+      stream: ``"side"`` (default): copies run on the copy engine's own streams, one a
+        direction, ordered by events, where it has them (CUDA), so the engine's steps on
+        XLA's stream do not wait for them; ``"xla"``: on XLA's stream, in its order.
+      relayout: ``"auto"`` (default) gathers a transfer's pages on the device first
+        where shard blocks are under 64 KiB (a copy a page); ``"always"``, ``"never"``.
+      staging_bytes: device staging transfers beside XLA's stream may hold at once on
+        a device, bytes or a size (``"1GiB"``, the default), and at most half its free
+        memory. A transfer past it copies on XLA's stream (counted in ``stats()``), but
+        one alone on its device, which runs beside where it fits that half.
+      copy: ``"batch"`` (a ``cuMemcpyBatchAsync`` a transfer where the driver has it,
+        the default) or ``"loop"`` (``cuMemcpyAsync`` a copy).
+      self_check: the first manager of a process over a copy engine with streams of
+        its own (a GPU's) runs a small round trip of every program form, bytes compared,
+        and one injected callback failure (``kvxfer.manager.dma_self_check``); on a
+        failure ``path="auto"`` takes the pinned route (why: ``mgr.paths``) and
+        ``path="dma"`` raises.
 
     Raises:
-      ValueError: a value not among the choices, or a size that is not one, naming
-        the field and the value.
+      ValueError: a value not among the choices, or not a size, naming field and value.
 
     Example:
         >>> DmaOptions(staging_bytes="256MiB").staging_bytes

@@ -1,20 +1,19 @@
 """The DMA mover's jitted programs, one kind each (``kvxfer.engine._programs``):
 
-* ``dma_offload``: digests the blocks, then a callback enqueues their copies to the
-  host slots: of the caches, or of the pages gathered into rows (relayout); beside
-  XLA's stream (``side``), of gathered rows the program hands back in place (aliased),
-  held until the copies end;
-* ``dma_load``: a callback copies the host slots into the caches (aliased in to out:
-  written in place) or into rows that start as the blocks' own bytes and are then
-  scattered (so a callback that copies nothing writes nothing new); then digests;
+* ``dma_offload``: digests the blocks; a callback enqueues their copies to the host
+  slots, of the caches or of the pages gathered into rows (relayout); beside XLA's
+  stream (``side``), of gathered rows handed back in place (aliased), held until the
+  copies end;
+* ``dma_load``: a callback copies the host slots into the caches (aliased: in place),
+  or into rows that start as the blocks' own bytes and are then scattered; digests;
 * ``dma_stage``: a callback puts a load's copies under way beside XLA's stream into
   staging the program allocates, page-major;
-* ``dma_load_side``: for each layer group, a callback makes XLA's stream wait for that
+* ``dma_load_side``: for each layer group, a callback makes XLA's stream wait for the
   group's copies and writes a word, then the group is scattered from the staging.
 
-The callbacks are declared without side effects: their outputs are always the
-program's own (the caches, a word), so XLA keeps them, and a program with an effect
-leaves JAX's C++ dispatch for its Python path (60 us more a call on XLA:CPU).
+Callbacks are declared without side effects: their outputs are the program's own (the
+caches, a word), so XLA keeps them, and JAX's C++ dispatch keeps the program (an effect
+costs 60 us more a call on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ def _load(arrays, token, ids, count, *digest, raw, relayout, loop, unit):
     return (tuple(out), done, *extra)
 
 
-def _stage(arrays, *, rows, words, dtype):
+def _stage(arrays, *, rows, words, dtype, raw):
     # Nothing initializes the staging; one row more than the pages: the load reads the
     # pages' rows at an index it computes (``_load_side``).
     staging, _ = buffer_callback(callback, (jax.ShapeDtypeStruct((rows + 1, words), dtype),
@@ -119,11 +118,6 @@ def _parts(impl, names, donate, n_args, out):
     return parts
 
 
-def _stage_parts(formats, raw, with_digest, options):
-    return (functools.partial(_stage, **dict(zip(("rows", "words", "dtype"), options))),
-            dict(in_shardings=(formats,)))
-
-
 #: Each kind and its options (the tuple ``_programs.run`` is given).
 KINDS = {
     "dma_offload": ("relayout", "loop", "unit", "side"),
@@ -133,6 +127,6 @@ KINDS = {
 }
 register_kind("dma_offload", _parts(_offload, KINDS["dma_offload"], False, 3, 0))
 register_kind("dma_load", _parts(_load, KINDS["dma_load"], True, 3, 1), same_formats=0)
-register_kind("dma_stage", _stage_parts)
+register_kind("dma_stage", _parts(_stage, KINDS["dma_stage"], False, 0, 0))
 register_kind("dma_load_side", _parts(_load_side, KINDS["dma_load_side"], True, 4, 1),
               same_formats=0)

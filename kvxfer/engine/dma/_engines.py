@@ -1,0 +1,540 @@
+"""Copy engines and what they run.
+
+Every transfer is described as *copy descriptors* (``Copies``), which a *copy engine*
+runs: ``CudaCopyEngine`` on an NVIDIA GPU, ``HostCopyEngine`` on XLA:CPU (``memmove``
+inside the program), so CPU tests run every line of the mover but the driver calls.
+An engine offers ``copy(copies, stream, direction)`` (on XLA's stream, or at once),
+``set_word(address, value, stream)``, ``pin`` and ``numa_node``; one with
+``side_stream`` also ``copy_beside_groups`` (on a stream of its own per direction, a
+completion after each set: ``done()``, never blocking, and ``wait()``) and ``hold``.
+
+What kvxfer asks of the CUDA driver is behind ``Driver``: ``cuMemcpyBatchAsync``
+(CUDA 12.8+; CUDA 13's ABI has no ``failIdx``) a set of copies, else ``cuMemcpyAsync``
+in a loop; streams and events; ``cuMemHostRegister`` for pools allocated outside XLA;
+the device's host NUMA node. Entry points are found once through ``cuda-bindings``
+(``cuGetProcAddress``, extra ``kvxfer[cuda]``) and called through ``ctypes``;
+``Driver`` takes any ``get_proc(name, version) -> address``, so tests run it over
+entry points of their own. This module also holds the test hooks ``kvxfer.testing``
+installs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes as _c
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+__all__ = ["Copies", "Direction", "HostCopyEngine", "buffer_address", "CALLBACK_STEPS",
+           "HOOKS", "step_fault", "let_go", "wait_all", "Driver", "DriverError",
+           "CudaCopyEngine", "CudaCompletion", "cuda_engine", "cuda_unavailable", "is_cuda"]
+
+Direction = Literal["offload", "load"]
+
+
+class Copies(NamedTuple):
+    """``size[i]`` bytes from ``src[i]`` to ``dst[i]`` (``uint64``), independent of one
+    another (an engine may run them in any order).
+
+    Example:
+        >>> m = Copies.of([100, 108, 300], [0, 8, 16], 8).merged()
+        >>> m.dst.tolist(), m.src.tolist(), m.size.tolist()
+        ([100, 300], [0, 16], [16, 8])
+    """
+
+    dst: np.ndarray
+    src: np.ndarray
+    size: np.ndarray
+
+    @classmethod
+    def of(cls, dst: Any, src: Any, size: Any) -> Copies:
+        """Descriptors from address sequences and one size or a size per copy."""
+        dst, src = (np.asarray(a, dtype=np.uint64).ravel() for a in (dst, src))
+        if src.shape != dst.shape:
+            raise ValueError(f"{len(dst)} destinations for {len(src)} sources")
+        size = np.broadcast_to(np.asarray(size, dtype=np.uint64), dst.shape)
+        return cls(dst, src, np.ascontiguousarray(size))
+
+    def __len__(self) -> int:  # noqa: D105 (copies, not fields)
+        return len(self.dst)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.size.sum())
+
+    def merged(self) -> Copies:
+        """The same bytes, each run of copies adjacent on both sides made one."""
+        if len(self) < 2:
+            return self
+        starts = np.flatnonzero((self.dst[1:] != self.dst[:-1] + self.size[:-1]) |
+                                (self.src[1:] != self.src[:-1] + self.size[:-1])) + 1
+        if len(starts) == len(self) - 1:
+            return self
+        starts = np.concatenate([[0], starts])
+        return Copies(self.dst[starts], self.src[starts], np.add.reduceat(self.size, starts))
+
+
+class HostCopyEngine:
+    """Runs copy descriptors with ``memmove`` on the calling thread (XLA:CPU, where
+    device buffers are host memory): inside the program that calls it, so in XLA's
+    order. ``copies`` and ``bytes`` count what it ran.
+
+    Example:
+        >>> a, b = np.arange(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+        >>> HostCopyEngine().copy(Copies.of([b.ctypes.data], [a.ctypes.data + 4], 4), None)
+        >>> b.tolist()
+        [4, 5, 6, 7, 0, 0, 0, 0]
+    """
+
+    name, mode = "host", "batch"
+    uses_stream = side_stream = False  # needs no stream; offers no copies beside it
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.copies = self.bytes = 0
+
+    def pin(self, address: int, nbytes: int) -> None:
+        return None  # XLA:CPU's buffers and the pool are the same kind of memory
+
+    def numa_node(self) -> None:
+        return None
+
+    def set_word(self, address: int, value: int, stream: int | None) -> None:
+        ctypes.c_uint32.from_address(address).value = value
+
+    def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
+             ) -> None:
+        for d, s, n in zip(copies.dst.tolist(), copies.src.tolist(), copies.size.tolist()):
+            ctypes.memmove(d, s, n)  # releases the GIL for each copy
+        with self._lock:
+            self.copies += len(copies)
+            self.bytes += copies.nbytes
+
+
+_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_pointer.restype, _pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+_name = ctypes.pythonapi.PyCapsule_GetName
+_name.restype, _name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+# Where the ``DLTensor`` sits in a capsule: first in a ``DLManagedTensor``; in a
+# ``DLManagedTensorVersioned`` after a version (2 x uint32), a context, a deleter and
+# flags (8 bytes each). Its data pointer comes first, its byte offset at byte 40.
+_TENSOR_AT = {b"dltensor": 0, b"dltensor_versioned": 32}
+
+
+def buffer_address(buf: Any) -> int:
+    """The device address of a buffer a ``buffer_callback`` is handed, any dtype: from
+    its DLPack capsule (data pointer plus byte offset), so float8 buffers have one too;
+    a type DLPack lacks falls back to ``__array__`` (XLA:CPU) or
+    ``__cuda_array_interface__``."""
+    try:
+        capsule = buf.__dlpack__()
+    except Exception:  # noqa: BLE001 - a type DLPack has no code for
+        if hasattr(buf, "__array__"):
+            try:
+                return int(np.asarray(buf).__array_interface__["data"][0])
+            except Exception:  # noqa: BLE001 - device memory: not a host array
+                pass
+        return int(buf.__cuda_array_interface__["data"][0])
+    name = _name(capsule)  # not consumed: its destructor frees the export
+    if name not in _TENSOR_AT:
+        raise TypeError(f"a DLPack capsule named {name!r}; expected one of {sorted(_TENSOR_AT)}")
+    tensor = _pointer(capsule, name) + _TENSOR_AT[name]
+    return int(ctypes.c_void_p.from_address(tensor).value or 0) + \
+        ctypes.c_uint64.from_address(tensor + 40).value
+
+
+# -- test hooks (``kvxfer.testing`` installs them) ---------------------------------
+
+#: A callback's steps in order (``kvxfer.testing.callback_fault``): reading the
+#: ticket's address, finding its job, reading the buffers' addresses, describing the
+#: copies, handing them to the copy engine.
+CALLBACK_STEPS: tuple[str, ...] = ("ticket", "lookup", "address", "describe", "copy")
+
+#: ``faults``: step -> error raised there; ``driver``: CUDA entry point -> ``[calls so
+#: far, the call that fails]``; ``spies``: lists a record of each callback goes to;
+#: ``released``: called with ``(starts, ends)`` of memory kvxfer lets go of.
+HOOKS: dict[str, Any] = {"faults": {}, "driver": {}, "spies": [], "released": []}
+
+
+def step_fault(step: str, job: Any = None) -> None:
+    """Raises the failure set for ``step``, by ``kvxfer.testing`` or on ``job`` (a
+    self-check's, ``CopyJob.fault``)."""
+    if job is not None and job.fault == step:
+        raise RuntimeError(f"injected failure at the callback's {step} step")
+    if (error := HOOKS["faults"].get(step)) is not None:
+        raise error
+
+
+def wait_all(waits: Any) -> BaseException | None:
+    """Calls every one of ``waits`` whatever one raises; the first error (never raises)."""
+    first = None
+    for wait in waits:
+        try:
+            wait()
+        except BaseException as e:  # noqa: BLE001 - every one is waited for first
+            first = first or e
+    return first
+
+
+def let_go(jobs: Any) -> None:
+    """Says no copy of ``jobs`` runs any more (``HOOKS["released"]``): what a load's
+    copies write, both sides of an offload's (device rows; host slots, which a failed
+    offload gives back). The slots a load reads go back with its pins."""
+    for watch in list(HOOKS["released"]):
+        for job in jobs:
+            for c in job.sets:
+                for side in (c.dst, c.src) if job.direction == "offload" else (c.dst,):
+                    watch(side, side + c.size)
+
+
+# -- the CUDA copy engine ------------------------------------------------------
+
+_u64p, _sizep, _vp, _int, _uint = (_c.POINTER(_c.c_uint64), _c.POINTER(_c.c_size_t),
+                                   _c.c_void_p, _c.c_int, _c.c_uint)
+# Entry points and their arguments, each with its CUDA 12.0 ABI; each returns a
+# CUresult (0: success).
+_ABI = 12000
+_ENTRIES: dict[str, tuple[Any, ...]] = {
+    "cuMemcpyAsync": (_c.c_uint64, _c.c_uint64, _c.c_size_t, _vp),
+    "cuMemsetD32Async": (_c.c_uint64, _uint, _c.c_size_t, _vp),
+    "cuMemHostRegister": (_vp, _c.c_size_t, _uint), "cuMemHostUnregister": (_vp,),
+    "cuDeviceGet": (_c.POINTER(_int), _int), "cuGetErrorString": (_int, _c.POINTER(_c.c_char_p)),
+    "cuDevicePrimaryCtxRetain": (_c.POINTER(_vp), _int), "cuDevicePrimaryCtxRelease": (_int,),
+    "cuCtxPushCurrent": (_vp,), "cuCtxPopCurrent": (_c.POINTER(_vp),),
+    "cuDeviceGetAttribute": (_c.POINTER(_int), _int, _int),
+    "cuDeviceGetPCIBusId": (_c.c_char_p, _int, _int),
+    "cuStreamCreate": (_c.POINTER(_vp), _uint), "cuStreamSynchronize": (_vp,),
+    "cuEventCreate": (_c.POINTER(_vp), _uint), "cuEventRecord": (_vp, _vp),
+    "cuStreamWaitEvent": (_vp, _vp, _uint), "cuEventQuery": (_vp,),
+    "cuEventSynchronize": (_vp,), "cuEventDestroy": (_vp,),
+}
+# cuMemcpyBatchAsync's ABIs: CUDA 12.8 (with ``size_t* failIdx``) and CUDA 13.
+_BATCH_V1, _BATCH_V2 = 12080, 13000
+_BATCH_ARGS = (_u64p, _u64p, _sizep, _c.c_size_t, _vp, _sizep, _c.c_size_t)
+_HOST_REGISTER_PORTABLE, _HOST_NUMA_ID, _NOT_READY = 0x01, 134, 600
+_SRC_ACCESS_ORDER_STREAM, _LOCATION_DEVICE, _LOCATION_HOST = 1, 1, 2
+_STREAM_NON_BLOCKING = 0x1
+#: Events sleep rather than spin a core, and time nothing (BLOCKING_SYNC | DISABLE_TIMING).
+_EVENT_FLAGS = 0x1 | 0x2
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed (its name and the driver's error string)."""
+
+
+def _injected(name: str) -> None:
+    """Fails the call of ``name`` that ``kvxfer.testing.driver_fault`` picked."""
+    if (rule := HOOKS["driver"].get(name)) is not None:
+        rule[0] += 1
+        if rule[0] - 1 == rule[1]:
+            raise DriverError(f"{name} failed: injected failure (call {rule[1]})")
+
+
+class Driver:
+    """The driver entry points kvxfer calls, resolved once from ``get_proc(name,
+    version) -> address`` (0: absent) for a driver of ``version`` (12080: 12.8).
+    ``batch_abi``: the ``cuMemcpyBatchAsync`` ABI in use, None without one."""
+
+    def __init__(self, get_proc: Callable[[str, int], int], version: int):
+        self.version = int(version)
+        self._get_proc = get_proc  # what resolved the entry points lives as long as they do
+        self._fns: dict[str, Any] = {}
+        for name, args in _ENTRIES.items():
+            if not (address := get_proc(name, min(self.version, _ABI))):
+                raise DriverError(f"the CUDA driver ({self.version}) has no {name}")
+            self._fns[name] = _c.CFUNCTYPE(_int, *args)(address)
+        abi = _BATCH_V2 if self.version >= _BATCH_V2 else (
+            _BATCH_V1 if self.version >= _BATCH_V1 else None)
+        address = get_proc("cuMemcpyBatchAsync", abi) if abi else 0
+        self.batch_abi = abi if address else None
+        self._batch = _c.CFUNCTYPE(_int, *_BATCH_ARGS, *(
+            (_sizep,) if abi == _BATCH_V1 else ()), _vp)(address) if address else None
+
+    def check(self, status: int, what: str) -> None:
+        """Raises ``DriverError`` naming ``what`` unless ``status`` is success."""
+        if status != 0:
+            text = _c.c_char_p()
+            self._fns["cuGetErrorString"](status, _c.byref(text))
+            raise DriverError(f"{what} failed: CUDA error {status} "
+                              f"({(text.value or b'unknown').decode(errors='replace')})")
+
+    def call(self, name: str, *args: Any) -> None:
+        _injected(name)
+        self.check(self._fns[name](*args), name)
+
+    def new_handle(self, name: str, flags: int) -> int:
+        """A new stream or event in the current context."""
+        out = _vp()
+        self.call(name, _c.byref(out), flags)
+        return int(out.value or 0)
+
+    def memcpy(self, copies: Copies, attrs: Any, stream: int, loop: bool) -> None:
+        """Every copy on ``stream``: one ``cuMemcpyBatchAsync``, or (``loop``, or no
+        batch call) ``cuMemcpyAsync`` each."""
+        n, s = len(copies), _vp(stream)
+        if loop or self._batch is None:
+            fn = self._fns["cuMemcpyAsync"]
+            for j, args in enumerate(zip(*(a.tolist() for a in copies))):
+                _injected("cuMemcpyAsync")
+                self.check(fn(*args, s), f"cuMemcpyAsync {j} of {n}")
+            return
+        _injected("cuMemcpyBatchAsync")
+        fail = (_c.byref(_c.c_size_t(0)),) if self.batch_abi == _BATCH_V1 else ()
+        self.check(self._batch(copies.dst.ctypes.data_as(_u64p), copies.src.ctypes.data_as(_u64p),
+                               copies.size.ctypes.data_as(_sizep), n, _c.byref(attrs),
+                               (_c.c_size_t * 1)(0), 1, *fail, s),
+                   f"cuMemcpyBatchAsync of {n} copies ({copies.nbytes} bytes)")
+
+    def in_primary_context(self, ordinal: int, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` with device ``ordinal``'s primary context (XLA's) current, retained
+        only for the call."""
+        dev, ctx = _int(), _vp()
+        self.call("cuDeviceGet", _c.byref(dev), ordinal)
+        self.call("cuDevicePrimaryCtxRetain", _c.byref(ctx), dev.value)
+        try:
+            self.call("cuCtxPushCurrent", ctx)
+            try:
+                return fn()
+            finally:
+                self.call("cuCtxPopCurrent", _c.byref(_vp()))
+        finally:
+            self.call("cuDevicePrimaryCtxRelease", dev.value)
+
+    def host_numa_node(self, ordinal: int) -> int | None:
+        """The NUMA node of the host memory nearest device ``ordinal`` (None: unknown):
+        the device's attribute, else sysfs by PCI bus id."""
+        dev, value, bus = _int(), _int(-1), _c.create_string_buffer(32)
+        self.call("cuDeviceGet", _c.byref(dev), ordinal)
+        if self._fns["cuDeviceGetAttribute"](_c.byref(value), _HOST_NUMA_ID, dev.value) == 0 \
+                and value.value >= 0:
+            return value.value
+        if self._fns["cuDeviceGetPCIBusId"](bus, 32, dev.value) != 0:
+            return None
+        try:
+            with open(f"/sys/bus/pci/devices/{bus.value.decode().lower()}/numa_node") as f:
+                node = int(f.read().strip())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        return node if node >= 0 else None
+
+
+class CudaCompletion:
+    """The end of copies on an engine's own stream: an event recorded after them,
+    destroyed once they are known to be done."""
+
+    def __init__(self, engine: CudaCopyEngine, event: int):
+        self._engine, self._event = engine, event
+        self._lock = threading.Lock()
+
+    def _end(self, block: bool) -> bool:
+        def end() -> None:
+            driver, event = self._engine.driver, _vp(self._event)
+            if not block:
+                status = driver._fns["cuEventQuery"](event)
+                if status == _NOT_READY:
+                    return
+                driver.check(status, "cuEventQuery")
+            try:
+                if block:
+                    driver.call("cuEventSynchronize", event)
+            finally:
+                self._event = None  # before the destroy: never destroyed twice
+                driver.call("cuEventDestroy", event)
+        with self._lock:
+            if self._event is not None:
+                self._engine.driver.in_primary_context(self._engine.ordinal, end)
+            return self._event is None
+
+    def done(self) -> bool:
+        """Whether the copies have finished (never blocks)."""
+        return self._end(block=False)
+
+    def wait(self) -> None:
+        """Blocks until the copies have finished; raises ``DriverError``."""
+        self._end(block=True)
+
+    def hold(self, stream: int) -> None:
+        """Makes later work on ``stream`` wait for the copies (nothing once done)."""
+        with self._lock:
+            if self._event is not None:
+                self._engine.driver.call("cuStreamWaitEvent", _vp(stream), _vp(self._event), 0)
+
+
+class CudaCopyEngine:
+    """Runs copy descriptors on the CUDA driver's copy engines for device ``ordinal``
+    (the JAX device's ``local_hardware_id``), ``mode`` ``"batch"``
+    (``cuMemcpyBatchAsync`` where the driver has it) or ``"loop"``. ``copies``,
+    ``bytes``, ``calls``: what it enqueued."""
+
+    name = "cuda"
+    uses_stream = side_stream = True
+
+    def __init__(self, driver: Driver, ordinal: int, mode: str = "batch"):
+        if mode not in ("batch", "loop"):
+            raise ValueError(f"mode={mode!r}; expected 'batch' or 'loop'")
+        self.driver, self.ordinal = driver, int(ordinal)
+        self.mode = mode if driver.batch_abi is not None else "loop"
+        # ``CUmemcpyAttributes`` a direction: stream-ordered source access (copies read
+        # what the program wrote before them), then location hints by side.
+        self._attrs = {d: (_int * 6)(_SRC_ACCESS_ORDER_STREAM, *(
+            (_LOCATION_DEVICE, self.ordinal, _LOCATION_HOST, 0) if d == "offload" else
+            (_LOCATION_HOST, 0, _LOCATION_DEVICE, self.ordinal)), 0) for d in ("offload", "load")}
+        self._lock = threading.Lock()
+        self._sides: dict[str, int] = {}
+        self.copies = self.bytes = self.calls = 0
+
+    def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
+             ) -> None:
+        """Enqueues the copies on ``stream`` (XLA's), in its order."""
+        if len(copies):
+            self._enqueue(copies, self._need(stream), direction)
+
+    def copy_beside_groups(self, groups: list[Copies], stream: int | None,
+                           direction: Direction, out: list[CudaCompletion]) -> None:
+        """Enqueues each set of copies on the engine's stream for ``direction``, after
+        the work on ``stream`` (XLA's) so far, appending to ``out`` a completion after
+        each set. After a failure once a copy was enqueued, the last of ``out`` still
+        follows every copy enqueued (an event recorded after the failure, else the
+        stream synchronized: one that cannot be runs nothing more)."""
+        stream, side = self._need(stream), self.side(direction)
+        after = self.driver.new_handle("cuEventCreate", _EVENT_FLAGS)
+        try:
+            self.driver.call("cuEventRecord", _vp(after), _vp(stream))
+            self.driver.call("cuStreamWaitEvent", _vp(side), _vp(after), 0)
+        finally:  # a recorded event may be destroyed at once: it goes once met
+            self.driver.call("cuEventDestroy", _vp(after))
+        enqueued = False
+        try:
+            for copies in groups:
+                if len(copies):
+                    enqueued = True  # before the call: a failing one may have queued some
+                    self._enqueue(copies, side, direction)
+                out.append(self._record(side))
+        except BaseException:
+            if enqueued:
+                try:
+                    out.append(self._record(side))
+                except BaseException:  # noqa: BLE001 - the synchronize covers them
+                    try:
+                        self.driver.call("cuStreamSynchronize", _vp(side))
+                    except DriverError:
+                        pass
+            raise
+
+    def _record(self, stream: int) -> CudaCompletion:
+        event = self.driver.new_handle("cuEventCreate", _EVENT_FLAGS)
+        try:
+            self.driver.call("cuEventRecord", _vp(event), _vp(stream))
+        except BaseException:
+            self.driver.call("cuEventDestroy", _vp(event))
+            raise
+        return CudaCompletion(self, event)
+
+    def hold(self, completion: CudaCompletion, stream: int | None) -> None:
+        """Makes work enqueued on ``stream`` from now on wait for ``completion``."""
+        completion.hold(self._need(stream))
+
+    def set_word(self, address: int, value: int, stream: int | None) -> None:
+        """Writes one ``uint32`` at device ``address`` in ``stream``'s order."""
+        self.driver.call("cuMemsetD32Async", _c.c_uint64(address), value, 1,
+                         _vp(self._need(stream)))
+
+    def side(self, direction: Direction) -> int:
+        """The engine's own (non-blocking) stream for ``direction``: a load never queues
+        behind an offload."""
+        with self._lock:
+            if direction not in self._sides:
+                self._sides[direction] = self.driver.in_primary_context(
+                    self.ordinal, lambda: self.driver.new_handle("cuStreamCreate",
+                                                                 _STREAM_NON_BLOCKING))
+            return self._sides[direction]
+
+    @staticmethod
+    def _need(stream: int | None) -> int:
+        if stream is None:
+            raise DriverError("CUDA copies need XLA's stream; none was given")
+        return stream
+
+    def _enqueue(self, copies: Copies, stream: int, direction: Direction) -> None:
+        self.driver.memcpy(copies, self._attrs[direction], stream, self.mode == "loop")
+        with self._lock:
+            self.copies, self.bytes = self.copies + len(copies), self.bytes + copies.nbytes
+            self.calls += 1
+
+    def pin(self, address: int, nbytes: int) -> Callable[[], None]:
+        """Page-locks ``[address, address + nbytes)`` for every GPU; returns the unlock."""
+        run = functools.partial(self.driver.in_primary_context, self.ordinal)
+        run(lambda: self.driver.call("cuMemHostRegister", _vp(address), nbytes,
+                                     _HOST_REGISTER_PORTABLE))
+
+        def unpin() -> None:
+            try:
+                run(lambda: self.driver.call("cuMemHostUnregister", _vp(address)))
+            except DriverError:
+                pass  # the process is ending (the driver torn down first)
+        return unpin
+
+    def numa_node(self) -> int | None:
+        return self.driver.host_numa_node(self.ordinal)
+
+
+def is_cuda(device: Any) -> bool:
+    """Whether a JAX device is an NVIDIA GPU (``platform`` says only ``gpu``)."""
+    if device.platform not in ("gpu", "cuda"):
+        return False
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    return "rocm" not in version and "hip" not in version
+
+
+@functools.lru_cache(maxsize=1)
+def _load_driver() -> Driver | str:
+    """The driver, or why it cannot be had (asked once a process)."""
+    try:
+        try:
+            from cuda.bindings import driver as drv
+        except ImportError:
+            from cuda import cuda as drv  # cuda-python before 12.6
+    except ImportError:
+        return "cuda-bindings is not installed (pip install 'kvxfer[cuda]')"
+    try:
+        for call in (lambda: drv.cuInit(0), drv.cuDriverGetVersion):
+            err, *value = call()
+            if int(err):
+                raise DriverError(f"the CUDA driver failed to start: CUDA error {int(err)}")
+        default = getattr(getattr(drv, "CUdriverProcAddress_flags", None),
+                          "CU_GET_PROC_ADDRESS_DEFAULT", 0)
+
+        def get_proc(name: str, abi: int) -> int:
+            out = drv.cuGetProcAddress(name.encode(), abi, default)
+            return int(out[1]) if int(out[0]) == 0 else 0
+        return Driver(get_proc, value[0])
+    except Exception as e:  # a driver too old, or one that failed to initialize
+        return f"the CUDA driver cannot be used: {e}"
+
+
+def cuda_unavailable(device: Any) -> str | None:
+    """Why the DMA mover has no CUDA copy engine for ``device`` (None: it has one)."""
+    if not is_cuda(device):
+        return f"{device} is not an NVIDIA GPU"
+    driver = _load_driver()
+    return driver if isinstance(driver, str) else None
+
+
+_engines: dict[tuple[int, str], CudaCopyEngine] = {}  # by device ordinal and copy mode
+_engines_lock = threading.Lock()
+
+
+def cuda_engine(device: Any, copy: str = "batch") -> CudaCopyEngine:
+    """The CUDA copy engine of a JAX GPU device for a ``DmaOptions.copy`` mode, made
+    once; raises ``DriverError`` where ``cuda_unavailable`` says why not."""
+    key = (int(device.local_hardware_id), copy)
+    with _engines_lock:
+        if key not in _engines:
+            if (why := cuda_unavailable(device)) is not None:
+                raise DriverError(why)
+            _engines[key] = CudaCopyEngine(_load_driver(), key[0], copy)
+        return _engines[key]
