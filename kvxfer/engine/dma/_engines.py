@@ -20,7 +20,6 @@ installs.
 
 from __future__ import annotations
 
-import ctypes
 import ctypes as _c
 import functools
 import threading
@@ -104,21 +103,21 @@ class HostCopyEngine:
         return None
 
     def set_word(self, address: int, value: int, stream: int | None) -> None:
-        ctypes.c_uint32.from_address(address).value = value
+        _c.c_uint32.from_address(address).value = value
 
     def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
              ) -> None:
         for d, s, n in zip(copies.dst.tolist(), copies.src.tolist(), copies.size.tolist()):
-            ctypes.memmove(d, s, n)  # releases the GIL for each copy
+            _c.memmove(d, s, n)  # releases the GIL for each copy
         with self._lock:
             self.copies += len(copies)
             self.bytes += copies.nbytes
 
 
-_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_pointer.restype, _pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-_name = ctypes.pythonapi.PyCapsule_GetName
-_name.restype, _name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+_pointer = _c.pythonapi.PyCapsule_GetPointer
+_pointer.restype, _pointer.argtypes = _c.c_void_p, [_c.py_object, _c.c_char_p]
+_name = _c.pythonapi.PyCapsule_GetName
+_name.restype, _name.argtypes = _c.c_char_p, [_c.py_object]
 # Where the ``DLTensor`` sits in a capsule: first in a ``DLManagedTensor``; in a
 # ``DLManagedTensorVersioned`` after a version (2 x uint32), a context, a deleter and
 # flags (8 bytes each). Its data pointer comes first, its byte offset at byte 40.
@@ -143,8 +142,8 @@ def buffer_address(buf: Any) -> int:
     if name not in _TENSOR_AT:
         raise TypeError(f"a DLPack capsule named {name!r}; expected one of {sorted(_TENSOR_AT)}")
     tensor = _pointer(capsule, name) + _TENSOR_AT[name]
-    return int(ctypes.c_void_p.from_address(tensor).value or 0) + \
-        ctypes.c_uint64.from_address(tensor + 40).value
+    return int(_c.c_void_p.from_address(tensor).value or 0) + \
+        _c.c_uint64.from_address(tensor + 40).value
 
 
 # -- test hooks (``kvxfer.testing`` installs them) ---------------------------------

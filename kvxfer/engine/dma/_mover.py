@@ -36,7 +36,7 @@ from kvxfer.hostpool import word_bytes
 from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 
 __all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "RELAYOUT_BELOW",
-           "GROUP_BYTES", "layer_groups"]
+           "GROUP_BYTES", "MAX_GROUPS", "layer_groups"]
 
 #: Shard blocks under this are gathered on the device first (a copy a page of a
 #: shard): batched copies of scattered 64 KiB blocks ran at about 0.94x the link on an
@@ -45,8 +45,9 @@ __all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "RELAYOUT_B
 RELAYOUT_BELOW = 64 << 10
 
 #: A load beside XLA's stream waits for its copies in groups of layers holding at
-#: least this much of a page: a group a layer from 64 KiB blocks, fewer below.
-GROUP_BYTES = 64 << 10
+#: least this much of a page (a group a layer from 64 KiB blocks, fewer below), and
+#: in at most ``MAX_GROUPS`` groups: each is a Python callback holding the GIL.
+GROUP_BYTES, MAX_GROUPS = 64 << 10, 8
 
 _HOST_ENGINE = HostCopyEngine()
 
@@ -92,16 +93,18 @@ def dma_refusal(array: jax.Array) -> str | None:
     return None if geometry.addressable else geometry.reason
 
 
-def layer_groups(num_layers: int, block_bytes: int, at_least: int = GROUP_BYTES
-                 ) -> list[tuple[int, int]]:
+def layer_groups(num_layers: int, block_bytes: int, at_least: int = GROUP_BYTES,
+                 most: int = MAX_GROUPS) -> list[tuple[int, int]]:
     """Consecutive layer spans ``[first, stop)`` of at least ``at_least`` bytes of a page
-    each (a shorter tail joins the span before it).
+    each, at most ``most`` of them (a shorter tail joins the span before it).
 
     Example:
         >>> layer_groups(4, 64 << 10), layer_groups(5, 16 << 10), layer_groups(9, 16 << 10)
         ([(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 5)], [(0, 4), (4, 9)])
+        >>> layer_groups(80, 1 << 20)[:2], len(layer_groups(80, 1 << 20))
+        ([(0, 10), (10, 20)], 8)
     """
-    per = max(1, -(-at_least // max(1, block_bytes)))
+    per = max(1, -(-at_least // max(1, block_bytes)), -(-num_layers // max(1, most)))
     spans = [(a, min(a + per, num_layers)) for a in range(0, num_layers, per)]
     if len(spans) > 1 and spans[-1][1] - spans[-1][0] < per:
         spans[-2:] = [(spans[-2][0], num_layers)]
