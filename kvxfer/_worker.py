@@ -41,15 +41,20 @@ class Worker:
         (True, True, True)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, setup: Callable[..., None] | None = None, *args: Any) -> None:
+        """``setup(*args)`` runs in each worker process before its first call (to set
+        what the process, and only it, needs: its environment, say)."""
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._setup = (setup, args)
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             # Spawned, not forked: the worker starts clean (no copy of this process's
             # JAX runtime or threads) and imports what each call needs.
+            setup, args = self._setup
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn"))
+                1, mp_context=multiprocessing.get_context("spawn"), initializer=setup,
+                initargs=args)
         return self._pool
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
