@@ -198,8 +198,8 @@ def inspect_catalog(args: argparse.Namespace, row: Any, header: list[str]) -> in
         rows.append([e.name] + row(r.geometry) + [e.source, check])
     if not args.json:
         print(table(rows, ["name"] + header + ["source", "check"]))
-        for line in [source.describe(got)] if source.describe(got) else []:
-            print(line)
+        if source.describe(got):
+            print(source.describe(got))
     for line in bad:
         print(f"kvxfer inspect: {line}", file=sys.stderr)
     return 1 if bad else 0

@@ -321,15 +321,21 @@ class CatalogLayouts:
     name = "catalogue"
 
     def layouts(self, arrays: Sequence[ArraySpec]) -> list[SourcedLayout]:
-        entries = {e.name: e for e in self.catalog.entries}
         out = []
         for a in arrays:
-            e = entries.get(a.name)
-            if e is None:
+            named = [e for e in self.catalog.entries if e.name == a.name]
+            if not named:
                 raise LayoutError(f"array {a.name!r} is no entry of the catalogue")
-            if (a.shape, a.dtype) != (e.shape, e.dtype):
+            found = [e for e in named if (e.shape, e.dtype) == (a.shape, a.dtype)]
+            if not found:
+                e = named[0]
                 raise LayoutError(f"array {a.name!r}: {list(a.shape)} {a.dtype} is not the "
                                   f"catalogue's {list(e.shape)} {e.dtype}")
+            if len({str(Layout.parse(e.layout)) for e in found}) > 1:
+                raise LayoutError(f"array {a.name!r}: {len(found)} entries of the catalogue "
+                                  "have that name and shape, with different layouts; name "
+                                  "them apart")
+            e = found[0]
             out.append(SourcedLayout(a, Layout.parse(e.layout), self.name, e.tpu_default_note))
         return out
 

@@ -147,6 +147,11 @@ def test_the_compilers_nearest_shapes_are_addressable(libtpu):
     (lambda: CatalogLayouts(catalog.load("seeds")),
      [ArraySpec((8, 4), "f32", name="seed-heads4")], LayoutError,
      r"\[8, 4\] float32 is not the catalogue's \[512, 4, 2048\] bfloat16"),
+    (lambda: CatalogLayouts(catalog.Catalog(tuple(
+        catalog.Entry("x", (8, 4), "float32", text, 0, "derived", {})
+        for text in ("{1,0}", "{0,1}")))), [ArraySpec((8, 4), "f32", name="x")],
+     LayoutError, "array 'x': 2 entries of the catalogue have that name and shape, with "
+     "different layouts"),
     (lambda: Given(["{1,0}"] * 3), [ArraySpec((4, 4), "f32")], ValueError,
      "has 3 layouts for 1 arrays"),
     (lambda: Given("{2,1,0"), [ArraySpec((4, 4), "f32")], LayoutError, "braces"),
