@@ -49,10 +49,11 @@ from kvxfer import config as _config
 from kvxfer import tpu
 from kvxfer._check import check_int
 from kvxfer._text import format_bytes
-from kvxfer._worker import Worker, WorkerDied
+from kvxfer._worker import WorkerDied
 from kvxfer.engine import (ProgramCheck, abstract_layer, bucket, check_program,
                            transfer_programs)
 from kvxfer.layout import dtype_of, short_dtype_name
+from kvxfer.layout_source import Compiler, config_layer_specs
 from kvxfer.manager import choose_movers
 from kvxfer.plan import LayerSpec, SliceClass, make_plan
 
@@ -216,12 +217,10 @@ def _compile(key: Hashable, job: Any, pages: int
     return result
 
 
-def _compiled_layout(ls: LayerSpec, target: str, num_devices: int) -> Any:
-    shard_dim = None
-    if ls.num_shards > 1:
-        shard_dim = next(d for d, (a, b) in enumerate(zip(ls.shape, ls.shard_shape)) if a != b)
-    return tpu.compiled_layout(ls.shape, ls.dtype, target, num_devices=num_devices,
-                               shard_dim=shard_dim)
+def _compiler(target: str) -> Compiler:
+    """The layout source of every cache here: the compiler, in this process (the command
+    line runs ``compile_config`` in a worker already)."""
+    return Compiler(target, isolated=False, nearest=False)
 
 
 def engine_blocks(spec: _config.ModelSpec, target: str, num_devices: int = 1) -> int:
@@ -236,8 +235,8 @@ def engine_blocks(spec: _config.ModelSpec, target: str, num_devices: int = 1) ->
     name = tpu.topology(target, num_devices)
     hbm = HBM_BYTES[name.partition(":")[0]]
     per_block = 0.0
-    for ls in spec.layer_specs(None, num_devices, emulate_tpu=False):
-        g = _compiled_layout(ls, name, num_devices).geometry()
+    for ls in config_layer_specs(spec, _compiler(name), None, num_devices)[0]:
+        g = ls.shard_geometry
         logical = math.prod(ls.shard_shape[1:]) * dtype_of(ls.dtype).itemsize
         per_block += logical * (g.padding_factor or 1.0)
     return max(1, int(KV_SHARE * hbm // max(per_block, 1.0)))
@@ -255,13 +254,12 @@ def _caches(spec: _config.ModelSpec, target: str, num_devices: int, num_blocks: 
     for g in spec.groups:
         keep += range(first, first + min(g.count, max_layers or g.count))
         first += g.count
-    layer_specs = spec.layer_specs(num_blocks, num_devices, emulate_tpu=False)
+    layer_specs = config_layer_specs(spec, _compiler(target), num_blocks, num_devices)[0]
     shardings = spec.shardings(devices)
     caches, specs = [], []
     for ls, sharding in ((layer_specs[i], shardings[i]) for i in keep):
-        compiled = _compiled_layout(ls, target, num_devices)
         caches.append(jax.ShapeDtypeStruct(ls.shape, dtype_of(ls.dtype), sharding=sharding))
-        specs.append(dataclasses.replace(ls, layout=compiled.layout))
+        specs.append(ls)
     return caches, specs
 
 
@@ -376,7 +374,7 @@ def _cmd_aot(args: argparse.Namespace) -> int:
     rows: list[AotResult] = []
     failed = False
     # libtpu loads in the worker, never here; a compile that aborts ends the worker.
-    with Worker() as worker:
+    with tpu.compile_worker() as worker:
         for name in configs:
             try:
                 got = worker.call(compile_config, name, args.target, args.devices,

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvxfer import _cli_target, _interrupt
+from kvxfer import _cli_layouts, _interrupt
 from kvxfer import _resources
 from kvxfer._check import bounded_int, byte_size, path_name, positive_int
 from kvxfer._requires import JaxVersionError
@@ -75,82 +75,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if sum(sources) != 1:
         raise UsageError("give exactly one of --shape (with --dtype and --layout), "
                          "--catalog NAME|FILE or --config NAME|FILE")
-    if args.target is not None:
-        return _cli_target.inspect_target(args, _geometry_row, _GEOMETRY_HEADER,
-                                          _parse_shape)
-    for option in ("devices", "shard_dim", "num_blocks"):
-        if getattr(args, option) not in (None, 1):
-            raise UsageError(f"--{option.replace('_', '-')} {getattr(args, option)} goes "
-                             "with --target (layouts from the TPU compiler)")
     # What a command needs is imported when it runs: ``kvxfer --help`` starts without
     # numpy (the layout module's).
-    from kvxfer import catalog as _catalog
-    from kvxfer.layout import inspect
-
     if args.shape is not None:
         if args.dtype is None:
             raise UsageError("--dtype is required with --shape")
-        g = inspect(_parse_shape(args.shape), args.dtype, args.layout,
-                    block_dim=args.block_dim)
-        if args.json:
-            print(json.dumps(g.as_dict()))
-        else:
-            print(table([_geometry_row(g)], _GEOMETRY_HEADER))
-            print(g.reason)
-        return 0
+        return _cli_layouts.inspect_shape(args, _geometry_row, _GEOMETRY_HEADER,
+                                          _parse_shape(args.shape))
     if args.config is not None:
-        return _inspect_config(args)
-    cat = _catalog.load(args.catalog)
-    results = cat.check()
-    if args.json:
-        for r in results:
-            print(json.dumps({"name": r.entry.name, **r.geometry.as_dict(),
-                              "source": r.entry.source, "expected": dict(r.entry.expected),
-                              "matches": r.agrees, "disagreement": r.disagreement or None}))
-    else:
-        rows = [[r.entry.name] + _geometry_row(r.geometry) +
-                [r.entry.source, "ok" if r.agrees else "DISAGREES: " + r.disagreement]
-                for r in results]
-        print(table(rows, ["name"] + _GEOMETRY_HEADER + ["source", "check"]))
-    bad = [r for r in results if not r.agrees]
-    for r in bad:
-        print(f"kvxfer inspect: {r.entry.name}: {r.disagreement}", file=sys.stderr)
-    return 1 if bad else 0
-
-
-def _inspect_config(args: argparse.Namespace) -> int:
-    """Every layer of a model config; identical layers share one row (a slice class)."""
-    from kvxfer import config as _config
-
-    spec = _config.load(args.config)
-    classes: dict[tuple, list[int]] = {}
-    layers = spec.inspect_layers()
-    for i, (_, g) in enumerate(layers):
-        classes.setdefault((g.text, g.block_dim), []).append(i)
-    class_of = {i: c for c, members in enumerate(classes.values()) for i in members}
-    if args.json:
-        for i, (name, g) in enumerate(layers):
-            print(json.dumps({"layer": i, "name": name, "slice_class": class_of[i],
-                              **g.as_dict()}))
-        return 0
-    rows = []
-    for c, members in enumerate(classes.values()):
-        g = layers[members[0]][1]
-        rows.append([f"class {c}", _layer_list(members)] + _geometry_row(g))
-    print(f"{spec.name}: {spec.num_layers} layers in {len(classes)} slice class"
-          f"{'es' if len(classes) != 1 else ''}")
-    print(table(rows, ["slice class", "layers"] + _GEOMETRY_HEADER))
-    return 0
-
-
-def _layer_list(members: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``'0-2,5'``."""
-    out, start = [], members[0]
-    for a, b in zip(members, members[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)
+        return _cli_layouts.inspect_config(args, _geometry_row, _GEOMETRY_HEADER)
+    return _cli_layouts.inspect_catalog(args, _geometry_row, _GEOMETRY_HEADER)
 
 
 def _builtins(kind: _resources.Kind) -> str:
@@ -182,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=_resources.argument("configs"),
                    help="a built-in config name or a TOML file: inspect every layer's "
                    f"cache, one row per slice class (built in: {_builtins('configs')})")
-    _cli_target.add_target_arguments(p, inspect=True)
+    _cli_layouts.add_source_arguments(p, inspect=True)
     p.add_argument("--json", action="store_true", help="one JSON object per array")
     p.set_defaults(func=_cmd_inspect)
 
@@ -196,7 +130,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from kvxfer.plan import BudgetError, make_plan
 
     spec = _config.load(args.config)
-    layers, lines, source = _cli_target.plan_layers(spec, args)
+    layers, lines, source = _cli_layouts.plan_layers(spec, args)
     hosts = spec.num_host_blocks if args.num_host_blocks is None else args.num_host_blocks
     try:
         plan = make_plan(layers, hosts, path=args.path, host_memory_budget=args.budget)
@@ -245,7 +179,7 @@ def _register_plan(sub: Any) -> None:
                    help="shard KV heads over N devices (at most 4096)")
     p.add_argument("--no-tpu-layouts", action="store_true",
                    help="plan with row-major layouts instead of the emulated TPU ones")
-    _cli_target.add_target_arguments(p, inspect=False)
+    _cli_layouts.add_source_arguments(p, inspect=False)
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=_cmd_plan)
 
@@ -287,15 +221,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(e).replace("\r", "\\r").replace("\n", "\\n")
         print(f"kvxfer{' ' + command if command else ''}: error: {message}", file=sys.stderr)
         return 2
-    _cpu_where_no_accelerator()
-    devices = getattr(args, "devices", None)
-    if isinstance(devices, int) and devices > 1:
-        _ask_for_cpu_devices(devices)
-    # A long command (one that names its Ctrl-C line) stops at its next safe point on
-    # the first Ctrl-C, never inside a compile; a second exits at once (_interrupt).
-    on_interrupt = getattr(args, "on_interrupt", None)
-    with _interrupt.deferred(on_interrupt(args)) if on_interrupt else contextlib.nullcontext():
-        return _run(args)
+    # What JAX reads as it starts is set for this call only: an in-process caller's
+    # environment is its own again when the command returns (JAX, once started, keeps
+    # what it read).
+    saved = {k: os.environ.get(k) for k in _JAX_ENVIRONMENT}
+    try:
+        _cpu_where_no_accelerator()
+        devices = getattr(args, "devices", None)
+        if isinstance(devices, int) and devices > 1:
+            _ask_for_cpu_devices(devices)
+        # A long command (one that names its Ctrl-C line) stops at its next safe point
+        # on the first Ctrl-C, never inside a compile; a second exits at once.
+        on_interrupt = getattr(args, "on_interrupt", None)
+        with _interrupt.deferred(on_interrupt(args)) if on_interrupt else \
+                contextlib.nullcontext():
+            return _run(args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+#: The variables ``main`` may set before JAX starts (and restores after the command).
+_JAX_ENVIRONMENT = ("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")
 
 
 def _run(args: argparse.Namespace) -> int:

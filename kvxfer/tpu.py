@@ -39,13 +39,13 @@ from typing import Any
 
 from kvxfer._check import check_int
 from kvxfer._names import GENERATIONS
+from kvxfer._worker import Worker
 from kvxfer.layout import Layout, SliceGeometry, dtype_name, dtype_of, inspect, shape_text
 
 __all__ = ["GENERATIONS", "CompilerUnavailableError", "CompiledLayout", "available",
            "libtpu_version", "require_compiler", "topology", "target_devices",
            "compiled_layout", "compiled_geometry", "addressable_alternatives",
-           "compiler_layer_specs", "INSTALL_HINT", "LIBTPU_ENVIRONMENT",
-           "libtpu_environment"]
+           "INSTALL_HINT", "LIBTPU_ENVIRONMENT", "libtpu_environment", "compile_worker"]
 
 
 # Topologies one host's bounds allow, smallest first, with their device counts (v4
@@ -171,6 +171,34 @@ def libtpu_environment() -> Iterator[None]:
         with _ENV_LOCK:
             for k in added:
                 os.environ.pop(k, None)
+
+
+def _start_compile_worker(environ: dict[str, str]) -> None:
+    """Runs first in a compile worker: its own environment, JAX on the CPU (the worker
+    compiles for a TPU; it must never claim one the caller's process may hold)."""
+    os.environ.update(environ)
+    import sys
+
+    if "jax" in sys.modules:  # imported with the spawning script, before this ran
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def compile_worker() -> Worker:
+    """A ``kvxfer._worker.Worker`` for deviceless TPU compiles: libtpu loads there, with
+    ``LIBTPU_ENVIRONMENT`` (where the caller has not set its own values) and
+    ``JAX_PLATFORMS=cpu`` set in the worker's environment only, and a libtpu abort ends
+    the worker, not the caller.
+
+    Example:
+        >>> import os
+        >>> with compile_worker() as w:
+        ...     seen = w.call(os.getenv, "JAX_PLATFORMS")
+        >>> seen, "TPU_WORKER_HOSTNAMES" in os.environ
+        ('cpu', False)
+    """
+    environ = {**LIBTPU_ENVIRONMENT, **{k: os.environ[k] for k in LIBTPU_ENVIRONMENT
+                                        if k in os.environ}, "JAX_PLATFORMS": "cpu"}
+    return Worker(_start_compile_worker, environ)
 
 
 @functools.lru_cache(maxsize=16)
@@ -380,33 +408,3 @@ def addressable_alternatives(shape: Sequence[int], dtype: Any, target: str, *,
             out.append((cand, c))
     out.sort(key=lambda item: item[1].geometry().padding_factor)
     return out
-
-
-def compiler_layer_specs(spec: Any, target: str, num_blocks: int | None = None,
-                         num_devices: int = 1) -> tuple[list[Any], list[CompiledLayout]]:
-    """A model config's ``LayerSpec``s with each shard laid out as the compiler chooses.
-
-    Args:
-      spec: a ``kvxfer.config.ModelSpec``.
-      target: a TPU generation or topology.
-      num_blocks: blocks per layer (default: the config's ``num_device_blocks``).
-      num_devices: devices the caches are split over, as the config splits them.
-
-    Returns:
-      The layer specs (for ``kvxfer.make_plan``) and the compiled layout of each
-      layer group, in group order.
-    """
-    import dataclasses as _dc
-
-    specs = spec.layer_specs(num_blocks, num_devices=num_devices, emulate_tpu=False)
-    out, per_group, index = [], [], 0
-    for g in spec.groups:
-        first = specs[index]
-        c = compiled_layout(first.shape, g.dtype, target,
-                            num_devices=first.num_shards,
-                            shard_dim=g.shard_dim if first.num_shards > 1 else None)
-        per_group.append(c)
-        for s in specs[index:index + g.count]:
-            out.append(_dc.replace(s, layout=c.layout))
-        index += g.count
-    return out, per_group

@@ -164,7 +164,10 @@ def test_inspect_target_config_is_per_shard(capsys):
     status, out, err = _run(capsys, "inspect", "--config", "llama3-8b", "--target", "tpu7x",
                             "--devices", "4", "--num-blocks", "2048", "--json")
     assert status == 0, err
-    (row,) = [json.loads(line) for line in out.splitlines()]
+    rows = [json.loads(line) for line in out.splitlines()]  # one a layer, as every source
+    assert [r["layer"] for r in rows] == list(range(32)) and rows[0] == dict(rows[31], **{
+        k: rows[0][k] for k in ("layer", "name")})
+    row = rows[0]
     assert row["shape"] == [2048, 16, 2, 8, 128] and row["bytes_per_block"] == 16 << 10
     assert row["shard_shape"] == [2048, 16, 2, 2, 128]
     assert row["layout"] == "{4,3,2,1,0:T(2,128)(2,1)}" and row["devices"] == 4
