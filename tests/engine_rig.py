@@ -69,7 +69,7 @@ class Rig:
       shard_dim: the cache dim split over devices (None: single device).
       mask: the bits caches and step patterns may hold (None: all; see the module
         docstring).
-      pinned_mode: ``KVXFER_PINNED_MODE`` while the manager is made (None: as set).
+      pinned_mode: the manager's ``pinned_route`` (None: the platform's).
     """
 
     name: str
@@ -111,17 +111,8 @@ class Rig:
 
     def manager(self, caches: Sequence[jax.Array], num_host_blocks: int = 64,
                 **kwargs) -> kvxfer.KVCacheManager:
-        saved = os.environ.get("KVXFER_PINNED_MODE")
-        if self.pinned_mode is not None:
-            os.environ["KVXFER_PINNED_MODE"] = self.pinned_mode
-        try:
-            mgr = kvxfer.KVCacheManager(caches, num_host_blocks=num_host_blocks,
-                                        path=self.path, **kwargs)
-        finally:
-            if self.pinned_mode is not None:
-                os.environ.pop("KVXFER_PINNED_MODE", None)
-                if saved is not None:
-                    os.environ["KVXFER_PINNED_MODE"] = saved
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=num_host_blocks,
+                                    path=self.path, pinned_route=self.pinned_mode, **kwargs)
         if self.expect_paths is not None:
             assert mgr.paths == [self.expect_paths] * NUM_LAYERS, mgr.paths
         if os.environ.get("KVXFER_TEST_SERIALIZE") == "1":

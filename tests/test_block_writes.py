@@ -23,7 +23,7 @@ from kvxfer import testing
 
 bits = testing.bits
 
-#: Every manager route on XLA:CPU: (path, layouts emulated, KVXFER_PINNED_MODE).
+#: Every manager route on XLA:CPU: (path, layouts emulated, pinned_route).
 ROUTES = {
     "raw": ("auto", False, None),
     "staged": ("staged", False, None),
@@ -38,14 +38,13 @@ SRC, DST = [1, 4, 6, 7], [9, 10, 11, 12]
 
 
 def _manager(route: str, monkeypatch) -> tuple[kvxfer.KVCacheManager, list[jax.Array]]:
-    path, emulated, pinned_mode = ROUTES[route]
-    if pinned_mode is not None:
-        monkeypatch.setenv("KVXFER_PINNED_MODE", pinned_mode)
+    path, emulated, pinned_route = ROUTES[route]
     # 64 KiB blocks: a host digest of one block takes long enough for a racing load
     # to land between a write's bytes and its digests, if they are not one step.
     caches = testing.random_caches(2, 16, (64, 256), "float32", seed=3)
     layouts = [kvxfer.Layout.of(c) for c in caches] if emulated else None
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path=path, layouts=layouts)
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path=path, layouts=layouts,
+                                pinned_route=pinned_route)
     expected = {"raw": "raw", "staged": "staged", "pinned": "pinned",
                 "pinned-pages": "pinned", "dma": "dma", "emulated": "emulated"}[route]
     assert mgr.paths == [expected] * 2

@@ -129,7 +129,6 @@ def test_sharded_and_replicated_layers_move_on_their_devices():
 def test_every_fault_is_caught(fault, route, monkeypatch):
     """On both accelerator routes: the DMA mover, and the pinned mover's pages route
     (what a GPU without ``cuda-bindings`` takes)."""
-    monkeypatch.setenv("KVXFER_PINNED_MODE", "pages")
     path = "dma" if route == "dma" else "pinned"
     sharded = fault == "one-shard"
     if sharded and len(jax.devices()) < 2:
@@ -139,7 +138,7 @@ def test_every_fault_is_caught(fault, route, monkeypatch):
         mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
         caches = [jax.device_put(c, NamedSharding(mesh, P(None, None, "tensor")))
                   for c in caches]
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path=path)
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path=path, pinned_route="pages")
     assert set(mgr.paths) == {path}
     pages = mgr.offload(caches, [1, 2, 3, 4], keys=[11, 12, 13, 14]).wait()
     out = testing.inject(fault, mgr, caches, pages, index=2, layer=1,

@@ -1,7 +1,6 @@
 """What an adversary or a long uptime found: each case fails without its fix."""
 
 import gc
-import os
 import subprocess
 import sys
 import textwrap
@@ -197,9 +196,9 @@ def test_find_and_flush_degrade_while_the_store_is_down(redis_server):
 @pytest.fixture
 def pages_route(monkeypatch):
     """A manager on the pinned mover's pages route (each page an array of its own)."""
-    monkeypatch.setenv("KVXFER_PINNED_MODE", "pages")
     caches = testing.random_caches(2, 8, (4, 32), "float32")
-    with kvxfer.KVCacheManager(caches, num_host_blocks=2, path="pinned") as mgr:
+    with kvxfer.KVCacheManager(caches, num_host_blocks=2, path="pinned",
+                               pinned_route="pages") as mgr:
         assert all(p.pages is not None for p in mgr.host_pool.pools)
         yield mgr, caches
 
@@ -270,7 +269,8 @@ def test_block_reads_and_writes_race_free_and_offload_without_a_crash():
         import kvxfer
         from kvxfer import testing
         caches = testing.random_caches(2, 8, (4, 32), "float32")
-        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2, path="pinned")
+        mgr = kvxfer.KVCacheManager(caches, num_host_blocks=2, path="pinned",
+                                    pinned_route="pages")
         for _ in range(150):
             page, = mgr.offload(caches, [1], keys=[5]).wait()
             data = mgr.read_block_bytes(page, 0)
@@ -293,7 +293,6 @@ def test_block_reads_and_writes_race_free_and_offload_without_a_crash():
         mgr.close()
         print("held")
     """)
-    env = dict(os.environ, KVXFER_PINNED_MODE="pages")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and "held" in done.stdout, done.stderr[-2000:]

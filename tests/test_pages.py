@@ -211,13 +211,12 @@ def test_a_sharded_page_holds_each_shards_layers_side_by_side(path, monkeypatch)
     """Pages are shard-major: shard s's blocks of every layer are one range of the page
     (what a mover copying shard by shard moves as one copy), whatever the mover, and a
     page written back in that order loads exactly."""
-    if path == "pinned-pages":
-        monkeypatch.setenv("KVXFER_PINNED_MODE", "pages")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
     heads = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tp", None))
     caches = testing.random_caches(3, 8, (4, 128), "float32", sharding=heads, seed=5)
     before = [testing.bits(c) for c in caches]
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path=path.split("-")[0])
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=4, path=path.split("-")[0],
+                                pinned_route="pages" if path == "pinned-pages" else None)
     assert mgr.paths == [path.split("-")[0]] * 3
     cls, = mgr.plan.classes
     assert (cls.num_shards, cls.shard_block_bytes) == (2, 1024)

@@ -241,12 +241,13 @@ def test_an_offload_dispatches_one_program_that_digests_what_it_writes(monkeypat
 
 
 def test_the_pages_route_round_trips_too(monkeypatch):
-    """``KVXFER_PINNED_MODE=pages``: each page an array of pinned memory of its own (what
+    """``pinned_route="pages"``: each page an array of pinned memory of its own (what
     backends outside ``IN_PLACE_PLATFORMS`` do), byte-exact, nothing copied on the host."""
-    monkeypatch.setenv("KVXFER_PINNED_MODE", "pages")
     caches = mixed_caches(seed=6)
     before = [testing.bits(c) for c in caches]
-    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pinned")
+    mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pinned", pinned_route="pages")
+    assert "pages route" in mgr.paths[0].reason and "pinned_route='pages'" in \
+        mgr.paths[0].reason
     assert all(p.pages is not None and p.data is None for p in mgr.host_pool.pools)
     pages = mgr.offload(caches, SRC, keys=[1, 2, 3, 4]).wait()
     new, load = mgr.load(caches, pages, DST, gate="layer")
@@ -254,9 +255,9 @@ def test_the_pages_route_round_trips_too(monkeypatch):
     check_moved(new, before, SRC, DST)
     assert mgr.stats()["host_copy_bytes"] == 0
     mgr.close()
-    monkeypatch.setenv("KVXFER_PINNED_MODE", "sideways")
-    with pytest.raises(ValueError, match=r"KVXFER_PINNED_MODE='sideways'; expected one of"):
-        kvxfer.KVCacheManager(new[:1], num_host_blocks=2, path="pinned")
+    with pytest.raises(ValueError, match=r"pinned_route='sideways'; expected one of"):
+        kvxfer.KVCacheManager(new[:1], num_host_blocks=2, path="pinned",
+                              pinned_route="sideways")
 
 
 class CompileCounter:

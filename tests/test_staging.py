@@ -1,6 +1,6 @@
 """The staged mover's loads. On XLA:CPU they read the pool in place (its pool is a
 device array, other devices see it without a copy) in one program that also digests
-what it wrote; with ``KVXFER_STAGED_MODE=copy`` they go through staging buffers,
+what it wrote; with ``StagedMover.pool_in_place`` off they go through staging buffers,
 reused only once the programs reading them ran, so back-to-back and overlapping loads
 stay byte-exact, and warm-up leaves one ready."""
 
@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import kvxfer
 import kvxfer.engine._programs as programs
 from kvxfer import testing
-from kvxfer.engine._staged import StagingArena
+from kvxfer.engine._staged import StagedMover, StagingArena
 
 bits = testing.bits
 
@@ -54,7 +54,7 @@ def test_spares_are_per_shape_and_dtype_and_bounded():
 
 
 def test_warm_up_leaves_a_written_spare_the_first_load_takes(monkeypatch):
-    monkeypatch.setenv("KVXFER_STAGED_MODE", "copy")
+    monkeypatch.setattr(StagedMover, "pool_in_place", False)
     caches = testing.random_caches(3, 16, (4, 128), "float32", seed=3)
     with kvxfer.KVCacheManager(caches, num_host_blocks=8, path="staged") as mgr:
         mgr.warmup(4)
@@ -71,7 +71,7 @@ def test_warm_up_leaves_a_written_spare_the_first_load_takes(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["in-place", "copy"])
 def test_overlapping_staged_loads_of_different_pages_stay_exact(mode, monkeypatch):
-    monkeypatch.setenv("KVXFER_STAGED_MODE", mode)
+    monkeypatch.setattr(StagedMover, "pool_in_place", mode == "in-place")
     caches = testing.random_caches(4, 32, (4, 128), "float32", seed=4)
     want = [bits(c) for c in caches]
     with kvxfer.KVCacheManager(caches, num_host_blocks=16, path="staged") as mgr:

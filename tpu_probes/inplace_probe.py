@@ -34,8 +34,6 @@ Exit status: 0 when every route that ran was exact, 1 otherwise, 2 on bad flags.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 import sys
 import threading
@@ -74,21 +72,6 @@ flags.DEFINE_bool("json", False, "print one JSON object instead of the tables")
 ROUTES = ("in-place", "pages")
 
 
-@contextlib.contextmanager
-def _route(route: str):
-    # The pages route is what the pinned mover takes where in place is refused; this
-    # probe's own process asks for it by the mover's switch, for the manager it makes.
-    saved = os.environ.get("KVXFER_PINNED_MODE")
-    os.environ["KVXFER_PINNED_MODE"] = route
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("KVXFER_PINNED_MODE", None)
-        else:
-            os.environ["KVXFER_PINNED_MODE"] = saved
-
-
 def _pool_buffers(mgr: kvxfer.KVCacheManager) -> list[int | None]:
     """The address of each class pool's buffer (None for a pool of page arrays)."""
     out = []
@@ -120,8 +103,8 @@ def manager_run(route: str, caches: dict[Any, list[jax.Array]], device: Any, pag
                 iters: int, warmup: int, seed: int) -> dict[str, Any]:
     """One route on ``device``'s caches (``caches[device]``, replaced by the loaded ones):
     its movers, aliasing, host copies, GB/s."""
-    with _route(route):
-        mgr = kvxfer.KVCacheManager(caches[device], num_host_blocks=pages, path="pinned")
+    mgr = kvxfer.KVCacheManager(caches[device], num_host_blocks=pages, path="pinned",
+                                pinned_route=route)
     with mgr:
         reasons = sorted({p.reason for p in mgr.paths})
         if route == "in-place" and not all(r.endswith("in place") for r in reasons):

@@ -92,6 +92,7 @@ from kvxfer.engine._pinned import pinned_capable as pinned_capable
 from kvxfer.engine._pinned import pinned_mover as pinned_mover
 from kvxfer.engine._pinned import in_place_refusal as in_place_refusal
 from kvxfer.engine._pinned import pinned_mode as pinned_mode
+from kvxfer.engine._pinned import PINNED_ROUTES as PINNED_ROUTES
 from kvxfer.engine._pinned_pages import PinnedPagesMover as PinnedPagesMover
 from kvxfer.engine._programs import DIGEST_CHUNK as DIGEST_CHUNK
 from kvxfer.engine._programs import deferred_compiles as deferred_compiles

@@ -33,14 +33,13 @@ caches, see ``_programs._write_blocks``). Every program is enqueued on the calle
 thread; the transfer thread only waits and copies host bytes. Blocks move as their
 raw bits where XLA:CPU would rewrite NaN payloads (``needs_raw_bits``).
 
-The environment variable ``KVXFER_PINNED_MODE`` (``in-place`` or ``pages``) overrides
-the route, so that CPU tests run what a GPU runs and a device check can measure both.
+``KVCacheManager(pinned_route=...)`` (``"in-place"`` or ``"pages"``) overrides the
+route, so that CPU tests run what a GPU runs and a device check can measure both.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -59,8 +58,8 @@ from kvxfer.engine._raw import RowCopy
 from kvxfer.hostpool import ClassPool, PoolError, has_pinned_host, word_bytes
 from kvxfer.plan import SliceClass
 
-__all__ = ["PinnedMover", "IN_PLACE_PLATFORMS", "pinned_capable", "pinned_mode",
-           "pinned_mover", "in_place_refusal"]
+__all__ = ["PinnedMover", "IN_PLACE_PLATFORMS", "PINNED_ROUTES", "pinned_capable",
+           "pinned_mode", "pinned_mover", "in_place_refusal"]
 
 #: Backends whose programs update the pinned pool in place and read it directly
 #: (XLA:CPU, measured with jax 0.10.2: the donated pool keeps its buffer; TPU, its
@@ -68,7 +67,8 @@ __all__ = ["PinnedMover", "IN_PLACE_PLATFORMS", "pinned_capable", "pinned_mode",
 #: pool a ``SlotPool``, whose aliasing is checked before it is used).
 IN_PLACE_PLATFORMS = frozenset({"cpu", "tpu"})
 
-_MODES = ("in-place", "pages")
+#: The pinned mover's routes (``KVCacheManager(pinned_route=...)``).
+PINNED_ROUTES = ("in-place", "pages")
 
 
 def pinned_capable(array: jax.Array) -> bool:
@@ -76,21 +76,22 @@ def pinned_capable(array: jax.Array) -> bool:
     return all(has_pinned_host(d) for d in array.sharding.device_set)
 
 
-def pinned_mode(platform: str) -> str:
-    """``"in-place"`` or ``"pages"``: the pinned mover's route on ``platform``.
+def pinned_mode(platform: str, route: str | None = None) -> str:
+    """The pinned mover's route on ``platform``: ``route`` where one is asked for, else
+    ``"in-place"`` on ``IN_PLACE_PLATFORMS`` and ``"pages"`` elsewhere.
+
+    Raises:
+      ValueError: ``route`` is not one of ``PINNED_ROUTES`` (or None).
 
     Example:
-        >>> import os
-        >>> pinned_mode("cpu") == ("in-place" if os.environ.get("KVXFER_PINNED_MODE",
-        ...                        "in-place") == "in-place" else "pages")
-        True
+        >>> pinned_mode("cpu"), pinned_mode("gpu"), pinned_mode("cpu", "pages")
+        ('in-place', 'pages', 'pages')
     """
-    mode = os.environ.get("KVXFER_PINNED_MODE")
-    if mode is None:
+    if route is None:
         return "in-place" if platform in IN_PLACE_PLATFORMS else "pages"
-    if mode not in _MODES:
-        raise ValueError(f"KVXFER_PINNED_MODE={mode!r}; expected one of {_MODES}")
-    return mode
+    if route not in PINNED_ROUTES:
+        raise ValueError(f"pinned_route={route!r}; expected one of {PINNED_ROUTES} or None")
+    return route
 
 
 def _pinned(device: Any) -> jax.sharding.SingleDeviceSharding:
@@ -431,11 +432,11 @@ def in_place_refusal(platform: str, shards: Sequence[Sequence[Any]],
 
 
 def pinned_mover(platform: str, shards: Sequence[Sequence[Any]] | None = None,
-                 live: bool = True) -> type[Mover]:
+                 live: bool = True, route: str | None = None) -> type[Mover]:
     """The pinned mover's class on ``platform``: ``PinnedMover`` in place, else the
-    pages route's ``PinnedPagesMover`` (``pinned_mode``; on TPU also where
-    ``in_place_refusal`` refuses the class's ``shards``)."""
-    if pinned_mode(platform) == "in-place" and (
+    pages route's ``PinnedPagesMover`` (``pinned_mode``, with the ``route`` asked for;
+    on TPU also where ``in_place_refusal`` refuses the class's ``shards``)."""
+    if pinned_mode(platform, route) == "in-place" and (
             shards is None or in_place_refusal(platform, shards, live) is None):
         return PinnedMover
     return PinnedPagesMover

@@ -11,7 +11,8 @@ array (``host_backing``) and a load's program reads its pages from the pool wher
 are, by slot, writing them into place in a loop (one program for every transfer size,
 raw bits without a copy of the caches, see ``_programs._write_blocks``) and digesting
 what it wrote: the caller's thread copies nothing. Where a shard's device cannot see
-the pool without a copy (or ``KVXFER_STAGED_MODE=copy``), a load stages its pages
+the pool without a copy (or where ``StagedMover.pool_in_place`` is set False, as tests
+do to run what other backends run), a load stages its pages
 page-major in a buffer of ``loop_pages`` pages (only the pages written are ever
 touched, so the rest is address space, not memory), which ``device_put`` aliases.
 """
@@ -19,7 +20,6 @@ touched, so the rest is address space, not memory), which ``device_put`` aliases
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Any, NamedTuple
 
@@ -35,26 +35,7 @@ from kvxfer.engine._programs import compile_ahead, gather, needs_raw_bits, page_
     scatter, staged_load, zeros
 from kvxfer.hostpool import word_bytes
 
-__all__ = ["StagedMover", "staged_mode"]
-
-
-_MODES = ("in-place", "copy")
-
-
-def staged_mode() -> str:
-    """``"in-place"`` (the default) or ``"copy"``: whether staged loads on XLA:CPU read
-    the pool where it is, or copy their pages into a staging buffer first
-    (``KVXFER_STAGED_MODE``).
-
-    Example:
-        >>> import os
-        >>> staged_mode() == os.environ.get("KVXFER_STAGED_MODE", "in-place")
-        True
-    """
-    mode = os.environ.get("KVXFER_STAGED_MODE", "in-place")
-    if mode not in _MODES:
-        raise ValueError(f"KVXFER_STAGED_MODE={mode!r}; expected one of {_MODES}")
-    return mode
+__all__ = ["StagedMover"]
 
 
 def _device_pool(num_slots: int, *, words: int, dtype: Any, device: Any) -> jax.Array:
@@ -178,18 +159,21 @@ class StagedMover(WaitsOnce, Mover[StagedOffload, list[StagedInputs], StagedLoad
     """Compiled gather / donated scatter programs; correct for every layout."""
 
     name = "staged"
+    #: Whether loads on XLA:CPU read the pool where it is (else they stage their pages
+    #: in a buffer first, as every other backend does; tests set it False).
+    pool_in_place = True
 
     def __init__(self, cls, pool):
         super().__init__(cls, pool)
         self._arena = StagingArena()
-        self._in_place_mode = staged_mode() == "in-place"
+        self._in_place_mode = self.pool_in_place
         self._unit = word_bytes(cls)
         self._pools: dict[Any, jax.Array | None] = {}  # device -> the pool's words there
 
     @classmethod
     def host_backing(cls, slice_class, layers):
         first = layers[0].shards[0][0]
-        if not page_loops(device_of(first)) or staged_mode() != "in-place":
+        if not page_loops(device_of(first)) or not cls.pool_in_place:
             return None
         unit = word_bytes(slice_class)
         return functools.partial(_device_pool, words=slice_class.page_bytes // unit,

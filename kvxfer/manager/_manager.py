@@ -25,9 +25,8 @@ import numpy as np
 
 from kvxfer._names import IntegrityMode as IntegrityMode
 from kvxfer._check import check_int
-from kvxfer.engine import (BlockGroups, DmaMover, DmaOptions, GroupedMover, Mover,
-                           ShardedLayer, abstract, bucket, deferred_compiles, own_context,
-                           staging_bytes_held)
+from kvxfer.engine import (DmaOptions, ShardedLayer, abstract, bucket, deferred_compiles,
+                           own_context, pinned_mode, staging_bytes_held)
 from kvxfer.hostpool import HostPool, PageRef
 from kvxfer.manager._agree import Agreement
 from kvxfer.manager._dma_check import dma_self_check
@@ -39,7 +38,8 @@ from kvxfer.manager._load import Loads
 from kvxfer.manager._offload import Offloads
 from kvxfer.manager._pages import fingerprint
 from kvxfer.manager._prefetch import PrefetchHandle
-from kvxfer.manager._select import MoverChoice, PathMode, choose_movers, plan_path
+from kvxfer.manager._select import (MoverChoice, PathMode, choose_movers, make_movers,
+                                    plan_path)
 from kvxfer.manager._thread import TransferThread
 from kvxfer._counters import Counters
 from kvxfer.manager._verify import LoadVerifier, TransferHook
@@ -49,29 +49,6 @@ __all__ = ["KVCacheManager", "IntegrityMode", "Blocks"]
 
 Blocks = Sequence[int] | Mapping[int, Sequence[int]]
 """Device block ids: one list for every slice class, or ``{class index: ids}``."""
-
-
-def _pool_and_movers(plan: Plan, caches: list[jax.Array], mover_types: list[type[Mover]],
-                     pinned: bool | None, layers: list[ShardedLayer], dma: DmaOptions
-                     ) -> tuple[HostPool, list[Mover[Any, Any, Any]]]:
-    """The host pool and each slice class's mover; ``layers`` are abstract."""
-    # A class whose mover reads and writes pinned memory gets its pool in the
-    # pinned memory of the device holding its first shard; a mover may allocate
-    # its class's pool itself (the Pallas kernels write a typed host array).
-    firsts = [ShardedLayer.of(caches[c.layers[0]]).shards[0][0] for c in plan.classes]
-    pool = HostPool(
-        plan, pinned=[True if m.pinned_pool else pinned for m in mover_types],
-        device=[next(iter(a.devices())) for a in firsts],
-        backings={c.index: m.host_backing(c, [layers[i] for i in c.layers])
-                  for m, c in zip(mover_types, plan.classes)})
-    movers: list[Mover[Any, Any, Any]] = [m(cls, p, dma) if m is DmaMover else m(cls, p)
-                                          for m, cls, p in
-                                          zip(mover_types, plan.classes, pool.pools)]
-    for c in plan.classes:  # a block dim sharded over data parallelism
-        groups = BlockGroups.of(caches[c.layers[0]], f"layer {c.layers[0]}")
-        if groups is not None:
-            movers[c.index] = GroupedMover(movers[c.index], groups)
-    return pool, movers
 
 
 def _call_hook(event: str, layer: int, array: jax.Array | None) -> Any:
@@ -94,8 +71,9 @@ class KVCacheManager:
       path: the mover of each slice class (``mgr.paths`` reports the choice):
 
         * ``"auto"``: per class, the fastest mover that can move it: on an NVIDIA
-          GPU with ``cuda-bindings`` ``dma``, else ``pinned``; on TPU ``pallas`` for
-          classes proven addressable, else ``pinned``; on CPU ``raw`` copies where
+          GPU with ``cuda-bindings`` ``dma``, else ``pinned``; on TPU ``pinned``, in
+          place where it can be, else its pages route (no payload byte copied on
+          the host either way); on CPU ``raw`` copies where
           XLA:CPU buffers allow (row-major, whole-byte elements), else ``pinned``;
           ``staged`` on a backend without a ``pinned_host`` memory kind (or with
           ``pinned=False``). With ``layouts=``: emulated copies for classes proven
@@ -106,9 +84,10 @@ class KVCacheManager:
           with ``cuda-bindings``; XLA:CPU with a host copy engine); refuses layouts it
           cannot address.
         * ``"pinned"``: compiled programs between the caches and ``pinned_host``
-          memory, for every class: in place on XLA:CPU, elsewhere each page an array
-          of pinned memory of its own, gathered and digested on the device; needs a
-          ``pinned_host`` memory kind (CPU and GPU have one).
+          memory, for every class: in place (a donated pool updated by the program)
+          on XLA:CPU and TPU, elsewhere each page an array of pinned memory of its
+          own, gathered and digested on the device (``pinned_route`` picks one);
+          needs a ``pinned_host`` memory kind (CPU, GPU and TPU have one).
         * ``"staged"``: compiled gather/scatter through pageable host buffers, any
           backend and layout (the portable fallback).
         * ``"raw"``: the ``raw`` mover's byte-range copies of XLA:CPU buffers for
@@ -127,6 +106,11 @@ class KVCacheManager:
         verified prefix before failing with ``TransferError`` (a crashed rank), and
         ``close()`` waits for the other ranks to close. The default, 60 s, is shorter
         than ``jax.distributed``'s heartbeat timeout (100 s).
+      dma: how the DMA mover runs (``kvxfer.DmaOptions``: its streams, relayout,
+        staging budget, copy calls and self-check); default ``DmaOptions()``.
+      pinned_route: the pinned mover's route, ``"in-place"`` or ``"pages"`` (to run on
+        CPU what a GPU runs, or to measure both); default (None): in place on XLA:CPU
+        and TPU where the class allows, else pages.
 
     Raises:
       BudgetError: the plan exceeds the budget (before any allocation).
@@ -134,7 +118,8 @@ class KVCacheManager:
         move (not addressable, not row-major for ``dma``), or ``path="dma"`` without a
         copy engine for the backend.
       ValueError: ``path="pinned"`` on a backend without a ``pinned_host`` memory kind
-        (naming the backend) or with ``pinned=False``.
+        (naming the backend) or with ``pinned=False``; a ``pinned_route`` not among
+        the routes, naming it.
       ValueError, TypeError: bad caches (deleted, block dim sharded, K and V stacked
         on dim 0 as ``[2, num_blocks, ...]``, ...), naming the layer.
       TimeoutError: a cache is still being computed after ``ready_timeout``.
@@ -145,7 +130,8 @@ class KVCacheManager:
                  layouts: Sequence[Any] | None = None, integrity: IntegrityMode = "page",
                  host_memory_budget: int | None = None, path: PathMode = "auto",
                  ready_timeout: float = 30.0, pinned: bool | None = None,
-                 agreement_timeout: float = 60.0, dma: DmaOptions | None = None):
+                 agreement_timeout: float = 60.0, dma: DmaOptions | None = None,
+                 pinned_route: str | None = None):
         # First, before any check that could fail on one rank only: every rank must
         # create its managers' agreements in the same order.
         self._agreement = Agreement(timeout=agreement_timeout)
@@ -154,6 +140,7 @@ class KVCacheManager:
         if dma is not None and not isinstance(dma, DmaOptions):
             raise TypeError(f"dma={dma!r}: expected a kvxfer.DmaOptions")
         dma = DmaOptions() if dma is None else dma
+        pinned_mode("cpu", pinned_route)  # checks it: one of PINNED_ROUTES, or None
         self.integrity = integrity
         self.ready_timeout = ready_timeout
         emulated = layouts is not None
@@ -164,7 +151,7 @@ class KVCacheManager:
             raise BudgetError(f"KVCacheManager(path={path!r}): {e}") from None
         chosen = choose_movers(plan, specs, caches, path, emulated, pinned,
                                functools.partial(dma_self_check, options=dma,
-                                                 manager=KVCacheManager))
+                                                 manager=KVCacheManager), pinned_route)
         mover_types = [mover for mover, _ in chosen]
         self._reasons = [reason for _, reason in chosen]
         # The plan sizes host blocks; its table names the mover of each class too.
@@ -172,7 +159,7 @@ class KVCacheManager:
         self._specs: list[LayerSpec] = specs
         # Abstract values of every layer: enough to compile ahead, holding no buffer.
         self._abstract = [(abstract(a), ShardedLayer.of(a).abstract()) for a in caches]
-        self._pool, self._movers = _pool_and_movers(
+        self._pool, self._movers = make_movers(
             self._plan, caches, mover_types, pinned, [layer for _, layer in self._abstract],
             dma)
         self._layer_class = [self._plan.class_of_layer(i) for i in range(len(caches))]

@@ -9,15 +9,17 @@ import jax
 
 from kvxfer._names import PATHS as PATHS
 from kvxfer._names import PathMode as PathMode
-from kvxfer.engine import (DmaMover, EmulatedMover, Mover, PallasMover, RawMover,
-                           RawOrPinnedMover, StagedMover, abstract_layer, dma_refusal,
-                           in_place_refusal, pallas_refusal, pinned_capable,
-                           pinned_mode, pinned_mover, raw_capable)
+from kvxfer.engine import (BlockGroups, DmaMover, DmaOptions, EmulatedMover, GroupedMover,
+                           Mover, PallasMover, RawMover, RawOrPinnedMover, ShardedLayer,
+                           StagedMover, abstract_layer, dma_refusal, in_place_refusal,
+                           pallas_refusal, pinned_capable, pinned_mode, pinned_mover,
+                           raw_capable)
+from kvxfer.hostpool import HostPool
 from kvxfer.layout import LayoutError, shape_text
 from kvxfer.plan import LayerSpec, Plan, SliceClass
 
 __all__ = ["PathMode", "PATHS", "AUTO_RULES", "MoverChoice", "check_path", "plan_path",
-           "select_movers", "choose_movers"]
+           "select_movers", "choose_movers", "make_movers"]
 
 
 
@@ -197,7 +199,8 @@ def select_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
 
 def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
                   path: PathMode, emulated: bool, pinned: bool | None = None,
-                  self_check: SelfCheck | None = None) -> list[tuple[type[Mover], str]]:
+                  self_check: SelfCheck | None = None, pinned_route: str | None = None
+                  ) -> list[tuple[type[Mover], str]]:
     """The mover type of each slice class of ``plan``, and why.
 
     Args:
@@ -210,6 +213,7 @@ def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
       pinned: the manager's ``pinned=`` (False keeps ``auto`` off the pinned mover).
       self_check: why the DMA mover failed its self-check on a device (None: it did
         not; the manager's runs with its ``DmaOptions``); None: no check.
+      pinned_route: the manager's ``pinned_route=`` (None: the platform's route).
 
     Raises:
       LayoutError: ``path="raw"`` over a class with no proven raw copy, or
@@ -219,14 +223,15 @@ def choose_movers(plan: Plan, specs: Sequence[LayerSpec], caches: Sequence[jax.A
         with ``pinned=False``), naming the backend.
     """
     applies = _applies(caches, pinned, specs, emulated, self_check)
-    return [_select_class(cls, specs, caches, path, emulated, pinned, applies, self_check)
-            for cls in plan.classes]
+    return [_select_class(cls, specs, caches, path, emulated, pinned, applies, self_check,
+                          pinned_route) for cls in plan.classes]
 
 
 def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[jax.Array],
                   path: PathMode, emulated: bool, pinned: bool | None,
                   applies: dict[str, Callable[[SliceClass], str | None]],
-                  self_check: SelfCheck | None) -> tuple[type[Mover], str]:
+                  self_check: SelfCheck | None, route: str | None = None
+                  ) -> tuple[type[Mover], str]:
     """The mover type of one slice class, and why (``choose_movers``)."""
     first = cls.layers[0]
     asked = f"path={path!r}"
@@ -240,7 +245,7 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
         return PallasMover, asked
     if path == "pinned":
         _check_pinned(caches, cls, pinned)
-        return _pinned_choice(caches, cls, asked)
+        return _pinned_choice(caches, cls, asked, route)
     if path == "dma":
         if emulated:
             raise ValueError("path='dma' copies the arrays' own buffers; it cannot move "
@@ -270,7 +275,7 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
             skipped.append(f"not {name}: {why}")
         reason = f"auto on {backend}" + "".join(f"; {s}" for s in skipped)
         if name == "pinned":
-            return _pinned_choice(caches, cls, reason)
+            return _pinned_choice(caches, cls, reason, route)
         mover = _MOVERS[name]
         # Raw copies wait for the caches' writers: a call whose caches are still
         # being written takes the pinned programs instead, where there are some.
@@ -281,18 +286,18 @@ def _select_class(cls: SliceClass, specs: Sequence[LayerSpec], caches: Sequence[
     return RawMover, asked
 
 
-def _pinned_choice(caches: Sequence[jax.Array], cls: SliceClass, reason: str
-                   ) -> tuple[type[Mover], str]:
+def _pinned_choice(caches: Sequence[jax.Array], cls: SliceClass, reason: str,
+                   route: str | None = None) -> tuple[type[Mover], str]:
     """The pinned mover's route for a class (in place, else pages), and why."""
     backend = _backend(caches, cls)
     first = caches[cls.layers[0]]
     shards = abstract_layer(first).shards
     live = isinstance(first, jax.Array)  # abstract caches: compiling ahead, deviceless
-    mover = pinned_mover(backend, shards, live)
+    mover = pinned_mover(backend, shards, live, route)
     if mover.pinned_pool:
         return mover, f"{reason}; in place"
-    why = in_place_refusal(backend, shards, live) if pinned_mode(backend) == "in-place" \
-        else f"pinned mode {pinned_mode(backend)!r}"
+    why = in_place_refusal(backend, shards, live) if pinned_mode(backend, route) == \
+        "in-place" else f"pinned_route={route!r}" if route else "not on this backend"
     return mover, f"{reason}; pages route: not in place: {why}"
 
 
@@ -311,3 +316,27 @@ def _check_raw(cls: SliceClass, specs: Sequence[LayerSpec],
             "this backend has no raw path for it (raw copies need XLA:CPU "
             "row-major buffers of whole-byte elements; on TPU use path='pallas' "
             "for the Pallas DMA kernels; pass layouts= to use emulated TPU memory)")
+
+
+def make_movers(plan: Plan, caches: list[jax.Array], mover_types: list[type[Mover]],
+                     pinned: bool | None, layers: list[ShardedLayer], dma: DmaOptions
+                     ) -> tuple[HostPool, list[Mover[Any, Any, Any]]]:
+    """The host pool of ``plan`` and each slice class's mover, of the types chosen
+    (``choose_movers``); ``layers`` are abstract."""
+    # A class whose mover reads and writes pinned memory gets its pool in the
+    # pinned memory of the device holding its first shard; a mover may allocate
+    # its class's pool itself (the Pallas kernels write a typed host array).
+    firsts = [ShardedLayer.of(caches[c.layers[0]]).shards[0][0] for c in plan.classes]
+    pool = HostPool(
+        plan, pinned=[True if m.pinned_pool else pinned for m in mover_types],
+        device=[next(iter(a.devices())) for a in firsts],
+        backings={c.index: m.host_backing(c, [layers[i] for i in c.layers])
+                  for m, c in zip(mover_types, plan.classes)})
+    movers: list[Mover[Any, Any, Any]] = [m(cls, p, dma) if m is DmaMover else m(cls, p)
+                                          for m, cls, p in
+                                          zip(mover_types, plan.classes, pool.pools)]
+    for c in plan.classes:  # a block dim sharded over data parallelism
+        groups = BlockGroups.of(caches[c.layers[0]], f"layer {c.layers[0]}")
+        if groups is not None:
+            movers[c.index] = GroupedMover(movers[c.index], groups)
+    return pool, movers
