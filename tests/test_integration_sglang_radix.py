@@ -10,6 +10,7 @@ missed. Those tests skip, saying so, where sglang-jax is not installed (kvxfer's
 """
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -169,12 +170,26 @@ def test_install_on_an_engine_whose_module_fails_to_import_says_which(tmp_path):
     assert sglang_jax.ENGINE_COMMIT in message and state == "False"
 
 
+def test_install_on_an_engine_missing_a_dependency_names_it_not_a_version(tmp_path):
+    root = _engine_without(tmp_path, None)
+    radix = root / "sgl_jax" / "srt" / "mem_cache" / "unified_radix_cache.py"
+    radix.write_text("import kvxfer_no_such_dependency\n" + radix.read_text())
+    code = ("from kvxfer.integrations import sglang_jax\n"
+            "try:\n    sglang_jax.install()\n"
+            "except ImportError as e:\n"
+            "    print(type(e).__name__, e)\n"
+            "print(sglang_jax.installed())")
+    message, state = _run_beside(root, code)
+    assert message.startswith("ImportError ") and "kvxfer_no_such_dependency" in message
+    assert "not a version mismatch" in message and state == "False"
+
+
 def test_the_launcher_without_sglang_jax_says_so_on_one_line(tmp_path):
+    if importlib.util.find_spec("sgl_jax") is not None:
+        pytest.skip("sglang-jax is importable here: the launcher starts the engine")
     out = subprocess.run([sys.executable, "-m", "kvxfer.integrations.sglang_jax_launch",
                           "--model-path", "m"], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
-    if "sgl_jax" not in out.stderr:
-        pytest.skip("sglang-jax is importable here: the launcher starts the engine")
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "needs sglang-jax" in out.stderr
 

@@ -72,7 +72,13 @@ def _engine_parts() -> dict[str, Any]:
         missing = None
         try:
             value: Any = importlib.import_module(module_name)
-        except ImportError:
+        except ImportError as e:
+            gone = getattr(e, "name", None) or ""
+            if gone and module_name != gone and not module_name.startswith(gone + "."):
+                raise ImportError(
+                    f"kvxfer.integrations.sglang_jax.install(): importing {module_name} "
+                    f"failed: {e}: a package sglang-jax needs is not installed (this is "
+                    "not a version mismatch). Nothing was installed") from e
             missing = module_name
         except Exception as e:  # noqa: BLE001  (the engine's own import failed)
             first = (str(e).strip().splitlines() or [""])[0]
