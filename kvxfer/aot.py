@@ -327,7 +327,7 @@ def compile_config(config: str, target: str, num_devices: int = 1, *,
     work = []
     for cls, (mover, reason) in zip(plan.classes,
                                     choose_movers(plan, specs, caches, "auto", False)):
-        layers = [abstract_layer(caches[i]) for i in cls.layers]
+        layers = [abstract_layer(_laid_out(caches[i], specs[i].layout)) for i in cls.layers]
         work += [(cls, mover, reason, job) for job in transfer_programs(
                      mover, cls, layers, buckets, num_slots=plan.num_host_blocks)
                  if programs is None or _kind(job.name) in programs or job.name in programs]
@@ -355,6 +355,20 @@ def compile_config(config: str, target: str, num_devices: int = 1, *,
             check.staging_bytes if check else None, bound, seconds, num_blocks,
             check.page_dmas if check else None, check.host_pool if check else None))
     return out
+
+
+def _laid_out(cache: Any, layout: Any) -> Any:
+    """``cache`` (abstract) with its layout named, as an engine's array names its own
+    (``Array.format``): the programs hold a cache to its layout where they read it in a
+    loop, which they can only where they are told it (``_pinned_programs._in_chunks``).
+    The layout is the compiler's default for the cache, so the program is the same."""
+    import jax
+    from jax.experimental.layout import Format
+
+    if layout is None:
+        return cache
+    return jax.ShapeDtypeStruct(cache.shape, cache.dtype,
+                                sharding=Format(layout.to_jax(), cache.sharding))
 
 
 def _kind(program: str) -> str:

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kvxfer
 from kvxfer import testing
-from kvxfer.engine import _slot_pool
+from kvxfer.engine import _pinned_programs, _slot_pool
 from kvxfer.engine._slot_pool import SlotPool, aliasing_refusal, slot_geometry
 from kvxfer.hostpool import PoolError
 
@@ -84,6 +84,32 @@ def test_the_tpu_route_round_trips_bit_exact_with_no_host_copy(tiled):
             before = [testing.bits(c) for c in caches]
             mgr.free(pages)
         # Donated every time, into the same buffer: the pool was never copied.
+        assert [p.array.unsafe_buffer_pointer() for p in pools] == addresses
+        assert mgr.stats()["host_copy_bytes"] == 0
+
+
+def test_a_bucket_over_a_chunk_moves_a_chunk_at_a_time_bit_exact(tiled, monkeypatch):
+    """Past ``CHUNK_SLICES`` (cut to 2 here) a program loops over chunks of the bucket's
+    pages, the last one partial, the permuted cache carried through the loop in its own
+    layout: still one program a direction, bit-exact, verified, no host copy."""
+    monkeypatch.setattr(_pinned_programs, "CHUNK_SLICES", 2)
+    caches = (testing.random_caches(2, 12, (4, 96), "bfloat16", seed=41)
+              + testing.random_caches(1, 12, (16, 24), "float8_e4m3fn", seed=42))
+    permuted = testing.random_caches(1, 12, (2, 48), "bfloat16", seed=43)[0]
+    caches.append(jax.device_put(permuted, Format(kvxfer.Layout((0, 2, 1)).to_jax(),
+                                                  permuted.sharding)))
+    assert [_pinned_programs._chunk_pages(caches[:n], 8) for n in (1, 2)] == [2, 1]
+    before = [testing.bits(c) for c in caches]
+    src, dst = [9, 2, 11, 0, 5], [1, 3, 10, 7, 4]
+    with kvxfer.KVCacheManager(caches, num_host_blocks=8, path="pinned") as mgr:
+        pools = [p.pages for p in mgr.host_pool.pools]
+        addresses = [p.array.unsafe_buffer_pointer() for p in pools]
+        pages = mgr.offload(caches, src, keys=list(range(5))).wait()
+        for j, b in enumerate(src):
+            assert mgr.read_block_bytes(pages[j], 3) == before[3][b].tobytes()
+        caches, load = mgr.load(caches, pages, dst)
+        assert load.result().verified_prefix == 5
+        _check_moved(caches, before, src, dst)
         assert [p.array.unsafe_buffer_pointer() for p in pools] == addresses
         assert mgr.stats()["host_copy_bytes"] == 0
 

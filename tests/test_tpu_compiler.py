@@ -219,21 +219,31 @@ def test_public_names():
     assert kvxfer.tpu is tpu and tpu.topology("v5p", 8) == "v5p:2x2x2"
 
 
+def _tpu_catalog():
+    """``tools/tpu_catalog.py`` (a maintainer's tool, outside the package), imported."""
+    import importlib.util
+    from pathlib import Path
+
+    if "tpu_catalog" in sys.modules:
+        return sys.modules["tpu_catalog"]
+    path = Path(__file__).resolve().parent.parent / "tools" / "tpu_catalog.py"
+    spec = importlib.util.spec_from_file_location("tpu_catalog", path)
+    tpu_catalog = importlib.util.module_from_spec(spec)
+    sys.modules["tpu_catalog"] = tpu_catalog  # its dataclasses look it up
+    spec.loader.exec_module(tpu_catalog)
+    return tpu_catalog
+
+
 def test_the_generator_writes_back_exactly_the_shipped_configs():
     """`python tools/tpu_catalog.py` rewrites each config from the compiler's choices;
     given the choices the config holds, it must write the file as shipped (so the
     generator and the loader read and write one format, and no hand edit drifted)."""
-    import importlib.util
-    from pathlib import Path
-
     from kvxfer import _resources
-    path = Path(__file__).resolve().parent.parent / "tools" / "tpu_catalog.py"
-    spec = importlib.util.spec_from_file_location("tpu_catalog", path)
-    tpu_catalog = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("tpu_catalog", tpu_catalog)  # its dataclasses look it up
-    spec.loader.exec_module(tpu_catalog)
+    tpu_catalog = _tpu_catalog()
 
-    version = tpu.libtpu_version()
+    # The libtpu that made the shipped files (an installed one may be newer).
+    version = json.loads(catalog._resources.find("layouts", "tpu_compiled").read_text(
+        encoding="utf-8"))["provenance"]["libtpu"]
     for name in config.builtin_names():
         path = _resources.find("configs", name)
         text = path.read_text(encoding="utf-8")
@@ -241,3 +251,20 @@ def test_the_generator_writes_back_exactly_the_shipped_configs():
         choices = {g.name: [tpu_catalog.Choice(*c) for c in g.tpu_compiled]
                    for g in spec.groups}
         assert tpu_catalog.config_text(text, choices, version) == text, name
+
+
+def test_the_generators_check_says_what_changed():
+    """``tools/tpu_catalog.py --check`` under another libtpu: a largest count that no
+    longer fits is told apart from a layout that changed."""
+    tc = _tpu_catalog()
+    g = config.load("deepseek-mla").groups[0]
+    shipped = [tc.Choice(*c) for c in g.tpu_compiled]
+    assert tc.choice_changes("mla", shipped, shipped) == []
+    *head, top = shipped
+    moved = head + [tc.Choice(top.shards, top.first, top.last - 7, top.layout)]
+    assert tc.choice_changes("mla", shipped, moved) == [
+        f"mla x1: fits up to {top.last - 7} blocks, was {top.last} (layouts unchanged)"]
+    flipped = [tc.Choice(1, 1, top.last, shipped[0].layout)]
+    (line,) = tc.choice_changes("mla", shipped, flipped)
+    assert line.startswith("mla x1: layouts changed: 1-115 ") and line.endswith(
+        f"-> 1-{top.last} {shipped[0].layout}")

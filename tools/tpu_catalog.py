@@ -15,7 +15,9 @@ own shape, on v4, v5e, v5p, v6e and tpu7x. It writes:
 * each derived catalogue entry's ``tpu_default`` mark: whether the compiler picks
   that layout for that shape (an entry it does not pick must say why it is kept).
 
-``--check`` compares instead of writing, exit 1 on a difference.
+``--check`` compares instead of writing: it says what changed (the libtpu that made the
+shipped files and this one, each range whose layout changed, each range end that moved:
+under a newer libtpu a largest count may no longer fit HBM), exit 1 on a difference.
 
 Block counts are probed at powers of two and the config's own count; wherever two
 probes disagree the interval is bisected, so each range's ends are exact.
@@ -43,8 +45,8 @@ from kvxfer import config as _config  # noqa: E402
 from kvxfer import tpu  # noqa: E402
 from kvxfer.layout import inspect  # noqa: E402
 
-__all__ = ["Choice", "block_count_choices", "group_choices", "build", "main",
-           "MAX_BLOCKS"]
+__all__ = ["Choice", "block_count_choices", "group_choices", "build", "choice_changes",
+           "main", "MAX_BLOCKS"]
 
 MAX_BLOCKS = 65536
 """Block counts are probed up to this many (or what the HBM holds, if fewer)."""
@@ -240,6 +242,68 @@ def build(targets: Sequence[str] = tpu.GENERATIONS, configs: Sequence[str] | Non
     return {"catalogue": catalogue, "configs": per_config, "derived": derived}
 
 
+def _ranges(choices: Sequence[Choice]) -> str:
+    return ", ".join(f"{c.first}-{c.last} {c.layout}" for c in choices)
+
+
+def choice_changes(where: str, old: Sequence[Choice], new: Sequence[Choice]) -> list[str]:
+    """What differs between the shipped choices of one group (``old``) and the
+    compiler's (``new``), a line per shard count that differs: a largest count that
+    moved (the layouts the same), or the ranges whose layouts changed.
+
+    Example:
+        >>> old = [Choice(1, 1, 115, "{2,1,0}"), Choice(1, 116, 4000, "{0,2,1}")]
+        >>> choice_changes("mla/c0", old, old)
+        []
+        >>> choice_changes("mla/c0", old, old[:1] + [Choice(1, 116, 3990, "{0,2,1}")])
+        ['mla/c0 x1: fits up to 3990 blocks, was 4000 (layouts unchanged)']
+        >>> choice_changes("mla/c0", old, [Choice(1, 1, 4000, "{2,1,0}")])
+        ['mla/c0 x1: layouts changed: 1-115 {2,1,0}, 116-4000 {0,2,1} -> 1-4000 {2,1,0}']
+    """
+    out = []
+    for shards in sorted({c.shards for c in (*old, *new)}):
+        a = [c for c in old if c.shards == shards]
+        b = [c for c in new if c.shards == shards]
+        if a == b:
+            continue
+        if a and b and a[:-1] == b[:-1] and (a[-1].first, a[-1].layout) == \
+                (b[-1].first, b[-1].layout):
+            out.append(f"{where} x{shards}: fits up to {b[-1].last} blocks, was {a[-1].last}"
+                       " (layouts unchanged)")
+        else:
+            out.append(f"{where} x{shards}: layouts changed: {_ranges(a) or 'none'} -> "
+                       f"{_ranges(b) or 'none'}")
+    return out
+
+
+def _changes(result: dict[str, Any]) -> list[str]:
+    """What a run found different from the shipped files (``choice_changes`` for every
+    group; the libtpu and jax that made them; derived entries the compiler now picks
+    differently)."""
+    out = []
+    path = _resources.data_dir("layouts") / "tpu_compiled.json"
+    made = json.loads(path.read_text(encoding="utf-8"))["provenance"] if path.exists() \
+        else {}
+    now = result["catalogue"]["provenance"]
+    for key in ("libtpu", "jax"):
+        if made.get(key) != now[key]:
+            out.append(f"{key}: the shipped files were made with {made.get(key)}, this is "
+                       f"{now[key]}")
+    for name, groups in result["configs"].items():
+        spec = _config.load(name)
+        for group in spec.groups:
+            if group.name in groups:
+                out += choice_changes(f"{name}/{group.name}",
+                                      [Choice(*c) for c in group.tpu_compiled],
+                                      groups[group.name])
+    for cat_name, layouts in result["derived"].items():
+        for e in _catalog.load(cat_name).entries:
+            if e.name in layouts and e.tpu_default is not (layouts[e.name] == e.layout):
+                out.append(f"{cat_name}/{e.name}: the compiler's layout is now "
+                           f"{layouts[e.name]} (tpu_default was {e.tpu_default})")
+    return out
+
+
 # -- writing into the shipped files ---------------------------------------------------
 
 _BLOCK_RE = re.compile(r"(?m)^# The compiler's choice per shard[^\n]*\n#[^\n]*\n"
@@ -325,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if stale:
         print(f"tpu_catalog: out of date with the compiler: {', '.join(stale)}",
               file=sys.stderr)
+        for line in _changes(result) or ["(no layout changed: the files differ in text)"]:
+            print(f"  {line}", file=sys.stderr)
         return 1
     return 0
 

@@ -8,17 +8,20 @@ pages on XLA:CPU, and every transfer of a bucket on TPU. On TPU each compiles to
 DMA a page (``dynamic-update-slice-start/done`` on ``S(5)``) into a slot-major pool
 (``_slot_pool.SlotPool``); nothing computes on host memory. The same programs run on
 XLA:CPU, with the caches' side read and written a page at a time there, and per layer
-(gathered, scattered) on TPU.
+(gathered, scattered) on TPU, a chunk of pages at a time (``CHUNK_SLICES``): device
+memory staged and compile time are those of a chunk, whatever the bucket.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import with_layout_constraint
 
 from kvxfer import integrity
 from kvxfer.engine import _programs
@@ -186,35 +189,110 @@ def _digest_of(blocks, base, nums) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int, unit: int,
-                gathered: bool, loop: bool, platform: str):
-    # The pool is donated: the first ``count`` pages are written into their slots in
-    # place, each page (this shard's blocks of every layer, side by side) by one
-    # dynamic-update-slice: on TPU one DMA a page, into host memory that no program
-    # computes on. ``gathered`` (TPU): the bucket's pages are first read on the device,
-    # per layer (``_blocks_at``), and digested there; else each page's blocks are read
-    # in the loop (XLA:CPU, see ``_on_blocks``: nothing tied to the padded page count;
-    # and TPU for blocks over 1 MiB, which XLA:TPU slices out of a copy of the whole
-    # cache when it reads them outside a loop: ``_programs._gathers_whole``).
-    gathered = gathered and not _gathers_whole(arrays, platform)
+#: The most block slices (pages x layers) and bytes one iteration of a TPU program's
+#: loop over page chunks reads or writes (``_chunk_pages``). Unrolled over a whole
+#: bucket, llama3-8b's pages (32 layers x 64 KiB blocks) staged 0.12x what they hold
+#: at 16 pages, 1.5x at 32 and 2.9x at 64 (367 MiB, offload; a load 3.3x, 422 MiB):
+#: the pages as rows, each layer's words for its digest and each page read for its DMA
+#: all alive at once; and 64 pages took 86 s (offload) and 142 s (load) to compile. In
+#: chunks of 8 pages, 64 stage 3.8 MiB (offload) and 134 MiB (load: its one buffer of
+#: the pages) and compile in 4-8 s and 33 s (deviceless, v6e, libtpu 0.0.42.1).
+CHUNK_SLICES = 256
+CHUNK_BYTES = 16 << 20
+
+
+def _chunk_pages(arrays, b: int) -> int:
+    """Pages of a ``b``-page bucket of ``arrays``' blocks a gathered program handles an
+    iteration: the most (a power of two dividing ``b``) within ``CHUNK_SLICES`` and
+    ``CHUNK_BYTES``, and at least one."""
+    page = sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in arrays)
+    most = max(1, min(b, CHUNK_SLICES // len(arrays), CHUNK_BYTES // max(page, 1)))
+    c = 1 << (most.bit_length() - 1)
+    while b % c:
+        c //= 2
+    return c
+
+
+def _in_chunks(body, arrays, layouts, b: int, c: int, count, carry):
+    """``body(arrays, first, last, carry) -> (arrays, carry)`` for each chunk of ``c`` of
+    the first ``count`` pages (``first``: its first page; ``last``: its pages, a runtime
+    value), in a loop whose trip count is a runtime value; straight-line code where one
+    chunk is the bucket. Returns the last ``(arrays, carry)``.
+
+    The caches go through the loop as its carry, each held to its own layout
+    (``layouts``, where known): read from inside a loop, a cache whose block dim is
+    inside (DeepSeek MLA's ``{0,2,1}`` at engine sizes) was first copied whole into the
+    default layout (870 MiB for two layers; 55 GiB for 61 would not compile); carried
+    and held to its layout, nothing is copied (deviceless, libtpu 0.0.42.1).
+    """
+    if c == b:
+        return body(tuple(arrays), 0, jnp.minimum(c, count), carry)
+
+    def step(i, state):
+        held = tuple(a if lay is None else with_layout_constraint(a, lay)
+                     for a, lay in zip(state[0], layouts))
+        first = i * c
+        return body(held, first, jnp.minimum(c, count - first), state[1])
+
+    return jax.lax.fori_loop(0, (count + c - 1) // c, step, (tuple(arrays), carry))
+
+
+def _write_gathered(arrays, pool, ids, slots, count, digest, *, raw: bool, start: int,
+                    unit: int, layouts: tuple):
+    # Each chunk's pages are read per layer on the device (``_blocks_at``: one dynamic
+    # slice a page and layer), put together as rows and written into their slots, one
+    # dynamic-update-slice a page; then digested.
     to_words, _, _, _ = _codec(arrays, unit, pool.dtype)
-    if gathered:
+    b = ids.shape[0]
+    c = _chunk_pages(arrays, b)
+
+    def chunk(arrays, first, last, carry):
+        pool, n, digests = carry
+        ids_c = jax.lax.dynamic_slice_in_dim(ids, first, c)
+        slots_c = jax.lax.dynamic_slice_in_dim(slots, first, c)
         # The digests read the blocks' words as the page holds them (the same bytes,
         # so the same digests): digesting the blocks themselves made XLA:TPU relayout
         # a v4 cache whose block dim is inside (3.6 GiB of tiny's at 117964 blocks).
         # Each page's blocks as flat element bits, stacked, then paired into words:
         # pairing before stacking made XLA:TPU copy v4 caches tiled T(2,128) (922 MiB
         # of sglang's p64 cache, 3.6 GiB of an int8 one, for 2 pages); after, nothing.
-        elem = [jnp.concatenate([_units(jax.lax.dynamic_slice_in_dim(_bits(a, raw), ids[j], 1),
+        elem = [jnp.concatenate([_units(jax.lax.dynamic_slice_in_dim(_bits(a, raw), ids_c[j],
+                                                                     1),
                                         _element_unit(a.dtype, unit, to_words))
-                                 for j in range(ids.shape[0])]) for a in arrays]
+                                 for j in range(c)]) for a in arrays]
         units = [_pool_words(e, jnp.uint32) if to_words is _words32 else e for e in elem]
         rows = _pool_words(jnp.concatenate(units, axis=1), pool.dtype)
+        pool = jax.lax.fori_loop(0, last, lambda j, p: _put_page(p, rows[j], slots_c[j], start),
+                                 pool)
+        if digest:
+            base, nums = digest
+            d = _digest_of(units, jax.lax.dynamic_slice_in_dim(base, first, c), nums)
+            digests = jax.lax.dynamic_update_slice(digests, d, (0, first, 0))
+        return arrays, (pool, n + last, digests)
 
-        def body(j, carry):
-            p, n = carry
-            return _put_page(p, rows[j], slots[j], start), n + 1
-    elif pool.ndim == 2 and pool.dtype.itemsize == unit:
+    digests = jnp.zeros((len(arrays), b, integrity.DIGEST_WORDS) if digest else (),
+                        jnp.uint32)
+    _, (pool, done, digests) = _in_chunks(chunk, arrays, layouts, b, c, count,
+                                          (pool, jnp.int32(0), digests))
+    return (pool, done, digests) if digest else (pool, done)
+
+
+def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int, unit: int,
+                gathered: bool, loop: bool, platform: str, layouts: tuple = ()):
+    # The pool is donated: the first ``count`` pages are written into their slots in
+    # place, each page (this shard's blocks of every layer, side by side) by one
+    # dynamic-update-slice: on TPU one DMA a page, into host memory that no program
+    # computes on. ``gathered`` (TPU): the pages are first read on the device, per
+    # layer, a chunk of them at a time (``_write_gathered``), and digested there; else
+    # each page's blocks are read in the loop (XLA:CPU, see ``_on_blocks``: nothing tied
+    # to the padded page count; and TPU for blocks over 1 MiB, which XLA:TPU slices out
+    # of a copy of the whole cache when it reads them outside a loop:
+    # ``_programs._gathers_whole``).
+    if gathered and not _gathers_whole(arrays, platform):
+        return _write_gathered(arrays, pool, ids, slots, count, digest, raw=raw, start=start,
+                               unit=unit, layouts=layouts or (None,) * len(arrays))
+    to_words, _, _, _ = _codec(arrays, unit, pool.dtype)
+    if pool.ndim == 2 and pool.dtype.itemsize == unit:
         # A pool of the blocks' own words (XLA:CPU): each layer's block straight into
         # its range of the slot, with no page put together first (that copy made a
         # 64-page offload of 16 layers 1.5-2x as slow on XLA:CPU).
@@ -248,8 +326,6 @@ def _write_impl(arrays, pool, ids, slots, count, *digest, raw: bool, start: int,
     # The digests of the blocks read, in the same program (as ``digest_blocks`` would
     # compute them; on the device copies, never on host memory).
     base, nums = digest
-    if gathered:
-        return pool, done, _digest_of(units, base, nums)
     return pool, done, _digest_impl(arrays, ids, base, nums, count, raw=raw, loop=loop,
                                     platform=platform)
 
@@ -258,14 +334,81 @@ def _gather_impl(arrays, ids, *, raw: bool, unit: int):
     return page_rows(arrays, ids, raw, unit)
 
 
+def _load_gathered(arrays, src, ids, rows, count, digest, *, raw: bool, start: int,
+                   unit: int, to_device: Any, layouts: tuple):
+    # Each page is read from its row into a device buffer of the bucket's pages (one
+    # dynamic slice, on TPU one DMA a page); then written into the caches a chunk at a
+    # time, one dynamic-update-slice a page and layer (see ``_blocks_at``: a scatter
+    # relays out a cache whose block dim is inside); then digested from the buffer.
+    # Digested inside the loop over chunks, MLA's 32 layers staged 207 MiB at 4 pages a
+    # chunk (deviceless, libtpu 0.0.42.1); from the buffer after it, 2 MiB.
+    dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
+    _, from_words, sizes, unit = _codec(arrays, unit, src.dtype)
+    n = sum(sizes)
+    m = _slot_width(src.shape, start, -(-n * unit // src.dtype.itemsize))
+    ends = np.cumsum([0] + sizes)
+    b = ids.shape[0]
+    c = _chunk_pages(arrays, b)
+
+    def split(words):
+        return [from_words(words[:, lo:hi], dtype, tuple(a.shape[1:]))
+                for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
+
+    def get(j, carry):
+        buf, read = carry
+        page = _get_page(src, rows[j], start, m, to_device)
+        return jax.lax.dynamic_update_slice(buf, page, (j, 0)), read + 1
+
+    buf, read = jax.lax.fori_loop(0, count, get, (jnp.zeros((b, m), src.dtype), jnp.int32(0)))
+
+    def chunk(caches, first, last, carry):
+        # Entries past ``last`` write the chunk's first page again, where its block
+        # already holds it.
+        out = list(caches)
+        for j in range(c):
+            r = first + jnp.where(j < last, j, 0)
+            words = _unit_words(jax.lax.dynamic_slice_in_dim(buf, r, 1), unit, n)
+            out = _write_blocks(out, ids[r], split(words), raw)
+        return tuple(out), carry
+
+    out, _ = _in_chunks(chunk, arrays, layouts, b, c, count, ())
+    # ``done`` (what the caller waits for before the pool's slots are reused) is ready
+    # once every page was read and written.
+    out, done = jax.lax.optimization_barrier((out, read))
+    if not digest:
+        return out, done
+    # The digests of the pages as they arrived in device memory (the words of the
+    # blocks written: the same bytes, the same digests): reading them back from the
+    # caches made XLA:TPU copy a cache whose block dim is inside (483 MiB for vLLM's
+    # MLA cache). Rows past ``count`` digest zeros, and are ignored.
+    base, nums = digest
+    g = min(b, _DIGEST_PAGES)
+
+    def digest_pages(i, digests):
+        words = _unit_words(jax.lax.dynamic_slice_in_dim(buf, i * g, g), unit, n)
+        d = _digest_of([words[:, lo:hi] for lo, hi in zip(ends[:-1], ends[1:])],
+                       jax.lax.dynamic_slice_in_dim(base, i * g, g), nums)
+        return jax.lax.dynamic_update_slice(digests, d, (0, i * g, 0))
+
+    digests = jnp.zeros((len(arrays), b, integrity.DIGEST_WORDS), jnp.uint32)
+    if g == b:
+        return out, done, digest_pages(0, digests)
+    return out, done, jax.lax.fori_loop(0, (count + g - 1) // g, digest_pages, digests)
+
+
 def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, unit: int,
-               gathered: bool, loop: bool, platform: str, to_device: Any):
+               gathered: bool, loop: bool, platform: str, to_device: Any,
+               layouts: tuple = ()):
     # ``src`` is pinned host memory: the pool itself, or the request's pages. Each page
     # is read from its row by one dynamic slice (on TPU one DMA a page) and written
     # into the donated caches in place. ``gathered``: the pages are collected on the
-    # device and scattered once per layer (TPU); else each page's blocks are written in
-    # the loop (XLA:CPU, see ``_write_blocks``: no copy of the caches for raw bits).
-    gathered = gathered and not _gathers_whole(arrays, platform)  # as ``_write_impl``
+    # device, a chunk at a time, and written per layer (TPU, ``_load_gathered``); else
+    # each page's blocks are written in the loop (XLA:CPU, see ``_write_blocks``: no
+    # copy of the caches for raw bits).
+    if gathered and not _gathers_whole(arrays, platform):  # as ``_write_impl``
+        return _load_gathered(arrays, src, ids, rows, count, digest, raw=raw, start=start,
+                              unit=unit, to_device=to_device,
+                              layouts=layouts or (None,) * len(arrays))
     dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
     _, from_words, sizes, unit = _codec(arrays, unit, src.dtype)
     n = sum(sizes)
@@ -276,36 +419,7 @@ def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, un
         return [from_words(words[:, lo:hi], dtype, tuple(a.shape[1:]))
                 for a, dtype, lo, hi in zip(arrays, dtypes, ends[:-1], ends[1:])]
 
-    if gathered:
-        def body(j, carry):
-            buf, read = carry
-            return jax.lax.dynamic_update_slice(buf, _get_page(src, rows[j], start, m,
-                                                               to_device), (j, 0)), read + 1
-
-        b = ids.shape[0]
-        buf = jnp.zeros((b, m), src.dtype)
-        buf, _ = jax.lax.fori_loop(0, count, body, (buf, jnp.int32(0)))
-        # One dynamic-update-slice a page and layer (see ``_blocks_at``: a scatter
-        # relays out a cache whose block dim is inside); entries past ``count`` write
-        # the first page again, where its block already holds it.
-        out, landed = list(arrays), []
-        for j in range(b):
-            r = jnp.where(j < count, j, 0)
-            words = _unit_words(jax.lax.dynamic_slice_in_dim(buf, r, 1), unit, n)
-            out = _write_blocks(out, jnp.where(j < count, ids[j], ids[0]), split(words), raw)
-            landed.append(words)
-        out, done = jax.lax.optimization_barrier((tuple(out), buf[0, 0]))
-        done = done.astype(jnp.int32)
-        if digest:
-            # The digests of the pages as they arrived in device memory (the words of
-            # the blocks just written: the same bytes, the same digests): reading them
-            # back from the caches made XLA:TPU copy a cache whose block dim is inside
-            # (483 MiB for vLLM's MLA cache).
-            base, nums = digest
-            stacked = jnp.concatenate(landed)
-            blocks = [stacked[:, lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
-            return tuple(out), done, _digest_of(blocks, base, nums)
-    elif src.ndim == 2 and src.dtype.itemsize == unit and platform == "cpu":
+    if src.ndim == 2 and src.dtype.itemsize == unit and platform == "cpu":
         # XLA:CPU reads each block straight from its range of the slot (a page read
         # whole and moved first cost loads about 15 % there).
         def body(j, carry):
@@ -320,8 +434,7 @@ def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, un
             words = _unit_words(_get_page(src, rows[j], start, m, to_device), unit, n)
             return _write_blocks(caches, ids[j], split(words), raw), written + 1
 
-    if not gathered:
-        out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
+    out, done = jax.lax.fori_loop(0, count, body, (list(arrays), jnp.int32(0)))
     # ``done`` is the load's own output: ready once ``src`` was read, and never handed
     # to the caller (who may donate the caches right away).
     if not digest:
@@ -332,11 +445,18 @@ def _load_impl(arrays, src, ids, rows, count, *digest, raw: bool, start: int, un
                                           platform=platform)
 
 
+def _layouts(formats: tuple) -> tuple:
+    """The caches' own layouts, where their formats name them (None where not: the
+    compiler's default, as abstract caches given without a ``Format`` have)."""
+    return tuple(getattr(f, "layout", None) for f in formats)
+
+
 def _write_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
     pool, start, unit, gathered = options
     device = _programs._device(formats)
     return (functools.partial(_write_impl, raw=raw, start=start, unit=unit, gathered=gathered,
-                              loop=page_loops(device), platform=device.platform),
+                              loop=page_loops(device), platform=device.platform,
+                              layouts=_layouts(formats)),
             dict(donate_argnums=(1,),
                  in_shardings=(formats, pool, None, None, None) + (None, None) * with_digest,
                  out_shardings=(pool, None) + (None,) * with_digest))
@@ -353,6 +473,7 @@ def _load_parts(formats: tuple, raw: bool, with_digest: bool, options: tuple):
     device = _programs._device(formats)
     return (functools.partial(_load_impl, raw=raw, start=start, unit=unit, gathered=gathered,
                               loop=page_loops(device), platform=device.platform,
+                              layouts=_layouts(formats),
                               to_device=jax.sharding.SingleDeviceSharding(
                                   device, memory_kind="device")),
             dict(donate_argnums=(0,),
