@@ -56,7 +56,7 @@ def register_cli(sub: Any) -> None:
                    "at most a layer's blocks and the host pool's (default 64, or fewer "
                    "where those hold fewer)")
     p.add_argument("--max-layers", type=bounded_int(1, MAX_LAYERS),
-                   help="keep the first N layers of each layer group (a quicker check: "
-                   "the programs differ only in how many layers they repeat; default: all)")
+                   help="keep the first N layers of each layer group (a quicker check of "
+                   "DMAs and aliasing; staging grows with the layers; default: all)")
     p.add_argument("--json", action="store_true", help="one JSON object per program")
     p.set_defaults(func=_cmd_aot)

@@ -297,8 +297,8 @@ def compile_config(config: str, target: str, num_devices: int = 1, *,
         as ``KVCacheManager.warmup(pages)`` does; default ``DEFAULT_PAGES``, or fewer
         where a layer or the host pool holds fewer).
       max_layers: keep only the first ``max_layers`` layers of each layer group (a
-        quicker check: the programs of a class differ only in how many layers they
-        repeat; None: every layer).
+        quicker check of DMAs a page, host compute and aliasing; staging grows with
+        the layers, so check it with every layer; None: every layer).
       programs: compile only programs of these kinds (``AotResult.program``, or its
         kind before ``+`` or ``_``; None: every one).
 

@@ -159,21 +159,6 @@ def _get_page(src, row, start: int, m: int, to_device: Any) -> jax.Array:
     return jax.device_put(page, to_device).reshape(1, -1)
 
 
-def _blocks_at(arrays, ids, raw: bool) -> list[jax.Array]:
-    """Blocks ``ids`` of each array (``[len(ids), *block]``, raw bits where ``raw``), one
-    dynamic slice a page and layer.
-
-    Not a gather: where the compiler lays a cache out with its block dim inside
-    (vLLM's MLA cache at engine sizes, ``{0,2,1:T(8,128)(2,1)}``), XLA:TPU gathers
-    (and loops of slices) by relaying out the whole cache: 483 MiB of a 24753-block
-    ``[16, 576]`` bf16 cache for 2 pages, against 95 KiB for slices unrolled per
-    page; addressable caches stage about as little either way (deviceless, libtpu
-    0.0.42.1).
-    """
-    return [jnp.concatenate([jax.lax.dynamic_slice_in_dim(_bits(a, raw), ids[j], 1)
-                             for j in range(ids.shape[0])]) for a in arrays]
-
-
 #: Pages digested at once in the TPU route's programs: the digest of 64 pages of an
 #: MLA block at once staged 57 MiB of device memory, 16 at a time under 1 MiB.
 _DIGEST_PAGES = 16
@@ -239,9 +224,12 @@ def _in_chunks(body, arrays, layouts, b: int, c: int, count, carry):
 
 def _write_gathered(arrays, pool, ids, slots, count, digest, *, raw: bool, start: int,
                     unit: int, layouts: tuple):
-    # Each chunk's pages are read per layer on the device (``_blocks_at``: one dynamic
-    # slice a page and layer), put together as rows and written into their slots, one
-    # dynamic-update-slice a page; then digested.
+    # Each chunk's pages are read per layer on the device, one dynamic slice a page and
+    # layer: not a gather, which XLA:TPU runs by relaying out a whole cache whose block
+    # dim is inside (vLLM's MLA cache at engine sizes, ``{0,2,1:T(8,128)(2,1)}``: 483
+    # MiB of a 24753-block ``[16, 576]`` bf16 cache for 2 pages, against 95 KiB for
+    # slices; deviceless, libtpu 0.0.42.1). They are put together as rows and written
+    # into their slots, one dynamic-update-slice a page; then digested.
     to_words, _, _, _ = _codec(arrays, unit, pool.dtype)
     b = ids.shape[0]
     c = _chunk_pages(arrays, b)
@@ -338,8 +326,9 @@ def _load_gathered(arrays, src, ids, rows, count, digest, *, raw: bool, start: i
                    unit: int, to_device: Any, layouts: tuple):
     # Each page is read from its row into a device buffer of the bucket's pages (one
     # dynamic slice, on TPU one DMA a page); then written into the caches a chunk at a
-    # time, one dynamic-update-slice a page and layer (see ``_blocks_at``: a scatter
-    # relays out a cache whose block dim is inside); then digested from the buffer.
+    # time, one dynamic-update-slice a page and layer (a scatter relays out a cache
+    # whose block dim is inside, as a gather does: see ``_write_gathered``); then
+    # digested from the buffer.
     # Digested inside the loop over chunks, MLA's 32 layers staged 207 MiB at 4 pages a
     # chunk (deviceless, libtpu 0.0.42.1); from the buffer after it, 2 MiB.
     dtypes = [_UINT[a.dtype.itemsize] if raw else a.dtype for a in arrays]
