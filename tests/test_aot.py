@@ -94,31 +94,24 @@ def test_sharded_caches_take_the_pages_route_and_say_why(libtpu):
                for r in rows), rows[0].reason
 
 
-def test_a_cache_with_its_block_dim_inside_stages_no_copy_of_itself(libtpu):
+@pytest.mark.parametrize("pages, chunk, under", [(4, None, 4 << 20), (64, 4, 2 << 20)])
+def test_a_cache_with_its_block_dim_inside_stages_no_copy_of_itself(libtpu, monkeypatch,
+                                                                     pages, chunk, under):
     """vLLM TPU's MLA cache at engine sizes is ``{0,2,1:...}``: a gather or a scatter
-    of its blocks would relayout the whole cache (hundreds of MiB); 4 pages stage
-    under 4 MiB."""
-    rows = aot.compile_config("deepseek-mla", "v6e", max_layers=1, pages=4,
+    of its blocks would relayout the whole cache (hundreds of MiB). 4 pages stage under
+    4 MiB; the 64-page bucket with chunks cut to 4 pages (one layer loops over 16 of
+    them) holds the cache to its layout through the loop (else copied whole: 435 MiB),
+    one DMA a page, under 2 MiB. Unrolled over 64 pages, llama3-8b's 32 layers staged
+    367 and 422 MiB of 268."""
+    if chunk is not None:
+        monkeypatch.setattr(_pinned_programs, "CHUNK_SLICES", chunk)
+        monkeypatch.setattr(aot, "_DONE", {})
+    rows = aot.compile_config("deepseek-mla", "v6e", max_layers=1, pages=pages,
                               programs=IN_PLACE)
-    rows = [r for r in rows if r.pages == 4]
+    rows = [r for r in rows if r.pages == pages]
     assert len(rows) == 2
     _check_rows(rows)
-    assert all(r.staging_bytes < 4 << 20 for r in rows), [r.line() for r in rows]
-
-
-def test_the_largest_bucket_moves_a_chunk_at_a_time_within_its_bound(libtpu, monkeypatch):
-    """The 64-page bucket, MLA's cache at engine sizes (block dim inside), chunks cut to
-    4 pages so that one layer loops over 16 of them: one DMA a page, the cache held to
-    its layout through the loop (else copied whole: 435 MiB), staging within the bound.
-    Unrolled over 64 pages, llama3-8b's 32 layers staged 367 and 422 MiB of 268."""
-    monkeypatch.setattr(_pinned_programs, "CHUNK_SLICES", 4)
-    monkeypatch.setattr(aot, "_DONE", {})
-    rows = aot.compile_config("deepseek-mla", "v6e", max_layers=1, pages=64,
-                              programs=IN_PLACE)
-    rows = [r for r in rows if r.pages == 64]
-    assert len(rows) == 2
-    _check_rows(rows)
-    assert all(r.staging_bytes < 2 << 20 for r in rows), [r.line() for r in rows]
+    assert all(r.staging_bytes < under for r in rows), [r.line() for r in rows]
 
 
 def test_pages_are_bounded_by_what_a_transfer_can_move(libtpu):

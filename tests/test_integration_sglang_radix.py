@@ -156,32 +156,26 @@ def test_install_on_an_unchecked_engine_names_the_missing_name_and_changes_nothi
     assert state == "False sgl_jax.srt.mem_cache.host_kv_pool False"
 
 
-def test_install_on_an_engine_whose_module_fails_to_import_says_which(tmp_path):
+@pytest.mark.parametrize("first_line, error, says", [
+    # the engine's own module fails: named, with the commit kvxfer was checked against
+    ("import types; types.NoSuchThing", "EngineMismatchError",
+     ["importing sgl_jax.srt.mem_cache.unified_radix_cache raised AttributeError",
+      sglang_jax.ENGINE_COMMIT]),
+    # a package the engine imports is missing: named as that, not as another version
+    ("import kvxfer_no_such_dependency", "ImportError",
+     ["kvxfer_no_such_dependency", "not a version mismatch"])])
+def test_install_on_an_engine_whose_module_fails_to_import_says_why(tmp_path, first_line,
+                                                                    error, says):
     root = _engine_without(tmp_path, None)
     radix = root / "sgl_jax" / "srt" / "mem_cache" / "unified_radix_cache.py"
-    radix.write_text("import types\ntypes.NoSuchThing\n" + radix.read_text())
+    radix.write_text(first_line + "\n" + radix.read_text())
     code = ("from kvxfer.integrations import sglang_jax\n"
             "try:\n    sglang_jax.install()\n"
-            "except sglang_jax.EngineMismatchError as e:\n    print(e)\n"
+            "except ImportError as e:\n    print(type(e).__name__, e)\n"
             "print(sglang_jax.installed())")
     message, state = _run_beside(root, code)
-    assert "importing sgl_jax.srt.mem_cache.unified_radix_cache raised AttributeError" \
-        in message
-    assert sglang_jax.ENGINE_COMMIT in message and state == "False"
-
-
-def test_install_on_an_engine_missing_a_dependency_names_it_not_a_version(tmp_path):
-    root = _engine_without(tmp_path, None)
-    radix = root / "sgl_jax" / "srt" / "mem_cache" / "unified_radix_cache.py"
-    radix.write_text("import kvxfer_no_such_dependency\n" + radix.read_text())
-    code = ("from kvxfer.integrations import sglang_jax\n"
-            "try:\n    sglang_jax.install()\n"
-            "except ImportError as e:\n"
-            "    print(type(e).__name__, e)\n"
-            "print(sglang_jax.installed())")
-    message, state = _run_beside(root, code)
-    assert message.startswith("ImportError ") and "kvxfer_no_such_dependency" in message
-    assert "not a version mismatch" in message and state == "False"
+    assert message.startswith(error + " ") and state == "False", message
+    assert all(s in message for s in says), message
 
 
 def test_the_launcher_without_sglang_jax_says_so_on_one_line(tmp_path):
