@@ -380,10 +380,10 @@ def test_offload_copies_run_beside_xlas_stream(missing_wait, monkeypatch):
 
         finish = _staging.Transfer.finish
 
-        def deferred(state, strict):
+        def deferred(state):
             if not state.buffers:  # not the offload's rows
-                return finish(state, strict)
-            late.append(lambda: finish(state, strict))
+                return finish(state)
+            late.append(lambda: finish(state))
         monkeypatch.setattr(_staging.Transfer, "finish", deferred)
     caches = caches_of("float32", layers=4)
     before = [bits(c) for c in caches]

@@ -12,7 +12,6 @@ compiled load of a staging has no copy of it.
 from __future__ import annotations
 
 import re
-import time
 
 import jax
 import numpy as np

@@ -54,7 +54,7 @@ def offloaded(layers: int = 4, shape=(64, 256), **options):
 
 def test_a_load_copies_beside_and_each_group_waits_for_its_own_copies(fake):
     caches, before, mgr, pages = offloaded()
-    assert mgr._movers[0]._groups == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert mgr._movers[0].groups == ((0, 1), (1, 2), (2, 3), (3, 4))
     fake.calls.clear()
     new, load = mgr.load(caches, pages, [0, 5, 6])
     assert load.result().verified_prefix == 3
@@ -187,7 +187,7 @@ def test_several_layers_a_group_load_exactly_with_integrity_off(layers, shape, g
         before = [bits(c) for c in caches]
         mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", integrity="off",
                                     dma=NO_CHECK)
-        assert mgr._movers[0]._groups == groups
+        assert mgr._movers[0].groups == groups
         mgr.warmup(4)
         pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
         new, load = mgr.load(caches, pages, [0, 5, 6])
@@ -218,7 +218,7 @@ def test_each_group_waits_then_scatters_before_the_next_waits(layers, shape):
         elif "wrapped_scatter" in line.split("=")[0]:
             order.append("scatter")
     assert order == [x for a, b in groups for x in ["wait"] + ["scatter"] * (b - a)]
-    assert not re.search(rf"copy\(\S*staging", entry)
+    assert not re.search(r"copy\(\S*staging", entry)
     assert f"u32[{rows},{layers * words}]" not in "".join(
         line for line in entry.splitlines() if " copy(" in line)
 

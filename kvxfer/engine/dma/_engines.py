@@ -1,25 +1,13 @@
-"""Copy engines and what they run.
-
-Every transfer is described as *copy descriptors* (``Copies``), which a *copy engine*
-runs: ``CudaCopyEngine`` on an NVIDIA GPU, ``HostCopyEngine`` on XLA:CPU (``memmove``
-inside the program), so CPU tests run every line of the mover but the driver calls.
-An engine offers ``copy(copies, stream, direction)`` (on XLA's stream, or at once),
-``set_word(address, value, stream)``, ``pin`` and ``numa_node``; one with
-``side_stream`` also ``copy_beside_groups`` (on a stream of its own per direction, a
-completion after each set: ``done()``, never blocking, and ``wait()``) and ``hold``.
-
-What kvxfer asks of the CUDA driver is behind ``Driver``: ``cuMemcpyBatchAsync``
-(CUDA 12.8+; CUDA 13's ABI has no ``failIdx``) a set of copies, else ``cuMemcpyAsync``
-in a loop; streams and events; ``cuMemHostRegister`` for pools allocated outside XLA;
-the device's host NUMA node. Entry points are found once through ``cuda-bindings``
-(``cuGetProcAddress``, extra ``kvxfer[cuda]``) and called through ``ctypes``;
-``Driver`` takes any ``get_proc(name, version) -> address``, so tests run it over
-entry points of their own. This module also holds the test hooks ``kvxfer.testing``
-installs.
+"""Copy descriptors (``Copies``) and the copy engines that run them: ``CudaCopyEngine``
+on an NVIDIA GPU, over ``Driver`` (the CUDA entry points kvxfer calls, resolved once
+from any ``get_proc(name, version)``: ``cuda-bindings``' or a test's stand-in), and
+``HostCopyEngine`` on XLA:CPU (``memmove`` inside the program), so CPU tests run every
+line of the mover but the driver calls. Also the hooks ``kvxfer.testing`` installs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes as _c
 import functools
 import threading
@@ -41,8 +29,8 @@ class Copies(NamedTuple):
 
     Example:
         >>> m = Copies.of([100, 108, 300], [0, 8, 16], 8).merged()
-        >>> m.dst.tolist(), m.src.tolist(), m.size.tolist()
-        ([100, 300], [0, 16], [16, 8])
+        >>> m.dst.tolist(), m.src.tolist(), m.size.tolist(), len(m), m.nbytes
+        ([100, 300], [0, 16], [16, 8], 2, 24)
     """
 
     dst: np.ndarray
@@ -55,23 +43,19 @@ class Copies(NamedTuple):
         dst, src = (np.asarray(a, dtype=np.uint64).ravel() for a in (dst, src))
         if src.shape != dst.shape:
             raise ValueError(f"{len(dst)} destinations for {len(src)} sources")
-        size = np.broadcast_to(np.asarray(size, dtype=np.uint64), dst.shape)
-        return cls(dst, src, np.ascontiguousarray(size))
+        return cls(dst, src, np.ascontiguousarray(np.broadcast_to(
+            np.asarray(size, dtype=np.uint64), dst.shape)))
 
     def __len__(self) -> int:  # noqa: D105 (copies, not fields)
         return len(self.dst)
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.size.sum())
+    nbytes = property(lambda self: int(self.size.sum()))
 
     def merged(self) -> Copies:
         """The same bytes, each run of copies adjacent on both sides made one."""
-        if len(self) < 2:
-            return self
         starts = np.flatnonzero((self.dst[1:] != self.dst[:-1] + self.size[:-1]) |
                                 (self.src[1:] != self.src[:-1] + self.size[:-1])) + 1
-        if len(starts) == len(self) - 1:
+        if len(starts) == max(len(self) - 1, 0):
             return self
         starts = np.concatenate([[0], starts])
         return Copies(self.dst[starts], self.src[starts], np.add.reduceat(self.size, starts))
@@ -91,16 +75,12 @@ class HostCopyEngine:
 
     name, mode = "host", "batch"
     uses_stream = side_stream = False  # needs no stream; offers no copies beside it
+    pin = staticmethod(lambda address, nbytes: None)  # the pool is XLA:CPU's kind of memory
+    numa_node = staticmethod(lambda: None)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.copies = self.bytes = 0
-
-    def pin(self, address: int, nbytes: int) -> None:
-        return None  # XLA:CPU's buffers and the pool are the same kind of memory
-
-    def numa_node(self) -> None:
-        return None
 
     def set_word(self, address: int, value: int, stream: int | None) -> None:
         _c.c_uint32.from_address(address).value = value
@@ -110,8 +90,7 @@ class HostCopyEngine:
         for d, s, n in zip(copies.dst.tolist(), copies.src.tolist(), copies.size.tolist()):
             _c.memmove(d, s, n)  # releases the GIL for each copy
         with self._lock:
-            self.copies += len(copies)
-            self.bytes += copies.nbytes
+            self.copies, self.bytes = self.copies + len(copies), self.bytes + copies.nbytes
 
 
 _pointer = _c.pythonapi.PyCapsule_GetPointer
@@ -127,16 +106,10 @@ _TENSOR_AT = {b"dltensor": 0, b"dltensor_versioned": 32}
 def buffer_address(buf: Any) -> int:
     """The device address of a buffer a ``buffer_callback`` is handed, any dtype: from
     its DLPack capsule (data pointer plus byte offset), so float8 buffers have one too;
-    a type DLPack lacks falls back to ``__array__`` (XLA:CPU) or
-    ``__cuda_array_interface__``."""
+    a type DLPack lacks falls back to ``__cuda_array_interface__``."""
     try:
         capsule = buf.__dlpack__()
     except Exception:  # noqa: BLE001 - a type DLPack has no code for
-        if hasattr(buf, "__array__"):
-            try:
-                return int(np.asarray(buf).__array_interface__["data"][0])
-            except Exception:  # noqa: BLE001 - device memory: not a host array
-                pass
         return int(buf.__cuda_array_interface__["data"][0])
     name = _name(capsule)  # not consumed: its destructor frees the export
     if name not in _TENSOR_AT:
@@ -160,23 +133,12 @@ HOOKS: dict[str, Any] = {"faults": {}, "driver": {}, "spies": [], "released": []
 
 
 def step_fault(step: str, job: Any = None) -> None:
-    """Raises the failure set for ``step``, by ``kvxfer.testing`` or on ``job`` (a
+    """Raises the failure set for ``step`` by ``kvxfer.testing``, or on ``job`` (a
     self-check's, ``CopyJob.fault``)."""
     if job is not None and job.fault == step:
         raise RuntimeError(f"injected failure at the callback's {step} step")
     if (error := HOOKS["faults"].get(step)) is not None:
         raise error
-
-
-def wait_all(waits: Any) -> BaseException | None:
-    """Calls every one of ``waits`` whatever one raises; the first error (never raises)."""
-    first = None
-    for wait in waits:
-        try:
-            wait()
-        except BaseException as e:  # noqa: BLE001 - every one is waited for first
-            first = first or e
-    return first
 
 
 def let_go(jobs: Any) -> None:
@@ -188,6 +150,17 @@ def let_go(jobs: Any) -> None:
             for c in job.sets:
                 for side in (c.dst, c.src) if job.direction == "offload" else (c.dst,):
                     watch(side, side + c.size)
+
+
+def wait_all(waits: Any) -> BaseException | None:
+    """Calls every one of ``waits`` whatever one raises; the first error (never raises)."""
+    first = None
+    for wait in waits:
+        try:
+            wait()
+        except BaseException as e:  # noqa: BLE001 - every one is waited for first
+            first = first or e
+    return first
 
 
 # -- the CUDA copy engine ------------------------------------------------------
@@ -205,7 +178,6 @@ _ENTRIES: dict[str, tuple[Any, ...]] = {
     "cuDevicePrimaryCtxRetain": (_c.POINTER(_vp), _int), "cuDevicePrimaryCtxRelease": (_int,),
     "cuCtxPushCurrent": (_vp,), "cuCtxPopCurrent": (_c.POINTER(_vp),),
     "cuDeviceGetAttribute": (_c.POINTER(_int), _int, _int),
-    "cuDeviceGetPCIBusId": (_c.c_char_p, _int, _int),
     "cuStreamCreate": (_c.POINTER(_vp), _uint), "cuStreamSynchronize": (_vp,),
     "cuEventCreate": (_c.POINTER(_vp), _uint), "cuEventRecord": (_vp, _vp),
     "cuStreamWaitEvent": (_vp, _vp, _uint), "cuEventQuery": (_vp,),
@@ -288,7 +260,7 @@ class Driver:
                                (_c.c_size_t * 1)(0), 1, *fail, s),
                    f"cuMemcpyBatchAsync of {n} copies ({copies.nbytes} bytes)")
 
-    def in_primary_context(self, ordinal: int, fn: Callable[[], Any]) -> Any:
+    def in_context(self, ordinal: int, fn: Callable[[], Any]) -> Any:
         """Runs ``fn`` with device ``ordinal``'s primary context (XLA's) current, retained
         only for the call."""
         dev, ctx = _int(), _vp()
@@ -304,36 +276,27 @@ class Driver:
             self.call("cuDevicePrimaryCtxRelease", dev.value)
 
     def host_numa_node(self, ordinal: int) -> int | None:
-        """The NUMA node of the host memory nearest device ``ordinal`` (None: unknown):
-        the device's attribute, else sysfs by PCI bus id."""
-        dev, value, bus = _int(), _int(-1), _c.create_string_buffer(32)
+        """The NUMA node of the host memory nearest device ``ordinal`` (None: unknown,
+        or a driver before CUDA 12.2, which does not say)."""
+        dev, value = _int(), _int(-1)
         self.call("cuDeviceGet", _c.byref(dev), ordinal)
-        if self._fns["cuDeviceGetAttribute"](_c.byref(value), _HOST_NUMA_ID, dev.value) == 0 \
-                and value.value >= 0:
-            return value.value
-        if self._fns["cuDeviceGetPCIBusId"](bus, 32, dev.value) != 0:
-            return None
-        try:
-            with open(f"/sys/bus/pci/devices/{bus.value.decode().lower()}/numa_node") as f:
-                node = int(f.read().strip())
-        except (OSError, ValueError, UnicodeDecodeError):
-            return None
-        return node if node >= 0 else None
+        found = self._fns["cuDeviceGetAttribute"](_c.byref(value), _HOST_NUMA_ID, dev.value)
+        return value.value if found == 0 and value.value >= 0 else None
 
 
 class CudaCompletion:
     """The end of copies on an engine's own stream: an event recorded after them,
-    destroyed once they are known to be done."""
+    destroyed once they are known to be done (``done()`` never blocks; ``wait()``)."""
 
     def __init__(self, engine: CudaCopyEngine, event: int):
         self._engine, self._event = engine, event
         self._lock = threading.Lock()
 
     def _end(self, block: bool) -> bool:
+        driver, event = self._engine.driver, _vp(self._event)
+
         def end() -> None:
-            driver, event = self._engine.driver, _vp(self._event)
-            if not block:
-                status = driver._fns["cuEventQuery"](event)
+            if not block and (status := driver._fns["cuEventQuery"](event)) != 0:
                 if status == _NOT_READY:
                     return
                 driver.check(status, "cuEventQuery")
@@ -345,15 +308,13 @@ class CudaCompletion:
                 driver.call("cuEventDestroy", event)
         with self._lock:
             if self._event is not None:
-                self._engine.driver.in_primary_context(self._engine.ordinal, end)
+                driver.in_context(self._engine.ordinal, end)
             return self._event is None
 
     def done(self) -> bool:
-        """Whether the copies have finished (never blocks)."""
         return self._end(block=False)
 
     def wait(self) -> None:
-        """Blocks until the copies have finished; raises ``DriverError``."""
         self._end(block=True)
 
     def hold(self, stream: int) -> None:
@@ -366,8 +327,8 @@ class CudaCompletion:
 class CudaCopyEngine:
     """Runs copy descriptors on the CUDA driver's copy engines for device ``ordinal``
     (the JAX device's ``local_hardware_id``), ``mode`` ``"batch"``
-    (``cuMemcpyBatchAsync`` where the driver has it) or ``"loop"``. ``copies``,
-    ``bytes``, ``calls``: what it enqueued."""
+    (``cuMemcpyBatchAsync`` where the driver has it) or ``"loop"``. ``copies`` and
+    ``bytes``: what it enqueued."""
 
     name = "cuda"
     uses_stream = side_stream = True
@@ -384,7 +345,7 @@ class CudaCopyEngine:
             (_LOCATION_HOST, 0, _LOCATION_DEVICE, self.ordinal)), 0) for d in ("offload", "load")}
         self._lock = threading.Lock()
         self._sides: dict[str, int] = {}
-        self.copies = self.bytes = self.calls = 0
+        self.copies = self.bytes = 0
 
     def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
              ) -> None:
@@ -396,9 +357,8 @@ class CudaCopyEngine:
                            direction: Direction, out: list[CudaCompletion]) -> None:
         """Enqueues each set of copies on the engine's stream for ``direction``, after
         the work on ``stream`` (XLA's) so far, appending to ``out`` a completion after
-        each set. After a failure once a copy was enqueued, the last of ``out`` still
-        follows every copy enqueued (an event recorded after the failure, else the
-        stream synchronized: one that cannot be runs nothing more)."""
+        each set. A failure once a copy was enqueued synchronizes the stream before it
+        is raised (one that cannot be synchronized runs nothing more)."""
         stream, side = self._need(stream), self.side(direction)
         after = self.driver.new_handle("cuEventCreate", _EVENT_FLAGS)
         try:
@@ -414,14 +374,9 @@ class CudaCopyEngine:
                     self._enqueue(copies, side, direction)
                 out.append(self._record(side))
         except BaseException:
-            if enqueued:
-                try:
-                    out.append(self._record(side))
-                except BaseException:  # noqa: BLE001 - the synchronize covers them
-                    try:
-                        self.driver.call("cuStreamSynchronize", _vp(side))
-                    except DriverError:
-                        pass
+            if enqueued:  # nothing enqueued is still running once the error is raised
+                with contextlib.suppress(DriverError):
+                    self.driver.call("cuStreamSynchronize", _vp(side))
             raise
 
     def _record(self, stream: int) -> CudaCompletion:
@@ -447,9 +402,8 @@ class CudaCopyEngine:
         behind an offload."""
         with self._lock:
             if direction not in self._sides:
-                self._sides[direction] = self.driver.in_primary_context(
-                    self.ordinal, lambda: self.driver.new_handle("cuStreamCreate",
-                                                                 _STREAM_NON_BLOCKING))
+                self._sides[direction] = self.driver.in_context(self.ordinal, lambda: (
+                    self.driver.new_handle("cuStreamCreate", _STREAM_NON_BLOCKING)))
             return self._sides[direction]
 
     @staticmethod
@@ -462,19 +416,16 @@ class CudaCopyEngine:
         self.driver.memcpy(copies, self._attrs[direction], stream, self.mode == "loop")
         with self._lock:
             self.copies, self.bytes = self.copies + len(copies), self.bytes + copies.nbytes
-            self.calls += 1
 
     def pin(self, address: int, nbytes: int) -> Callable[[], None]:
         """Page-locks ``[address, address + nbytes)`` for every GPU; returns the unlock."""
-        run = functools.partial(self.driver.in_primary_context, self.ordinal)
+        run = functools.partial(self.driver.in_context, self.ordinal)
         run(lambda: self.driver.call("cuMemHostRegister", _vp(address), nbytes,
                                      _HOST_REGISTER_PORTABLE))
 
         def unpin() -> None:
-            try:
+            with contextlib.suppress(DriverError):  # the process ending: the driver gone
                 run(lambda: self.driver.call("cuMemHostUnregister", _vp(address)))
-            except DriverError:
-                pass  # the process is ending (the driver torn down first)
         return unpin
 
     def numa_node(self) -> int | None:
@@ -483,20 +434,15 @@ class CudaCopyEngine:
 
 def is_cuda(device: Any) -> bool:
     """Whether a JAX device is an NVIDIA GPU (``platform`` says only ``gpu``)."""
-    if device.platform not in ("gpu", "cuda"):
-        return False
-    version = str(getattr(device.client, "platform_version", "")).lower()
-    return "rocm" not in version and "hip" not in version
+    return device.platform in ("gpu", "cuda") and not any(
+        x in str(getattr(device.client, "platform_version", "")).lower() for x in ("rocm", "hip"))
 
 
 @functools.lru_cache(maxsize=1)
 def _load_driver() -> Driver | str:
     """The driver, or why it cannot be had (asked once a process)."""
     try:
-        try:
-            from cuda.bindings import driver as drv
-        except ImportError:
-            from cuda import cuda as drv  # cuda-python before 12.6
+        from cuda.bindings import driver as drv
     except ImportError:
         return "cuda-bindings is not installed (pip install 'kvxfer[cuda]')"
     try:
@@ -504,11 +450,9 @@ def _load_driver() -> Driver | str:
             err, *value = call()
             if int(err):
                 raise DriverError(f"the CUDA driver failed to start: CUDA error {int(err)}")
-        default = getattr(getattr(drv, "CUdriverProcAddress_flags", None),
-                          "CU_GET_PROC_ADDRESS_DEFAULT", 0)
 
-        def get_proc(name: str, abi: int) -> int:
-            out = drv.cuGetProcAddress(name.encode(), abi, default)
+        def get_proc(name: str, abi: int) -> int:  # 0: CU_GET_PROC_ADDRESS_DEFAULT
+            out = drv.cuGetProcAddress(name.encode(), abi, 0)
             return int(out[1]) if int(out[0]) == 0 else 0
         return Driver(get_proc, value[0])
     except Exception as e:  # a driver too old, or one that failed to initialize
@@ -523,17 +467,14 @@ def cuda_unavailable(device: Any) -> str | None:
     return driver if isinstance(driver, str) else None
 
 
-_engines: dict[tuple[int, str], CudaCopyEngine] = {}  # by device ordinal and copy mode
-_engines_lock = threading.Lock()
-
-
 def cuda_engine(device: Any, copy: str = "batch") -> CudaCopyEngine:
     """The CUDA copy engine of a JAX GPU device for a ``DmaOptions.copy`` mode, made
     once; raises ``DriverError`` where ``cuda_unavailable`` says why not."""
-    key = (int(device.local_hardware_id), copy)
-    with _engines_lock:
-        if key not in _engines:
-            if (why := cuda_unavailable(device)) is not None:
-                raise DriverError(why)
-            _engines[key] = CudaCopyEngine(_load_driver(), key[0], copy)
-        return _engines[key]
+    if (why := cuda_unavailable(device)) is not None:
+        raise DriverError(why)
+    return _cuda_engine(int(device.local_hardware_id), copy)
+
+
+@functools.lru_cache(maxsize=None)  # one a device ordinal and copy mode: its streams
+def _cuda_engine(ordinal: int, copy: str) -> CudaCopyEngine:
+    return CudaCopyEngine(_load_driver(), ordinal, copy)

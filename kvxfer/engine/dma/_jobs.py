@@ -1,14 +1,12 @@
 """A program's copies (``CopyJob``), the tickets its callback finds them by, and the
 callback.
 
-A *ticket* is a one-word device array per call, whose buffer address names the call
-while its program runs: the caller's thread files a job under it before enqueueing the
-program, and the callback finds the job by the address of the buffer it is handed. No
-device value is read on the host and programs may run in any order. A ticket serves
-again only once its program took its job or can no longer run. Nothing in a callback
-raises into XLA (a load would fail after XLA confirmed the donation of the caches):
-failures stay on the job and the program ends normally, its aliased outputs holding
-the caches.
+A *ticket* is a one-word device array whose buffer address names a call while its
+program runs: the job is filed under it before the program is enqueued, and the
+callback finds it by the address of the buffer it is handed (no device value is read on
+the host). A callback never raises into XLA (a load would fail after XLA confirmed the
+donation of the caches): failures stay on the job; the program ends normally, its
+aliased outputs holding the caches.
 """
 
 from __future__ import annotations
@@ -31,15 +29,14 @@ __all__ = ["CopyJob", "Tickets", "TICKETS", "callback"]
 
 class CopyJob:
     """The copies of one program between one shard replica's blocks and host slots
-    (``direction``: ``"offload"``, device to host, or ``"load"``), or (``stage``) a
-    load's waits, one a layer group, for the copies a staging job put under way.
+    (``direction``: ``"offload"`` or ``"load"``), or (``stage``) a load's waits, one a
+    layer group, for the copies a staging job put under way.
 
-    Made on the caller's thread but for the device addresses, which the callback reads
-    from the buffers XLA hands it. ``pool``, ``page_bytes``, ``slots`` and ``offsets``
-    place each page's blocks of this shard in the host pool; ``ids`` are the device
-    blocks, None for one page-major buffer (a row a page); ``memory`` keeps the pool
-    mapped; ``beside`` puts the copies on the engine's own stream, in ``groups`` (spans
-    of layers) with a completion each.
+    ``pool``, ``page_bytes``, ``slots`` and ``offsets`` place each page's blocks of the
+    shard in the host pool; ``ids`` are the device blocks (None: one page-major buffer,
+    a row a page); ``memory`` keeps the pool mapped; ``beside``: on the engine's own
+    stream, in ``groups`` (spans of layers) with a completion each. The callback reads
+    the device addresses from the buffers XLA hands it.
 
     Attributes:
       ran: the callback did its work (every group's, for waits); error: what failed.
@@ -144,29 +141,27 @@ class Tickets:
     def issue(self, device: Any, job: CopyJob) -> jax.Array:
         """A ticket on ``device`` with ``job`` filed under it."""
         with self._lock:
-            free = self._free.get(device)
-            ticket = free.pop() if free else None
-        if ticket is None:
+            job.ticket = (self._free.get(device) or [None]).pop()
+        if job.ticket is None:
             token = jax.device_put(np.zeros(1, dtype=np.uint32), device)
-            ticket = (token.unsafe_buffer_pointer(), token, device)
-        job.ticket = ticket
+            job.ticket = (token.unsafe_buffer_pointer(), token, device)
         with self._lock:
-            self._jobs[ticket[0]] = job
-        return ticket[1]
+            self._jobs[job.ticket[0]] = job
+        return job.ticket[1]
 
     def find(self, address: int, take: bool) -> CopyJob | None:
         """The job under the ticket at ``address`` (``take``: its ticket serves again),
         else None, recorded in ``lost``."""
         with self._lock:
-            job = self._jobs.pop(address, None) if take else self._jobs.get(address)
-            if job is None:
-                self.lost.append(f"no job is filed under ticket {address:#x}")
-            elif take:
-                self._free.setdefault(job.ticket[2], []).append(job.ticket)
+            job = self._jobs.get(address)
+        if job is None:
+            self.lost.append(f"no job is filed under ticket {address:#x}")
+        elif take:
+            self.withdraw(job)
         return job
 
     def withdraw(self, job: CopyJob) -> None:
-        """Takes back a job whose program can no longer run its callback."""
+        """Takes back a job whose program took it or can no longer run its callback."""
         with self._lock:
             if self._jobs.get(job.ticket[0]) is job:
                 del self._jobs[job.ticket[0]]
@@ -185,10 +180,9 @@ TICKETS = Tickets()
 def callback(ctx: Any, out: Any, token: Any, *operands: Any, group: int | None = None,
              last: bool = True) -> None:
     """Runs the job filed under ``token`` on the buffers XLA hands over: its copies, or
-    (``group``) a load's wait for that group, the last group taking the job. The
-    buffers copied are the page-major rows (an offload's operand or aliased output, a
-    staging program's output), else the caches (read by an offload, written in place
-    by a load). Never raises (see the module)."""
+    (``group``) a load's wait for that group, the last group taking the job. It copies
+    the page-major rows (an offload's operand or aliased output, a staging program's
+    output), else the caches (read by an offload, written in place by a load)."""
     try:
         if ctx.stage != ExecutionStage.EXECUTE:
             return  # a handler may also be called to prepare
@@ -196,7 +190,7 @@ def callback(ctx: Any, out: Any, token: Any, *operands: Any, group: int | None =
         address = buffer_address(token)
         step_fault("lookup")
         job = TICKETS.find(address, take=last)
-    except BaseException as e:  # noqa: BLE001 - see above
+    except BaseException as e:  # noqa: BLE001 - never raises into XLA (see the module)
         TICKETS.lost.append(f"{type(e).__name__}: {e}")
         return
     for seen in list(HOOKS["spies"]):
@@ -206,7 +200,7 @@ def callback(ctx: Any, out: Any, token: Any, *operands: Any, group: int | None =
             stream = None
         seen.append(types.SimpleNamespace(thread=threading.get_ident(), stream=stream,
                                           found=job is not None,
-                                          direction=None if job is None else job.direction))
+                                          direction=getattr(job, "direction", None)))
     if job is None or job.error is not None:
         return
     try:

@@ -1,26 +1,21 @@
-"""``DmaMover``: a slice class's transfers as the DMA programs (``_programs``), their
-jobs (``_jobs``) and their staging (``_staging``).
-
-One program per shard replica and transfer (a bucket of page counts; on XLA:CPU one
-for every transfer of up to ``loop_pages`` pages). Where the copy engine has streams of
-its own (``DmaOptions.stream``) and the staging fits, offloads copy beside XLA's
-stream, and loads start their copies at ``prefetch`` (else at ``load``) into staging
-that the load's program scatters a layer group at a time as its copies land; else
-(counted in ``fell_back``) a transfer copies on XLA's stream. Small shard blocks
-(``RELAYOUT_BELOW``) are gathered on the device first, so a page is one copy. The host
-pool is allocated outside XLA (``kvxfer._hostmem.HostMemory``), page-locked and on the
-device's NUMA node; no payload byte passes through a CPU copy, and the digests read
-device buffers only.
+"""``DmaMover``: a slice class's transfers as DMA programs (``_programs``), one a shard
+replica, with their jobs (``_jobs``) and staging (``_staging``). Where the copy engine
+has streams of its own and the staging fits, offloads copy beside XLA's stream and
+loads start their copies at ``prefetch`` (else ``load``) into staging their program
+scatters a layer group at a time as the copies land; else (``fell_back``) a transfer
+copies on XLA's stream. The pool is pinned host memory on the device's NUMA node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 
 from kvxfer._hostmem import HostMemory
+from kvxfer._text import parse_bytes
 from kvxfer.engine import _programs
 from kvxfer.engine._batch import assemble, device_of, layer_nums, loop_pages
 from kvxfer.engine._mover import LoadRequest, Mover, Pending, TransferError, _args_abstract, \
@@ -30,26 +25,85 @@ from kvxfer.engine._raw import private_layers
 from kvxfer.engine.dma import _programs as _kinds  # noqa: F401 # registers the kinds
 from kvxfer.engine.dma._engines import HostCopyEngine, cuda_engine, cuda_unavailable
 from kvxfer.engine.dma._jobs import TICKETS, CopyJob
-from kvxfer.engine.dma._options import DmaOptions
 from kvxfer.engine.dma._staging import Staging, Transfer
 from kvxfer.hostpool import word_bytes
 from kvxfer.layout import Layout, LayoutError, inspect, natural_bits
 
-__all__ = ["DmaMover", "COPY_ENGINES", "copy_engine", "dma_refusal", "RELAYOUT_BELOW",
-           "GROUP_BYTES", "MAX_GROUPS", "layer_groups"]
+__all__ = ["DmaMover", "DmaOptions", "COPY_ENGINES", "copy_engine", "dma_refusal",
+           "RELAYOUT_BELOW", "GROUP_BYTES", "MAX_GROUPS", "layer_groups"]
 
 #: Shard blocks under this are gathered on the device first (a copy a page of a
-#: shard): batched copies of scattered 64 KiB blocks ran at about 0.94x the link on an
-#: H100, and at 5-7 GB/s (about 0.1x) below 28 KiB (vllm#42212), while the gather
-#: costs a read and a write at HBM rates about 50x the link.
+#: shard): batched copies of scattered blocks ran at about 0.94x the link at 64 KiB on
+#: an H100 and about 0.1x below 28 KiB (vllm#42212); the gather runs at HBM rates.
 RELAYOUT_BELOW = 64 << 10
 
 #: A load beside XLA's stream waits for its copies in groups of layers holding at
-#: least this much of a page (a group a layer from 64 KiB blocks, fewer below), and
-#: in at most ``MAX_GROUPS`` groups: each is a Python callback holding the GIL.
+#: least this much of a page, and in at most ``MAX_GROUPS`` groups: each is a Python
+#: callback holding the GIL.
 GROUP_BYTES, MAX_GROUPS = 64 << 10, 8
 
 _HOST_ENGINE = HostCopyEngine()
+
+_CHOICES = {"stream": ("side", "xla"), "relayout": ("auto", "always", "never"),
+            "copy": ("batch", "loop"), "self_check": (True, False)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DmaOptions:
+    """Options of the DMA mover (``KVCacheManager(..., dma=DmaOptions(...))``), checked
+    when made; no environment variable is read.
+
+    Attributes:
+      stream: ``"side"`` (default): copies run on the copy engine's own streams, one a
+        direction, ordered by events, where it has them (CUDA), so the engine's steps on
+        XLA's stream do not wait for them; ``"xla"``: on XLA's stream, in its order.
+      relayout: ``"auto"`` (default) gathers a transfer's pages on the device first
+        where shard blocks are under 64 KiB (a copy a page); ``"always"``, ``"never"``.
+      staging_bytes: device staging that transfers beside XLA's stream may hold at once
+        on a device, bytes or a size (default ``"1GiB"``), and at most half its free
+        memory. A transfer past it copies on XLA's stream (counted in ``stats()``),
+        unless it is alone on its device and fits that half.
+      copy: ``"batch"`` (default: a ``cuMemcpyBatchAsync`` a transfer where the driver
+        has it) or ``"loop"`` (``cuMemcpyAsync`` a copy).
+      self_check: the first manager of a process over a copy engine with streams of
+        its own (a GPU's) runs a small round trip of every program form and one injected
+        callback failure (``kvxfer.manager.dma_self_check``); if it fails,
+        ``path="auto"`` takes the pinned route (why: ``mgr.paths``), ``path="dma"`` raises.
+
+    Raises:
+      ValueError: a value not among the choices, or not a size, naming field and value.
+
+    Example:
+        >>> DmaOptions(staging_bytes="256MiB").staging_bytes
+        268435456
+        >>> DmaOptions(stream="aside")
+        Traceback (most recent call last):
+        ...
+        ValueError: DmaOptions(stream='aside'): expected one of ('side', 'xla')
+    """
+
+    stream: str = "side"
+    relayout: str = "auto"
+    staging_bytes: int | str = 1 << 30
+    copy: str = "batch"
+    self_check: bool = True
+
+    def __post_init__(self) -> None:
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if not any(value is c if isinstance(c, bool) else value == c for c in choices):
+                raise ValueError(f"DmaOptions({name}={value!r}): expected one of {choices}")
+        size = self.staging_bytes
+        try:
+            if isinstance(size, bool) or not isinstance(size, (int, str)):
+                raise ValueError("expected bytes (an int) or a size such as '1GiB'")
+            nbytes = parse_bytes(size) if isinstance(size, str) else int(size)
+            if nbytes < 0:
+                raise ValueError("a size is not negative")
+        except ValueError as e:
+            raise ValueError(f"DmaOptions(staging_bytes={size!r}): {e}") from None
+        object.__setattr__(self, "staging_bytes", nbytes)
+
 
 #: Each platform's copy engine, ``make(device, copy)`` for a ``DmaOptions.copy`` mode
 #: (tests may put CUDA's over their own driver here).
@@ -117,6 +171,9 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
     Attributes:
       options: its ``DmaOptions``. fallbacks: transfers asked to copy beside XLA's
         stream that copied on it, by why (``budget``, ``out_of_memory``).
+      relayout: whether pages are gathered on the device first (``RELAYOUT_BELOW``; at
+        any size where the engine loops, paying a driver call a copy).
+      groups: the layer spans a load beside XLA's stream waits for in turn.
     """
 
     name = "dma"
@@ -127,19 +184,16 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         if pool.memory is None and pool.nbytes:
             raise ValueError(f"the DMA mover needs a pool of its own host memory for "
                              f"{cls.name} (DmaMover.host_backing)")
-        self.options = options
-        self.fallbacks = {"budget": 0, "out_of_memory": 0}
+        self.options, self.fallbacks = options, {"budget": 0, "out_of_memory": 0}
         self.fault: str | None = None  # a callback step its jobs fail at (a self-check)
         self._unit = word_bytes(cls)
-        # An engine that loops pays a driver call a copy: a device gather is worth it at
-        # any block size, and one group a load. A shard's gathered page is one copy.
         looped = getattr(self._engine(pool.device), "mode", "batch") == "loop"
         self.relayout = options.relayout == "always" or options.relayout == "auto" and (
             looped or cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device))
+        self.groups = ((0, len(cls.layers)),) if looped else tuple(
+            layer_groups(len(cls.layers), cls.shard_block_bytes))
         self._offsets = [np.array([pool.shard_range(pos, s)[0] for pos in range(len(cls.layers))],
                                   dtype=np.uint64) for s in range(cls.num_shards)]
-        self._groups = ((0, len(cls.layers)),) if looped else tuple(
-            layer_groups(len(cls.layers), cls.shard_block_bytes))
         self._words = cls.shard_block_bytes // self._unit
 
     @classmethod
@@ -168,10 +222,15 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         if kind == "dma_stage":
             return rows, len(self.cls.layers) * self._words, f"uint{8 * self._unit}"
         if kind == "dma_load_side":
-            return (self._groups, page_loops(device), self._unit,
+            return (self.groups, page_loops(device), self._unit,
                     (self._words,) * len(self.cls.layers))
         return (self.relayout, page_loops(device), self._unit) + (
             (side,) if kind == "dma_offload" else ())
+
+    def _replicas(self, layers) -> list[tuple[int, int, Any]]:
+        """Each shard replica's shard, replica and device."""
+        return [(s, r, device_of(layers[0].shards[s][r])) for s in range(self.cls.num_shards)
+                for r in range(len(layers[0].shards[s]))]
 
     def _take(self, devices: list[Any], rows: int) -> list | None:
         """Budget for ``rows`` page rows of staging on each of ``devices`` (None, counted,
@@ -184,26 +243,25 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
             self.fallbacks["budget"] += 1
         return taken
 
-    def _job(self, device: Any, direction: str, shard: int, slots: Any, ids: Any = None,
-             **kw: Any) -> CopyJob:
-        job = CopyJob(self._engine(device), direction, self.pool.memory.address,
-                      self.cls.page_bytes, slots, self._offsets[shard],
-                      self.cls.shard_block_bytes, ids, memory=self.pool.memory, **kw)
+    def _run(self, kind: str, device: Any, arrays: tuple, args: tuple, job: CopyJob,
+             with_digest: bool = False, **opt: Any) -> Any:
+        """Files ``job`` under a ticket and enqueues program ``kind`` over ``arrays`` (none:
+        the ticket alone) and ``args``: its outputs."""
         job.fault = self.fault
-        return job
-
-    def _run(self, kind: str, job: CopyJob, device: Any, arrays: tuple | None, *args: Any,
-             **kw: Any) -> Any:
-        """Files ``job`` under a ticket and enqueues program ``kind`` over ``arrays`` (None:
-        the ticket alone): its outputs."""
         token = TICKETS.issue(device, job)
         try:
-            if arrays is None:
-                return _programs.run(kind, (token,), **kw)
-            return _programs.run(kind, arrays, token, *args, **kw)
+            return _programs.run(kind, *((arrays, token) if arrays else ((token,),)), *args,
+                                 with_digest=with_digest,
+                                 options=self._options(kind, device, **opt))
         except BaseException:
             TICKETS.withdraw(job)
             raise
+
+    def _job(self, device: Any, direction: str, shard: int, slots: Any, ids: Any = None,
+             **kw: Any) -> CopyJob:
+        return CopyJob(self._engine(device), direction, self.pool.memory.address,
+                       self.cls.page_bytes, slots, self._offsets[shard],
+                       self.cls.shard_block_bytes, ids, memory=self.pool.memory, **kw)
 
     def _digest(self, device: Any, base: Any, with_digest: bool) -> tuple:
         return (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
@@ -215,45 +273,35 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         primary = [tuple(layer.primary[s] for layer in layers)
                    for s in range(self.cls.num_shards)]
         rows = self._size(batch.k, primary[0][0]) or len(batch.padded)
-        taken = self._take([device_of(p[0]) for p in primary], rows) if self._beside() else None
-        side = taken is not None
-        state, parts = Transfer(taken), []
+        side = self._beside() and (taken := self._take(
+            [device_of(p[0]) for p in primary], rows)) is not None
+        state, parts = Transfer(taken if side else None), []
         try:
             for s, arrays in enumerate(primary):
                 device = device_of(arrays[0])
                 ids, base, count = batch.args(device, s, self._size(batch.k, arrays[0]))
                 job = self._job(device, "offload", s, slots,
                                 None if self.relayout or side else batch.ids, beside=side)
-                out = self._run("dma_offload", job, device, arrays, ids, count,
-                                *self._digest(device, base, with_digest), with_digest=with_digest,
-                                options=self._options("dma_offload", device, side))
-                state.jobs.append(job)
-                state.done.append(out[0])
-                if side:
-                    state.buffers[s] = out[1]
+                out = self._run("dma_offload", device, arrays, (
+                    ids, count, *self._digest(device, base, with_digest)), job,
+                    with_digest=with_digest, side=side)
+                state.add(job, out[0], out[1] if side else None, s)
                 parts.append(list(out[2 if side else 1:]))
         except BaseException:
-            state.finish(strict=False)  # the shards enqueued may still write the slots
+            state.finish()  # the shards enqueued may still write the slots
             raise
         state.digests = Pending(parts, batch.k) if with_digest else None
         return state
 
     def finish_offload(self, state: Transfer, slots):
-        try:
-            state.settle(f"DMA offload of {self.cls.name}")
-        except BaseException:
-            state.finish(strict=False)
-            raise
-        state.finish(strict=True)  # the host pages are written after this
+        state.raise_for(f"DMA offload of {self.cls.name}")  # the host pages are written
         if state.digests is not None:
             d = state.digests.get()
             for s in range(self.cls.num_shards):
                 self._store_digests(slots, s, d[:, s])
 
     def quiesce(self, state: Transfer) -> None:
-        for transfer in (state, state.staged):
-            if transfer is not None:
-                transfer.finish(strict=False)
+        state.finish()
 
     # -- load ---------------------------------------------------------------------
 
@@ -262,26 +310,19 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         where the engine has streams of its own and the staging fits (else None: the
         load's own program copies, on XLA's stream)."""
         Staging.reap()
-        if not self._beside():
-            return None
-        replicas = [(s, r, device_of(layers[0].shards[s][r]))
-                    for s in range(self.cls.num_shards) for r in range(len(layers[0].shards[s]))]
-        rows = len(request.batch.padded)
-        if (taken := self._take([device for _, _, device in replicas], rows + 1)) is None:
+        replicas, rows = self._replicas(layers), len(request.batch.padded)
+        if not self._beside() or (taken := self._take([d for *_, d in replicas],
+                                                      rows + 1)) is None:
             return None
         staged = Transfer(taken, request.batch.k, rows)
         try:
             for s, r, device in replicas:
                 job = self._job(device, "load", s, request.slots, beside=True,
-                                groups=self._groups)
-                staged.buffers[s, r] = self._run("dma_stage", job, device, None,
-                                                 options=self._options("dma_stage", device,
-                                                                       rows=rows))
-                staged.stage_jobs[s, r] = job
-                staged.jobs.append(job)
-                staged.done.append(staged.buffers[s, r])  # ready once its callback ran
+                                groups=self.groups)
+                staged.add(job, None, self._run("dma_stage", device, (), (), job, rows=rows),
+                           (s, r))
         except BaseException as e:
-            staged.finish(strict=False)
+            staged.finish()
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             self.fallbacks["out_of_memory"] += 1  # the load copies on XLA's stream
@@ -310,48 +351,36 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         # Each shard replica's arrays: the loaded ones once its program is enqueued.
         shards = [[list(layer.shards[s]) for s in range(self.cls.num_shards)] for layer in layers]
         batch, fused = request.batch, request.on_digested is not None
-        state = Transfer()
-        state.staged = staged
+        state = Transfer(staged=staged)
         try:
-            for s in range(self.cls.num_shards):
-                for r in range(len(layers[0].shards[s])):
-                    local = tuple(arrays) if single else tuple(x[s][r] for x in shards)
-                    device = device_of(local[0])
-                    if staged is not None:
-                        kind, job = "dma_load_side", CopyJob(
-                            self._engine(device), "load", stage=staged.stage_jobs[s, r])
-                        ids, base, count = batch.args(device, s, staged.rows)
-                        args: tuple = (staged.buffers[s, r], ids, count)
-                    else:
-                        kind = "dma_load"
-                        job = self._job(device, "load", s, request.slots,
-                                        None if self.relayout else batch.ids)
-                        ids, base, count = batch.args(device, s, self._size(batch.k, local[0]))
-                        args = (ids, count)
-                    out, done, *digests = self._run(
-                        kind, job, device, local, *args, *self._digest(device, base, fused),
-                        with_digest=fused, options=self._options(kind, device))
-                    state.jobs.append(job)
-                    state.done.append(done)
-                    for pos, a in enumerate(out):
-                        shards[pos][s][r] = a
-                    if fused:
-                        request.on_digested(s, r, digests[0])
+            for s, r, device in self._replicas(layers):
+                local = tuple(arrays) if single else tuple(x[s][r] for x in shards)
+                if staged is not None:
+                    kind, job = "dma_load_side", CopyJob(self._engine(device), "load",
+                                                         stage=staged.jobs[s, r])
+                    ids, base, count = batch.args(device, s, staged.rows)
+                    args: tuple = (staged.buffers[s, r], ids, count)
+                else:
+                    kind = "dma_load"
+                    job = self._job(device, "load", s, request.slots,
+                                    None if self.relayout else batch.ids)
+                    ids, base, count = batch.args(device, s, self._size(batch.k, local[0]))
+                    args = (ids, count)
+                out, done, *digests = self._run(kind, device, local, (
+                    *args, *self._digest(device, base, fused)), job, with_digest=fused)
+                state.add(job, done, None, (s, r))
+                for pos, a in enumerate(out):
+                    shards[pos][s][r] = a
+                if fused:
+                    request.on_digested(s, r, digests[0])
         except BaseException as e:
             # Shards already enqueued consumed their inputs (donated): hand back what
             # every layer lives in now, once no program can still copy.
-            state.quiesce()
-            if staged is not None:
-                staged.finish(strict=False)
-            raise TransferError(f"DMA load of {self.cls.name} failed after {len(state.jobs)} "
+            state.finish()
+            raise TransferError(f"DMA load of {self.cls.name} failed after {len(state.done)} "
                                 f"shard program(s) were enqueued: {e}", kv_caches=[
-                                    self._whole(a, x, single) for a, x in zip(arrays, shards)]
-                                ) from e
-        return [self._whole(a, x, single) for a, x in zip(arrays, shards)], state
-
-    @staticmethod
-    def _whole(array: jax.Array, shards: list[list[jax.Array]], single: bool) -> jax.Array:
-        return shards[0][0] if single else assemble(array, shards)
+                                    assemble(a, x) for a, x in zip(arrays, shards)]) from e
+        return [assemble(a, x) for a, x in zip(arrays, shards)], state
 
     def load_layer_waits(self, state: Transfer, pos: int) -> bool:
         return any(not d.is_ready() for d in state.done)
@@ -360,14 +389,7 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         self.finish_load(state, len(self.cls.layers))
 
     def finish_load(self, state: Transfer, num_layers: int) -> None:
-        try:
-            state.settle(f"DMA load of {self.cls.name}")
-        except BaseException:
-            if state.staged is not None:
-                state.staged.finish(strict=False)
-            raise
-        if state.staged is not None:
-            state.staged.finish(strict=True)
+        state.raise_for(f"DMA load of {self.cls.name}")
 
     # -- compiling ahead ----------------------------------------------------------
 
@@ -392,17 +414,14 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
     def warmup(self, arrays, layers, b, with_digest):
         # Every program a transfer of ``b`` pages may run, the fallbacks to XLA's
         # stream included, so none compiles inside a call.
-        for s in range(self.cls.num_shards):
-            for r in range(len(layers[0].shards[s])):
-                local = tuple(layer.shards[s][r] for layer in layers)
-                device = device_of(local[0])
-                calls = [("dma_load", False)] + [("dma_offload", side) for side in (
-                    {self._beside(), False} if r == 0 else ())]
-                if self._beside():
-                    calls.append(("dma_load_side", False))
-                    compile_ahead("dma_stage", (_sds((1,), np.uint32, device),),
-                                  options=self._options("dma_stage", device, rows=b))
-                for kind, side in calls:
-                    compile_ahead(kind, local, *self._abstract(local, b, with_digest, kind),
-                                  with_digest=with_digest,
-                                  options=self._options(kind, device, side))
+        beside = self._beside()
+        for s, r, device in self._replicas(layers):
+            local = tuple(layer.shards[s][r] for layer in layers)
+            calls = [("dma_load", False)] + [("dma_offload", side) for side in (
+                {beside, False} if r == 0 else ())] + [("dma_load_side", False)] * beside
+            if beside:
+                compile_ahead("dma_stage", (_sds((1,), np.uint32, device),),
+                              options=self._options("dma_stage", device, rows=b))
+            for kind, side in calls:
+                compile_ahead(kind, local, *self._abstract(local, b, with_digest, kind),
+                              with_digest=with_digest, options=self._options(kind, device, side))

@@ -1,19 +1,17 @@
 """The DMA mover's jitted programs, one kind each (``kvxfer.engine._programs``):
 
-* ``dma_offload``: digests the blocks; a callback enqueues their copies to the host
-  slots, of the caches or of the pages gathered into rows (relayout); beside XLA's
-  stream (``side``), of gathered rows handed back in place (aliased), held until the
-  copies end;
-* ``dma_load``: a callback copies the host slots into the caches (aliased: in place),
-  or into rows that start as the blocks' own bytes and are then scattered; digests;
-* ``dma_stage``: a callback puts a load's copies under way beside XLA's stream into
-  staging the program allocates, page-major;
+* ``dma_offload``: digests the blocks; a callback copies them to the host slots, from
+  the caches or from the pages gathered into rows (relayout, or beside XLA's stream:
+  then the rows come back aliased and are held until the copies end);
+* ``dma_load``: a callback copies the host slots into the caches in place (aliased),
+  or into rows then scattered; digests;
+* ``dma_stage``: a callback starts a load's copies beside XLA's stream into staging
+  the program allocates, a row a page;
 * ``dma_load_side``: for each layer group, a callback makes XLA's stream wait for the
-  group's copies and writes a word, then the group is scattered from the staging.
+  group's copies, then the group is scattered from the staging.
 
-Callbacks are declared without side effects: their outputs are the program's own (the
-caches, a word), so XLA keeps them, and JAX's C++ dispatch keeps the program (an effect
-costs 60 us more a call on XLA:CPU).
+Callbacks have no declared side effect: their outputs (the caches, a word) keep them,
+and JAX's C++ dispatch keeps the program (an effect costs 60 us a call on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ def _offload(arrays, token, ids, count, *digest, raw, relayout, loop, unit, side
     out = _digests(arrays, ids, count, digest, raw, loop) if digest else ()
     if side or relayout:
         rows = page_rows(arrays, ids, raw, unit)
-    if side:  # the rows come back (aliased: no copy), held until the copies end
+    if side:
         staging, done = buffer_callback(
             callback, (jax.ShapeDtypeStruct(rows.shape, rows.dtype), _WORD),
             has_side_effect=False, input_output_aliases={1: 0})(token, rows)
@@ -69,9 +67,7 @@ def _load(arrays, token, ids, count, *digest, raw, relayout, loop, unit):
     return (tuple(out), done, *extra)
 
 
-def _stage(arrays, *, rows, words, dtype, raw):
-    # Nothing initializes the staging; one row more than the pages: the load reads the
-    # pages' rows at an index it computes (``_load_side``).
+def _stage(arrays, *, rows, words, dtype, raw):  # uninitialized; a row more (_load_side)
     staging, _ = buffer_callback(callback, (jax.ShapeDtypeStruct((rows + 1, words), dtype),
                                             _WORD), has_side_effect=False)(*arrays)
     return staging
@@ -79,14 +75,12 @@ def _stage(arrays, *, rows, words, dtype, raw):
 
 def _load_side(arrays, token, staging, ids, count, *digest, groups, raw, loop, unit, widths):
     # Nothing aliases or donates the staging (copies beside XLA's stream may write it
-    # whatever becomes of this program): each group's callback is handed it only to
-    # check it is the buffer its copies write, and returns a word. The group's rows
-    # are read from a row computed from that word (0 when it is 1; the staging has one
-    # row more than the pages, so the read is never the whole staging, which XLA would
-    # take without the index): no read of the staging runs before the wait (XLA:CPU
-    # runs independent work at once), and XLA has no reason to copy it. Each callback
-    # after the first also reads every layer the group before wrote, so its wait
-    # comes after those scatters: a group's scatter runs while later groups cross.
+    # whatever becomes of this program): a group's callback is handed it only to check
+    # it is the buffer its copies write, and returns a word. The group's rows are read
+    # at a row computed from that word (0 once it is 1; the staging's extra row keeps
+    # the read a slice), so no read runs before the wait and XLA has no reason to copy
+    # the staging. Each callback after the first also reads every layer the group
+    # before wrote: its wait follows those scatters, which run while later groups cross.
     out = list(arrays)
     starts = np.concatenate([[0], np.cumsum(widths)]).tolist()
     after: tuple = ()
