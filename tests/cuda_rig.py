@@ -19,11 +19,19 @@ from typing import Any
 import numpy as np
 
 from kvxfer import DmaOptions
+from kvxfer.engine import DmaMover
 from kvxfer.engine.dma._engines import CudaCopyEngine, Driver
 
 #: Options for tests that check one thing over the stand-in engine: its self-check
 #: (tested on its own) would add its calls to theirs.
 NO_CHECK = DmaOptions(self_check=False)
+
+
+def dma_mover(mgr: Any, options: DmaOptions = NO_CHECK) -> DmaMover:
+    """A DMA mover for the manager's first slice class and pool under ``options``, made
+    through public names: what it decides (``relayout``, ``groups``) is what the
+    manager's own mover decided with the same options."""
+    return DmaMover(mgr.plan.classes[0], mgr.host_pool.pools[0], options)
 
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -327,14 +335,8 @@ class HostStreamEngine(CudaCopyEngine):
     uses_stream = False
     STREAM = 0x5EED
 
-    def copy(self, copies, stream, direction="offload"):
-        super().copy(copies, self.STREAM, direction)
+    def copy(self, sets, stream, direction="offload", out=None):
+        super().copy(sets, self.STREAM, direction, out)
 
-    def copy_beside_groups(self, groups, stream, direction, out):
-        return super().copy_beside_groups(groups, self.STREAM, direction, out)
-
-    def hold(self, completion, stream):
-        super().hold(completion, self.STREAM)
-
-    def set_word(self, address, value, stream):
-        super().set_word(address, value, self.STREAM)
+    def hold(self, completion, stream, word):
+        super().hold(completion, self.STREAM, word)

@@ -21,7 +21,7 @@ from kvxfer.engine.dma._engines import Copies, HostCopyEngine
 from kvxfer.engine.dma._jobs import TICKETS
 from kvxfer.engine.dma._engines import CudaCopyEngine, DriverError
 
-from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, NO_CHECK, FakeDriver, HostStreamEngine
+from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, NO_CHECK, FakeDriver, HostStreamEngine, dma_mover
 
 bits = testing.bits
 held = kvxfer.engine.staging_bytes_held
@@ -59,7 +59,8 @@ def test_round_trip_is_bit_exact_and_in_place(dtype, relayout):
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",
                                 dma=kvxfer.DmaOptions(relayout=relayout))
     assert mgr.paths == ["dma"] * 3
-    assert mgr._movers[0].relayout == (relayout == "always")
+    assert dma_mover(mgr, kvxfer.DmaOptions(relayout=relayout)).relayout == (
+        relayout == "always")
     before_ptr = [c.unsafe_buffer_pointer() for c in caches]
     new, before, _ = round_trip(mgr, caches, [9, 2, 3, 15], [0, 7, 1, 14])
     assert [c.unsafe_buffer_pointer() for c in new] == before_ptr
@@ -156,7 +157,7 @@ def test_every_fault_is_caught(fault, route, monkeypatch):
 
 
 class _Failing(HostCopyEngine):
-    def copy(self, copies, stream, direction="offload"):
+    def copy(self, sets, stream, direction="offload", out=None):
         raise OSError("the copy engine is gone")
 
 
@@ -218,7 +219,7 @@ def test_cuda_engine_enqueues_one_batch_on_the_stream(version, batch):
     src, dst = _buffers(8, 64)
     order = np.random.default_rng(1).permutation(8)
     copies = Copies.of(dst.ctypes.data + np.arange(8) * 64, src.ctypes.data + order * 64, 64)
-    engine.copy(copies, 0xABC, "load")
+    engine.copy([copies], 0xABC, "load")
     assert np.array_equal(dst.reshape(8, 64), src.reshape(8, 64)[order])
     if batch:
         (kind, call), = fake.calls
@@ -239,11 +240,11 @@ def test_cuda_engine_loop_mode_and_errors():
     copies = Copies.of([dst.ctypes.data, dst.ctypes.data + 16], [src.ctypes.data,
                                                                  src.ctypes.data + 16], 16)
     with pytest.raises(DriverError, match=r"cuMemcpyBatchAsync of 2 copies .*out of memory"):
-        engine.copy(copies, 1)
+        engine.copy([copies], 1)
     with pytest.raises(DriverError, match="XLA's stream"):
-        engine.copy(copies, None)
+        engine.copy([copies], None)
     looped = CudaCopyEngine(fake.driver(), ordinal=0, mode="loop")
-    looped.copy(copies, 7)
+    looped.copy([copies], 7)
     assert np.array_equal(dst, src) and fake.calls[-1][0] == "copy"
     with pytest.raises(ValueError, match="mode="):
         CudaCopyEngine(fake.driver(), ordinal=0, mode="fast")
@@ -263,7 +264,7 @@ def test_cuda_engine_pins_host_memory_in_the_primary_context():
     assert fake.retained == {2: 0}
     plain = HostMemory(1 << 20)
     assert "dc" not in vm_flags(plain.address)  # memory no copy engine locked forks as usual
-    assert FakeDriver(numa=-1).driver().host_numa_node(0) is None  # no NUMA, no sysfs
+    assert CudaCopyEngine(FakeDriver(numa=-1).driver(), 0).numa_node() is None  # no NUMA
 
 
 def vm_flags(address: int) -> list[str]:
@@ -317,14 +318,12 @@ def test_a_looping_engine_relayouts_whatever_the_block_size(monkeypatch):
     monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engine)
     caches = caches_of("float32", layers=4, shape=(64, 256))  # 64 KiB blocks
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=NO_CHECK)
-    assert mgr._movers[0].relayout
+    assert dma_mover(mgr).relayout
     caches, _, _ = round_trip(mgr, caches, [3, 1, 12], [0, 5, 6])
     # Pages in consecutive slots and staging rows: one copy each way (without the
     # relayout, one per layer and page: 12 each way).
     assert [kind for kind, _ in fake.calls if kind == "copy"] == ["copy"] * 2
-    assert not kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", dma=kvxfer.DmaOptions(
-        self_check=False, 
-        relayout="never"))._movers[0].relayout
+    assert not dma_mover(mgr, kvxfer.DmaOptions(self_check=False, relayout="never")).relayout
     mgr.close()
 
 
@@ -440,3 +439,22 @@ def test_offloads_beside_xlas_stream_hold_bounded_staging(monkeypatch):
     caches, load = mgr.load(caches, pages, [8, 9, 10, 11])
     assert load.result().verified_prefix == 4
     mgr.close()
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("stream", "aside", "expected one of ('side', 'xla')"),
+    ("relayout", "sometimes", "expected one of ('auto', 'always', 'never')"),
+    ("copy", "fast", "expected one of ('batch', 'loop')"),
+    ("self_check", 1, "expected one of (True, False)"),
+    ("staging_bytes", "lots", "'lots' is not a size"),
+    ("staging_bytes", -1, "a size is not negative"),
+    ("staging_bytes", True, "expected bytes"),
+    ("staging_bytes", 1.5, "expected bytes")])
+def test_dma_options_refuse_a_bad_value_naming_field_and_value(field, value, says):
+    with pytest.raises(ValueError) as err:
+        kvxfer.DmaOptions(**{field: value})
+    assert str(err.value).startswith(f"DmaOptions({field}={value!r}): ") and says in str(err.value)
+    with pytest.raises(TypeError, match="expected a kvxfer.DmaOptions"):
+        kvxfer.KVCacheManager(caches_of("float32"), num_host_blocks=2, path="dma",
+                              dma={field: value})
+    assert kvxfer.DmaOptions(staging_bytes="2GiB").staging_bytes == 2 << 30

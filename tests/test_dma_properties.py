@@ -145,7 +145,7 @@ def test_no_compiled_load_copies_its_staging(layers, block, rows, unit):
     staging = (rows + 1, layers * words)
     text = _programs.compiled("dma_load_side", arrays, _sds((1,), np.uint32, device),
                               _sds(staging, dtype, device), ids, count,
-                              options=(groups, True, unit, (words,) * layers)).as_text()
+                              options=(groups, True, unit, words)).as_text()
     entry = text[text.index("ENTRY"):]
     name = {1: "u8", 2: "u16", 4: "u32"}[unit]
     shape = f"{name}[{staging[0]},{staging[1]}]"

@@ -5,6 +5,7 @@ load's digests say so."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import re
 import time
@@ -22,7 +23,7 @@ from kvxfer.engine.dma._mover import layer_groups
 from kvxfer.engine._mover import _args_abstract, _sds
 from kvxfer.engine import _programs
 
-from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, NO_CHECK, FakeDriver, HostStreamEngine
+from cuda_rig import CUDA_ERROR_OUT_OF_MEMORY, NO_CHECK, FakeDriver, HostStreamEngine, dma_mover
 
 pytestmark = pytest.mark.cpu("the stand-in driver's engine runs on XLA:CPU")
 
@@ -54,7 +55,7 @@ def offloaded(layers: int = 4, shape=(64, 256), **options):
 
 def test_a_load_copies_beside_and_each_group_waits_for_its_own_copies(fake):
     caches, before, mgr, pages = offloaded()
-    assert mgr._movers[0].groups == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert dma_mover(mgr).groups == ((0, 1), (1, 2), (2, 3), (3, 4))
     fake.calls.clear()
     new, load = mgr.load(caches, pages, [0, 5, 6])
     assert load.result().verified_prefix == 3
@@ -74,12 +75,17 @@ def test_a_load_copies_beside_and_each_group_waits_for_its_own_copies(fake):
     mgr.close()
 
 
+def open_gate(completion, stream, word):
+    """A group's hold that lets its scatter run (the word set) without the stream wait."""
+    ctypes.c_uint32.from_address(word).value = 1
+
+
 def test_a_scatter_that_does_not_wait_reads_wrong_bytes_and_is_caught(fake, monkeypatch):
     """The stand-in's copies really come late: without the stream wait the scatter
     reads staging they have not reached, and the digests catch it."""
     caches, before, mgr, pages = offloaded()
     engine = COPY_ENGINES["cpu"](None)
-    monkeypatch.setattr(engine, "hold", lambda completion, stream: None)
+    monkeypatch.setattr(engine, "hold", open_gate)
     new, load = mgr.load(caches, pages, [0, 5, 6])
     assert load.result().verified_prefix == 0
     assert not np.array_equal(bits(new[0])[[0, 5, 6]], before[0][[3, 1, 12]])
@@ -187,7 +193,7 @@ def test_several_layers_a_group_load_exactly_with_integrity_off(layers, shape, g
         before = [bits(c) for c in caches]
         mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma", integrity="off",
                                     dma=NO_CHECK)
-        assert mgr._movers[0].groups == groups
+        assert dma_mover(mgr).groups == groups
         mgr.warmup(4)
         pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
         new, load = mgr.load(caches, pages, [0, 5, 6])
@@ -209,7 +215,7 @@ def test_each_group_waits_then_scatters_before_the_next_waits(layers, shape):
     groups = tuple(layer_groups(layers, words * 4))
     text = _programs.compiled("dma_load_side", arrays, _sds((1,), np.uint32, device),
                               _sds((rows + 1, layers * words), np.uint32, device), ids, count,
-                              options=(groups, True, 4, (words,) * layers)).as_text()
+                              options=(groups, True, 4, words)).as_text()
     entry = text[text.index("ENTRY"):]
     order = []
     for line in entry.splitlines():
@@ -235,7 +241,7 @@ def test_a_sharded_class_moves_a_page_of_a_shard_in_one_copy(fake, monkeypatch, 
     mgr = kvxfer.KVCacheManager(caches, num_host_blocks=8, path="dma",
                                 dma=kvxfer.DmaOptions(relayout="always", stream=stream,
                                                       self_check=False))
-    assert mgr._movers[0].relayout and mgr.plan.classes[0].num_shards == 2
+    assert mgr.plan.classes[0].num_shards == 2
     pages = mgr.offload(caches, [3, 1, 12], keys=[1, 2, 3]).wait()
     new, load = mgr.load(caches, pages, [0, 5, 6])
     assert load.result().verified_prefix == 3
@@ -313,8 +319,8 @@ def test_the_self_check_runs_once_and_a_broken_engine_fails_it(monkeypatch):
     assert sum(k == "batch" for k, _ in driver.calls) == checked
 
     class WaitsForNothing(HostStreamEngine):  # another kind of engine: checked anew
-        def hold(self, completion, stream):
-            pass
+        def hold(self, completion, stream, word):
+            open_gate(completion, stream, word)
 
     broken = WaitsForNothing(FakeDriver(delay=0.3).driver(), ordinal=0)
     monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": broken)

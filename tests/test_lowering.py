@@ -53,7 +53,7 @@ def _programs_of_the_routes():
         # (a wait per layer group).
         yield (f"dma_load_side-digest{with_digest}", "dma_load_side", caches,
                (token, _sds((B + 1, words), np.uint16, DEVICE), ids, count, *digest),
-               with_digest, (((0, 1), (1, 3)), False, 2, (words // 3,) * 3))
+               with_digest, (((0, 1), (1, 3)), False, 2, words // 3))
         yield (f"pages_offload-digest{with_digest}", "pages_offload", caches,
                (ids, count, *digest), with_digest, (2, False, B, PINNED))
         rows = tuple(_sds((words,), np.uint16, DEVICE) for _ in range(B))

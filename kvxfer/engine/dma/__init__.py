@@ -1,7 +1,5 @@
 """The DMA mover: copy-engine copies between the caches and a pinned host pool, in
-XLA's order, beside its stream where the copy engine has streams of its own. Modules by
-idea: copy engines, jobs and their callback, staging, programs, the mover and its
-options."""
+XLA's order, beside its stream where the copy engine has streams of its own."""
 
 from kvxfer.engine.dma._engines import CALLBACK_STEPS, HOOKS, is_cuda
 from kvxfer.engine.dma._mover import COPY_ENGINES, RELAYOUT_BELOW, DmaMover, DmaOptions, \

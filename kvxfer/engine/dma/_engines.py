@@ -12,15 +12,13 @@ import ctypes as _c
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Copies", "Direction", "HostCopyEngine", "buffer_address", "CALLBACK_STEPS",
+__all__ = ["Copies", "HostCopyEngine", "buffer_address", "CALLBACK_STEPS",
            "HOOKS", "step_fault", "let_go", "wait_all", "Driver", "DriverError",
            "CudaCopyEngine", "CudaCompletion", "cuda_engine", "cuda_unavailable", "is_cuda"]
-
-Direction = Literal["offload", "load"]
 
 
 class Copies(NamedTuple):
@@ -68,7 +66,7 @@ class HostCopyEngine:
 
     Example:
         >>> a, b = np.arange(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
-        >>> HostCopyEngine().copy(Copies.of([b.ctypes.data], [a.ctypes.data + 4], 4), None)
+        >>> HostCopyEngine().copy([Copies.of([b.ctypes.data], [a.ctypes.data + 4], 4)], None)
         >>> b.tolist()
         [4, 5, 6, 7, 0, 0, 0, 0]
     """
@@ -79,27 +77,23 @@ class HostCopyEngine:
     numa_node = staticmethod(lambda: None)
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.copies = self.bytes = 0
+        self._lock, self.copies, self.bytes = threading.Lock(), 0, 0
 
-    def set_word(self, address: int, value: int, stream: int | None) -> None:
-        _c.c_uint32.from_address(address).value = value
-
-    def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
-             ) -> None:
-        for d, s, n in zip(copies.dst.tolist(), copies.src.tolist(), copies.size.tolist()):
-            _c.memmove(d, s, n)  # releases the GIL for each copy
-        with self._lock:
-            self.copies, self.bytes = self.copies + len(copies), self.bytes + copies.nbytes
+    def copy(self, sets: list[Copies], stream: int | None, direction: str = "offload",
+             out: None = None) -> None:
+        for copies in sets:
+            for d, s, n in zip(copies.dst.tolist(), copies.src.tolist(), copies.size.tolist()):
+                _c.memmove(d, s, n)  # releases the GIL for each copy
+            with self._lock:
+                self.copies, self.bytes = self.copies + len(copies), self.bytes + copies.nbytes
 
 
 _pointer = _c.pythonapi.PyCapsule_GetPointer
 _pointer.restype, _pointer.argtypes = _c.c_void_p, [_c.py_object, _c.c_char_p]
 _name = _c.pythonapi.PyCapsule_GetName
 _name.restype, _name.argtypes = _c.c_char_p, [_c.py_object]
-# Where the ``DLTensor`` sits in a capsule: first in a ``DLManagedTensor``; in a
-# ``DLManagedTensorVersioned`` after a version (2 x uint32), a context, a deleter and
-# flags (8 bytes each). Its data pointer comes first, its byte offset at byte 40.
+# A capsule's ``DLTensor``: first in a ``DLManagedTensor``, after a version, context,
+# deleter and flags in a ``DLManagedTensorVersioned``; its data pointer first, offset at 40.
 _TENSOR_AT = {b"dltensor": 0, b"dltensor_versioned": 32}
 
 
@@ -119,16 +113,13 @@ def buffer_address(buf: Any) -> int:
         _c.c_uint64.from_address(tensor + 40).value
 
 
-# -- test hooks (``kvxfer.testing`` installs them) ---------------------------------
-
-#: A callback's steps in order (``kvxfer.testing.callback_fault``): reading the
-#: ticket's address, finding its job, reading the buffers' addresses, describing the
-#: copies, handing them to the copy engine.
+#: A callback's steps in order (``kvxfer.testing.callback_fault``): the ticket's
+#: address, its job, the buffers' addresses, the copies described, then enqueued.
 CALLBACK_STEPS: tuple[str, ...] = ("ticket", "lookup", "address", "describe", "copy")
 
-#: ``faults``: step -> error raised there; ``driver``: CUDA entry point -> ``[calls so
-#: far, the call that fails]``; ``spies``: lists a record of each callback goes to;
-#: ``released``: called with ``(starts, ends)`` of memory kvxfer lets go of.
+#: What ``kvxfer.testing`` installs. ``faults``: step -> error raised there; ``driver``:
+#: entry point -> ``[calls so far, the call that fails]``; ``spies``: lists a record of
+#: each callback goes to; ``released``: called with ``(starts, ends)`` let go of.
 HOOKS: dict[str, Any] = {"faults": {}, "driver": {}, "spies": [], "released": []}
 
 
@@ -163,12 +154,9 @@ def wait_all(waits: Any) -> BaseException | None:
     return first
 
 
-# -- the CUDA copy engine ------------------------------------------------------
-
 _u64p, _sizep, _vp, _int, _uint = (_c.POINTER(_c.c_uint64), _c.POINTER(_c.c_size_t),
                                    _c.c_void_p, _c.c_int, _c.c_uint)
-# Entry points and their arguments, each with its CUDA 12.0 ABI; each returns a
-# CUresult (0: success).
+# Entry points, each with its CUDA 12.0 ABI's arguments, returning a CUresult (0: success).
 _ABI = 12000
 _ENTRIES: dict[str, tuple[Any, ...]] = {
     "cuMemcpyAsync": (_c.c_uint64, _c.c_uint64, _c.c_size_t, _vp),
@@ -275,24 +263,15 @@ class Driver:
         finally:
             self.call("cuDevicePrimaryCtxRelease", dev.value)
 
-    def host_numa_node(self, ordinal: int) -> int | None:
-        """The NUMA node of the host memory nearest device ``ordinal`` (None: unknown,
-        or a driver before CUDA 12.2, which does not say)."""
-        dev, value = _int(), _int(-1)
-        self.call("cuDeviceGet", _c.byref(dev), ordinal)
-        found = self._fns["cuDeviceGetAttribute"](_c.byref(value), _HOST_NUMA_ID, dev.value)
-        return value.value if found == 0 and value.value >= 0 else None
-
 
 class CudaCompletion:
     """The end of copies on an engine's own stream: an event recorded after them,
-    destroyed once they are known to be done (``done()`` never blocks; ``wait()``)."""
+    destroyed once ``end`` finds them done (``block``: waits; else never blocks)."""
 
     def __init__(self, engine: CudaCopyEngine, event: int):
-        self._engine, self._event = engine, event
-        self._lock = threading.Lock()
+        self._engine, self._event, self._lock = engine, event, threading.Lock()
 
-    def _end(self, block: bool) -> bool:
+    def end(self, block: bool) -> bool:
         driver, event = self._engine.driver, _vp(self._event)
 
         def end() -> None:
@@ -311,12 +290,6 @@ class CudaCompletion:
                 driver.in_context(self._engine.ordinal, end)
             return self._event is None
 
-    def done(self) -> bool:
-        return self._end(block=False)
-
-    def wait(self) -> None:
-        self._end(block=True)
-
     def hold(self, stream: int) -> None:
         """Makes later work on ``stream`` wait for the copies (nothing once done)."""
         with self._lock:
@@ -325,10 +298,9 @@ class CudaCompletion:
 
 
 class CudaCopyEngine:
-    """Runs copy descriptors on the CUDA driver's copy engines for device ``ordinal``
-    (the JAX device's ``local_hardware_id``), ``mode`` ``"batch"``
-    (``cuMemcpyBatchAsync`` where the driver has it) or ``"loop"``. ``copies`` and
-    ``bytes``: what it enqueued."""
+    """Runs copy descriptors on the CUDA copy engines of device ``ordinal`` (JAX's
+    ``local_hardware_id``), ``mode`` ``"batch"`` (``cuMemcpyBatchAsync`` where the driver
+    has it) or ``"loop"``; ``copies`` and ``bytes`` count what it enqueued."""
 
     name = "cuda"
     uses_stream = side_stream = True
@@ -343,61 +315,56 @@ class CudaCopyEngine:
         self._attrs = {d: (_int * 6)(_SRC_ACCESS_ORDER_STREAM, *(
             (_LOCATION_DEVICE, self.ordinal, _LOCATION_HOST, 0) if d == "offload" else
             (_LOCATION_HOST, 0, _LOCATION_DEVICE, self.ordinal)), 0) for d in ("offload", "load")}
-        self._lock = threading.Lock()
-        self._sides: dict[str, int] = {}
+        self._lock, self._sides = threading.Lock(), {}  # its streams, by direction
         self.copies = self.bytes = 0
 
-    def copy(self, copies: Copies, stream: int | None, direction: Direction = "offload"
-             ) -> None:
-        """Enqueues the copies on ``stream`` (XLA's), in its order."""
-        if len(copies):
-            self._enqueue(copies, self._need(stream), direction)
-
-    def copy_beside_groups(self, groups: list[Copies], stream: int | None,
-                           direction: Direction, out: list[CudaCompletion]) -> None:
-        """Enqueues each set of copies on the engine's stream for ``direction``, after
-        the work on ``stream`` (XLA's) so far, appending to ``out`` a completion after
-        each set. A failure once a copy was enqueued synchronizes the stream before it
-        is raised (one that cannot be synchronized runs nothing more)."""
+    def copy(self, sets: list[Copies], stream: int | None, direction: str = "offload",
+             out: list[CudaCompletion] | None = None) -> None:
+        """Enqueues each set of copies on ``stream`` (XLA's), in its order; or, given
+        ``out``, on the engine's stream for ``direction`` after the work on ``stream`` so
+        far, appending to ``out`` a completion after each set. A failure once a copy was
+        enqueued there synchronizes that stream before it is raised."""
+        if out is None:
+            for copies in sets:
+                if len(copies):
+                    self._enqueue(copies, self._need(stream), direction)
+            return
         stream, side = self._need(stream), self.side(direction)
-        after = self.driver.new_handle("cuEventCreate", _EVENT_FLAGS)
+        after = self._event(stream)
         try:
-            self.driver.call("cuEventRecord", _vp(after), _vp(stream))
             self.driver.call("cuStreamWaitEvent", _vp(side), _vp(after), 0)
         finally:  # a recorded event may be destroyed at once: it goes once met
             self.driver.call("cuEventDestroy", _vp(after))
         enqueued = False
         try:
-            for copies in groups:
+            for copies in sets:
                 if len(copies):
                     enqueued = True  # before the call: a failing one may have queued some
                     self._enqueue(copies, side, direction)
-                out.append(self._record(side))
+                out.append(CudaCompletion(self, self._event(side)))
         except BaseException:
             if enqueued:  # nothing enqueued is still running once the error is raised
                 with contextlib.suppress(DriverError):
                     self.driver.call("cuStreamSynchronize", _vp(side))
             raise
 
-    def _record(self, stream: int) -> CudaCompletion:
+    def _event(self, stream: int) -> int:
+        """An event recorded on ``stream`` after the work enqueued there so far."""
         event = self.driver.new_handle("cuEventCreate", _EVENT_FLAGS)
         try:
             self.driver.call("cuEventRecord", _vp(event), _vp(stream))
         except BaseException:
             self.driver.call("cuEventDestroy", _vp(event))
             raise
-        return CudaCompletion(self, event)
+        return event
 
-    def hold(self, completion: CudaCompletion, stream: int | None) -> None:
-        """Makes work enqueued on ``stream`` from now on wait for ``completion``."""
-        completion.hold(self._need(stream))
+    def hold(self, completion: CudaCompletion, stream: int | None, word: int) -> None:
+        """Makes work enqueued on ``stream`` from now on wait for ``completion``, then
+        sets the device ``uint32`` at ``word`` to 1 in that order."""
+        completion.hold(stream := self._need(stream))
+        self.driver.call("cuMemsetD32Async", _c.c_uint64(word), 1, 1, _vp(stream))
 
-    def set_word(self, address: int, value: int, stream: int | None) -> None:
-        """Writes one ``uint32`` at device ``address`` in ``stream``'s order."""
-        self.driver.call("cuMemsetD32Async", _c.c_uint64(address), value, 1,
-                         _vp(self._need(stream)))
-
-    def side(self, direction: Direction) -> int:
+    def side(self, direction: str) -> int:
         """The engine's own (non-blocking) stream for ``direction``: a load never queues
         behind an offload."""
         with self._lock:
@@ -412,7 +379,7 @@ class CudaCopyEngine:
             raise DriverError("CUDA copies need XLA's stream; none was given")
         return stream
 
-    def _enqueue(self, copies: Copies, stream: int, direction: Direction) -> None:
+    def _enqueue(self, copies: Copies, stream: int, direction: str) -> None:
         self.driver.memcpy(copies, self._attrs[direction], stream, self.mode == "loop")
         with self._lock:
             self.copies, self.bytes = self.copies + len(copies), self.bytes + copies.nbytes
@@ -429,7 +396,13 @@ class CudaCopyEngine:
         return unpin
 
     def numa_node(self) -> int | None:
-        return self.driver.host_numa_node(self.ordinal)
+        """The NUMA node of the host memory nearest the device (None: unknown, or a
+        driver before CUDA 12.2, which does not say)."""
+        dev, value = _int(), _int(-1)
+        self.driver.call("cuDeviceGet", _c.byref(dev), self.ordinal)
+        found = self.driver._fns["cuDeviceGetAttribute"](_c.byref(value), _HOST_NUMA_ID,
+                                                         dev.value)
+        return value.value if found == 0 and value.value >= 0 else None
 
 
 def is_cuda(device: Any) -> bool:
@@ -467,14 +440,10 @@ def cuda_unavailable(device: Any) -> str | None:
     return driver if isinstance(driver, str) else None
 
 
+@functools.lru_cache(maxsize=None)  # one engine (its streams) a device and copy mode
 def cuda_engine(device: Any, copy: str = "batch") -> CudaCopyEngine:
     """The CUDA copy engine of a JAX GPU device for a ``DmaOptions.copy`` mode, made
     once; raises ``DriverError`` where ``cuda_unavailable`` says why not."""
     if (why := cuda_unavailable(device)) is not None:
         raise DriverError(why)
-    return _cuda_engine(int(device.local_hardware_id), copy)
-
-
-@functools.lru_cache(maxsize=None)  # one a device ordinal and copy mode: its streams
-def _cuda_engine(ordinal: int, copy: str) -> CudaCopyEngine:
-    return CudaCopyEngine(_load_driver(), ordinal, copy)
+    return CudaCopyEngine(_load_driver(), int(device.local_hardware_id), copy)

@@ -1,12 +1,8 @@
-"""A program's copies (``CopyJob``), the tickets its callback finds them by, and the
-callback.
-
-A *ticket* is a one-word device array whose buffer address names a call while its
-program runs: the job is filed under it before the program is enqueued, and the
-callback finds it by the address of the buffer it is handed (no device value is read on
-the host). A callback never raises into XLA (a load would fail after XLA confirmed the
-donation of the caches): failures stay on the job; the program ends normally, its
-aliased outputs holding the caches.
+"""A program's copies (``CopyJob``), the callback, and the tickets it finds them by: a
+one-word device array whose buffer address names a call while its program runs (no
+device value is read on the host). A callback never raises into XLA (a load would fail
+after XLA confirmed the donation of the caches): failures stay on the job, and the
+program ends normally, its aliased outputs holding the caches.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage
 
-from kvxfer.engine.dma._engines import (HOOKS, Copies, buffer_address, step_fault,
-                                        wait_all)
+from kvxfer.engine.dma._engines import HOOKS, Copies, buffer_address, step_fault
 
 __all__ = ["CopyJob", "Tickets", "TICKETS", "callback"]
 
@@ -32,41 +27,30 @@ class CopyJob:
     (``direction``: ``"offload"`` or ``"load"``), or (``stage``) a load's waits, one a
     layer group, for the copies a staging job put under way.
 
-    ``pool``, ``page_bytes``, ``slots`` and ``offsets`` place each page's blocks of the
-    shard in the host pool; ``ids`` are the device blocks (None: one page-major buffer,
-    a row a page); ``memory`` keeps the pool mapped; ``beside``: on the engine's own
-    stream, in ``groups`` (spans of layers) with a completion each. The callback reads
-    the device addresses from the buffers XLA hands it.
-
-    Attributes:
-      ran: the callback did its work (every group's, for waits); error: what failed.
-      sets: the copies enqueued (or tried); completions: their ends beside XLA's stream
-        (the last covers every copy enqueued); addresses: the buffers' addresses.
+    ``slots`` and the shard's ``offsets`` place the blocks in the class's host ``pool``;
+    ``ids`` are the device blocks (None: a page-major buffer); ``beside``: on the
+    engine's own stream, a completion after each of ``groups`` (layer spans); ``fault``:
+    a callback step made to fail (a self-check's). Set by the callback: ``ran``,
+    ``error``, ``sets`` (the copies enqueued or tried), ``completions`` and ``addresses``.
     """
 
-    def __init__(self, engine: Any, direction: str, pool: int = 0, page_bytes: int = 0,
-                 slots: Any = (), offsets: Any = (), block_bytes: int = 0, ids: Any = None,
-                 memory: Any = None, beside: bool = False,
+    def __init__(self, engine: Any, direction: str, pool: Any = None, offsets: Any = (),
+                 slots: Any = (), ids: Any = None, beside: bool = False,
                  groups: Sequence[tuple[int, int]] | None = None, stage: CopyJob | None = None):
-        self.engine, self.direction, self.memory, self.beside = engine, direction, memory, beside
-        self.pool, self.page_bytes, self.block_bytes = pool, page_bytes, block_bytes
-        self.slots = np.asarray(slots, dtype=np.uint64)
-        self.offsets = np.asarray(offsets, dtype=np.uint64)
+        self.engine, self.direction, self.pool, self.beside = engine, direction, pool, beside
+        self.offsets, self.slots = (np.asarray(a, dtype=np.uint64) for a in (offsets, slots))
         self.ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
-        self.groups, self.stage = groups, stage
+        self.groups, self.stage, self.fault = groups, stage, None
         self.ran, self.error, self.ticket = False, None, None
-        self.sets: list[Copies] = []
-        self.completions: list[Any] = []
-        self.addresses: list[int] = []
-        self.fault: str | None = None  # a step made to fail (a self-check's)
+        self.sets, self.completions, self.addresses = [], [], []
 
     def describe(self, device: Sequence[int], span: tuple[int, int] | None = None) -> Copies:
         """The copies given the device buffers' addresses (each layer's cache, or the
         page-major buffer); with ``span``, of layers ``[first, stop)`` only."""
-        bb = np.uint64(self.block_bytes)
+        cls, bb = self.pool.cls, np.uint64(self.pool.cls.shard_block_bytes)
         first, stop = span or (0, len(self.offsets))
-        host = (np.uint64(self.pool) + self.slots[:, None] * np.uint64(self.page_bytes)
-                + self.offsets[None, first:stop])                           # [k, L]
+        host = (np.uint64(self.pool.memory.address) + self.slots[:, None] *
+                np.uint64(cls.page_bytes) + self.offsets[None, first:stop])  # [k, L]
         if self.ids is None:  # row j holds page j: a page is one copy
             row = np.uint64(len(self.offsets)) * bb
             dev = (np.uint64(device[0]) + np.arange(len(self.slots), dtype=np.uint64)[:, None]
@@ -75,8 +59,7 @@ class CopyJob:
             dev = np.asarray(device, dtype=np.uint64)[:, None] + self.ids[None, :] * bb
             host = host.T
         src, dst = (dev, host) if self.direction == "offload" else (host, dev)
-        return Copies(dst.ravel(), src.ravel(),
-                      np.full(dst.size, self.block_bytes, dtype=np.uint64)).merged()
+        return Copies(dst.ravel(), src.ravel(), np.full(dst.size, bb, dtype=np.uint64)).merged()
 
     def run(self, buffers: Sequence[Any], stream: int | None) -> None:
         """Enqueues the copies between ``buffers`` and the host slots; a failure is
@@ -87,11 +70,8 @@ class CopyJob:
             step_fault("describe", self)
             self.sets = [self.describe(device, span) for span in self.groups or [None]]
             step_fault("copy", self)
-            if self.beside:
-                self.engine.copy_beside_groups(self.sets, stream, self.direction,
-                                               self.completions)
-            else:
-                self.engine.copy(self.sets[0], stream, self.direction)
+            self.engine.copy(self.sets, stream, self.direction,
+                             self.completions if self.beside else None)
             self.ran = True
         except BaseException as e:  # noqa: BLE001 - reported by the transfer thread
             self.error = e
@@ -112,20 +92,7 @@ class CopyJob:
                                f"buffer its copies write ({stage.addresses[0]:#x})")
         address = buffer_address(ok)
         step_fault("copy")
-        self.engine.hold(stage.completions[group], stream)
-        self.engine.set_word(address, 1, stream)
-
-    def wait(self) -> BaseException | None:
-        """Waits for every copy beside XLA's stream; the first error (never raises)."""
-        return wait_all(c.wait for c in self.completions)
-
-    def done(self) -> bool:
-        """Whether every copy beside XLA's stream has ended (never blocks; a failed
-        query means the stream runs nothing more)."""
-        try:
-            return all(c.done() for c in self.completions)
-        except BaseException:  # noqa: BLE001 - see above
-            return True
+        self.engine.hold(stage.completions[group], stream, address)
 
 
 class Tickets:
@@ -173,16 +140,14 @@ class Tickets:
             return len(self._jobs)
 
 
-#: The tickets every DMA program's callback looks its job up in.
-TICKETS = Tickets()
+TICKETS = Tickets()  #: where every DMA program's callback looks its job up
 
 
 def callback(ctx: Any, out: Any, token: Any, *operands: Any, group: int | None = None,
              last: bool = True) -> None:
-    """Runs the job filed under ``token`` on the buffers XLA hands over: its copies, or
-    (``group``) a load's wait for that group, the last group taking the job. It copies
-    the page-major rows (an offload's operand or aliased output, a staging program's
-    output), else the caches (read by an offload, written in place by a load)."""
+    """Runs the job filed under ``token`` on the buffers XLA hands over: its copies (of
+    the page-major rows where there are, else the caches), or (``group``) a load's wait
+    for that group, the last group taking the job."""
     try:
         if ctx.stage != ExecutionStage.EXECUTE:
             return  # a handler may also be called to prepare

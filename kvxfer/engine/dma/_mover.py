@@ -8,6 +8,7 @@ copies on XLA's stream. The pool is pinned host memory on the device's NUMA node
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -37,9 +38,8 @@ __all__ = ["DmaMover", "DmaOptions", "COPY_ENGINES", "copy_engine", "dma_refusal
 #: an H100 and about 0.1x below 28 KiB (vllm#42212); the gather runs at HBM rates.
 RELAYOUT_BELOW = 64 << 10
 
-#: A load beside XLA's stream waits for its copies in groups of layers holding at
-#: least this much of a page, and in at most ``MAX_GROUPS`` groups: each is a Python
-#: callback holding the GIL.
+#: A load beside XLA's stream waits in layer groups of at least this much of a page, at
+#: most ``MAX_GROUPS`` of them (each is a Python callback holding the GIL).
 GROUP_BYTES, MAX_GROUPS = 64 << 10, 8
 
 _HOST_ENGINE = HostCopyEngine()
@@ -54,21 +54,19 @@ class DmaOptions:
     when made; no environment variable is read.
 
     Attributes:
-      stream: ``"side"`` (default): copies run on the copy engine's own streams, one a
-        direction, ordered by events, where it has them (CUDA), so the engine's steps on
-        XLA's stream do not wait for them; ``"xla"``: on XLA's stream, in its order.
+      stream: ``"side"`` (default): copies run on the copy engine's own streams (CUDA's),
+        one a direction, so XLA's stream does not wait for them; ``"xla"``: on XLA's.
       relayout: ``"auto"`` (default) gathers a transfer's pages on the device first
         where shard blocks are under 64 KiB (a copy a page); ``"always"``, ``"never"``.
-      staging_bytes: device staging that transfers beside XLA's stream may hold at once
-        on a device, bytes or a size (default ``"1GiB"``), and at most half its free
-        memory. A transfer past it copies on XLA's stream (counted in ``stats()``),
-        unless it is alone on its device and fits that half.
+      staging_bytes: staging that transfers beside XLA's stream may hold on a device at
+        once (bytes or a size, default ``"1GiB"``; at most half its free memory): past
+        it a transfer not alone on its device copies on XLA's stream (``stats()``).
       copy: ``"batch"`` (default: a ``cuMemcpyBatchAsync`` a transfer where the driver
         has it) or ``"loop"`` (``cuMemcpyAsync`` a copy).
-      self_check: the first manager of a process over a copy engine with streams of
-        its own (a GPU's) runs a small round trip of every program form and one injected
-        callback failure (``kvxfer.manager.dma_self_check``); if it fails,
-        ``path="auto"`` takes the pinned route (why: ``mgr.paths``), ``path="dma"`` raises.
+      self_check: the first manager of a process over a GPU runs a small round trip of
+        every program form and one injected callback failure (``dma_self_check``); on a
+        failure ``path="auto"`` takes the pinned route (``mgr.paths`` says why) and
+        ``path="dma"`` raises.
 
     Raises:
       ValueError: a value not among the choices, or not a size, naming field and value.
@@ -112,8 +110,7 @@ COPY_ENGINES: dict[str, Any] = {"cpu": lambda device, copy="batch": _HOST_ENGINE
 
 
 def copy_engine(device: Any, copy: str = "batch") -> Any:
-    """The engine that runs the DMA mover's copies for ``device``; ``ValueError`` where
-    its platform has none."""
+    """The engine running the DMA mover's copies on ``device`` (else ``ValueError``)."""
     if (make := COPY_ENGINES.get(device.platform)) is None:
         raise ValueError(f"no copy engine for the {device.platform} backend ({device})")
     return make(device, copy)
@@ -121,9 +118,8 @@ def copy_engine(device: Any, copy: str = "batch") -> Any:
 
 def dma_refusal(array: jax.Array) -> str | None:
     """Why the DMA mover cannot move ``array``'s blocks (None: it can): it needs a copy
-    engine on every device holding it (XLA:CPU, or an NVIDIA GPU with
-    ``cuda-bindings``), and blocks of whole-byte elements, row-major, proven
-    addressable by the inspector.
+    engine on each of its devices (XLA:CPU's, or an NVIDIA GPU's with ``cuda-bindings``)
+    and row-major blocks of whole-byte elements that the inspector proves addressable.
 
     Example:
         >>> import jax.numpy as jnp
@@ -168,12 +164,10 @@ def layer_groups(num_layers: int, block_bytes: int, at_least: int = GROUP_BYTES,
 class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
     """Copy-engine copies between the caches and a pinned pool, ordered by XLA.
 
-    Attributes:
-      options: its ``DmaOptions``. fallbacks: transfers asked to copy beside XLA's
-        stream that copied on it, by why (``budget``, ``out_of_memory``).
-      relayout: whether pages are gathered on the device first (``RELAYOUT_BELOW``; at
-        any size where the engine loops, paying a driver call a copy).
-      groups: the layer spans a load beside XLA's stream waits for in turn.
+    Attributes: ``options``; ``fallbacks``: transfers that copied on XLA's stream though
+    asked to copy beside it, by why; ``relayout``: whether pages are gathered first
+    (``RELAYOUT_BELOW``, or any size where the engine loops); ``groups``: the layer spans
+    a load beside XLA's stream waits for in turn.
     """
 
     name = "dma"
@@ -212,8 +206,8 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         return self.options.stream == "side" and self._engine(self.pool.device).side_stream
 
     def _size(self, k: int, array: Any) -> int | None:
-        """Entries of a program's index arrays: ``loop_pages`` where digests loop
-        (XLA:CPU: one program for every transfer up to it), else the bucket (None)."""
+        """A program's index entries: ``loop_pages`` where digests loop (XLA:CPU: one
+        program serves every transfer up to it), else the bucket's (None)."""
         return None if self.relayout or not page_loops(device_of(array)) else \
             loop_pages(k, array.shape[0])
 
@@ -222,8 +216,7 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         if kind == "dma_stage":
             return rows, len(self.cls.layers) * self._words, f"uint{8 * self._unit}"
         if kind == "dma_load_side":
-            return (self.groups, page_loops(device), self._unit,
-                    (self._words,) * len(self.cls.layers))
+            return self.groups, page_loops(device), self._unit, self._words
         return (self.relayout, page_loops(device), self._unit) + (
             (side,) if kind == "dma_offload" else ())
 
@@ -233,20 +226,17 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
                 for r in range(len(layers[0].shards[s]))]
 
     def _take(self, devices: list[Any], rows: int) -> list | None:
-        """Budget for ``rows`` page rows of staging on each of ``devices`` (None, counted,
-        where it does not fit)."""
-        wanted: dict[Any, int] = {}
-        for device in devices:
-            wanted[device] = wanted.get(device, 0) + rows * self.cls.page_bytes // \
-                self.cls.num_shards
+        """Staging budget for ``rows`` rows on each of ``devices`` (None, counted: no fit)."""
+        each = rows * self.cls.page_bytes // self.cls.num_shards
+        wanted = {d: n * each for d, n in collections.Counter(devices).items()}
         if (taken := Staging.take(wanted, int(self.options.staging_bytes))) is None:
             self.fallbacks["budget"] += 1
         return taken
 
     def _run(self, kind: str, device: Any, arrays: tuple, args: tuple, job: CopyJob,
              with_digest: bool = False, **opt: Any) -> Any:
-        """Files ``job`` under a ticket and enqueues program ``kind`` over ``arrays`` (none:
-        the ticket alone) and ``args``: its outputs."""
+        """Program ``kind``'s outputs, enqueued over ``arrays`` (none: the ticket alone) and
+        ``args`` with ``job`` filed under its ticket."""
         job.fault = self.fault
         token = TICKETS.issue(device, job)
         try:
@@ -259,14 +249,11 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
 
     def _job(self, device: Any, direction: str, shard: int, slots: Any, ids: Any = None,
              **kw: Any) -> CopyJob:
-        return CopyJob(self._engine(device), direction, self.pool.memory.address,
-                       self.cls.page_bytes, slots, self._offsets[shard],
-                       self.cls.shard_block_bytes, ids, memory=self.pool.memory, **kw)
+        return CopyJob(self._engine(device), direction, self.pool, self._offsets[shard], slots,
+                       ids, **kw)
 
     def _digest(self, device: Any, base: Any, with_digest: bool) -> tuple:
         return (base, layer_nums(device, tuple(self.cls.layers))) if with_digest else ()
-
-    # -- offload ------------------------------------------------------------------
 
     def start_offload(self, layers, batch, slots, with_digest):
         Staging.reap()
@@ -303,12 +290,9 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
     def quiesce(self, state: Transfer) -> None:
         state.finish()
 
-    # -- load ---------------------------------------------------------------------
-
     def stage_load(self, layers, request: LoadRequest) -> Transfer | None:
-        """Puts the load's copies under way beside XLA's stream into device staging,
-        where the engine has streams of its own and the staging fits (else None: the
-        load's own program copies, on XLA's stream)."""
+        """Starts the load's copies beside XLA's stream into device staging where the
+        engine can and the staging fits (else None: the load copies on XLA's stream)."""
         Staging.reap()
         replicas, rows = self._replicas(layers), len(request.batch.padded)
         if not self._beside() or (taken := self._take([d for *_, d in replicas],
@@ -391,8 +375,6 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
     def finish_load(self, state: Transfer, num_layers: int) -> None:
         state.raise_for(f"DMA load of {self.cls.name}")
 
-    # -- compiling ahead ----------------------------------------------------------
-
     def _abstract(self, local: tuple, b: int, with_digest: bool, kind: str) -> tuple:
         """Program ``kind``'s arguments after the arrays, abstract, for ``b`` pages."""
         device = device_of(local[0])
@@ -412,8 +394,7 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
             options=self._options("dma_load", device_of(local[0])))
 
     def warmup(self, arrays, layers, b, with_digest):
-        # Every program a transfer of ``b`` pages may run, the fallbacks to XLA's
-        # stream included, so none compiles inside a call.
+        # Every program a transfer of b pages may run, fallbacks included.
         beside = self._beside()
         for s, r, device in self._replicas(layers):
             local = tuple(layer.shards[s][r] for layer in layers)

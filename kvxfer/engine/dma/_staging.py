@@ -1,13 +1,11 @@
-"""What a transfer enqueued, and the device staging its copies beside XLA's stream use.
-
-Copies reach staging outside XLA's view, so a ``Transfer`` holds it until they end:
-``finish`` waits for them and lets go; ``discard`` (a prefetch released) hands it to
-its device's ``Staging``, which lets go once its programs and copies have ended
-(``reap``, at the mover's next call), never by garbage collection.
-"""
+"""What a transfer enqueued, and the staging its copies beside XLA's stream use: held
+until they end (``Transfer.finish``), or, once ``discard``ed, by the device's
+``Staging`` until ``reap`` (at the mover's next call) finds them ended; never let go of
+by garbage collection."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -44,7 +42,8 @@ class Staging:
         ``limit``, or alone on its device, and within half its free memory."""
         free = {device: _free_bytes(device) for device in wanted}
         with cls._lock:
-            owners = [(cls._devices.setdefault(d, Staging()), n, free[d]) for d, n in wanted.items()]
+            owners = [(cls._devices.setdefault(d, Staging()), n, free[d])
+                      for d, n in wanted.items()]
             if any(o.held and o.held + n > limit or f is not None and n > f // 2
                    for o, n, f in owners):
                 return None
@@ -58,8 +57,12 @@ class Staging:
         with cls._lock:
             kept = [t for owner in cls._devices.values() for t in owner.kept]
         for transfer in kept:
-            if all(d.is_ready() for d in transfer.done) and all(
-                    j.done() for j in transfer.jobs.values()):
+            try:
+                ended = all(d.is_ready() for d in transfer.done) and all(
+                    c.end(block=False) for job in transfer.jobs.values() for c in job.completions)
+            except BaseException:  # noqa: BLE001 - a failed query: its stream runs no more
+                ended = True
+            if ended:
                 transfer.finish()
 
     @classmethod
@@ -70,16 +73,13 @@ class Staging:
 
 
 class Transfer:
-    """One transfer's programs for a slice class (``add``): their jobs, an output of
-    each (ready once it ran), its digests, and the staging its copies beside XLA's
-    stream use, by shard or shard replica, with the budget ``taken``. ``staged``: a
-    load's staging transfer; ``k``, ``rows``: a staging transfer's pages and rows."""
+    """A transfer's programs for a slice class (``add``), its ``digests``, the staging
+    its copies use with the budget ``taken``; ``staged``: a load's staging transfer,
+    whose ``k`` pages have ``rows`` rows."""
 
     def __init__(self, taken: list[tuple[Staging, int]] | None = None, k: int = 0,
                  rows: int = 0, staged: Transfer | None = None):
-        self.jobs: dict[Any, CopyJob] = {}
-        self.done: list[jax.Array] = []
-        self.buffers: dict[Any, jax.Array] = {}
+        self.jobs, self.done, self.buffers = {}, [], {}  # by key; outputs; by key
         self.taken, self.k, self.rows, self.staged = taken or [], k, rows, staged
         self.digests: Any = None
         self.finished, self.error = False, None  # let go of what it held; why it failed
@@ -95,16 +95,16 @@ class Transfer:
             self.buffers[key] = buffer
 
     def finish(self) -> BaseException | None:
-        """Waits for the programs, every copy beside XLA's stream and the staging transfer,
-        then lets go of the staging and its budget, once; the first failure (never
-        raises). A job whose program ended without its callback is withdrawn."""
+        """Waits for the programs, the copies beside XLA's stream and ``staged``, then lets
+        go of the staging and its budget, once: the first failure (never raises)."""
         with self._lock:
             if self.finished:
                 return self.error
             error = wait_all(d.block_until_ready for d in self.done)
             for job in self.jobs.values():
                 TICKETS.withdraw(job)
-                error = job.error or job.wait() or error
+                error = job.error or wait_all(
+                    functools.partial(c.end, True) for c in job.completions) or error
             if error is None and not all(job.ran for job in self.jobs.values()):
                 lost = list(TICKETS.lost)
                 error = RuntimeError("a program ended without running its copies" + (
