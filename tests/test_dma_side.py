@@ -397,3 +397,41 @@ def test_staging_a_load_does_not_take_is_kept_until_its_copies_end(fake):
             fake._cuStreamSynchronize(handle_)
         assert fake.late == []
         mgr.close()
+
+
+def test_a_staging_that_fails_midway_fails_its_load_and_ends_every_event(fake):
+    """The staging's second group of copies fails to enqueue: the load fails with its
+    caches alive, and the first group's event is still waited for and destroyed."""
+    caches, before, mgr, pages = offloaded()
+    live = len(fake.events)
+    fake.fail_at, fake._counts = ("cuMemcpyBatchAsync", 1), {}
+    new, load = mgr.load(caches, pages, [0, 5, 6])
+    with pytest.raises(TransferError, match="cuMemcpyBatchAsync") as err:
+        load.result()
+    assert not any(c.is_deleted() for c in err.value.kv_caches)
+    assert len(fake.events) == live and held() == 0 and TICKETS.pending() == 0
+    mgr.close()
+
+
+def test_a_transfer_reports_its_first_failure_and_still_ends_every_completion():
+    """Two shards' jobs failed: the first shard's error is the one reported, and the
+    failed job's completions are ended all the same (their events destroyed)."""
+    from kvxfer.engine.dma._jobs import CopyJob
+    from kvxfer.engine.dma._staging import Transfer
+
+    class Completion:
+        ended = 0
+
+        def end(self, block):
+            Completion.ended += 1
+            return True
+
+    transfer = Transfer()
+    for shard in range(2):
+        job = CopyJob(COPY_ENGINES["cpu"](None), "offload")
+        TICKETS.issue(jax.devices()[0], job)
+        job.error, job.completions = RuntimeError(f"shard {shard} failed"), [Completion()]
+        transfer.add(job, jax.numpy.zeros(1), None, shard)
+    assert str(transfer.finish()) == "shard 0 failed" and Completion.ended == 2
+    assert str(transfer.finish()) == "shard 0 failed" and Completion.ended == 2  # once
+    assert TICKETS.pending() == 0

@@ -80,7 +80,7 @@ class HostCopyEngine:
         self._lock, self.copies, self.bytes = threading.Lock(), 0, 0
 
     def copy(self, sets: list[Copies], stream: int | None, direction: str = "offload",
-             out: None = None) -> None:
+             out: Any = None) -> None:  # never beside: no stream of its own
         for copies in sets:
             for d, s, n in zip(copies.dst.tolist(), copies.src.tolist(), copies.size.tolist()):
                 _c.memmove(d, s, n)  # releases the GIL for each copy
@@ -98,9 +98,8 @@ _TENSOR_AT = {b"dltensor": 0, b"dltensor_versioned": 32}
 
 
 def buffer_address(buf: Any) -> int:
-    """The device address of a buffer a ``buffer_callback`` is handed, any dtype: from
-    its DLPack capsule (data pointer plus byte offset), so float8 buffers have one too;
-    a type DLPack lacks falls back to ``__cuda_array_interface__``."""
+    """The device address of a buffer a ``buffer_callback`` is handed, any dtype (float8
+    too): its DLPack capsule's data pointer plus offset, else its CUDA array interface's."""
     try:
         capsule = buf.__dlpack__()
     except Exception:  # noqa: BLE001 - a type DLPack has no code for
@@ -194,9 +193,9 @@ def _injected(name: str) -> None:
 
 
 class Driver:
-    """The driver entry points kvxfer calls, resolved once from ``get_proc(name,
-    version) -> address`` (0: absent) for a driver of ``version`` (12080: 12.8).
-    ``batch_abi``: the ``cuMemcpyBatchAsync`` ABI in use, None without one."""
+    """The entry points kvxfer calls in a driver of ``version`` (12080: 12.8), resolved
+    once from ``get_proc(name, version) -> address`` (0: absent); ``batch_abi``: the
+    ``cuMemcpyBatchAsync`` ABI in use (None: none)."""
 
     def __init__(self, get_proc: Callable[[str, int], int], version: int):
         self.version = int(version)
@@ -272,9 +271,10 @@ class CudaCompletion:
         self._engine, self._event, self._lock = engine, event, threading.Lock()
 
     def end(self, block: bool) -> bool:
-        driver, event = self._engine.driver, _vp(self._event)
+        driver = self._engine.driver
 
         def end() -> None:
+            event = _vp(self._event)
             if not block and (status := driver._fns["cuEventQuery"](event)) != 0:
                 if status == _NOT_READY:
                     return
@@ -440,10 +440,17 @@ def cuda_unavailable(device: Any) -> str | None:
     return driver if isinstance(driver, str) else None
 
 
-@functools.lru_cache(maxsize=None)  # one engine (its streams) a device and copy mode
 def cuda_engine(device: Any, copy: str = "batch") -> CudaCopyEngine:
     """The CUDA copy engine of a JAX GPU device for a ``DmaOptions.copy`` mode, made
     once; raises ``DriverError`` where ``cuda_unavailable`` says why not."""
     if (why := cuda_unavailable(device)) is not None:
         raise DriverError(why)
-    return CudaCopyEngine(_load_driver(), int(device.local_hardware_id), copy)
+    key = (int(device.local_hardware_id), copy)
+    with _engines_lock:  # one engine (its streams) a device and copy mode
+        if key not in _engines:
+            _engines[key] = CudaCopyEngine(_load_driver(), *key)
+        return _engines[key]
+
+
+_engines: dict[tuple[int, str], CudaCopyEngine] = {}
+_engines_lock = threading.Lock()

@@ -100,9 +100,7 @@ class Tickets:
     latest failures of callbacks that never found their job."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[Any, list[tuple[int, jax.Array, Any]]] = {}
-        self._jobs: dict[int, CopyJob] = {}
+        self._lock, self._free, self._jobs = threading.Lock(), {}, {}  # by device; address
         self.lost: collections.deque[str] = collections.deque(maxlen=8)
 
     def issue(self, device: Any, job: CopyJob) -> jax.Array:

@@ -180,15 +180,15 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
                              f"{cls.name} (DmaMover.host_backing)")
         self.options, self.fallbacks = options, {"budget": 0, "out_of_memory": 0}
         self.fault: str | None = None  # a callback step its jobs fail at (a self-check)
-        self._unit = word_bytes(cls)
+        self._unit = unit = word_bytes(cls)
         looped = getattr(self._engine(pool.device), "mode", "batch") == "loop"
         self.relayout = options.relayout == "always" or options.relayout == "auto" and (
             looped or cls.shard_block_bytes < RELAYOUT_BELOW and not page_loops(pool.device))
+        self._words = cls.shard_block_bytes // unit
         self.groups = ((0, len(cls.layers)),) if looped else tuple(
             layer_groups(len(cls.layers), cls.shard_block_bytes))
         self._offsets = [np.array([pool.shard_range(pos, s)[0] for pos in range(len(cls.layers))],
                                   dtype=np.uint64) for s in range(cls.num_shards)]
-        self._words = cls.shard_block_bytes // self._unit
 
     @classmethod
     def host_backing(cls, slice_class, layers):
@@ -206,8 +206,7 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
         return self.options.stream == "side" and self._engine(self.pool.device).side_stream
 
     def _size(self, k: int, array: Any) -> int | None:
-        """A program's index entries: ``loop_pages`` where digests loop (XLA:CPU: one
-        program serves every transfer up to it), else the bucket's (None)."""
+        """Index entries: ``loop_pages`` where digests loop (XLA:CPU), else the bucket's."""
         return None if self.relayout or not page_loops(device_of(array)) else \
             loop_pages(k, array.shape[0])
 
@@ -235,8 +234,7 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
 
     def _run(self, kind: str, device: Any, arrays: tuple, args: tuple, job: CopyJob,
              with_digest: bool = False, **opt: Any) -> Any:
-        """Program ``kind``'s outputs, enqueued over ``arrays`` (none: the ticket alone) and
-        ``args`` with ``job`` filed under its ticket."""
+        """Enqueues ``kind`` over ``arrays`` (or the ticket alone) and ``args``, ``job`` filed."""
         job.fault = self.fault
         token = TICKETS.issue(device, job)
         try:
@@ -394,7 +392,6 @@ class DmaMover(Mover[Transfer, "Transfer | None", Transfer]):
             options=self._options("dma_load", device_of(local[0])))
 
     def warmup(self, arrays, layers, b, with_digest):
-        # Every program a transfer of b pages may run, fallbacks included.
         beside = self._beside()
         for s, r, device in self._replicas(layers):
             local = tuple(layer.shards[s][r] for layer in layers)

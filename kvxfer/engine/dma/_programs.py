@@ -70,9 +70,8 @@ def _stage(arrays, *, rows, words, dtype, raw):  # uninitialized; a row more (_l
 def _load_side(arrays, token, staging, ids, count, *digest, groups, raw, loop, unit, words):
     # The staging is neither aliased nor donated (copies may write it whatever becomes
     # of this program): a group's callback checks it is the buffer its copies write and
-    # returns a word, and the group's rows are read at a row computed from it (0 once
-    # it is 1; the extra row keeps it a slice), so no read precedes the wait and XLA
-    # has no reason to copy it. Each wait follows the scatters of the group before.
+    # returns a word; the rows are read at a row computed from it (0 once it is 1), so no
+    # read precedes the wait. Each wait follows the scatters of the group before.
     out, after, ok = list(arrays), (), None
     for g, (a, b) in enumerate(groups):
         ok, = buffer_callback(
@@ -102,10 +101,10 @@ def _parts(impl, names, donate, n_args, out):
 
 # Each kind: its impl, the names of its options (the tuple ``_programs.run`` is given),
 # whether it donates the caches (handing them back), its index arguments.
-for kind, impl, names, donate, n_args in (
+for _kind, _impl, _names, _donate, _n_args in (
         ("dma_offload", _offload, ("relayout", "loop", "unit", "side"), False, 3),
         ("dma_load", _load, ("relayout", "loop", "unit"), True, 3),
         ("dma_stage", _stage, ("rows", "words", "dtype"), False, 0),
         ("dma_load_side", _load_side, ("groups", "loop", "unit", "words"), True, 4)):
-    register_kind(kind, _parts(impl, names, donate, n_args, int(donate)),
-                  same_formats=0 if donate else False)
+    register_kind(_kind, _parts(_impl, _names, _donate, _n_args, int(_donate)),
+                  same_formats=0 if _donate else False)

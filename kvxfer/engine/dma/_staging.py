@@ -9,8 +9,6 @@ import functools
 import threading
 from typing import Any
 
-import jax
-
 from kvxfer.engine._mover import TransferError
 from kvxfer.engine.dma._engines import let_go, wait_all
 from kvxfer.engine.dma._jobs import TICKETS, CopyJob
@@ -20,14 +18,16 @@ __all__ = ["Staging", "Transfer"]
 
 def _free_bytes(device: Any) -> int | None:
     """Device memory not in use, where the device says (None: it does not)."""
-    stats = device.memory_stats() or {}
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats else None
 
 
 class Staging:
-    """One device's staging: the bytes transfers hold (``held``: within
-    ``DmaOptions.staging_bytes`` and half the device's free memory), and the transfers
-    let go of before their copies ended (``kept``)."""
+    """One device's staging: the bytes transfers hold (``held``; see ``take``), and the
+    transfers let go of before their copies ended (``kept``)."""
 
     _devices: dict[Any, Staging] = {}
     _lock = threading.Lock()  # every device's figures: a transfer takes on several
@@ -74,19 +74,16 @@ class Staging:
 
 class Transfer:
     """A transfer's programs for a slice class (``add``), its ``digests``, the staging
-    its copies use with the budget ``taken``; ``staged``: a load's staging transfer,
-    whose ``k`` pages have ``rows`` rows."""
+    its copies use with the budget ``taken``; ``staged``: a load's staging transfer. A
+    staging transfer's ``k`` pages have ``rows`` rows."""
 
-    def __init__(self, taken: list[tuple[Staging, int]] | None = None, k: int = 0,
-                 rows: int = 0, staged: Transfer | None = None):
+    def __init__(self, taken: list | None = None, k: int = 0, rows: int = 0, staged: Any = None):
         self.jobs, self.done, self.buffers = {}, [], {}  # by key; outputs; by key
         self.taken, self.k, self.rows, self.staged = taken or [], k, rows, staged
-        self.digests: Any = None
-        self.finished, self.error = False, None  # let go of what it held; why it failed
+        self.digests, self.finished, self.error = None, False, None  # done: let go; why
         self._lock = threading.Lock()
 
-    def add(self, job: CopyJob, done: jax.Array | None, buffer: jax.Array | None,
-            key: Any) -> None:
+    def add(self, job: CopyJob, done: Any, buffer: Any, key: Any) -> None:
         """Records a program's job, an output ready once it ran (else ``buffer``), and
         the buffer its copies use beside XLA's stream (None: none)."""
         self.jobs[key] = job
@@ -100,11 +97,12 @@ class Transfer:
         with self._lock:
             if self.finished:
                 return self.error
-            error = wait_all(d.block_until_ready for d in self.done)
-            for job in self.jobs.values():
+            ran, waits = wait_all(d.block_until_ready for d in self.done), []
+            for job in self.jobs.values():  # every copy waited for, whatever failed
                 TICKETS.withdraw(job)
-                error = job.error or wait_all(
-                    functools.partial(c.end, True) for c in job.completions) or error
+                waits.append(wait_all(functools.partial(c.end, True) for c in job.completions))
+            error = next((e for e in [j.error for j in self.jobs.values()] + [ran, *waits]
+                          if e is not None), None)
             if error is None and not all(job.ran for job in self.jobs.values()):
                 lost = list(TICKETS.lost)
                 error = RuntimeError("a program ended without running its copies" + (
@@ -115,6 +113,7 @@ class Transfer:
                 for owner, n in self.taken:
                     owner.held -= n
                     owner.kept = [t for t in owner.kept if t is not self]
+                self.taken = []
             staged = self.staged.finish() if self.staged is not None else None
             self.finished, self.error = True, error or staged
             return self.error
@@ -125,8 +124,8 @@ class Transfer:
             raise TransferError(f"{what} failed: {type(error).__name__}: {error}") from error
 
     def discard(self) -> None:
-        """Lets the transfer go without waiting: its device's ``Staging`` keeps it until
-        its programs and copies end."""
-        with self._lock, Staging._lock:
-            if not self.finished and self.taken:
+        """Lets the transfer go (never blocks): its device's ``Staging`` keeps what it
+        holds until its programs and copies end."""
+        with Staging._lock:
+            if self.taken:  # not given back yet
                 self.taken[0][0].kept.append(self)
