@@ -136,3 +136,30 @@ def test_the_byte_checks_find_what_they_look_for():
     assert _hazards.intact(fresh) and len({v for _, v in fresh}) == 3
     array, value = fresh[1]
     assert not _hazards.intact(fresh[:1] + [(array.at[0].set(value + 1), value)])
+
+
+@pytest.mark.cpu("the stand-in CUDA driver's engine runs on XLA:CPU")
+def test_the_fault_steps_pass_over_the_stand_in_cuda_engine(monkeypatch):
+    """The device check's partial-enqueue, several-group and allocator-reuse steps,
+    which XLA:CPU's own engine skips, run over the stand-in CUDA driver (copies beside
+    XLA's stream, late) in both copy modes: every driver fault is reached, every step
+    passes, and no event is left alive."""
+    from cuda_rig import FakeDriver, HostStreamEngine
+
+    from kvxfer.engine import COPY_ENGINES
+
+    drivers = {mode: FakeDriver(delay=0.02) for mode in ("batch", "loop")}
+    engines = {mode: HostStreamEngine(d.driver(), ordinal=0, mode=mode)
+               for mode, d in drivers.items()}
+    monkeypatch.setitem(COPY_ENGINES, "cpu", lambda device, copy="batch": engines[copy])
+    monkeypatch.setattr(_hazards, "_on_gpu", lambda: True)
+    cfg = first_check.CheckConfig.small()
+    ok, figures = _hazards.partial_enqueue(cfg)
+    cases = {k: v for k, v in figures.items() if isinstance(v, dict)}
+    assert ok and len(cases) == len(_hazards.DRIVER_CASES), figures
+    assert all(case["reached"] and case["alive"] and case["fresh_intact"]
+               for case in cases.values()), figures
+    for step in (_hazards.several_groups, _hazards.allocator_reuse):
+        ok, figures = step(cfg)
+        assert ok, (step.__name__, figures)
+    assert not any(d.events for d in drivers.values())
